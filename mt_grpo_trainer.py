@@ -128,6 +128,11 @@ class MTGRPOScriptArguments:
     max_prompt_length: int = field(
         default=1024, metadata={"help": "Prompts longer than this (in tokens) are dropped at start-up, with a count."}
     )
+    few_shot: bool = field(
+        default=True,
+        metadata={"help": "Show one worked search-then-answer exchange as chat turns before each question. "
+                  "Small models need it to follow the format; large instruct models do not."},
+    )
     tool_timeout: float = field(default=10.0, metadata={"help": "Seconds a tool call may run before it fails."})
     tool_max_workers: int = field(default=16, metadata={"help": "Tool calls run at once, at most."})
     tokenization_check: str = field(
@@ -240,6 +245,7 @@ class TransformersBackend:
 
     def __init__(self, trainer: "MTGRPOEnvTrainer", tokenizer, params: SamplingParams):
         self.trainer, self.tokenizer, self.params = trainer, tokenizer, params
+        self.eos = set(trainer.eos_token_ids)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1) -> list[Sample]:
         tok, p = self.tokenizer, self.params
@@ -270,20 +276,19 @@ class TransformersBackend:
         return [self._finish(new_ids[r], logprobs[r], limits[r]) for r in range(len(rows))]
 
     def _finish(self, ids: torch.Tensor, logprobs: torch.Tensor, limit: int) -> Sample:
+        """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
+        a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
         ids, logprobs = ids.tolist(), logprobs.tolist()
-        eos = set(self.trainer.eos_token_ids)
-        for i, t in enumerate(ids):  # generate pads finished rows; the row ends at its EOS
-            if t in eos:
-                ids, logprobs = ids[: i + 1], logprobs[: i + 1]
-                break
-        stop = bool(ids) and (ids[-1] in eos or ends_with_stop_string(self.tokenizer.decode(ids[-4:])))
-        if len(ids) > limit:  # a shorter limit than the batch's longest: cut as if sampling had stopped there
-            ids, logprobs, stop = ids[:limit], logprobs[:limit], False
-        return Sample(ids, logprobs, "stop" if stop else "length")
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos or self._completes_stop_string(ids, i)), None)
+        if end is not None and end <= limit:
+            return Sample(ids[:end], logprobs[:end], "stop")
+        return Sample(ids[:limit], logprobs[:limit], "length")
 
-
-def ends_with_stop_string(text: str) -> bool:
-    return any(text.endswith(s) for s in STOP_STRINGS)
+    def _completes_stop_string(self, ids: list[int], i: int) -> bool:
+        # Stop strings end in ">": decode a short window only at tokens that contain one.
+        if ">" not in self.tokenizer.decode(ids[i : i + 1]):
+            return False
+        return any(s in self.tokenizer.decode(ids[max(0, i - 12) : i + 1]) for s in STOP_STRINGS)
 
 
 class VLLMServerClient:
@@ -396,12 +401,23 @@ Always think first inside <reasoning> </reasoning>. Then either call one tool, w
 inside <tool> </tool>, or give the final answer inside <answer> </answer>, in a few words.
 
 Example:
-<reasoning>I do not know the capital of Veltria, so I search for it.</reasoning>
-<tool>{{"name": "search", "args": {{"query": "capital of Veltria"}}}}</tool>
+<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>
+<tool>{example_call}</tool>
 
 The tool's output comes back inside <result> </result>. Then:
 <reasoning>The result says the capital of Veltria is Morvane.</reasoning>
 <answer>Morvane</answer>"""
+
+
+def few_shot_turns(example_call: str) -> list[dict]:
+    """The system prompt's example as real chat turns. Small models (SmolLM2-135M) follow the format
+    far more often when they have seen one exchange than when it is only described."""
+    return [
+        {"role": "user", "content": "What is the capital of Veltria?"},
+        {"role": "assistant", "content": f"<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>\n<tool>{example_call}</tool>"},
+        {"role": "user", "content": "<result>\nVeltria: Veltria is a country in the north. Its capital is Morvane.\n</result>"},
+        {"role": "assistant", "content": "<reasoning>The result says the capital of Veltria is Morvane.</reasoning>\n<answer>Morvane</answer>"},
+    ]
 
 
 def describe_tools(tools: list[Callable]) -> str:
@@ -530,18 +546,22 @@ class MultiTurnToolEnv:
 
     def __init__(self, tokenizer, tools: list[Callable], max_env_steps: int, max_tokens_per_turn: int,
                  max_completion_length: int, max_tool_response_tokens: int, tool_timeout: float = 10.0,
-                 tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace"):
+                 tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace", few_shot: bool = False):
         self.tokenizer = tokenizer
         self.tools = {fn.__name__: fn for fn in tools}
         self.max_env_steps, self.max_tokens_per_turn = max_env_steps, max_tokens_per_turn
         self.max_completion_length, self.max_tool_response_tokens = max_completion_length, max_tool_response_tokens
         self.tool_timeout, self.tool_max_workers = tool_timeout, tool_max_workers
         self.tokenization_check = tokenization_check
-        self.system_prompt = SYSTEM_PROMPT.format(tools=describe_tools(tools))
+        # The example calls the first tool with its first argument, e.g. search(query=...).
+        first_arg = next(iter(inspect.signature(tools[0]).parameters), "query") if tools else "query"
+        example_call = json.dumps({"name": tools[0].__name__ if tools else "search", "args": {first_arg: "capital of Veltria"}})
+        self.system_prompt = SYSTEM_PROMPT.format(tools=describe_tools(tools), example_call=example_call)
+        self.few_shot = few_shot_turns(example_call) if few_shot else []
         self.eos_token_id = tokenizer.eos_token_id
 
     def prompt(self, question: str) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+        return [{"role": "system", "content": self.system_prompt}, *self.few_shot, {"role": "user", "content": question}]
 
     def env_message_ids(self, content: str) -> list[int]:
         """Token ids that follow a model turn when the env replies `content`: the template's end of
@@ -577,8 +597,10 @@ class MultiTurnToolEnv:
             for (ep, action), (output, ok) in zip(calls, outputs):
                 self._record_env_turn(ep, output if action.kind == "tool" else f"Error: {action.error}", ok)
         if self.tokenization_check != "off":
-            for ep, p in zip(episodes, prompts):
-                check_tokenization(self.tokenizer, p, ep, self.tokenization_check)
+            diffs = [check_tokenization(self.tokenizer, p, ep, self.tokenization_check) for ep, p in zip(episodes, prompts)]
+            if bad := [d for d in diffs if d]:
+                logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
+                               self.tokenization_check, len(bad), len(episodes), bad[0])
         return episodes
 
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool) -> list[Sample]:
@@ -614,11 +636,11 @@ class MultiTurnToolEnv:
         # The model may have closed its turn itself (EOS); the template's close must not repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] == self.eos_token_id:
             ids = ids[1:]
-        ep.tool_calls += 1
-        ep.tool_failures += 0 if ok else 1
         if len(ids) >= self.max_completion_length - len(ep.completion_ids):
             ep.stop_reason = "budget"  # the reply does not fit with a token left to answer: no partial message
             return
+        ep.tool_calls += 1  # counted as the rewards see them: calls whose reply is in the conversation
+        ep.tool_failures += 0 if ok else 1
         ep.append("env", ids)
         ep.messages.append({"role": "user", "content": content})
 
@@ -644,10 +666,11 @@ def group_size(seqs: list[list[int]]) -> int:
     return runs[0] if len(set(runs)) == 1 else 1
 
 
-def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) -> bool:
-    """Compare the rollout's ids with a full render of the final conversation; log the first
-    difference. A mismatch means training sees other tokens than a fresh render would (e.g. a BPE
-    merge across the turn boundary); it is reported, not fixed: the sampled ids are the truth."""
+def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) -> str:
+    """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
+    agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
+    tokens the model sampled inside a turn) means training sees other tokens than a fresh render
+    would; it is reported, not fixed: the sampled ids are the truth."""
     ids = ep.prompt_ids + ep.completion_ids
     full = render_ids(tokenizer, prompt + ep.messages)
     if mode == "strict":
@@ -656,13 +679,11 @@ def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) ->
         squash = lambda s: re.sub(r"\s+", "", s)  # noqa: E731
         same = squash(tokenizer.decode(full)).startswith(squash(tokenizer.decode(ids)))
     ep.tokenization_mismatch = not same
-    if not same:
-        k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-        logger.warning(
-            "Tokenization mismatch at completion token %d: rollout has %r, a full re-render has %r",
-            k - len(ep.prompt_ids), tokenizer.decode(ids[max(0, k - 8) : k + 8]), tokenizer.decode(full[max(0, k - 8) : k + 8]),
-        )
-    return same
+    if same:
+        return ""
+    k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
+    return (f"at completion token {k - len(ep.prompt_ids)} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
+            f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -960,16 +981,18 @@ def main(argv: list[str] | None = None):
         logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped, "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
     tools = build_tools(script_args.tools, task.corpus)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left",
-                                              trust_remote_code=model_args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                              padding_side="left", trust_remote_code=training_args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     env = MultiTurnToolEnv(tokenizer, tools, script_args.max_env_steps, script_args.max_tokens_per_turn,
                            training_args.max_completion_length, script_args.max_tool_response_tokens,
-                           script_args.tool_timeout, script_args.tool_max_workers, script_args.tokenization_check)
+                           script_args.tool_timeout, script_args.tool_max_workers, script_args.tokenization_check,
+                           script_args.few_shot)
     dataset = build_dataset(script_args, env, tokenizer, task)
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
-                                       "attn_implementation": model_args.attn_implementation}
+                                       "attn_implementation": model_args.attn_implementation,
+                                       "revision": model_args.model_revision}
     trainer = MTGRPOEnvTrainer(
         model=model_args.model_name_or_path, env=env, turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs,
         args=training_args, script_args=script_args, train_dataset=dataset, processing_class=tokenizer,
@@ -977,6 +1000,7 @@ def main(argv: list[str] | None = None):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: the log history of every step
 
 
 if __name__ == "__main__":

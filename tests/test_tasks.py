@@ -1,0 +1,272 @@
+"""Tasks: the fictional knowledge base (deterministic, unique names, answerable by search), local
+files with malformed rows skipped and counted, the errors for missing files and columns, and
+TriviaQA failing fast and clearly when the hub cannot be reached."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+
+from tasks import FEATURES, load_task
+from tasks.fictional_kb import build_fictional_kb
+from tasks.triviaqa import to_question_answer
+from tools.search import make_search_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def kb():
+    return build_fictional_kb(seed=0)
+
+
+def entity_document(question: str, documents: list[dict]) -> dict:
+    """The one document whose title the question names, as whole words."""
+    named = [d for d in documents if re.search(rf"\b{re.escape(d['title'])}\b", question)]
+    assert len(named) == 1, (question, [d["title"] for d in named])
+    return named[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fictional knowledge base
+
+def test_fictional_kb_is_deterministic_in_its_seed(kb):
+    assert build_fictional_kb(seed=0) == kb
+    other_documents, other_qa = build_fictional_kb(seed=1)
+    assert other_documents != kb[0] and other_qa != kb[1]
+    assert [d["title"] for d in other_documents] != [d["title"] for d in kb[0]]
+
+
+def test_fictional_kb_sizes_and_unique_names(kb):
+    documents, qa = kb
+    assert len(documents) == 200
+    assert len({d["title"] for d in documents}) == 200
+    assert len({row["question"] for row in qa}) == len(qa) >= 3 * len(documents)
+    assert len(build_fictional_kb(seed=3, num_entities=7)[0]) == 7
+
+
+def test_fictional_kb_answers_are_short_and_stated_in_their_entitys_document(kb):
+    documents, qa = kb
+    for row in qa:
+        answer = row["answer"]
+        assert isinstance(answer, list) and answer and all(isinstance(a, str) and a for a in answer)
+        assert 1 <= len(answer[0].split()) <= 2, answer
+        assert answer[0] in entity_document(row["question"], documents)["text"], row
+
+
+def test_fictional_kb_year_answers_are_plain_years(kb):
+    years = [row["answer"] for row in kb[1] if row["question"].startswith("In what year")]
+    assert years and all(len(a) == 1 and re.fullmatch(r"\d{4}", a[0]) for a in years)
+
+
+def test_fictional_kb_questions_are_answerable_by_search(kb):
+    documents, qa = kb
+    search = make_search_tool(documents)
+    for row in qa[::7]:
+        results = search(row["question"], num_results=3).lower()
+        assert any(a.lower() in results for a in row["answer"]), row
+
+
+def test_fictional_kb_train_and_test_splits_are_disjoint_and_cover_every_question(kb):
+    train, test = load_task("fictional_kb", "train"), load_task("fictional_kb", "test")
+    train_q, test_q = set(train.dataset["question"]), set(test.dataset["question"])
+    assert train_q.isdisjoint(test_q)
+    assert train_q | test_q == {row["question"] for row in kb[1]}
+    assert len(test_q) == len(kb[1]) // 10
+    assert list(load_task("fictional_kb", "test").dataset["question"]) == list(test.dataset["question"])
+
+
+def test_fictional_kb_task_has_exactly_question_and_answer_and_its_corpus(kb):
+    task = load_task("fictional_kb", max_samples=10, seed=0)
+    assert task.dataset.features == FEATURES
+    assert task.dataset.column_names == ["question", "answer"]
+    assert len(task.dataset) == 10 and task.num_skipped == 0 and task.skipped == []
+    assert task.corpus == kb[0]
+    assert load_task("fictional_kb", seed=1).corpus != kb[0]
+
+
+def test_fictional_kb_unknown_split():
+    with pytest.raises(ValueError, match=re.escape("fictional_kb has the splits train, test, not 'validation'")):
+        load_task("fictional_kb", "validation")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Local files
+
+GOOD = [{"question": "What is the capital of Veltria?", "answer": ["Morvane"]},
+        {"question": "Who built the sky loom?", "answer": ["Pella Rusk", "Rusk"]}]
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+# (id, the malformed row put between the two good ones, the reason recorded for it)
+MALFORMED = [
+    ("no_answer_key", {"question": "Where?"}, "row 1: no answer"),
+    ("null_answer", {"question": "Where?", "answer": None}, "row 1: no answer"),
+    ("empty_answer_string", {"question": "Where?", "answer": ""}, "row 1: empty answer"),
+    ("empty_answer_list", {"question": "Where?", "answer": []}, "row 1: empty answer"),
+    ("blank_aliases", {"question": "Where?", "answer": ["", "  "]}, "row 1: empty answer"),
+    ("int_answer", {"question": "When?", "answer": 1742}, "row 1: answer is a int, not a string or a list of strings"),
+    ("dict_answer", {"question": "When?", "answer": {"value": "x"}}, "row 1: answer is a dict, not a string or a list"),
+    ("list_with_int", {"question": "When?", "answer": ["x", 3]}, "row 1: answer list holds a int, not only strings"),
+    ("no_question_key", {"answer": ["x"]}, "row 1: no question"),
+    ("empty_question", {"question": "", "answer": ["x"]}, "row 1: empty question"),
+    ("blank_question", {"question": "  \n", "answer": ["x"]}, "row 1: empty question"),
+    ("int_question", {"question": 7, "answer": ["x"]}, "row 1: question is a int, not a string"),
+]
+
+
+@pytest.mark.parametrize("bad_row, reason", [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED])
+def test_jsonl_malformed_row_is_skipped_and_counted(tmp_path, bad_row, reason):
+    path = write_jsonl(tmp_path / "qa.jsonl", [GOOD[0], bad_row, GOOD[1]])
+    task = load_task(path)
+    assert task.num_skipped == 1
+    assert len(task.skipped) == 1 and task.skipped[0].startswith(reason), task.skipped
+    assert task.dataset.to_list() == GOOD
+    assert task.corpus is None
+
+
+def test_jsonl_string_answer_is_wrapped_and_whitespace_trimmed(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": " Who? ", "answer": " Rusk "}, GOOD[0]])
+    task = load_task(path)
+    assert task.num_skipped == 0
+    assert task.dataset.to_list() == [{"question": "Who?", "answer": ["Rusk"]}, GOOD[0]]
+    assert task.dataset.features == FEATURES
+
+
+def test_extra_columns_are_dropped(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{**row, "id": i} for i, row in enumerate(GOOD)])
+    assert load_task(path).dataset.column_names == ["question", "answer"]
+
+
+def test_max_samples_counts_valid_rows_and_reasons_are_capped_at_five(tmp_path):
+    rows = [{"question": "", "answer": ["x"]}] * 8 + GOOD * 3
+    task = load_task(write_jsonl(tmp_path / "qa.jsonl", rows), max_samples=4)
+    assert task.num_skipped == 8
+    assert task.skipped == [f"row {i}: empty question" for i in range(5)]
+    assert task.dataset.to_list() == GOOD * 2
+
+
+def test_every_row_malformed_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "", "answer": "x"}, {"question": "q", "answer": []}])
+    with pytest.raises(ValueError, match=re.escape("has no valid row (2 malformed, e.g. row 0: empty question; "
+                                                   "row 1: empty answer)")):
+        load_task(path)
+
+
+@pytest.mark.parametrize("name, write", [
+    ("qa.json", lambda p: p.write_text(json.dumps(GOOD))),
+    ("qa.parquet", lambda p: datasets.Dataset.from_list(GOOD).to_parquet(str(p))),
+    ("qa.csv", lambda p: p.write_text('question,answer\n"What is the capital of Veltria?",Morvane\n'
+                                      'Who built the sky loom?,"Pella Rusk"\nWhen?,1742\nEmpty?,\n')),
+])
+def test_other_file_formats(tmp_path, name, write):
+    path = tmp_path / name
+    write(path)
+    task = load_task(str(path))
+    if name.endswith(".csv"):  # one alias per row; a number stays text; an empty cell is no answer
+        assert task.dataset.to_list() == [GOOD[0], {"question": "Who built the sky loom?", "answer": ["Pella Rusk"]},
+                                          {"question": "When?", "answer": ["1742"]}]
+        assert task.skipped == ["row 3: no answer"]
+    else:
+        assert task.dataset.to_list() == GOOD
+
+
+@pytest.mark.parametrize("rows, missing", [
+    ([{"question": "q", "answers": ["a"]}], "has no 'answer' column; its columns are ['question', 'answers']"),
+    ([{"prompt": "q", "answer": ["a"]}], "has no 'question' column; its columns are ['prompt', 'answer']"),
+    ([{"text": "q"}], "has no 'question' and no 'answer' column; its columns are ['text']"),
+])
+def test_missing_column_names_it_and_the_columns_found(tmp_path, rows, missing):
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        load_task(write_jsonl(tmp_path / "qa.jsonl", rows))
+
+
+def test_missing_file_names_the_path_and_the_task_names(tmp_path):
+    path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError) as error:
+        load_task(path)
+    assert repr(path) in str(error.value) and "fictional_kb, triviaqa" in str(error.value)
+
+
+@pytest.mark.parametrize("name, split, message", [
+    ("qa.txt", "train", "can only read .jsonl, .json, .parquet, .csv files"),
+    ("qa.jsonl", "test", "A local dataset file has a single split, 'train'; got dataset_split='test'"),
+])
+def test_unreadable_file_requests(tmp_path, name, split, message):
+    path = write_jsonl(tmp_path / name, GOOD)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_task(path, split)
+
+
+def test_max_samples_must_be_positive():
+    with pytest.raises(ValueError, match="max_samples must be at least 1"):
+        load_task("fictional_kb", max_samples=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# corpus_path
+
+def test_corpus_path_replaces_the_tasks_corpus(tmp_path):
+    path = write_jsonl(tmp_path / "corpus.jsonl", [{"title": "Veltria", "text": "Its capital is Morvane."},
+                                                    {"text": "An untitled page."}])
+    task = load_task("fictional_kb", corpus_path=path)
+    assert task.corpus == [{"title": "Veltria", "text": "Its capital is Morvane."},
+                           {"title": "", "text": "An untitled page."}]
+
+
+@pytest.mark.parametrize("lines, error, message", [
+    (None, FileNotFoundError, "does not exist"),
+    (['{"title": "A", "text": "ok"}', '{"title": "B"}'], ValueError, "line 2: a document needs a non-empty \"text\""),
+    (['{"title": "A", "text": ""}'], ValueError, "line 1: a document needs a non-empty \"text\""),
+    (['{"title": "A", "text": "ok"}', "", "not json"], ValueError, "line 3: not valid JSON"),
+    ([""], ValueError, "holds no documents"),
+])
+def test_corpus_path_errors(tmp_path, lines, error, message):
+    path = tmp_path / "corpus.jsonl"
+    if lines is not None:
+        path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(error, match=re.escape(message)):
+        load_task("fictional_kb", corpus_path=str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TriviaQA without the hub
+
+@pytest.mark.timeout(120)
+def test_triviaqa_offline_fails_fast_with_a_clear_error():
+    # `datasets` reads HF_HUB_OFFLINE / HF_DATASETS_OFFLINE when it is imported, not when load_dataset
+    # runs, and this process imported it long ago: so the check runs in a fresh interpreter.
+    code = ("from tasks import load_task\n"
+            "try:\n"
+            "    load_task('triviaqa')\n"
+            "except RuntimeError as e:\n"
+            "    print('RuntimeError:', e)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RuntimeError: TriviaQA (mandarjoshi/trivia_qa) could not be loaded: the dataset hub could not be reached" \
+        in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "dataset_name: fictional_kb" in done.stdout and ".jsonl" in done.stdout
+    assert elapsed < 30, f"took {elapsed:.1f}s: offline mode should fail at once"
+
+
+@pytest.mark.parametrize("answer, aliases", [
+    ({"value": "Paris", "aliases": ["Paris", "City of Light"]}, ["Paris", "City of Light"]),
+    ({"value": "Mars", "aliases": []}, ["Mars"]),
+    ({"value": "", "aliases": ["Ganymede"]}, ["Ganymede"]),
+])
+def test_triviaqa_row_becomes_question_and_aliases(answer, aliases):
+    row = {"question": "Q?", "question_id": "tc_1", "answer": {**answer, "normalized_value": "x"}}
+    assert to_question_answer(row) == {"question": "Q?", "answer": aliases}

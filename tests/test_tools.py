@@ -1,0 +1,195 @@
+"""The agent's tools: BM25 `search` on the fictional knowledge base and hand-written corpora,
+`wiki_search` without a network (real sockets, nothing mocked), and the `build_tools` registry."""
+
+import inspect
+import re
+import socket
+import time
+
+import pytest
+
+import tools.wiki_search
+from tasks.fictional_kb import build_fictional_kb
+from tools import TOOL_NAMES, build_tools
+from tools.search import make_search_tool
+
+KALOSH = "Kalosh: Kalosh is a city on the Dun River."
+RUSK = "Pella Rusk: Pella Rusk built the first sky loom in Kalosh."
+CORPUS = [
+    {"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."},
+    {"title": "Kalosh", "text": "Kalosh is a city on the Dun River."},
+    {"title": "Pella Rusk", "text": "Pella Rusk built the first sky loom in Kalosh."},
+]
+
+
+@pytest.fixture(scope="module")
+def kb():
+    return build_fictional_kb(seed=0)
+
+
+def test_search_top1_is_the_questions_entity_for_every_fictional_kb_question(kb):
+    documents, qa = kb
+    search = make_search_tool(documents)
+    for row in qa:
+        title = search(row["question"], num_results=1).split(":")[0]
+        # The question names its entity, as whole words: the top document must be that entity's.
+        assert re.search(rf"\b{re.escape(title)}\b", row["question"]), (row["question"], title)
+
+
+@pytest.mark.parametrize("query, num_results, expected", [
+    ("capital of Veltria", 1, "Veltria: Veltria is a country. Its capital is Morvane."),
+    ("Kalosh", 3, f"{KALOSH}\n\n{RUSK}"),  # only the two documents that share a word with the query
+    ("Kalosh", 1, KALOSH),
+    ("Kalosh", 0, KALOSH),  # clamped up to 1
+    ("Kalosh", "1", KALOSH),  # JSON from the model may quote numbers
+    ("Kalosh", 2.0, f"{KALOSH}\n\n{RUSK}"),
+    ("VELTRIA?!", 3, "Veltria: Veltria is a country. Its capital is Morvane."),  # lower-cased, punctuation ignored
+    ("zzz qqq", 3, "No documents match the query 'zzz qqq'. Try other words, such as a name from the question."),
+    ("the of is", 3, "No documents match the query 'the of is'. Try other words, such as a name from the question."),
+])
+def test_search_results_and_format(query, num_results, expected):
+    assert make_search_tool(CORPUS)(query, num_results=num_results) == expected
+
+
+def test_search_returns_at_most_ten_documents():
+    corpus = [{"title": f"Doc {i}", "text": f"shared word number {i}"} for i in range(15)]
+    assert make_search_tool(corpus)("shared", num_results=50).count("\n\n") == 9
+
+
+def test_search_is_a_function_named_search_with_a_documented_signature():
+    search = make_search_tool(CORPUS)
+    assert search.__name__ == "search"
+    assert str(inspect.signature(search)) == "(query: str, num_results: int = 3) -> str"
+    doc = inspect.getdoc(search)
+    assert doc.splitlines()[0] == "Search the knowledge base and return the best-matching documents."
+    assert "Args:" in doc and "query:" in doc and "num_results:" in doc
+
+
+@pytest.mark.parametrize("query, num_results, message", [
+    ("", 3, "search: the query is empty"),
+    ("   ", 3, "search: the query is empty"),
+    (None, 3, "search: the query must be a string, got NoneType"),
+    (["capital"], 3, "search: the query must be a string, got list"),
+    ("Veltria", "many", "search: num_results must be a whole number from 1 to 10, got 'many'"),
+    ("Veltria", True, "search: num_results must be a whole number from 1 to 10, got True"),
+])
+def test_search_rejects_bad_arguments(query, num_results, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_search_tool(CORPUS)(query, num_results=num_results)
+
+
+@pytest.mark.parametrize("corpus, message", [
+    ([], "search: the corpus is empty; pass a list of {'title': ..., 'text': ...} documents"),
+    ([{"title": "A", "text": "ok"}, {"title": "B"}], "search: corpus document 1 has no text"),
+    ([{"title": "A", "text": "  "}], "search: corpus document 0 has no text"),
+    (["just a string"], "search: corpus document 0 has no text"),
+    ([{"title": 3, "text": "ok"}], "search: corpus document 0 has a title of type int"),
+])
+def test_search_rejects_bad_corpus(corpus, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_search_tool(corpus)
+
+
+def test_search_document_without_title_is_shown_as_text_only():
+    assert make_search_tool([{"text": "Morvane is a city."}])("Morvane") == "Morvane is a city."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# build_tools
+
+def test_build_tools_returns_the_named_tools_in_order():
+    built = build_tools(["wiki_search", "search"], CORPUS)
+    assert [fn.__name__ for fn in built] == ["wiki_search", "search"]
+    assert TOOL_NAMES == ["search", "wiki_search"]
+
+
+@pytest.mark.parametrize("names, corpus, message", [
+    (["search", "calculator"], CORPUS,
+     "Unknown tool name(s) ['calculator'] in `tools`. Valid names: search, wiki_search."),
+    (["search"], None, "The `search` tool needs a corpus"),
+    (["search", "search"], CORPUS, "`tools` lists a tool twice"),
+])
+def test_build_tools_errors(names, corpus, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        build_tools(names, corpus)
+    if corpus is None:  # the message must say how to get a corpus or avoid needing one
+        assert "corpus_path" in str(error.value) and "fictional_kb" in str(error.value)
+        assert "wiki_search" in str(error.value)
+
+
+def test_wiki_search_only_needs_no_corpus():
+    assert [fn.__name__ for fn in build_tools(["wiki_search"], None)] == ["wiki_search"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# wiki_search without a network: real requests, to Wikipedia and to local sockets
+
+OFFLINE_MESSAGE = "wiki_search: Wikipedia could not be reached"
+
+
+def assert_offline_error(error: Exception):
+    message = str(error)
+    assert message.startswith(OFFLINE_MESSAGE), message
+    assert "offline" in message and "`search` tool" in message
+
+
+@pytest.mark.timeout(60)
+def test_wiki_search_on_this_machine_is_offline_with_a_clear_error(monkeypatch):
+    monkeypatch.setattr(tools.wiki_search, "REQUEST_TIMEOUT_S", 5.0)
+    start = time.monotonic()
+    try:
+        result = tools.wiki_search.wiki_search("Paris")
+    except RuntimeError as e:
+        assert_offline_error(e)
+    else:
+        pytest.skip(f"this machine reached Wikipedia (got {result[:60]!r}); the offline cases below still run")
+    assert time.monotonic() - start < 30
+
+
+@pytest.fixture
+def local_wikipedia(monkeypatch):
+    """Point the `wikipedia` package at a local address; yields a function taking the port."""
+    import wikipedia.wikipedia
+
+    def point_at(port: int):
+        monkeypatch.setattr(wikipedia.wikipedia, "API_URL", f"http://127.0.0.1:{port}/w/api.php")
+
+    return point_at
+
+
+@pytest.mark.timeout(30)
+def test_wiki_search_refused_connection_is_the_offline_error(local_wikipedia):
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local_wikipedia(port)
+    with pytest.raises(RuntimeError) as error:
+        tools.wiki_search.wiki_search("Paris")
+    assert_offline_error(error.value)
+
+
+@pytest.mark.timeout(30)
+def test_wiki_search_server_that_never_answers_times_out(local_wikipedia, monkeypatch):
+    # The kernel accepts the connection into the backlog, but nobody ever reads or replies: without
+    # our timeout, `wikipedia`'s bare requests.get would wait forever here.
+    monkeypatch.setattr(tools.wiki_search, "REQUEST_TIMEOUT_S", 0.5)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        local_wikipedia(server.getsockname()[1])
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as error:
+            tools.wiki_search.wiki_search("Paris")
+        assert time.monotonic() - start < 5
+    assert_offline_error(error.value)
+    assert "Timeout" in str(error.value)
+
+
+@pytest.mark.parametrize("query, num_results, message", [
+    ("", 1, "wiki_search: the query is empty"),
+    (None, 1, "wiki_search: the query is empty"),
+    ("Paris", "two", "wiki_search: num_results must be a whole number from 1 to 5, got 'two'"),
+])
+def test_wiki_search_rejects_bad_arguments_before_any_request(query, num_results, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tools.wiki_search.wiki_search(query, num_results=num_results)

@@ -1,0 +1,92 @@
+"""`search`: offline BM25 search over a local corpus of `{"title", "text"}` documents (the `bm25s` library).
+
+Each document is indexed as its title followed by its text, lower-cased, with English stopwords
+removed and no stemming. The tool returns the best documents as `Title: text`, separated by blank
+lines; documents that share no word with the query are never returned, so a query with no match
+says so instead of listing arbitrary documents.
+
+    search = make_search_tool([{"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."}])
+    search(query="capital of Veltria")   # -> "Veltria: Veltria is a country. Its capital is Morvane."
+"""
+
+from typing import Callable
+
+MAX_RESULTS = 10
+
+
+class BM25Search:
+    """A BM25 index over `corpus`, built once; `search` is read-only, so threads may share it."""
+
+    def __init__(self, corpus: list[dict]):
+        import bm25s  # here, not at the top, so that `import tools` stays cheap
+
+        self.documents = _check_corpus(corpus)
+        texts = [f"{d['title']}\n{d['text']}" for d in self.documents]
+        self.retriever = bm25s.BM25()
+        self.retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+
+    def search(self, query: str, num_results: int = 3) -> str:
+        import bm25s
+
+        if not isinstance(query, str):
+            raise ValueError(f"search: the query must be a string, got {type(query).__name__}; "
+                             'call it as {"query": "capital of Veltria"}.')
+        if not query.strip():
+            raise ValueError("search: the query is empty; pass the words to look up, e.g. "
+                             '{"query": "capital of Veltria"}.')
+        k = min(_clamp_num_results(num_results), len(self.documents))
+        # Tokens as strings, not ids: the retriever maps them through the corpus vocabulary and drops
+        # words the corpus never uses (ids from a fresh tokenizer would not match the index's).
+        query_tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
+        hits = self.retriever.retrieve(query_tokens, k=k, show_progress=False)
+        ranked = [self.documents[int(i)] for i, score in zip(hits.documents[0], hits.scores[0]) if score > 0]
+        if not ranked:
+            return f"No documents match the query {query!r}. Try other words, such as a name from the question."
+        return "\n\n".join(f"{d['title']}: {d['text']}" if d["title"] else d["text"] for d in ranked)
+
+
+def make_search_tool(corpus: list[dict]) -> Callable[..., str]:
+    """The `search` tool over `corpus`: a function named `search` whose signature and docstring the
+    trainer renders into the system prompt."""
+    index = BM25Search(corpus)
+
+    def search(query: str, num_results: int = 3) -> str:
+        """Search the knowledge base and return the best-matching documents.
+
+        Args:
+            query: words to look up, e.g. "capital of Veltria".
+            num_results: how many documents to return, from 1 to 10.
+        """
+        return index.search(query, num_results)
+
+    return search
+
+
+def _clamp_num_results(num_results) -> int:
+    """The model writes the arguments as JSON, so accept 3, 3.0 and "3"; clamp to [1, MAX_RESULTS]."""
+    try:
+        if isinstance(num_results, bool):
+            raise ValueError
+        n = int(float(num_results))
+    except (TypeError, ValueError):
+        raise ValueError(f"search: num_results must be a whole number from 1 to {MAX_RESULTS}, "
+                         f"got {num_results!r}.") from None
+    return max(1, min(MAX_RESULTS, n))
+
+
+def _check_corpus(corpus: list[dict]) -> list[dict]:
+    """Documents as `{"title": str, "text": str}` (a missing title becomes ""); errors name the document."""
+    if not corpus:
+        raise ValueError("search: the corpus is empty; pass a list of {'title': ..., 'text': ...} documents "
+                         "(set `corpus_path` in the recipe, or use the fictional_kb task).")
+    documents = []
+    for i, d in enumerate(corpus):
+        if not isinstance(d, dict) or not isinstance(d.get("text"), str) or not d["text"].strip():
+            raise ValueError(f"search: corpus document {i} has no text; each document must be a dict "
+                             f"{{'title': str, 'text': str}} with non-empty text, got {d!r:.200}.")
+        title = d.get("title") or ""
+        if not isinstance(title, str):
+            raise ValueError(f"search: corpus document {i} has a title of type {type(title).__name__}; "
+                             "it must be a string.")
+        documents.append({"title": title.strip(), "text": d["text"].strip()})
+    return documents
