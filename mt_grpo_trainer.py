@@ -80,6 +80,10 @@ class MTGRPOScriptArguments:
     )
     dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
     max_samples: int | None = field(default=None, metadata={"help": "Keep at most this many questions (None: all)."})
+    kb_seed: int = field(
+        default=0, metadata={"help": "Seed of the fictional knowledge base, kept apart from `seed` so that runs "
+                             "with different training seeds see the same task."}
+    )
     corpus_path: str | None = field(
         default=None,
         metadata={"help": ".jsonl of {title, text} documents for the offline `search` tool; fictional_kb brings "
@@ -976,7 +980,7 @@ def main(argv: list[str] | None = None):
     turn_funcs = [get_reward_func(n) for n in script_args.turn_reward_funcs]
     outcome_funcs = [get_reward_func(n) for n in script_args.outcome_reward_funcs]
     task = load_task(script_args.dataset_name, script_args.dataset_split, script_args.max_samples,
-                     script_args.corpus_path, training_args.seed)
+                     script_args.corpus_path, script_args.kb_seed)
     if task.num_skipped:
         logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped, "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)

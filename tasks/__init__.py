@@ -88,7 +88,7 @@ def load_corpus(path: str) -> list[dict]:
 
 
 def _read_file(path: str, split: str) -> dict[str, list]:
-    """The `question` and `answer` columns of a local file, unvalidated."""
+    """The columns of a local file (`question` and `answer` required), unvalidated."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset_name {path!r} is neither a task ({', '.join(TASK_NAMES)}) nor an existing "
                                 f"file (cwd: {os.getcwd()}). Set dataset_name to a task name or to the path of a "
@@ -110,7 +110,7 @@ def _read_file(path: str, split: str) -> dict[str, list]:
         raise ValueError(f"{path!r} has no {' and no '.join(repr(c) for c in missing)} column; its columns are "
                          f"{ds.column_names}. Each row needs a `question` and an `answer` (a string or a list of "
                          "accepted aliases).")
-    return {"question": list(ds["question"]), "answer": list(ds["answer"])}
+    return {c: list(ds[c]) for c in ds.column_names}  # other columns reach the reward functions
 
 
 def _all_text(csv_path: str) -> datasets.Features:
@@ -122,7 +122,7 @@ def _all_text(csv_path: str) -> datasets.Features:
 
 def _validated(raw: dict[str, list], max_samples: int | None, source: str) -> Task:
     """Keep the rows with a question and at least one answer alias; count and explain the others."""
-    questions, answers, reasons = [], [], []
+    questions, answers, reasons, kept = [], [], [], []
     num_skipped = 0
     for i, (question, answer) in enumerate(zip(raw["question"], raw["answer"])):
         aliases, problem = _answer_aliases(answer)
@@ -137,14 +137,18 @@ def _validated(raw: dict[str, list], max_samples: int | None, source: str) -> Ta
             continue
         questions.append(question.strip())
         answers.append(aliases)
+        kept.append(i)
     if num_skipped == 0 and not questions:
         raise ValueError(f"{source!r} has no rows; it needs `question` and `answer` columns with at least one row.")
     if not questions:
         raise ValueError(f"{source!r} has no valid row ({num_skipped} malformed, e.g. {'; '.join(reasons) or 'none'}). "
                          "Each row needs a non-empty `question` string and an `answer` string or list of strings.")
     if max_samples is not None:
-        questions, answers = questions[:max_samples], answers[:max_samples]
+        questions, answers, kept = questions[:max_samples], answers[:max_samples], kept[:max_samples]
     dataset = datasets.Dataset.from_dict({"question": questions, "answer": answers}, features=FEATURES)
+    for column in raw:  # extra columns of the valid rows, for reward functions that need them
+        if column not in ("question", "answer", "prompt"):
+            dataset = dataset.add_column(column, [raw[column][i] for i in kept])
     return Task(dataset=dataset, corpus=None, num_skipped=num_skipped, skipped=reasons)
 
 

@@ -5,14 +5,15 @@ random syllables (so no pretrained model has seen them), gives each a handful of
 founder, year, river, export, inventor, ...), writes one document per entity stating its facts, and
 asks one question per fact. Every question names its entity, and every invented word is used by
 exactly one entity, so BM25 on the question finds that entity's document first. Answers are one or
-two words, listed with their aliases ("Dunmere River" and "Dunmere"; a year as "1742").
+two words, listed with their aliases ("Tifex River" and "Tifex"; a year as "1583").
 
 The same seed gives the same knowledge base; `fictional_kb_split` holds out a fixed 10% of the
 questions as the "test" split.
 
     documents, qa = build_fictional_kb(seed=0)
-    documents[0]  # {"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane. ..."}
-    qa[0]         # {"question": "What is the capital of Veltria?", "answer": ["Morvane"]}
+    documents[0]  # {"title": "Ratomora", "text": "Ratomora is a country. Its capital is Lotrowick. ..."}
+    qa[0]         # {"question": "What is the capital of Ratomora?", "answer": ["Lotrowick"]}
+    qa[2]         # {"question": "What is the main river of Ratomora?", "answer": ["Tifex River", "Tifex"]}
 """
 
 import random
@@ -70,7 +71,7 @@ def _aliases_of_person(name: str) -> list[str]:
 
 
 # Each entity kind: fn(name, names, rng) -> (document text, [(question, answer aliases), ...]).
-# The first answer alias appears verbatim in the text (others are spellings of it: "Dunmere", "37000000").
+# The first answer alias appears verbatim in the text (others are spellings of it: "Tifex", "73000000").
 
 def _country(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple[str, list[str]]]]:
     capital, river, currency = names.word(rng.choice(_PLACE_ENDINGS)), names.word(), names.word().lower()

@@ -35,19 +35,35 @@ def changed_parameters(model_dir, output_dir):
     return [k for k in before if not torch.equal(before[k], after[k])]
 
 
-@pytest.mark.parametrize("mode", ["mt_grpo", "outcome_only", "merged"])
-def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode):
+def smoke_run(model_dir, tmp_path, *flags):
     out = str(tmp_path / "out")
-    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-               "--output_dir", out, "--advantage_mode", mode, "--save_strategy", "no"], tmp_path)
+    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
+               "--output_dir", out, "--save_strategy", "no", *flags], tmp_path)
+    return out, log, [h for h in final_metrics(out) if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def smoke_metrics(tiny_agent_dir, tmp_path_factory):
+    """Every metric name a run logs (test_readme checks they are documented)."""
+    _, _, steps = smoke_run(tiny_agent_dir, tmp_path_factory.mktemp("metrics"), "--max_steps", "1", "--beta", "0.01")
+    return sorted(set(steps[0]) - {"step"})
+
+
+@pytest.mark.parametrize("mode, flags", [
+    ("mt_grpo", []),
+    ("outcome_only", []),
+    ("merged", ["--num_iterations", "2", "--beta", "0.02"]),  # old logprobs, the reference model and KL
+])
+def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, flags):
+    out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--advantage_mode", mode, *flags)
     assert "step    2 |" in log  # the per-step line
-    history = final_metrics(out)
-    steps = [h for h in history if "loss" in h]
     assert len(steps) == 2
     for key in ["rewards/turn/mean", "rewards/outcome/mean", "rewards/turn/tool_execution_reward_func",
                 "rewards/outcome/exact_match_reward_func", "rollout/tool_calls_per_episode",
                 "clip_ratio/region_mean", "completions/mean_length", "rollout/model_tokens"]:
         assert all(key in h for h in steps), key
+    if "--beta" in flags:
+        assert all(h["kl"] >= 0 for h in steps)
     assert changed_parameters(tiny_agent_dir, out), "no parameter changed after 2 optimizer steps"
 
 

@@ -143,9 +143,11 @@ def test_jsonl_string_answer_is_wrapped_and_whitespace_trimmed(tmp_path):
     assert task.dataset.features == FEATURES
 
 
-def test_extra_columns_are_dropped(tmp_path):
-    path = write_jsonl(tmp_path / "qa.jsonl", [{**row, "id": i} for i, row in enumerate(GOOD)])
-    assert load_task(path).dataset.column_names == ["question", "answer"]
+def test_extra_columns_are_kept_for_the_reward_functions(tmp_path):
+    rows = [{"question": "", "answer": "x", "id": 99}] + [{**row, "id": i} for i, row in enumerate(GOOD)]
+    dataset = load_task(write_jsonl(tmp_path / "qa.jsonl", rows)).dataset
+    assert dataset.column_names == ["question", "answer", "id"]
+    assert dataset["id"] == list(range(len(GOOD)))  # aligned with the valid rows; the skipped row's id is gone
 
 
 def test_max_samples_counts_valid_rows_and_reasons_are_capped_at_five(tmp_path):
