@@ -64,6 +64,7 @@ logger = logging.getLogger("mt_grpo")
 ADVANTAGE_MODES = ("mt_grpo", "outcome_only", "merged")
 BACKENDS = ("transformers", "vllm_server")
 TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
+WEIGHT_SYNCS = ("auto", "nccl", "disk")
 
 
 @dataclass
@@ -159,6 +160,27 @@ class MTGRPOScriptArguments:
     vllm_max_retries: int = field(
         default=3, metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error or 5xx."}
     )
+    weight_sync: str = field(
+        default="auto",
+        metadata={"help": "How the vLLM server gets the policy's weights before each rollout: nccl (vLLM's NCCL "
+                  "weight transfer; server needs --weight-transfer-config '{\"backend\": \"nccl\"}') | disk "
+                  "(safetensors + reload_weights; any vLLM) | auto (nccl on CUDA, else disk)."},
+    )
+    weight_sync_dir: str | None = field(
+        default=None, metadata={"help": "Folder for disk sync, readable by the server (default: <output_dir>/weight_sync)."}
+    )
+    weight_sync_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds one weight sync may take before it is an error (NCCL rendezvous included)."}
+    )
+    nccl_master_address: str = field(
+        default="127.0.0.1", metadata={"help": "Address of this trainer that the vLLM workers reach for the NCCL rendezvous."}
+    )
+    nccl_master_port: int = field(default=51216, metadata={"help": "Port of the NCCL rendezvous (TCPStore) on the trainer."})
+    sync_probe_tolerance: float = field(
+        default=0.1,
+        metadata={"help": "After each sync, the largest |logprob difference| between trainer and server on a probe "
+                  "sequence must stay below this (fp32: 1e-3 is reachable; bf16 needs ~0.1)."},
+    )
 
     def __post_init__(self):
         def check_choice(name, choices):
@@ -168,6 +190,7 @@ class MTGRPOScriptArguments:
         check_choice("advantage_mode", ADVANTAGE_MODES)
         check_choice("generation_backend", BACKENDS)
         check_choice("tokenization_check", TOKENIZATION_CHECKS)
+        check_choice("weight_sync", WEIGHT_SYNCS)
         for kind in ("turn", "outcome"):
             funcs, weights = getattr(self, f"{kind}_reward_funcs"), getattr(self, f"{kind}_reward_weights")
             if weights is not None and len(weights) != len(funcs):
@@ -312,7 +335,8 @@ class VLLMServerClient:
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-http")
         self.wait_for_health(startup_timeout)
-        self.model_name = self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
+        self.model_name, self.max_model_len = model["id"], model.get("max_model_len")
 
     def wait_for_health(self, timeout: float) -> None:
         deadline, last_error = time.monotonic() + timeout, None
@@ -350,6 +374,12 @@ class VLLMServerClient:
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1) -> list[Sample]:
+        # vLLM would silently shorten max_tokens to fit its context; say so instead.
+        if self.max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len:
+            raise ValueError(
+                f"A conversation needs {worst} tokens but the vLLM server's max_model_len is {self.max_model_len}: "
+                "start the server with a larger --max-model-len, or lower max_prompt_length / max_completion_length."
+            )
         # Requests carry one max_tokens each, so group prompts by their limit, then chunk.
         by_limit: dict[int, list[int]] = {}
         for i, m in enumerate(max_tokens):
@@ -367,13 +397,112 @@ class VLLMServerClient:
         p = self.params
         body = {
             "model": self.model_name, "prompt": prompts, "max_tokens": max_tokens, "n": n,
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # 0 = off in both
             "min_p": p.min_p or 0.0, "stop": STOP_STRINGS, "include_stop_str_in_output": True,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
         }
-        if p.seed is not None:
+        if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
             body["seed"] = p.seed
         return parse_completions_response(self.post("/v1/completions", body), len(prompts), n)
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The server's logprob of each token of `ids` given the ones before it (raw logits, no
+        temperature: vLLM scores prompt tokens before any sampling processor). len(ids) - 1 values."""
+        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
+        return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
+
+    def reload_weights_from_disk(self, weights_dir: str) -> None:
+        """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
+        Needs VLLM_SERVER_DEV_MODE=1 on the server. A failed reload leaves vLLM's model on the meta
+        device and the server dies on its next request, so the folder is checked first."""
+        if not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
+            raise FileNotFoundError(f"No .safetensors file in {weights_dir}: refusing to ask vLLM to reload from it.")
+        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        # Cached KV blocks were computed with the old weights; a reload does not drop them.
+        self.post("/reset_prefix_cache", {})
+
+
+def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) in checkpoint naming, on the process that holds them. With tied input/output
+    embeddings `lm_head.weight` is added explicitly: vLLM's CPU reload (and its NCCL source, which
+    walks named_parameters) leave a tied head stale otherwise."""
+    named = [(n, p) for n, p in model.named_parameters()]
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "tie_word_embeddings", False) and not any(n == "lm_head.weight" for n, _ in named):
+        embedding = model.get_input_embeddings().weight
+        named.append(("lm_head.weight", next(p for n, p in named if p is embedding)))
+    return named
+
+
+def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str, tied_lm_head_from: str | None) -> None:
+    """Write `model.safetensors` atomically, so the server never reads a half-written file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k != "lm_head.weight" or not tied_lm_head_from}
+    if tied_lm_head_from:  # its own copy: safetensors refuses tensors that share memory
+        tensors["lm_head.weight"] = tensors[tied_lm_head_from].clone()
+    tmp = os.path.join(folder, "model.safetensors.tmp")
+    save_file(tensors, tmp)
+    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+
+
+def run_with_timeout(fn: Callable, timeout: float, what: str, hint: str):
+    """Run `fn` on a daemon thread and give up after `timeout` seconds with an error that says what
+    to check: an NCCL rendezvous or broadcast that never completes must not hang the run."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s. {hint}")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def make_nccl_weight_sync(client: "VLLMServerClient", model: torch.nn.Module, rank: int, master_address: str,
+                          master_port: int):
+    """vLLM's NCCL weight transfer (vllm.distributed.weight_transfer), with a source that gathers
+    ZeRO-3 shards (a collective: every trainer rank iterates it; rank 0 sends) and adds the tied head."""
+    try:
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+    except ImportError as e:
+        raise ImportError("weight_sync: nccl needs the `vllm` package in the training environment (pip install "
+                          "vllm); or set weight_sync: disk.") from e
+
+    class GatheredSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in policy_weights(model)]
+
+        def __iter__(self):
+            for name, param in policy_weights(model):
+                if hasattr(param, "ds_id"):  # a ZeRO-3 shard: gather it for the broadcast
+                    import deepspeed
+
+                    with deepspeed.zero.GatheredParameters([param]):
+                        yield name, param.data
+                else:
+                    yield name, param.data
+
+    world_size = 1 + client.http.get("/get_world_size").raise_for_status().json()["world_size"]
+    return WeightTransferTrainerFactory.trainer_init(
+        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size, rank=rank),
+        client=HTTPVLLMWeightSyncClient(client.base_url), source=GatheredSource(),
+    )
 
 
 def parse_completions_response(response: dict, num_prompts: int, n: int) -> list[list[Sample]]:
@@ -801,10 +930,73 @@ class MTGRPOEnvTrainer(GRPOTrainer):
             )
         else:
             self.backend = TransformersBackend(self, self.processing_class, params)
+        self._last_synced_step, self._nccl_sync = -1, None
+        # A short fixed conversation that trainer and server both score after every sync.
+        self._probe_ids = render_ids(self.processing_class, [
+            {"role": "user", "content": "What is the capital of Veltria?"},
+            {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>"}])
 
+    # -- weight sync (vllm_server backend) ---------------------------------------------------------
+    def _sync_weights(self) -> None:
+        """Give the vLLM server the current policy (at start and after each optimizer step that
+        precedes a rollout), then check on a probe that the server now scores like the trainer."""
+        if self.script_args.generation_backend != "vllm_server" or self.state.global_step == self._last_synced_step:
+            return
+        t0, sa, acc = time.perf_counter(), self.script_args, self.accelerator
+        method = sa.weight_sync if sa.weight_sync != "auto" else ("nccl" if acc.device.type == "cuda" else "disk")
+        model = acc.unwrap_model(self.model)
+        if method == "disk":
+            state_dict = acc.get_state_dict(self.model)  # every rank: under ZeRO-3 this gathers to rank 0
+            if acc.is_main_process:
+                embedding = model.get_input_embeddings().weight
+                tied = dict(policy_weights(model)).get("lm_head.weight") is embedding
+                embed_name = next(n for n, p in model.named_parameters() if p is embedding) if tied else None
+                folder = sa.weight_sync_dir or os.path.join(self.args.output_dir, "weight_sync")
+                save_weights_for_vllm(state_dict, folder, embed_name)
+                self.backend.reload_weights_from_disk(folder)
+        else:
+            hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                    f"'{{\"backend\": \"nccl\"}}', and that it can reach {sa.nccl_master_address}:{sa.nccl_master_port}.")
+            if self._nccl_sync is None:
+                self._nccl_sync = run_with_timeout(
+                    lambda: make_nccl_weight_sync(self.backend, model, acc.process_index, sa.nccl_master_address,
+                                                  sa.nccl_master_port), sa.weight_sync_timeout, "NCCL weight-transfer setup", hint)
+            run_with_timeout(self._nccl_sync.send_weights, sa.weight_sync_timeout, "NCCL weight sync", hint)
+            if acc.is_main_process:
+                self.backend.reset_prefix_cache()
+        acc.wait_for_everyone()
+        diff = self._probe_sync_difference(model)
+        self._last_synced_step = self.state.global_step
+        self._metrics["train"]["sync/seconds"].append(time.perf_counter() - t0)
+        if diff is not None:
+            self._metrics["train"]["sync/probe_max_abs_logprob_diff"].append(diff)
+            if diff > sa.sync_probe_tolerance:
+                raise RuntimeError(
+                    f"After weight sync ({method}) at step {self.state.global_step}, the vLLM server's logprobs on a probe "
+                    f"sequence differ from the trainer's by up to {diff:.4g} (> sync_probe_tolerance={sa.sync_probe_tolerance}): "
+                    "the server is not sampling from the current policy. Known cause: vLLM's CPU backend does not "
+                    "refresh a tied lm_head from the embedding (the trainer writes lm_head.weight explicitly to avoid it). "
+                    "Also check that the server serves the same model (--model) and dtype as the trainer: TRL trains "
+                    "under bf16 autocast unless `bf16: false`, which a float32 server does not match."
+                )
+
+    def _probe_sync_difference(self, model) -> float | None:
+        """Max |trainer - server| logprob over the probe's tokens (raw logits, no temperature, as vLLM
+        scores prompt tokens). Every rank runs the forward (ZeRO-3 needs all); rank 0 asks the server."""
+        ids = torch.tensor([self._probe_ids], device=self.accelerator.device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()  # (L-1, V)
+        ours = logits.log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
+        if not self.accelerator.is_main_process:
+            return None
+        theirs = torch.tensor(self.backend.prompt_logprobs(self._probe_ids))
+        return (ours - theirs).abs().max().item()
+
+    # -- rollout and scoring -----------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         device, mode = self.accelerator.device, "train" if self.model.training else "eval"
         prompts = [x["prompt"] for x in inputs]
+        self._sync_weights()
         t0 = time.perf_counter()
         episodes = self.env.rollout(prompts, self.backend)
         rollout_time = time.perf_counter() - t0
@@ -830,9 +1022,16 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         advantages = token_advantages(self.script_args.advantage_mode, A_O[local], A_T[local], A_M[local], starts, T,
                                       self.script_args.turn_advantage_coef)
         if old_logps is not None and self.script_args.generation_backend == "vllm_server" and self.args.vllm_importance_sampling_correction:
-            weights = truncated_importance_weights(old_logps, batch["sampler_logps"], loss_mask, self.args.vllm_importance_sampling_cap or 3.0)
+            cap = self.args.vllm_importance_sampling_cap or self.args.vllm_importance_sampling_clip_max or 3.0
+            weights = truncated_importance_weights(old_logps, batch["sampler_logps"], loss_mask, cap)
             advantages = advantages * weights
-            self._metrics[mode]["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
+            m = self._metrics[mode]
+            m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
+            # Trainer-vs-sampler mismatch per turn: the first turn, and the turns after the first <result>.
+            gap = (old_logps - batch["sampler_logps"]).abs()
+            first = (torch.arange(T, device=device)[None, :] < starts[:, None]).long()
+            m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
+            m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
         batch["advantages"] = advantages
         batch.pop("sampler_logps")
 

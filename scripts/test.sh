@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_vllm.sh  # the live vLLM-server tests need it
 exec .venv/bin/python -m pytest tests -q --timeout=900 "$@"

