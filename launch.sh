@@ -1,5 +1,91 @@
 #!/usr/bin/env bash
-# Not implemented yet: vLLM on the last GPU + accelerate training on the others lands with the
-# production-path issue. Until then, use the transformers backend (scripts/demo.sh).
-echo "launch.sh is a stub: the vLLM-server launch path is not implemented yet (see README)." >&2
-exit 1
+# MT-GRPO on one node: vLLM serves generation on the last GPU(s), accelerate trains on the others.
+#
+#   ./launch.sh [--dry-run] RECIPE.yaml [trainer flags...]
+#   NUM_GPUS=8 ./launch.sh --dry-run hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
+#
+# Settings (environment variables, with defaults):
+#   NUM_GPUS=8                 GPUs on this node
+#   VLLM_TP=1 VLLM_DP=1        vLLM tensor / data parallel size; vLLM takes the last VLLM_TP*VLLM_DP GPUs
+#   VLLM_PORT=8000             vLLM HTTP port (passed to the trainer as --vllm_server_port)
+#   VLLM_GPU_MEMORY=0.9        vLLM --gpu-memory-utilization
+#   VLLM_MAX_MODEL_LEN=4096    vLLM --max-model-len (prompt + whole multi-turn completion)
+#   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
+#   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml)
+#   PYTHON=python              interpreter with vllm, trl and accelerate installed
+# The server is stopped when training ends, fails, or is interrupted (Ctrl-C).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
+RECIPE=${1:?usage: ./launch.sh [--dry-run] RECIPE.yaml [trainer flags...]}
+shift
+[ -f "$RECIPE" ] || { echo "launch.sh: recipe not found: $RECIPE" >&2; exit 2; }
+
+NUM_GPUS=${NUM_GPUS:-8}
+VLLM_TP=${VLLM_TP:-1}
+VLLM_DP=${VLLM_DP:-1}
+VLLM_PORT=${VLLM_PORT:-8000}
+VLLM_GPU_MEMORY=${VLLM_GPU_MEMORY:-0.9}
+VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-4096}
+VLLM_HEALTH_TIMEOUT=${VLLM_HEALTH_TIMEOUT:-900}
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/zero3.yaml}
+PYTHON=${PYTHON:-python}
+
+VLLM_GPUS=$((VLLM_TP * VLLM_DP))
+TRAIN_GPUS=$((NUM_GPUS - VLLM_GPUS))
+if [ "$TRAIN_GPUS" -lt 1 ]; then
+  echo "launch.sh: NUM_GPUS=$NUM_GPUS leaves no GPU for training after $VLLM_GPUS for vLLM (VLLM_TP x VLLM_DP)." >&2
+  exit 2
+fi
+TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
+VLLM_DEVICES=$(seq -s, "$TRAIN_GPUS" $((NUM_GPUS - 1)))
+MODEL=$(awk -F': *' '/^model_name_or_path:/ {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//')
+[ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
+
+VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1
+  "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
+  --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
+  --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
+  --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "nccl"}')
+TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
+  "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_processes "$TRAIN_GPUS"
+  mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server
+  --vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT" "$@")
+
+show() {  # print a command so that it can be pasted into a shell
+  local out=() a
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_,./:=+@-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
+  done
+  echo "${out[*]}"
+}
+if [ "$DRY_RUN" = 1 ]; then
+  echo "$(show "${VLLM_CMD[@]}") &"
+  echo "# wait for http://127.0.0.1:$VLLM_PORT/health (at most ${VLLM_HEALTH_TIMEOUT}s), then:"
+  show "${TRAIN_CMD[@]}"
+  exit 0
+fi
+
+"${VLLM_CMD[@]}" &
+VLLM_PID=$!
+cleanup() {
+  if kill -0 "$VLLM_PID" 2>/dev/null; then
+    echo "launch.sh: stopping the vLLM server (pid $VLLM_PID)" >&2
+    kill "$VLLM_PID" 2>/dev/null || true
+    wait "$VLLM_PID" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+echo "launch.sh: waiting for vLLM on GPUs $VLLM_DEVICES (port $VLLM_PORT)..." >&2
+deadline=$((SECONDS + VLLM_HEALTH_TIMEOUT))
+until curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null; do
+  if ! kill -0 "$VLLM_PID" 2>/dev/null; then echo "launch.sh: the vLLM server exited during start-up" >&2; exit 1; fi
+  if [ "$SECONDS" -ge "$deadline" ]; then echo "launch.sh: vLLM not healthy after ${VLLM_HEALTH_TIMEOUT}s" >&2; exit 1; fi
+  sleep 5
+done
+echo "launch.sh: vLLM is up; training on GPUs $TRAIN_DEVICES" >&2
+"${TRAIN_CMD[@]}"

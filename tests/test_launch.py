@@ -1,0 +1,46 @@
+"""launch.sh --dry-run: the GPU split and the exact commands, with nothing started."""
+
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml"
+
+
+def dry_run(*args, **env):
+    return subprocess.run(["bash", "launch.sh", "--dry-run", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=30)
+
+
+@pytest.mark.parametrize("num_gpus, tp, vllm_devices, train_devices, processes", [
+    ("8", "1", "7", "0,1,2,3,4,5,6", "7"),
+    ("4", "1", "3", "0,1,2", "3"),
+    ("8", "2", "6,7", "0,1,2,3,4,5", "6"),
+])
+def test_gpu_split(num_gpus, tp, vllm_devices, train_devices, processes):
+    out = dry_run(RECIPE, "--max_steps", "3", NUM_GPUS=num_gpus, VLLM_TP=tp)
+    assert out.returncode == 0, out.stderr
+    server, wait, train = out.stdout.strip().splitlines()
+    assert server.startswith(f"env CUDA_VISIBLE_DEVICES={vllm_devices} VLLM_SERVER_DEV_MODE=1 ")
+    assert "--model Qwen/Qwen2.5-7B-Instruct" in server and f"--tensor-parallel-size {tp}" in server
+    assert "--logprobs-mode processed_logprobs" in server and server.endswith(" &")
+    assert "/health" in wait
+    assert train.startswith(f"env CUDA_VISIBLE_DEVICES={train_devices} ")
+    assert f"--num_processes {processes} mt_grpo_trainer.py --config {RECIPE}" in train
+    assert train.endswith("--vllm_server_port 8000 --max_steps 3")
+
+
+def test_default_is_eight_gpus_and_zero3():
+    out = dry_run(RECIPE)
+    assert "--config_file accelerate_configs/zero3.yaml --num_processes 7" in out.stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([RECIPE], {"NUM_GPUS": "1"}, "leaves no GPU for training"),
+    (["no/such/recipe.yaml"], {}, "recipe not found"),
+])
+def test_bad_settings_fail_clearly(args, env, message):
+    out = dry_run(*args, **env)
+    assert out.returncode == 2 and message in out.stderr
