@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ import httpx
 import torch
 from accelerate.utils import gather, gather_object
 from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
@@ -1110,6 +1112,26 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         m["num_tokens"] = [self.state.num_input_tokens_seen]
 
 
+class GracefulStop(TrainerCallback):
+    """On SIGTERM (a preempted or cancelled job): finish the optimizer step in flight, save a
+    checkpoint, stop. `--resume_from_checkpoint last` then continues at the same step with the same
+    optimizer, scheduler and RNG state. The flag is max-reduced across ranks at each step end (one
+    scalar collective), so every rank stops at the same step even if only one got the signal."""
+
+    def __init__(self, trainer: "MTGRPOEnvTrainer"):
+        self.trainer, self.requested = trainer, False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
+        if self.trainer.accelerator.reduce(flag, reduction="max").item() > 0:
+            logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
+            control.should_save = control.should_training_stop = True
+
+
 class StepPrinter(TrainerCallback):
     """One readable line per logged step on the main process, with the metrics a run is watched by."""
 
@@ -1118,7 +1140,7 @@ class StepPrinter(TrainerCallback):
             ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"), ("rollout/seconds", "rollout_s")]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs and "rewards/outcome/mean" in logs:
+        if state.is_world_process_zero and logs and "loss" in logs:
             parts = [f"{short}={logs[k]:.3f}" for k, short in self.KEYS if isinstance(logs.get(k), (int, float))]
             print(f"step {state.global_step:>4} | " + " ".join(parts), flush=True)
 
@@ -1201,7 +1223,13 @@ def main(argv: list[str] | None = None):
         args=training_args, script_args=script_args, train_dataset=dataset, processing_class=tokenizer,
         peft_config=get_peft_config(model_args), callbacks=[StepPrinter()],
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.add_callback(GracefulStop(trainer))
+    resume = training_args.resume_from_checkpoint
+    if resume == "last":
+        resume = get_last_checkpoint(training_args.output_dir)
+        if resume is None:
+            raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in {training_args.output_dir}.")
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step
 
