@@ -821,6 +821,25 @@ def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) ->
             f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
 
+def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool) -> dict[str, torch.Tensor]:
+    """Episodes -> the padded tensors the trainer consumes. `tool_mask` is the loss mask (1 = a
+    model token); with `mask_truncated` an episode that ended on a token limit leaves the loss."""
+    t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype) for ep in episodes]  # noqa: E731
+    ones = lambda key: [torch.ones(len(getattr(ep, key)), dtype=torch.long) for ep in episodes]  # noqa: E731
+    batch = {
+        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left"),  # (B, P)
+        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left"),  # (B, P)
+        "completion_ids": pad(t("completion_ids"), padding_value=pad_id, padding_side="right"),  # (B, T)
+        "completion_mask": pad(ones("completion_ids"), padding_value=0, padding_side="right"),  # (B, T)
+        "tool_mask": pad(t("env_mask"), padding_value=0, padding_side="right"),  # (B, T)
+        "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, padding_side="right"),
+    }
+    if mask_truncated:
+        keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
+        batch["tool_mask"] = batch["tool_mask"] * keep[:, None]
+    return batch
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. Rewards and advantages (pure functions; tests import them)
 # ------------------------------------------------------------------------------------------------
@@ -1046,20 +1065,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         return batch
 
     def _pad_episodes(self, episodes: list[Episode]) -> dict:
-        device, pad_id = self.accelerator.device, self.processing_class.pad_token_id
-        t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype) for ep in episodes]  # noqa: E731
-        batch = {
-            "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left"),  # (B, P)
-            "prompt_mask": pad([torch.ones(len(ep.prompt_ids), dtype=torch.long) for ep in episodes], 0, "left"),
-            "completion_ids": pad(t("completion_ids"), padding_value=pad_id, padding_side="right"),  # (B, T)
-            "completion_mask": pad([torch.ones(len(ep.completion_ids), dtype=torch.long) for ep in episodes], 0, "right"),
-            "tool_mask": pad(t("env_mask"), padding_value=0, padding_side="right"),  # (B, T) 1 = model token
-            "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, padding_side="right"),
-        }
-        if self.args.mask_truncated_completions:  # documented setting: truncated episodes leave the loss
-            keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
-            batch["tool_mask"] = batch["tool_mask"] * keep[:, None]
-        return {k: v.to(device) for k, v in batch.items()}
+        batch = pad_episodes(episodes, self.processing_class.pad_token_id, self.args.mask_truncated_completions)
+        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def _old_and_ref_logps(self, batch: dict) -> torch.Tensor | None:
         """Logprobs of the sampled tokens under the current policy (when the loss or the sampler

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mt_grpo_trainer import Action, MultiTurnToolEnv, parse_action, render_ids, run_tool_calls
+from mt_grpo_trainer import Action, MultiTurnToolEnv, pad_episodes, parse_action, render_ids, run_tool_calls
 from scripted_policy import ScriptedPolicy
 
 TOOL = '<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
@@ -151,3 +151,32 @@ def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
     assert results[5][0].startswith("Error: tool 'broken' raised KeyError") and not results[5][1]
     assert results[6][0].startswith("Error: bad arguments for tool 'slow'")
     assert elapsed < 5  # bounded by the timeout, not the stuck call's 60 s (generous for slow CI)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_padding_and_the_truncated_episode_setting(smollm2_tokenizer, mask_truncated):
+    env = make_env(smollm2_tokenizer, max_tokens_per_turn=5)
+    policy = ScriptedPolicy(smollm2_tokenizer, SCRIPT)
+    truncated, done = env.rollout([env.prompt("Q-search"), env.prompt("Q-silent")], policy)
+    assert truncated.truncated and not done.truncated
+    batch = pad_episodes([truncated, done], smollm2_tokenizer.pad_token_id, mask_truncated)
+    T = max(len(truncated.completion_ids), len(done.completion_ids))
+    assert batch["completion_ids"].shape == batch["tool_mask"].shape == batch["sampler_logps"].shape == (2, T)
+    assert batch["tool_mask"][1].tolist() == done.env_mask + [0] * (T - len(done.env_mask))
+    assert batch["tool_mask"][0].sum().item() == (0 if mask_truncated else 5)
+    assert batch["prompt_mask"][:, -1].tolist() == [1, 1]  # prompts are left-padded
+
+
+def test_each_turn_asks_for_at_most_what_is_left_of_the_budget(smollm2_tokenizer):
+    first = len(smollm2_tokenizer.encode(SCRIPT["Q-search"][0], add_special_tokens=False))
+    env = make_env(smollm2_tokenizer, max_tokens_per_turn=64, max_completion_length=first + 60)
+    seen = []
+
+    class Recording(ScriptedPolicy):
+        def generate(self, prompts, max_tokens, n=1):
+            seen.append(list(max_tokens))
+            return super().generate(prompts, max_tokens, n)
+
+    (ep,) = env.rollout([env.prompt("Q-search")], Recording(smollm2_tokenizer, SCRIPT))
+    env_tokens = ep.spans[1].end - ep.spans[1].start
+    assert seen == [[min(64, first + 60)], [first + 60 - first - env_tokens]]
