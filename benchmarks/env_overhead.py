@@ -64,7 +64,7 @@ def main(batch=64, repeats=3):
             per_turn = best / (batch * turns) * 1e6
             base = base or per_turn
             rows.append([check, turns, round(tokens), round(best / batch * 1e6), round(per_turn), f"{per_turn / base:.2f}x"])
-    print_table(f"Env overhead, SmolLM2 tokenizer, batch {batch}, best of {repeats} (microseconds, one CPU core)",
+    print_table(f"Env overhead, SmolLM2 tokenizer, batch {batch}, best of {repeats} (microseconds, 2-core CPU)",
                 ["tokenization_check", "turns", "tokens/episode", "us/episode", "us/turn", "us/turn vs 1 turn"], rows)
 
 

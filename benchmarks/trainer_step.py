@@ -42,6 +42,8 @@ def trainers(model_dir):
     ours = MTGRPOEnvTrainer(model=model_dir, env=env, turn_reward_funcs=[reward], outcome_reward_funcs=[reward],
                             args=GRPOConfig(**args), script_args=MTGRPOScriptArguments(max_tokens_per_turn=64, max_tool_response_tokens=64),
                             train_dataset=ds, processing_class=tokenizer)
+    for t in (trl, ours):  # set by Trainer.train(); the benchmark calls the loss directly
+        t.current_gradient_accumulation_steps = 1
     return trl, ours
 
 
