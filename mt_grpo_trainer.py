@@ -1205,6 +1205,10 @@ def main(argv: list[str] | None = None):
     script_args, training_args, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_training_args(script_args, training_args)
+    if model_args.use_peft and script_args.generation_backend == "vllm_server":
+        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload kills it).
+        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight sync does "
+                         "not merge adapters. Train full weights, or use `generation_backend: transformers`.")
     # Project imports here, not at the top, so that importing this file for its functions stays light.
     from rewards import get_reward_func
     from tasks import load_task

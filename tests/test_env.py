@@ -180,3 +180,19 @@ def test_each_turn_asks_for_at_most_what_is_left_of_the_budget(smollm2_tokenizer
     (ep,) = env.rollout([env.prompt("Q-search")], Recording(smollm2_tokenizer, SCRIPT))
     env_tokens = ep.spans[1].end - ep.spans[1].start
     assert seen == [[min(64, first + 60)], [first + 60 - first - env_tokens]]
+
+
+def test_model_text_is_never_evaluated():
+    """Tools get parsed JSON arguments only; nothing in the trainer evaluates text."""
+    hostile = '<tool>{"name": "__import__(\'os\').system(\'touch /tmp/pwned\')", "args": {"query": "__import__"}}</tool>'
+    action = parse_action(hostile)
+    assert action.kind == "tool" and action.args == {"query": "__import__"}
+    (output, ok), = run_tool_calls({"search": search}, [action], timeout=1.0, max_workers=1)
+    assert not ok and output.startswith("Error: unknown tool")
+    import ast
+    import inspect
+    import mt_grpo_trainer
+
+    calls = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(mt_grpo_trainer)))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not calls & {"eval", "exec", "compile"}

@@ -38,6 +38,7 @@ CASES = [
     ("", ["--dataset_name", "no/such/file.jsonl"], FileNotFoundError, "no/such/file.jsonl"),
     ("", ["--max_prompt_length", "5"], ValueError, "Every prompt is longer than `max_prompt_length` (5)"),
     ("bogus_key: 3\n", [], SystemExit, "bogus_key"),
+    ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError, "`use_peft` with `generation_backend: vllm_server`"),
 ]
 
 

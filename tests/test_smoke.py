@@ -79,4 +79,6 @@ def test_two_processes_under_accelerate(tiny_agent_dir, tmp_path):
          "--model_name_or_path", tiny_agent_dir, "--output_dir", out, "--per_device_train_batch_size", "4"], tmp_path)
     steps = [h for h in final_metrics(out) if "loss" in h]
     assert len(steps) == 2
+    # episodes ended after different numbers of turns (a mean that is not a whole number)
+    assert any(h["rollout/turns_per_episode"] % 1 for h in steps), [h["rollout/turns_per_episode"] for h in steps]
     assert changed_parameters(tiny_agent_dir, out)
