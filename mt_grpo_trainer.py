@@ -432,15 +432,23 @@ class VLLMServerClient:
         self.post("/reset_prefix_cache", {})
 
 
+def tied_embedding_name(model: torch.nn.Module) -> str | None:
+    """Name of the input embedding when the output head shares it (no separate lm_head.weight), else None."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    named = dict(model.named_parameters())
+    if not getattr(config, "tie_word_embeddings", False) or "lm_head.weight" in named:
+        return None
+    embedding = model.get_input_embeddings().weight
+    return next(n for n, p in named.items() if p is embedding)
+
+
 def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) in checkpoint naming, on the process that holds them. With tied input/output
     embeddings `lm_head.weight` is added explicitly: vLLM's CPU reload (and its NCCL source, which
     walks named_parameters) leave a tied head stale otherwise."""
-    named = [(n, p) for n, p in model.named_parameters()]
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "tie_word_embeddings", False) and not any(n == "lm_head.weight" for n, _ in named):
-        embedding = model.get_input_embeddings().weight
-        named.append(("lm_head.weight", next(p for n, p in named if p is embedding)))
+    named = list(model.named_parameters())
+    if embed_name := tied_embedding_name(model):
+        named.append(("lm_head.weight", dict(named)[embed_name]))
     return named
 
 
@@ -604,6 +612,7 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[Action], timeout: flo
     on daemon threads, so a tool that never returns is abandoned after its timeout and can neither
     stall later calls nor keep the process alive at exit. Tools get parsed JSON arguments only."""
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
+    timed_out: set[int] = set()
 
     def call(i: int, fn: Callable, args: dict):
         try:
@@ -625,8 +634,12 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[Action], timeout: flo
         for i, thread in wave:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                results[i] = (f"Error: tool '{calls[i].name}' timed out after {timeout:g}s", False)
-    return results
+                timed_out.add(i)
+    # A timed-out thread may still finish and write its slot later: answer from a snapshot.
+    final = list(results)
+    for i in timed_out:
+        final[i] = (f"Error: tool '{calls[i].name}' timed out after {timeout:g}s", False)
+    return final
 
 
 @dataclass
@@ -676,6 +689,9 @@ class Episode:
 def result_start(spans: list[Span], length: int) -> int:
     """Offset of the first environment (<result>) turn in the completion; `length` when there is none."""
     return next((s.start for s in spans if s.role == "env"), length)
+
+
+_SENTINEL = "\x00MT_GRPO_TURN_END\x00"  # marks where the model's turn ends in a template render
 
 
 class MultiTurnToolEnv:
@@ -728,8 +744,8 @@ class MultiTurnToolEnv:
             samples = self._generate(backend, live, budgets, first)
             first = False
             calls: list[tuple[Episode, Action]] = []
-            for ep, sample, budget in zip(live, samples, budgets):
-                action = self._record_model_turn(ep, sample, budget)
+            for ep, sample in zip(live, samples):
+                action = self._record_model_turn(ep, sample)
                 if action is not None:
                     calls.append((ep, action))
             outputs = run_tool_calls(self.tools, [a for _, a in calls], self.tool_timeout, self.tool_max_workers)
@@ -751,7 +767,7 @@ class MultiTurnToolEnv:
             raise RuntimeError(f"generation backend returned {len(samples)} samples for {len(live)} conversations")
         return samples
 
-    def _record_model_turn(self, ep: Episode, sample: Sample, budget: int) -> Action | None:
+    def _record_model_turn(self, ep: Episode, sample: Sample) -> Action | None:
         """Append the sampled tokens as they are; return the tool action to run, or None when the episode ends."""
         ep.append("model", sample.token_ids, sample.logprobs)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
@@ -783,8 +799,6 @@ class MultiTurnToolEnv:
         ep.append("env", ids)
         ep.messages.append({"role": "user", "content": content})
 
-
-_SENTINEL = "\x00MT_GRPO_TURN_END\x00"
 
 
 def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -974,11 +988,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         if method == "disk":
             state_dict = acc.get_state_dict(self.model)  # every rank: under ZeRO-3 this gathers to rank 0
             if acc.is_main_process:
-                embedding = model.get_input_embeddings().weight
-                tied = dict(policy_weights(model)).get("lm_head.weight") is embedding
-                embed_name = next(n for n, p in model.named_parameters() if p is embedding) if tied else None
                 folder = sa.weight_sync_dir or os.path.join(self.args.output_dir, "weight_sync")
-                save_weights_for_vllm(state_dict, folder, embed_name)
+                save_weights_for_vllm(state_dict, folder, tied_embedding_name(model))
                 self.backend.reload_weights_from_disk(folder)
         else:
             hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
@@ -1061,7 +1072,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         batch["advantages"] = advantages
         batch.pop("sampler_logps")
 
-        self._log_rollout_metrics(mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time, batch)
+        self._log_rollout_metrics(mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time)
         self._logs["prompt"].extend(gather_object(prompts))
         self._logs["completion"].extend(gather_object(completions))
         for i, name in enumerate(self.reward_func_names):
@@ -1096,7 +1107,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1)).item()
 
-    def _log_rollout_metrics(self, mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time, batch):
+    def _log_rollout_metrics(self, mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time):
         m, device = self._metrics[mode], self.accelerator.device
         for kind, funcs, rpf in (("turn", self.turn_reward_funcs, turn_rpf), ("outcome", self.outcome_reward_funcs, outcome_rpf)):
             for i, fn in enumerate(funcs):

@@ -16,7 +16,7 @@ from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from mt_grpo_trainer import SamplingParams, VLLMServerClient, save_weights_for_vllm
+from mt_grpo_trainer import SamplingParams, VLLMServerClient, save_weights_for_vllm, tied_embedding_name
 
 
 def step_seconds(model, n=8, length=768):
@@ -46,7 +46,7 @@ def main(repeats=3):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                save_weights_for_vllm(state, folder, "model.embed_tokens.weight" if tied else None)
+                save_weights_for_vllm(state, folder, tied_embedding_name(model))
                 client.reload_weights_from_disk(folder)
                 times.append(time.perf_counter() - t0)
         sync = sorted(times)[len(times) // 2]
