@@ -1,15 +1,36 @@
 """Reward functions, by name.
 
-To add a reward: write `fn(prompts, completions, **dataset_columns) -> list[float | None]` (one value
-per sample; None = "not applicable") in a module under `rewards/`, then either add it to
+A reward function is `fn(prompts, completions, **dataset_columns)`; `completions[i]` is the
+canonical conversation of protocol.py (rewards/conversation.py reads it). It returns one of two forms:
+
+    per sample (default)   list[float | None]: one value per sample; None = "not applicable".
+                           Every outcome reward, and the turn rewards that judge the whole episode
+                           or its first tool turn.
+    per turn (@per_turn)   list[list[float | None]]: for each sample, the value of each of its tool
+                           turns in order, `len(values[i]) == count_tool_turns(completions[i])`
+                           ([] for a sample without a tool turn). Turn rewards only.
+
+The `per_turn` decorator marks the second form (`fn.per_turn = True`; test it with `is_per_turn`):
+the trainer reads the mark and never guesses the form from the values. `tool_turns(completion)`
+gives each tool turn as (assistant message, [the tool messages that answer it]), for the trainer
+and the rewards alike.
+
+To add a reward: write the function in a module under `rewards/`, then either add it to
 `REWARD_FUNCS` below and use its name in the recipe's `turn_reward_funcs` / `outcome_reward_funcs`
 lists, or put its dotted path there (`rewards.my_module:my_reward`, or any importable module).
+
+    @per_turn
+    def short_calls(prompts, completions, **kwargs):  # 0.1 for each tool turn under 300 characters
+        return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
 import importlib
 from typing import Callable
 
+from rewards.conversation import count_tool_turns, is_per_turn, per_turn, tool_turns
 from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS
+
+__all__ = ["REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns", "count_tool_turns"]
 
 REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS}
 

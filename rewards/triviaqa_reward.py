@@ -1,82 +1,55 @@
 """Rewards for TriviaQA-style search agents: did the search work, and is the answer right?
 
-Every function follows TRL's convention `fn(prompts, completions, **dataset_columns) -> list[float | None]`,
-one value per sample. `completions[i]` is the multi-turn completion as chat messages: assistant turns
-(`<reasoning>...</reasoning>` then `<tool>{json}</tool>` or `<answer>...</answer>`) alternating with
-environment turns `{"role": "user", "content": "<result>\\n...\\n</result>"}`; a failed tool call's
-result text starts with `Error:`. The dataset column `answer` holds the accepted aliases (list[str],
-or one str). Odd content (missing or unclosed tags, empty turns, no turns) scores 0.0, never raises.
+Every function follows TRL's convention `fn(prompts, completions, **dataset_columns)`. `completions[i]`
+is the canonical conversation of protocol.py (rewards/conversation.py reads it): assistant messages
+whose `tool_calls` hold the calls that parsed, each tool turn answered by one `tool` message per
+call, a failed call's content starting with `protocol.ERROR_PREFIX`. The dataset column `answer`
+holds the accepted aliases (list[str], or one str). Odd content (missing or unclosed tags, empty
+turns, no turns) scores 0.0, never raises.
 
-Turn rewards judge the first turn: MT-GRPO gives their advantage A_T to the model tokens before the
-first `<result>`, i.e. to the first tool call and the reasoning that led to it.
-    tool_execution_reward_func      0.2 * successful tool calls / tool calls            [0, 0.2]
-    exist_answer_in_search_results  0.5 if an alias is in the first tool result         {0, 0.5}
+Turn rewards come in two forms. Most return one number per sample and judge the first tool turn:
+MT-GRPO gives their advantage A_T to the model tokens before the first tool result, i.e. to the
+first tool call and the reasoning that led to it. Those marked `@per_turn` return, per sample, a
+list with one value per tool turn (`[]` for an episode without one), for a turn-level advantage.
+    tool_execution_reward_func       0.2 * successful calls / calls, whole episode      [0, 0.2]
+    exist_answer_in_search_results   0.5 if an alias is in a result of the first tool turn  {0, 0.5}
+    tool_execution_per_turn          per tool turn: 0.2 * successful calls / calls       [0, 0.2]
+    answer_in_result_per_turn        per tool turn: 0.5 if an alias is in one of its results  {0, 0.5}
+    repeated_query_penalty_per_turn  per tool turn: -0.2 if a call repeats an earlier call  {-0.2, 0}
 
 Outcome rewards judge the final answer and the format of every turn:
-    exact_match_reward_func         1.0 if the final answer equals an alias             {0, 1.0}
-    exist_answer_reward_func        0.5 if the final answer contains an alias           {0, 0.5}
-    format_reward_func              0.2 * mean per-turn format score                    [0, 0.2]
+    exact_match_reward_func          1.0 if the final answer equals an alias             {0, 1.0}
+    exist_answer_reward_func         0.5 if the final answer contains an alias           {0, 0.5}
+    format_reward_func               xml protocol: 0.2 * mean per-turn format score      [0, 0.2]
+    chat_format_reward_func          chat_template protocol: 0.2 * mean per-turn score   [0, 0.2]
 
 Matching is on `normalize_answer` text (SQuAD). "Contains" means as whole words: the alias "art"
-is not found in "party", so a short alias cannot match by accident.
+is not found in "party", so a short alias cannot match by accident. An error message is never a
+search result, even when it quotes the answer.
 
-A reward function may return None for "not applicable": the trainer leaves that function out of
-that sample's weighted sum, and a sample whose functions of one kind (turn or outcome) are all None
-gets zero advantage of that kind. The functions here always return a number.
+A reward function may return None for "not applicable" (a per-turn one: None in place of a turn's
+value): the trainer leaves it out of that sample's weighted sum, and a sample whose functions of
+one kind (turn or outcome) are all None gets zero advantage of that kind. The functions here
+always return numbers.
 """
 
 import re
 import string
 
+from protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
+from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_turn,
+                                  tool_turns)
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
-_REASONING = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
-_ACTION = re.compile(r"<tool>.*?</tool>|<answer>.*?</answer>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_REASONING = re.compile(re.escape(XMLProtocol.REASONING_OPEN) + ".*?" + re.escape(XMLProtocol.REASONING_CLOSE),
+                        re.DOTALL)
 
 
 def normalize_answer(s: str) -> str:
     """SQuAD normalisation: lower-case, drop punctuation, drop the articles a/an/the, collapse spaces."""
     s = s.lower().translate(_PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", s).split())
-
-
-# ------------------------------------------------------------------------------------------------
-# Reading a conversation (every helper tolerates any content: missing keys, None, non-dicts)
-# ------------------------------------------------------------------------------------------------
-def _content(message) -> str:
-    content = message.get("content") if isinstance(message, dict) else None
-    return content if isinstance(content, str) else ""
-
-
-def _role(message) -> str | None:
-    return message.get("role") if isinstance(message, dict) else None
-
-
-def _assistant_texts(completion) -> list[str]:
-    return [_content(m) for m in completion or [] if _role(m) == "assistant"]
-
-
-def _tool_results(completion) -> list[str]:
-    """The text inside each `<result>` that answers an assistant turn, in order: one per tool call.
-    The environment answers every tool call it runs, malformed ones included (with `Error: ...`),
-    so this counts the same calls as the trainer's `rollout/` tool metrics."""
-    messages = list(completion or [])
-    results = []
-    for turn, reply in zip(messages, messages[1:]):
-        text = _content(reply).strip()
-        if _role(turn) == "assistant" and _role(reply) == "user" and text.startswith("<result>"):
-            text = text[len("<result>"):]
-            results.append(text[: text.rfind("</result>")] if "</result>" in text else text)
-    return [r.strip() for r in results]
-
-
-def _final_answer(completion) -> str | None:
-    """The last complete `<answer>...</answer>` of the last assistant turn that has one."""
-    for text in reversed(_assistant_texts(completion)):
-        if answers := _ANSWER.findall(text):
-            return answers[-1]
-    return None
 
 
 def _aliases(answer) -> list[str]:
@@ -91,28 +64,78 @@ def _contains(text: str, alias: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Turn rewards: the first tool call and what it brought back
+# Turn rewards: what the tool calls did and brought back
 # ------------------------------------------------------------------------------------------------
+def _execution_score(tools: list[dict]) -> float:
+    """0.2 * the share of these calls that ran without error; ratio first: 0.2 * 3 / 3 > 0.2 in floats."""
+    return 0.2 * (sum(not failed(t) for t in tools) / len(tools)) if tools else 0.0
+
+
+def _answer_found(tools: list[dict], aliases: list[str]) -> float:
+    """0.5 if a successful result among `tools` contains an alias (whole words), else 0.0."""
+    texts = [normalize_answer(content(t)) for t in tools if not failed(t)]
+    return 0.5 if any(_contains(text, a) for text in texts for a in aliases) else 0.0
+
+
 def tool_execution_reward_func(prompts, completions, **kwargs) -> list[float]:
-    """0.2 * (successful tool calls / tool calls), in [0, 0.2]; 0.0 with no tool call. A tool call
-    failed when its result starts with `Error:` (unknown tool, bad JSON, exception, timeout)."""
-    rewards = []
-    for completion in completions:
-        results = _tool_results(completion)
-        ok = sum(not r.startswith("Error:") for r in results)
-        rewards.append(0.2 * (ok / len(results)) if results else 0.0)  # ratio first: 0.2 * 3 / 3 > 0.2
-    return rewards
+    """0.2 * (successful tool calls / tool calls) over the whole episode, in [0, 0.2]; 0.0 with no
+    call. A call failed when its tool message starts with ERROR_PREFIX (unknown tool, bad JSON,
+    exception, timeout)."""
+    return [_execution_score([t for _, tools in tool_turns(c) for t in tools]) for c in completions]
 
 
 def exist_answer_in_search_results(prompts, completions, answer, **kwargs) -> list[float]:
-    """0.5 if an alias appears (whole words) in the first tool result, else 0.0 (also with no call, or when
-    that call failed: an error message is not a search result)."""
+    """0.5 if an alias appears (whole words) in a successful result of the first tool turn, else 0.0
+    (also with no tool turn, or when its calls failed: an error message is not a search result)."""
     rewards = []
     for completion, aliases in zip(completions, answer):
-        results = _tool_results(completion)
-        first = results[0] if results and not results[0].startswith("Error:") else ""
-        text = normalize_answer(first)
-        rewards.append(0.5 if any(_contains(text, a) for a in _aliases(aliases)) else 0.0)
+        turns = tool_turns(completion)
+        rewards.append(_answer_found(turns[0][1], _aliases(aliases)) if turns else 0.0)
+    return rewards
+
+
+@per_turn
+def tool_execution_per_turn(prompts, completions, **kwargs) -> list[list[float]]:
+    """Per tool turn: 0.2 * the share of that turn's calls that ran without error, in [0, 0.2]."""
+    return [[_execution_score(tools) for _, tools in tool_turns(c)] for c in completions]
+
+
+@per_turn
+def answer_in_result_per_turn(prompts, completions, answer, **kwargs) -> list[list[float]]:
+    """Per tool turn: 0.5 if one of that turn's successful results contains an alias (whole words,
+    normalised), else 0.0. Rewards the turn whose search found the answer, not only the first."""
+    return [[_answer_found(tools, _aliases(aliases)) for _, tools in tool_turns(c)]
+            for c, aliases in zip(completions, answer)]
+
+
+def _normalized(value):
+    """A hashable form of tool arguments in which strings compare as `normalize_answer` text, so
+    "Veltria capital" and "veltria capital?" are the same query."""
+    if isinstance(value, str):
+        return normalize_answer(value)
+    if isinstance(value, dict):
+        return tuple(sorted(((str(k), _normalized(v)) for k, v in value.items()), key=lambda kv: kv[0]))
+    if isinstance(value, (list, tuple)):
+        return tuple(_normalized(v) for v in value)
+    return repr(value)  # numbers, booleans, None, anything else: hashable whatever it is
+
+
+@per_turn
+def repeated_query_penalty_per_turn(prompts, completions, **kwargs) -> list[list[float]]:
+    """Per tool turn: -0.2 if one of its parsed calls repeats an earlier call of the episode (an
+    earlier turn's, or one before it in the same turn): same tool name and the same arguments after
+    normalising strings; else 0.0. Asking again what was already answered gains nothing."""
+    rewards = []
+    for completion in completions:
+        seen, values = set(), []
+        for message, _ in tool_turns(completion):
+            repeated = False
+            for name, arguments in calls(message):
+                key = (name, _normalized(arguments))
+                repeated = repeated or key in seen
+                seen.add(key)
+            values.append(-0.2 if repeated else 0.0)
+        rewards.append(values)
     return rewards
 
 
@@ -123,7 +146,7 @@ def exact_match_reward_func(prompts, completions, answer, **kwargs) -> list[floa
     """1.0 if the final `<answer>` equals an alias after normalisation, else 0.0."""
     rewards = []
     for completion, aliases in zip(completions, answer):
-        final = _final_answer(completion)
+        final = completion_answer(completion)
         hit = final is not None and normalize_answer(final) in _aliases(aliases)
         rewards.append(1.0 if hit else 0.0)
     return rewards
@@ -134,30 +157,61 @@ def exist_answer_reward_func(prompts, completions, answer, **kwargs) -> list[flo
     Partial credit for "the city of Paris" when the alias is "Paris"."""
     rewards = []
     for completion, aliases in zip(completions, answer):
-        final = normalize_answer(_final_answer(completion) or "")
+        final = normalize_answer(completion_answer(completion) or "")
         rewards.append(0.5 if any(_contains(final, a) for a in _aliases(aliases)) else 0.0)
     return rewards
 
 
-def _format_score(text: str) -> float:
-    """One assistant turn's format, in [0, 1]: 0.4 * (share of the two fields present: a complete
-    <reasoning>...</reasoning>, and a complete <tool>...</tool> or <answer>...</answer>), + 0.3 if it
-    starts with <reasoning>, + 0.3 if it ends with </tool> or </answer>."""
-    text = text.strip()
-    fields = bool(_REASONING.search(text)) + bool(_ACTION.search(text))
-    return 0.4 * fields / 2 + 0.3 * text.startswith("<reasoning>") + 0.3 * text.endswith(("</tool>", "</answer>"))
+def _calls_parsed(message: dict, tools: list[dict]) -> bool:
+    """The turn made tool calls and every one of them parsed (none answered as malformed)."""
+    return bool(calls(message)) and not any(malformed(t) for t in tools)
+
+
+def _xml_turn_format(message: dict, tools: list[dict]) -> float:
+    """One assistant turn's XML format, in [0, 1]:
+        0.2  a complete <reasoning>...</reasoning>
+        0.3  the turn starts with <reasoning>
+        0.2  an action: a tool call that parsed, or a complete <answer>...</answer>
+        0.3  the turn ends with that action's closing tag (</tool> or </answer>)
+    A closed <tool>...</tool> whose call did not parse is no action: such a turn scores at most 0.5,
+    so a policy cannot hold the format reward at its maximum while every tool call fails."""
+    text = content(message).strip()
+    parsed, answered = _calls_parsed(message, tools), ANSWER_PATTERN.search(text) is not None
+    closed = ((parsed and text.endswith(XMLProtocol.TOOL_CLOSE))
+              or (answered and text.endswith(ANSWER_CLOSE)))
+    return (0.2 * bool(_REASONING.search(text)) + 0.3 * text.startswith(XMLProtocol.REASONING_OPEN)
+            + 0.2 * (parsed or answered) + 0.3 * closed)
+
+
+def _chat_turn_format(message: dict, tools: list[dict]) -> float:
+    """One assistant turn's chat_template format, in [0, 1]: 1.0 with a complete <answer>...</answer>;
+    else the share of its tool calls that parsed, parsed / (parsed + malformed); 0.0 with neither."""
+    if ANSWER_PATTERN.search(content(message)):
+        return 1.0
+    parsed, bad = len(calls(message)), sum(malformed(t) for t in tools)
+    return parsed / (parsed + bad) if parsed + bad else 0.0
+
+
+def _mean_format(completion, turn_format) -> float:
+    """0.2 * the mean turn format over the assistant turns; mean first: 0.2 * 3 / 3 > 0.2 in floats."""
+    scores = [turn_format(message, tools) for message, tools in assistant_turns(completion)]
+    return 0.2 * (sum(scores) / len(scores)) if scores else 0.0
 
 
 def format_reward_func(prompts, completions, **kwargs) -> list[float]:
-    """0.2 * the mean `_format_score` over the assistant turns: bounded in [0, 0.2], exactly 0.2 when
-    every turn is `<reasoning>...</reasoning>` then `<tool>...</tool>` or `<answer>...</answer>` and
-    nothing after it; 0.0 with no assistant turn."""
-    rewards = []
-    for completion in completions:
-        scores = [_format_score(t) for t in _assistant_texts(completion)]
-        rewards.append(0.2 * (sum(scores) / len(scores)) if scores else 0.0)  # mean first: 0.2 * 3 / 3 > 0.2
-    return rewards
+    """The xml protocol's format: 0.2 * the mean `_xml_turn_format` over the assistant turns, in [0, 0.2];
+    exactly 0.2 when every turn is <reasoning>...</reasoning> then a tool call that parsed or an
+    <answer>...</answer>, and nothing after it; 0.0 with no assistant turn."""
+    return [_mean_format(c, _xml_turn_format) for c in completions]
 
 
-TURN_REWARD_FUNCS = [tool_execution_reward_func, exist_answer_in_search_results]
-OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, format_reward_func]
+def chat_format_reward_func(prompts, completions, **kwargs) -> list[float]:
+    """The chat_template protocol's format: 0.2 * the mean `_chat_turn_format` over the assistant
+    turns, in [0, 0.2]; exactly 0.2 when every turn's calls all parsed or it gives a complete answer.
+    No reasoning tags are asked for: the chat template has its own."""
+    return [_mean_format(c, _chat_turn_format) for c in completions]
+
+
+TURN_REWARD_FUNCS = [tool_execution_reward_func, exist_answer_in_search_results, tool_execution_per_turn,
+                     answer_in_result_per_turn, repeated_query_penalty_per_turn]
+OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, format_reward_func, chat_format_reward_func]

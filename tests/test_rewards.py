@@ -1,107 +1,166 @@
-"""Reward functions on hand-written conversations, with the exact values each should give, and the
-registry that resolves recipe names and dotted paths."""
+"""Reward functions on hand-written canonical conversations (protocol.py), with the exact values each
+should give, the per-turn form, and the registry that resolves recipe names and dotted paths."""
+
+import json
 
 import pytest
 
-from rewards import REWARD_FUNCS, get_reward_func
+from protocol import error_text, tool_call_message
+from rewards import REWARD_FUNCS, count_tool_turns, get_reward_func, is_per_turn, per_turn, tool_turns
 from rewards.triviaqa_reward import (
     OUTCOME_REWARD_FUNCS,
     TURN_REWARD_FUNCS,
+    answer_in_result_per_turn,
+    chat_format_reward_func,
     exact_match_reward_func,
     exist_answer_in_search_results,
     exist_answer_reward_func,
     format_reward_func,
     normalize_answer,
+    repeated_query_penalty_per_turn,
+    tool_execution_per_turn,
     tool_execution_reward_func,
 )
 
 PROMPT = [{"role": "system", "content": "You answer questions."},
           {"role": "user", "content": "What is the capital of Veltria?"}]
-SEARCH = ('<reasoning>I should look it up.</reasoning>\n'
-          '<tool>{"name": "search", "args": {"query": "Veltria capital"}}</tool>')
 FOUND = "Veltria: Veltria is a country in the north. Its capital is Morvane."
 NOT_FOUND = "Veltria: Veltria is a country in the north."
 
 
-def assistant(text):
-    return {"role": "assistant", "content": text}
+def assistant(text, calls=()):
+    """An assistant message; `calls` are (name, query) pairs that parsed."""
+    return {"role": "assistant", "content": text,
+            "tool_calls": [tool_call_message(name, {"query": query}) for name, query in calls]}
 
 
-def result(text):
-    return {"role": "user", "content": f"<result>\n{text}\n</result>"}
+def search(query="Veltria capital", name="search"):
+    """An xml turn with one call that parsed."""
+    call = json.dumps({"name": name, "args": {"query": query}})
+    return assistant(f"<reasoning>I should look it up.</reasoning>\n<tool>{call}</tool>", [(name, query)])
+
+
+def chat_calls(*queries):
+    """A chat_template turn: one <tool_call> block per search, all of which parsed."""
+    blocks = [json.dumps({"name": "search", "arguments": {"query": q}}) for q in queries]
+    return assistant("\n".join(f"<tool_call>{b}</tool_call>" for b in blocks), [("search", q) for q in queries])
+
+
+def tool(text, name="search"):
+    return {"role": "tool", "name": name, "content": text}
+
+
+def malformed_reply(why="the tool call is not valid JSON (Expecting property name at char 1)."):
+    """The environment's answer to a call that did not parse: no tool name."""
+    return tool(error_text(why), name="")
 
 
 def answer_turn(text):
     return assistant(f"<reasoning>The result says so.</reasoning>\n<answer>{text}</answer>")
 
 
-# (id, completion, answer column, expected: tool_execution, exist_in_search, exact_match, exist_answer, format)
+SEARCH = search()
+BAD_JSON = assistant("<reasoning>I look it up.</reasoning>\n<tool>{name: search}</tool>")  # did not parse
+UNKNOWN_TOOL = error_text("unknown tool 'lookup'; available tools: ['search']")
+TIMED_OUT = error_text("tool 'search' timed out after 10s")
+
+# (id, completion, answer column,
+#  expected: tool_execution, exist_in_search, exact_match, exist_answer, format (xml), chat_format)
 CASES = [
-    ("clean_search_then_answer", [assistant(SEARCH), result(FOUND), answer_turn("Morvane")], ["Morvane"],
-     (0.2, 0.5, 1.0, 0.5, 0.2)),
-    ("failed_tool_call", [assistant(SEARCH), result("Error: unknown tool 'serch'; available tools: ['search']"),
-                          answer_turn("Morvane")], ["Morvane"],
-     (0.0, 0.0, 1.0, 0.5, 0.2)),
-    ("two_calls_first_fails", [assistant(SEARCH), result("Error: tool 'search' timed out after 10s"), assistant(SEARCH),
-                               result(FOUND), answer_turn("Paris")], ["Morvane"],
-     (0.1, 0.0, 0.0, 0.0, 0.2)),
+    ("clean_search_then_answer", [SEARCH, tool(FOUND), answer_turn("Morvane")], ["Morvane"],
+     (0.2, 0.5, 1.0, 0.5, 0.2, 0.2)),
+    # the call parsed, so its format is fine; the turn reward is what sees that it failed
+    ("valid_call_to_unknown_tool", [search(name="lookup"), tool(UNKNOWN_TOOL, name="lookup"), answer_turn("Morvane")],
+     ["Morvane"], (0.0, 0.0, 1.0, 0.5, 0.2, 0.2)),
+    ("two_calls_first_fails", [SEARCH, tool(TIMED_OUT), SEARCH, tool(FOUND), answer_turn("Paris")], ["Morvane"],
+     (0.1, 0.0, 0.0, 0.0, 0.2, 0.2)),
     # 0.2 * 3 / 3 rounds above 0.2 in floats; the reward must not
-    ("three_successful_calls", [assistant(SEARCH), result(FOUND), assistant(SEARCH), result(FOUND), assistant(SEARCH),
-                                result(FOUND), answer_turn("Morvane")], ["Morvane"],
-     (0.2, 0.5, 1.0, 0.5, 0.2)),
-    ("alias_only_in_second_result", [assistant(SEARCH), result(NOT_FOUND), assistant(SEARCH), result(FOUND),
-                                     answer_turn("Morvane")], ["Morvane"],
-     (0.2, 0.0, 1.0, 0.5, 0.2)),
+    ("three_successful_calls", [SEARCH, tool(FOUND), SEARCH, tool(FOUND), SEARCH, tool(FOUND), answer_turn("Morvane")],
+     ["Morvane"], (0.2, 0.5, 1.0, 0.5, 0.2, 0.2)),
+    ("alias_only_in_second_result", [SEARCH, tool(NOT_FOUND), SEARCH, tool(FOUND), answer_turn("Morvane")],
+     ["Morvane"], (0.2, 0.0, 1.0, 0.5, 0.2, 0.2)),
     ("no_tool_call", [answer_turn("Morvane")], ["Morvane"],
-     (0.0, 0.0, 1.0, 0.5, 0.2)),
+     (0.0, 0.0, 1.0, 0.5, 0.2, 0.2)),
     ("case_punctuation_articles", [answer_turn("  the BEATLES!! ")], ["The Beatles"],
-     (0.0, 0.0, 1.0, 0.5, 0.2)),
-    ("answer_contains_alias", [assistant(SEARCH), result(FOUND), answer_turn("the city of Morvane")], ["Morvane"],
-     (0.2, 0.5, 0.0, 0.5, 0.2)),
+     (0.0, 0.0, 1.0, 0.5, 0.2, 0.2)),
+    ("answer_contains_alias", [SEARCH, tool(FOUND), answer_turn("the city of Morvane")], ["Morvane"],
+     (0.2, 0.5, 0.0, 0.5, 0.2, 0.2)),
     ("alias_inside_a_longer_word_is_not_found", [answer_turn("party")], ["art"],
-     (0.0, 0.0, 0.0, 0.0, 0.2)),
+     (0.0, 0.0, 0.0, 0.0, 0.2, 0.2)),
     ("second_alias_matches", [answer_turn("JFK")], ["John F. Kennedy", "jfk"],
-     (0.0, 0.0, 1.0, 0.5, 0.2)),
-    # second turn: no fields (0), starts with <reasoning> (0.3), no closing action (0) -> mean (1 + 0.3) / 2
-    ("truncated_last_turn", [assistant(SEARCH), result(FOUND), assistant("<reasoning>The result says the cap")],
-     ["Morvane"], (0.2, 0.5, 0.0, 0.0, 0.2 * 0.65)),
-    # each turn only starts with <reasoning>: 0.3; the env answered the unclosed tool tag with an error
-    ("malformed_tags", [assistant('<reasoning>look it up<tool>{"name": "search"'),
-                        result("Error: unbalanced <tool>: write <tool>{...}</tool> or <answer>...</answer>"),
-                        assistant("<reasoning>so <answer>Morvane")], ["Morvane"],
-     (0.0, 0.0, 0.0, 0.0, 0.2 * 0.3)),
+     (0.0, 0.0, 1.0, 0.5, 0.2, 0.2)),
+    # xml: the second turn only starts with <reasoning> (0.3): mean (1 + 0.3) / 2. chat: (1 + 0) / 2
+    ("truncated_last_turn", [SEARCH, tool(FOUND), assistant("<reasoning>The result says the cap")],
+     ["Morvane"], (0.2, 0.5, 0.0, 0.0, 0.2 * 0.65, 0.1)),
+    # each turn only starts with <reasoning>: 0.3; the env answered the unclosed tool tag as malformed
+    ("unclosed_tags", [assistant('<reasoning>look it up<tool>{"name": "search"'),
+                       malformed_reply("a tool call or answer was opened but not closed, or closed but not opened."),
+                       assistant("<reasoning>so <answer>Morvane")], ["Morvane"],
+     (0.0, 0.0, 0.0, 0.0, 0.2 * 0.3, 0.0)),
+    # reasoning (0.2) and start (0.3); a <tool> never closed is no action: (0.5 + 1) / 2
+    ("unclosed_tool_tag_then_answer", [assistant('<reasoning>look it up</reasoning>\n<tool>{"name": "search"'),
+                                       malformed_reply("a tool call or answer was opened but not closed."),
+                                       answer_turn("Morvane")], ["Morvane"],
+     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.75, 0.1)),
     ("mismatched_tags", [assistant("<answer>Morvane</reasoning></answer>")], ["Morvane"],
-     (0.0, 0.0, 0.0, 0.0, 0.2 * 0.5)),  # the answer field (0.2) and the closing tag (0.3)
-    # a malformed call (bad JSON) is a tool call the env ran and failed: 1 of 2 succeeded
-    ("good_call_then_bad_json", [assistant(SEARCH), result(FOUND),
-                                 assistant("<reasoning>more</reasoning>\n<tool>{name: x}</tool>"),
-                                 result("Error: the text inside <tool></tool> is not valid JSON"),
-                                 answer_turn("Morvane")],
-     ["Morvane"], (0.1, 0.5, 1.0, 0.5, 0.2)),
+     (0.0, 0.0, 0.0, 0.0, 0.2 * 0.5, 0.2)),  # xml: the answer (0.2) and the closing tag (0.3)
+    # xml: an action (0.2) that ends the turn (0.3), but no reasoning; chat asks for none
+    ("answer_only", [assistant("<answer>Morvane</answer>")], ["Morvane"],
+     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.5, 0.2)),
+    # A malformed call (bad JSON) is a call the env ran and failed: 1 of 2 succeeded. Its turn is
+    # well tagged but has no action: 0.5, mean (1 + 0.5 + 1) / 3 (was 0.2 before issue 10)
+    ("good_call_then_bad_json", [SEARCH, tool(FOUND), BAD_JSON, malformed_reply(), answer_turn("Morvane")],
+     ["Morvane"], (0.1, 0.5, 1.0, 0.5, 0.2 * 2.5 / 3, 0.2 * 2 / 3)),
+    # the collapse of issue 10: every turn perfectly tagged, every call broken JSON; xml format was 0.2
+    ("bad_json_every_turn", [BAD_JSON, malformed_reply(), BAD_JSON, malformed_reply(), BAD_JSON], ["Morvane"],
+     (0.0, 0.0, 0.0, 0.0, 0.2 * 0.5, 0.0)),
+    # xml: no closing action at the end of the first turn: 0.7, mean (0.7 + 1) / 2
+    ("text_after_the_call", [assistant(SEARCH["content"] + "\nThen I answer.", [("search", "Veltria capital")]),
+                             tool(FOUND), answer_turn("Morvane")], ["Morvane"],
+     (0.2, 0.5, 1.0, 0.5, 0.2 * 0.85, 0.2)),
     ("last_answer_in_turn_counts",
      [assistant("<reasoning>r</reasoning><answer>Paris</answer><answer>Morvane</answer>")], ["Morvane"],
-     (0.0, 0.0, 1.0, 0.5, 0.2)),
+     (0.0, 0.0, 1.0, 0.5, 0.2, 0.2)),
     ("answer_from_last_turn_that_has_one", [answer_turn("Morvane"), assistant("<reasoning>hm")], ["Morvane"],
-     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.65)),
+     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.65, 0.1)),
+    # chat_template shape: two calls in one turn; the first tool turn's results hold the answer.
+    # xml: turn 1 has an action (0.2) only, the answer turn 0.5: (0.2 + 0.5) / 2
+    ("chat_two_calls_in_one_turn", [chat_calls("Veltria", "Morvane"), tool(NOT_FOUND), tool(FOUND),
+                                    assistant("<answer>Morvane</answer>")], ["Morvane"],
+     (0.2, 0.5, 1.0, 0.5, 0.2 * 0.35, 0.2)),
+    # one of the turn's two calls did not parse: chat format 0.5 for that turn; xml: no action
+    ("chat_one_of_two_calls_malformed",
+     [assistant('<tool_call>{"name": "search", "arguments": {"query": "Veltria"}}</tool_call>\n'
+                '<tool_call>{"name": search}</tool_call>', [("search", "Veltria")]),
+      tool(FOUND), malformed_reply(), assistant("<answer>Morvane</answer>")], ["Morvane"],
+     (0.1, 0.5, 1.0, 0.5, 0.2 * 0.25, 0.2 * 0.75)),
+    ("chat_bad_json_call", [assistant('<tool_call>{"name": search}</tool_call>'), malformed_reply(),
+                            assistant("<answer>Morvane</answer>")], ["Morvane"],
+     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.25, 0.1)),
     ("plain_text_no_tags", [assistant("Morvane")], ["Morvane"],
-     (0.0, 0.0, 0.0, 0.0, 0.0)),
+     (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
     ("empty_and_none_content", [assistant(""), {"role": "assistant", "content": None}, {"role": "user"}], ["Morvane"],
-     (0.0, 0.0, 0.0, 0.0, 0.0)),
+     (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+    # tool_calls of the wrong shape count as no call; the env's reply still counts as a call that ran
+    ("odd_tool_calls_and_messages", [None, "junk", {**SEARCH, "tool_calls": "oops"}, tool(FOUND),
+                                     {"role": "assistant", "content": "<answer>Morvane</answer>",
+                                      "tool_calls": [None, {"function": None}, {"function": {"name": 3}}]}],
+     ["Morvane"], (0.2, 0.5, 1.0, 0.5, 0.2 * 0.5, 0.1)),
     ("empty_completion", [], ["Morvane"],
-     (0.0, 0.0, 0.0, 0.0, 0.0)),
-    ("answer_column_is_a_string", [assistant(SEARCH), result(FOUND), answer_turn("Morvane")], "Morvane",
-     (0.2, 0.5, 1.0, 0.5, 0.2)),
+     (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+    ("answer_column_is_a_string", [SEARCH, tool(FOUND), answer_turn("Morvane")], "Morvane",
+     (0.2, 0.5, 1.0, 0.5, 0.2, 0.2)),
     # an empty alias must not match every text, nor an empty answer
-    ("empty_alias_ignored", [assistant(SEARCH), result(NOT_FOUND), answer_turn("Paris")], ["", "Morvane"],
-     (0.2, 0.0, 0.0, 0.0, 0.2)),
-    ("empty_answer_and_only_empty_alias", [assistant(SEARCH), result(FOUND), answer_turn("")], ["", " "],
-     (0.2, 0.0, 0.0, 0.0, 0.2)),
+    ("empty_alias_ignored", [SEARCH, tool(NOT_FOUND), answer_turn("Paris")], ["", "Morvane"],
+     (0.2, 0.0, 0.0, 0.0, 0.2, 0.2)),
+    ("empty_answer_and_only_empty_alias", [SEARCH, tool(FOUND), answer_turn("")], ["", " "],
+     (0.2, 0.0, 0.0, 0.0, 0.2, 0.2)),
     # the answer hidden in an error message (here a tool name) is not a search result
-    ("alias_in_error_message", [assistant(SEARCH), result("Error: unknown tool 'Morvane'"), answer_turn("x")],
-     ["Morvane"], (0.0, 0.0, 0.0, 0.0, 0.2)),
+    ("alias_in_error_message", [search(name="Morvane"), tool(error_text("unknown tool 'Morvane'"), name="Morvane"),
+                                answer_turn("x")], ["Morvane"], (0.0, 0.0, 0.0, 0.0, 0.2, 0.2)),
 ]
 FUNCS = [tool_execution_reward_func, exist_answer_in_search_results, exact_match_reward_func, exist_answer_reward_func,
-         format_reward_func]
+         format_reward_func, chat_format_reward_func]
 
 
 @pytest.mark.parametrize("completion, answer, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -121,15 +180,19 @@ def test_whole_table_as_one_batch_gives_the_same_values_and_ignores_unknown_colu
 
 @pytest.mark.parametrize("fn, high", [(tool_execution_reward_func, 0.2), (exist_answer_in_search_results, 0.5),
                                       (exact_match_reward_func, 1.0), (exist_answer_reward_func, 0.5),
-                                      (format_reward_func, 0.2)])
+                                      (format_reward_func, 0.2), (chat_format_reward_func, 0.2)])
 def test_rewards_stay_within_their_documented_range(fn, high):
     got = fn(prompts=[PROMPT] * len(CASES), completions=[c[1] for c in CASES], answer=[c[2] for c in CASES])
     assert all(0.0 <= v <= high for v in got)
 
 
-def test_format_reward_is_exactly_its_bound_for_perfect_turns():
-    perfect = [assistant(SEARCH), result(FOUND), assistant(SEARCH), result(NOT_FOUND), answer_turn("Morvane")]
-    assert format_reward_func(prompts=[PROMPT], completions=[perfect]) == [0.2]  # exactly, not approx
+@pytest.mark.parametrize("fn, perfect", [
+    (format_reward_func, [SEARCH, tool(FOUND), SEARCH, tool(NOT_FOUND), answer_turn("Morvane")]),
+    (chat_format_reward_func, [chat_calls("Veltria", "Morvane"), tool(NOT_FOUND), tool(FOUND), chat_calls("Tifex"),
+                               tool(NOT_FOUND), assistant("<answer>Morvane</answer>")]),
+])
+def test_format_reward_is_exactly_its_bound_for_perfect_turns(fn, perfect):
+    assert fn(prompts=[PROMPT], completions=[perfect]) == [0.2]  # exactly, not approx
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -143,6 +206,89 @@ def test_format_reward_is_exactly_its_bound_for_perfect_turns():
 ])
 def test_normalize_answer(text, expected):
     assert normalize_answer(text) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-turn rewards: one value per tool turn
+# ------------------------------------------------------------------------------------------------
+# (id, completion, answer column,
+#  expected: tool_execution_per_turn, answer_in_result_per_turn, repeated_query_penalty_per_turn)
+PER_TURN_CASES = [
+    ("no_tool_turn", [answer_turn("Morvane")], ["Morvane"], ([], [], [])),
+    ("empty_completion", [], ["Morvane"], ([], [], [])),
+    ("clean_search_then_answer", [SEARCH, tool(FOUND), answer_turn("Morvane")], ["Morvane"], ([0.2], [0.5], [0.0])),
+    # the second query is the first one after normalisation (case, punctuation)
+    ("repeated_query", [search("Veltria capital"), tool(NOT_FOUND), search("veltria Capital?"), tool(NOT_FOUND),
+                        search("Morvane"), tool(FOUND), answer_turn("Morvane")], ["Morvane"],
+     ([0.2, 0.2, 0.2], [0.0, 0.0, 0.5], [0.0, -0.2, 0.0])),
+    # chat_template shape: one assistant message answered by two tool messages; the second turn repeats
+    # the call that timed out
+    ("two_calls_in_one_turn", [chat_calls("Veltria", "Morvane"), tool(NOT_FOUND), tool(TIMED_OUT),
+                               chat_calls("Morvane"), tool(FOUND), assistant("<answer>Morvane</answer>")],
+     ["Morvane"], ([0.1, 0.2], [0.0, 0.5], [0.0, -0.2])),
+    ("same_call_twice_in_one_turn", [chat_calls("Veltria", "Veltria"), tool(FOUND), tool(FOUND)], ["Morvane"],
+     ([0.2], [0.5], [-0.2])),
+    ("same_query_other_tool_is_not_a_repeat", [search("Veltria"), tool(NOT_FOUND), search("Veltria", "wiki_search"),
+                                               tool(FOUND, "wiki_search")], ["Morvane"],
+     ([0.2, 0.2], [0.0, 0.5], [0.0, 0.0])),
+    # a call that did not parse is a failed turn, and no query to repeat
+    ("bad_json_turn", [SEARCH, tool(FOUND), BAD_JSON, malformed_reply(), BAD_JSON, malformed_reply(),
+                       answer_turn("Morvane")], ["Morvane"], ([0.2, 0.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0])),
+    ("alias_in_error_message", [search(name="Morvane"), tool(error_text("unknown tool 'Morvane'"), name="Morvane")],
+     ["Morvane"], ([0.0], [0.0], [0.0])),
+    # the last call got no reply (the episode ran out of steps): not a tool turn
+    ("unanswered_last_call", [SEARCH, tool(FOUND), SEARCH], ["Morvane"], ([0.2], [0.5], [0.0])),
+    # a tool message before any assistant message answers nothing; None content is no error
+    ("odd_messages", [None, "junk", tool(FOUND), SEARCH, {"role": "tool", "name": "search", "content": None}],
+     ["Morvane"], ([0.2], [0.0], [0.0])),
+]
+PER_TURN_FUNCS = [tool_execution_per_turn, answer_in_result_per_turn, repeated_query_penalty_per_turn]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [c[1:] for c in PER_TURN_CASES],
+                         ids=[c[0] for c in PER_TURN_CASES])
+def test_per_turn_reward_values(completion, answer, expected):
+    got = [fn(prompts=[PROMPT], completions=[completion], answer=[answer])[0] for fn in PER_TURN_FUNCS]
+    assert got == [pytest.approx(values) for values in expected]
+
+
+@pytest.mark.parametrize("fn, low, high", [(tool_execution_per_turn, 0.0, 0.2), (answer_in_result_per_turn, 0.0, 0.5),
+                                           (repeated_query_penalty_per_turn, -0.2, 0.0)])
+def test_per_turn_rewards_give_one_float_per_tool_turn_in_range(fn, low, high):
+    cases = CASES + PER_TURN_CASES
+    completions = [c[1] for c in cases]
+    got = fn(prompts=[PROMPT] * len(cases), completions=completions, answer=[c[2] for c in cases])
+    assert [len(values) for values in got] == [count_tool_turns(c) for c in completions]
+    assert all(type(v) is float and low <= v <= high for values in got for v in values)
+
+
+def test_per_turn_values_of_the_first_turn_are_the_first_turn_rewards():
+    """exist_answer_in_search_results judges the first tool turn, as answer_in_result_per_turn does."""
+    completions, answers = [c[1] for c in CASES], [c[2] for c in CASES]
+    first = [values[0] if values else 0.0 for values in answer_in_result_per_turn(None, completions, answers)]
+    assert first == exist_answer_in_search_results(None, completions, answers)
+
+
+def test_tool_turns_pair_each_assistant_message_with_the_tool_messages_that_answer_it():
+    two_calls = chat_calls("Veltria", "Morvane")
+    completion = [two_calls, tool(NOT_FOUND), tool(FOUND), SEARCH, {"role": "user", "content": "hint"},
+                  tool(FOUND), answer_turn("Morvane")]
+    # the tool message after the user message answers no assistant message
+    assert tool_turns(completion) == [(two_calls, [tool(NOT_FOUND), tool(FOUND)])]
+    assert count_tool_turns(completion) == 1
+    assert tool_turns(None) == [] and count_tool_turns([answer_turn("Morvane")]) == 0
+
+
+def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
+    def plain(prompts, completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    marked = per_turn(lambda prompts, completions, **kwargs: [[] for _ in completions])
+    assert marked.per_turn is True and is_per_turn(marked) and not is_per_turn(plain)
+    assert {name for name, fn in REWARD_FUNCS.items() if is_per_turn(fn)} == {
+        "tool_execution_per_turn", "answer_in_result_per_turn", "repeated_query_penalty_per_turn"}
+    assert is_per_turn(get_reward_func("rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
+    assert is_per_turn(get_reward_func("reward_examples:one_per_tool_turn"))
 
 
 # ------------------------------------------------------------------------------------------------

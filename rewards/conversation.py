@@ -1,0 +1,94 @@
+"""Reading the canonical conversation (protocol.py) that reward functions receive as `completions[i]`.
+
+    {"role": "assistant", "content": <sampled text>, "tool_calls": [<the calls that parsed>]}
+    {"role": "tool", "name": <tool name, "" if the call was malformed>, "content": <output>}  # one per call
+    ...
+    {"role": "assistant", "content": "...<answer>Morvane</answer>", "tool_calls": []}
+
+A tool turn is an assistant message with the tool messages that answer it (one per call: XML makes
+one call per turn, chat_template may make several). The trainer and the rewards count tool turns
+with the same `tool_turns`, so a per-turn reward's list lines up with the turns the trainer sees.
+
+Every helper tolerates any content (missing keys, None, non-dict messages, a None completion):
+a reward function must score odd text, never raise on it.
+"""
+
+from typing import Callable
+
+from protocol import ERROR_PREFIX, final_answer
+
+
+def per_turn(fn: Callable) -> Callable:
+    """Mark a turn reward as per-turn: for each sample it returns a list with one value (float or
+    None) per tool turn, in order, so `len(values[i]) == count_tool_turns(completions[i])` ([] for a
+    sample without a tool turn). Without the mark a reward returns one number per sample."""
+    fn.per_turn = True
+    return fn
+
+
+def is_per_turn(fn: Callable) -> bool:
+    return getattr(fn, "per_turn", False) is True
+
+
+def role(message) -> str | None:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+def content(message) -> str:
+    text = message.get("content") if isinstance(message, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def assistant_turns(completion) -> list[tuple[dict, list[dict]]]:
+    """Every assistant message with the run of tool messages right after it (possibly [])."""
+    turns: list[tuple[dict, list[dict]]] = []
+    answering = False  # do tool messages here still answer the last assistant message?
+    for message in completion or []:
+        if role(message) == "assistant":
+            turns.append((message, []))
+            answering = True
+        elif role(message) == "tool" and answering:
+            turns[-1][1].append(message)
+        else:
+            answering = False
+    return turns
+
+
+def tool_turns(completion) -> list[tuple[dict, list[dict]]]:
+    """The tool turns, in order: each assistant message followed by one or more tool messages, with
+    those tool messages. An answer, a truncated turn or a turn the environment did not answer is not one."""
+    return [(message, tools) for message, tools in assistant_turns(completion) if tools]
+
+
+def count_tool_turns(completion) -> int:
+    return len(tool_turns(completion))
+
+
+def calls(message) -> list[tuple[str, object]]:
+    """(name, arguments) of each call in an assistant message's `tool_calls` (the calls that parsed)."""
+    tool_calls = message.get("tool_calls") if isinstance(message, dict) else None
+    found = []
+    for call in tool_calls if isinstance(tool_calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            found.append((function["name"], function.get("arguments", {})))
+    return found
+
+
+def failed(tool_message) -> bool:
+    """The call did not run or raised: the environment's reply starts with ERROR_PREFIX."""
+    return content(tool_message).strip().startswith(ERROR_PREFIX)
+
+
+def malformed(tool_message) -> bool:
+    """The call did not parse, so the environment could not say which tool it was for (name "")."""
+    name = tool_message.get("name") if isinstance(tool_message, dict) else None
+    return not (isinstance(name, str) and name)
+
+
+def completion_answer(completion) -> str | None:
+    """The last complete <answer>...</answer> of the last assistant message that has one."""
+    for message in reversed(completion or []):
+        if role(message) == "assistant" and (answer := final_answer(content(message))) is not None:
+            return answer
+    return None
