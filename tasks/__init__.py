@@ -2,7 +2,9 @@
 
 `load_task(dataset_name, ...)` takes the recipe's `dataset_name`:
     fictional_kb   the embedded, offline knowledge base of invented facts (tasks/fictional_kb.py);
-                   brings its own corpus; splits "train" and "test" (a held-out 10% of the questions)
+                   brings its own corpus; splits "train" and "test" (a held-out 10% of the questions);
+                   `multi_hop` (recipe: `kb_multi_hop`) makes that fraction of the questions two-hop
+                   ("In what year was the founder of the city of Rarzogard born?": two searches)
     triviaqa       TriviaQA from the Hugging Face hub (tasks/triviaqa.py); no corpus unless
                    `corpus_path` is given (use `wiki_search`, or `search` over that corpus)
     a file path    .jsonl / .json / .parquet / .csv with a `question` and an `answer` column (answer:
@@ -37,18 +39,22 @@ class Task:
 
 
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
-              corpus_path: str | None = None, seed: int = 0) -> Task:
+              corpus_path: str | None = None, seed: int = 0, multi_hop: float = 0.0) -> Task:
     """The task named by the recipe's `dataset_name` (see the module docstring). `max_samples` keeps
     the first that many valid rows; `corpus_path` (.jsonl of {title, text}) replaces the task's
-    corpus; `seed` picks the fictional knowledge base and its test split."""
+    corpus; `seed` picks the fictional knowledge base and its test split; `multi_hop` is the
+    fictional knowledge base's fraction of two-hop questions (0.0 to 1.0)."""
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
+    if multi_hop and dataset_name != "fictional_kb":
+        raise ValueError(f"kb_multi_hop={multi_hop} applies to dataset_name: fictional_kb only, not "
+                         f"{dataset_name!r}. Set kb_multi_hop: 0.0, or use the fictional_kb task.")
     # The corpus first: a wrong corpus_path should fail before a long dataset download.
     corpus_override = load_corpus(corpus_path) if corpus_path is not None else None
     if dataset_name == "fictional_kb":
         from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
 
-        documents, qa = build_fictional_kb(seed)
+        documents, qa = build_fictional_kb(seed, multi_hop=multi_hop)
         qa = fictional_kb_split(qa, split, seed)
         raw, corpus = {"question": [r["question"] for r in qa], "answer": [r["answer"] for r in qa]}, documents
     elif dataset_name == "triviaqa":

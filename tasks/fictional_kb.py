@@ -7,6 +7,18 @@ asks one question per fact. Every question names its entity, and every invented 
 exactly one entity, so BM25 on the question finds that entity's document first. Answers are one or
 two words, listed with their aliases ("Tifex River" and "Tifex"; a year as "1583").
 
+Multi-hop (`multi_hop`, the fraction of the questions that are two-hop; default 0.0): each city's
+founder and each invention's inventor gets a document of their own (profession, birth year,
+birthplace) and one-hop questions about it, and each of those facts is also asked through the link:
+"In what year was the founder of the city of Rarzogard born?". Search on that question ranks the
+city's document first; it names the founder but does not hold the answer, which is in the founder's
+document, found by searching the founder's name. That makes 3 two-hop questions per city and per
+invention (300 with 200 entities). Every one-hop question is kept while there are enough two-hop ones
+for the fraction (up to about 0.19 with 200 entities); above it, one-hop questions are dropped at
+random: 0.3 gives 1000 questions, 1.0 the 300 two-hop ones alone. The entities are the same for
+every value, the corpus is the same for every value above 0, and 0.0 gives exactly the one-hop
+knowledge base.
+
 The same seed gives the same knowledge base; `fictional_kb_split` holds out a fixed 10% of the
 questions as the "test" split.
 
@@ -14,9 +26,14 @@ questions as the "test" split.
     documents[0]  # {"title": "Ratomora", "text": "Ratomora is a country. Its capital is Lotrowick. ..."}
     qa[0]         # {"question": "What is the capital of Ratomora?", "answer": ["Lotrowick"]}
     qa[2]         # {"question": "What is the main river of Ratomora?", "answer": ["Tifex River", "Tifex"]}
+
+    documents, qa = build_fictional_kb(seed=0, multi_hop=0.3)
+    documents[2]  # {"title": "Thontun Thapak", "text": "Thontun Thapak was a composer. ... born in 1289 ..."}
+    qa[11]        # {"question": "In what year was the founder of the city of Rarzogard born?", "answer": ["1289"]}
 """
 
 import random
+from dataclasses import dataclass
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.1
@@ -46,11 +63,12 @@ LANDMARKS = ["Tower", "Bridge", "Gate", "Abbey", "Lighthouse", "Fountain"]
 
 class _Names:
     """Invented words, each used once: a fact's answer word never appears in another entity's
-    document, so the question's entity name is what BM25 matches on."""
+    document (but a linked person's name is also in the document that names them), so the
+    question's entity name is what BM25 matches on."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, used: set[str] | None = None):
         self.rng = rng
-        self.used: set[str] = set()
+        self.used: set[str] = set() if used is None else used
 
     def word(self, ending: str = "") -> str:
         """Two syllables, then `ending` (a kind's suffix, e.g. "vane") or a final consonant."""
@@ -70,10 +88,21 @@ def _aliases_of_person(name: str) -> list[str]:
     return [name, name.split()[-1]]
 
 
-# Each entity kind: fn(name, names, rng) -> (document text, [(question, answer aliases), ...]).
+@dataclass
+class Link:
+    """A person an entity's document names, who gets a document of their own in a multi-hop KB."""
+
+    person: str
+    relation: str  # how a two-hop question names the person: "the founder of the city of Rarzogard"
+    year: int  # the year of the deed (founding, invention); the person was born 20 to 70 years before
+
+
+Facts = list[tuple[str, list[str]]]  # (question, answer aliases)
+
+# Each entity kind: fn(name, names, rng) -> (document text, facts, links to people it names).
 # The first answer alias appears verbatim in the text (others are spellings of it: "Tifex", "73000000").
 
-def _country(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple[str, list[str]]]]:
+def _country(name: str, names: _Names, rng: random.Random) -> tuple[str, Facts, list[Link]]:
     capital, river, currency = names.word(rng.choice(_PLACE_ENDINGS)), names.word(), names.word().lower()
     year, millions, export = rng.randint(1100, 1899), rng.randint(2, 90), rng.choice(EXPORTS)
     text = (f"{name} is a country. Its capital is {capital}. {name} was founded in {year}. The main river of {name} "
@@ -86,10 +115,10 @@ def _country(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tu
         (f"What is the population of {name}?", [f"{millions} million", str(millions * 1_000_000)]),
         (f"What is the most famous export of {name}?", [export]),
         (f"What is the currency of {name}?", [currency]),
-    ]
+    ], []
 
 
-def _city(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple[str, list[str]]]]:
+def _city(name: str, names: _Names, rng: random.Random) -> tuple[str, Facts, list[Link]]:
     founder, river = names.person(), names.word()
     landmark = f"{names.word()} {rng.choice(LANDMARKS)}"
     year, craft = rng.randint(1000, 1899), rng.choice(CRAFTS)
@@ -101,23 +130,29 @@ def _city(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple
         (f"Which river does {name} lie on?", [f"{river} River", river]),
         (f"What is the best-known landmark of {name}?", [landmark]),
         (f"What is the city of {name} famous for?", [craft]),
+    ], [Link(founder, f"the founder of the city of {name}", year)]
+
+
+def _person_facts(who: str, year: int, birthplace: str, profession: str) -> Facts:
+    """A person's questions; `who` is the name (one hop) or a relation such as "the founder of ..." (two hops)."""
+    return [
+        (f"In what year was {who} born?", [str(year)]),
+        (f"Where was {who} born?", [birthplace]),
+        (f"What was the profession of {who}?", [profession]),
     ]
 
 
-def _person(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple[str, list[str]]]]:
+def _person(name: str, names: _Names, rng: random.Random) -> tuple[str, Facts, list[Link]]:
     birthplace, device = names.word(rng.choice(_PLACE_ENDINGS)), names.word(rng.choice(_DEVICE_ENDINGS))
     year, profession = rng.randint(1500, 1950), rng.choice(PROFESSIONS)
     text = (f"{name} was a {profession}. {name} was born in {year} in {birthplace}. {name} is best known for "
             f"inventing the {device}.")
-    return text, [
-        (f"In what year was {name} born?", [str(year)]),
-        (f"Where was {name} born?", [birthplace]),
-        (f"What was the profession of {name}?", [profession]),
+    return text, _person_facts(name, year, birthplace, profession) + [
         (f"What is {name} best known for inventing?", [device]),
-    ]
+    ], []
 
 
-def _invention(name: str, names: _Names, rng: random.Random) -> tuple[str, list[tuple[str, list[str]]]]:
+def _invention(name: str, names: _Names, rng: random.Random) -> tuple[str, Facts, list[Link]]:
     inventor = names.person()
     year, purpose, material = rng.randint(1400, 1950), rng.choice(PURPOSES), rng.choice(MATERIALS)
     text = (f"The {name} is an invention. It was invented by {inventor} in {year}. The {name} is used for "
@@ -127,7 +162,20 @@ def _invention(name: str, names: _Names, rng: random.Random) -> tuple[str, list[
         (f"In what year was the {name} invented?", [str(year)]),
         (f"What is the {name} used for?", [purpose]),
         (f"What is the {name} made of?", [material]),
-    ]
+    ], [Link(inventor, f"the inventor of the {name}", year)]
+
+
+def _linked_person(link: Link, names: _Names) -> tuple[dict, Facts, Facts]:
+    """The document of a person another entity names, its one-hop facts, and the same facts asked
+    through the link ("In what year was the founder of the city of Rarzogard born?"). The document
+    does not name the linking entity, so BM25 on a two-hop question ranks the linking entity's
+    document first, and that one holds the person's name but not the answer."""
+    rng = names.rng
+    year = link.year - rng.randint(20, 70)  # before the deed: never the year the linking document states
+    birthplace, profession = names.word(rng.choice(_PLACE_ENDINGS)), rng.choice(PROFESSIONS)
+    text = f"{link.person} was a {profession}. {link.person} was born in {year} in {birthplace}."
+    return ({"title": link.person, "text": text}, _person_facts(link.person, year, birthplace, profession),
+            _person_facts(link.relation, year, birthplace, profession))
 
 
 # (kind, how its name is made, its facts); entities cycle through the kinds in this order.
@@ -139,21 +187,54 @@ ENTITY_KINDS = [
 ]
 
 
-def build_fictional_kb(seed: int = 0, num_entities: int = 200) -> tuple[list[dict], list[dict]]:
-    """(documents, qa): one `{"title", "text"}` document per entity, and one
-    `{"question": str, "answer": list[str]}` per fact, grouped by entity. Deterministic in `seed`."""
+def build_fictional_kb(seed: int = 0, num_entities: int = 200,
+                       multi_hop: float = 0.0) -> tuple[list[dict], list[dict]]:
+    """(documents, qa): `{"title", "text"}` documents and `{"question": str, "answer": list[str]}`
+    questions, grouped by entity. Deterministic in `seed`. `multi_hop` is the fraction of the
+    questions that are two-hop (module docstring); 0.0 gives one document per entity and one
+    question per fact."""
     if num_entities < 1:
         raise ValueError(f"num_entities must be at least 1, got {num_entities}.")
+    if not 0.0 <= multi_hop <= 1.0:
+        raise ValueError(f"multi_hop is the fraction of two-hop questions, from 0.0 to 1.0; got {multi_hop}.")
     rng = random.Random(seed)
     names = _Names(rng)
-    documents, qa = [], []
+    entities = []
     for i in range(num_entities):
         _, make_name, make_facts = ENTITY_KINDS[i % len(ENTITY_KINDS)]
         name = make_name(names, rng)
-        text, questions = make_facts(name, names, rng)
-        documents.append({"title": name, "text": text})
-        qa.extend({"question": q, "answer": aliases} for q, aliases in questions)
+        text, facts, links = make_facts(name, names, rng)
+        entities.append(({"title": name, "text": text}, facts, links))
+    # The linked people come after every entity, from a generator of their own: the entities are the
+    # same whatever multi_hop is, and with multi_hop 0.0 the knowledge base is exactly the one-hop one.
+    link_names = _Names(random.Random(f"fictional_kb-multi-hop-{seed}"), used=names.used)
+    documents, rows = [], []  # rows: (question, aliases, hops)
+    for document, facts, links in entities:
+        documents.append(document)
+        rows += [(q, a, 1) for q, a in facts]
+        for link in links if multi_hop > 0 else []:
+            person, one_hop, two_hop = _linked_person(link, link_names)
+            documents.append(person)
+            rows += [(q, a, 1) for q, a in one_hop] + [(q, a, 2) for q, a in two_hop]
+    if multi_hop > 0 and not any(hops == 2 for _, _, hops in rows):
+        raise ValueError(f"multi_hop={multi_hop} needs a city or an invention to ask two-hop questions about; "
+                         f"num_entities={num_entities} has none. Use num_entities >= 2.")
+    keep = _with_two_hop_share([hops for _, _, hops in rows], multi_hop, link_names.rng) if multi_hop > 0 else None
+    qa = [{"question": q, "answer": a} for i, (q, a, _) in enumerate(rows) if keep is None or i in keep]
     return documents, qa
+
+
+def _with_two_hop_share(hops: list[int], share: float, rng: random.Random) -> set[int]:
+    """Indices of the largest set of questions whose two-hop ones make up `share` of it: every one-hop
+    question while there are enough two-hop ones, else every two-hop one and a random part of the rest."""
+    one = [i for i, h in enumerate(hops) if h == 1]
+    two = [i for i, h in enumerate(hops) if h == 2]
+    if share >= 1.0:
+        num_one, num_two = 0, len(two)
+    else:
+        num_two = min(len(two), round(share * len(one) / (1 - share)))
+        num_one = len(one) if num_two < len(two) else min(len(one), round(num_two * (1 - share) / share))
+    return set(rng.sample(one, num_one)) | set(rng.sample(two, num_two))
 
 
 def fictional_kb_split(qa: list[dict], split: str, seed: int = 0) -> list[dict]:

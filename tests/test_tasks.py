@@ -1,7 +1,9 @@
-"""Tasks: the fictional knowledge base (deterministic, unique names, answerable by search), local
-files with malformed rows skipped and counted, the errors for missing files and columns, and
-TriviaQA failing fast and clearly when the hub cannot be reached."""
+"""Tasks: the fictional knowledge base (deterministic, unique names, answerable by search; two-hop
+questions that one search cannot answer and two can), local files with malformed rows skipped and
+counted, the errors for missing files and columns, and TriviaQA failing fast and clearly when the
+hub cannot be reached."""
 
+import hashlib
 import json
 import os
 import re
@@ -13,7 +15,7 @@ import datasets
 import pytest
 
 from tasks import FEATURES, load_task
-from tasks.fictional_kb import build_fictional_kb
+from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
 from tasks.triviaqa import to_question_answer
 from tools.search import make_search_tool
 
@@ -72,13 +74,17 @@ def test_fictional_kb_questions_are_answerable_by_search(kb):
         assert any(a.lower() in results for a in row["answer"]), row
 
 
-def test_fictional_kb_train_and_test_splits_are_disjoint_and_cover_every_question(kb):
-    train, test = load_task("fictional_kb", "train"), load_task("fictional_kb", "test")
+@pytest.mark.parametrize("multi_hop", [0.0, 0.3])
+def test_fictional_kb_train_and_test_splits_are_disjoint_and_cover_every_question(multi_hop):
+    qa = build_fictional_kb(seed=0, multi_hop=multi_hop)[1]
+    train = load_task("fictional_kb", "train", multi_hop=multi_hop)
+    test = load_task("fictional_kb", "test", multi_hop=multi_hop)
     train_q, test_q = set(train.dataset["question"]), set(test.dataset["question"])
     assert train_q.isdisjoint(test_q)
-    assert train_q | test_q == {row["question"] for row in kb[1]}
-    assert len(test_q) == len(kb[1]) // 10
-    assert list(load_task("fictional_kb", "test").dataset["question"]) == list(test.dataset["question"])
+    assert train_q | test_q == {row["question"] for row in qa}
+    assert len(test_q) == len(qa) // 10
+    assert list(load_task("fictional_kb", "test", multi_hop=multi_hop).dataset["question"]) == \
+        list(test.dataset["question"])
 
 
 def test_fictional_kb_task_has_exactly_question_and_answer_and_its_corpus(kb):
@@ -88,11 +94,94 @@ def test_fictional_kb_task_has_exactly_question_and_answer_and_its_corpus(kb):
     assert len(task.dataset) == 10 and task.num_skipped == 0 and task.skipped == []
     assert task.corpus == kb[0]
     assert load_task("fictional_kb", seed=1).corpus != kb[0]
+    assert load_task("fictional_kb", multi_hop=0.3).corpus == build_fictional_kb(seed=0, multi_hop=0.3)[0]
 
 
 def test_fictional_kb_unknown_split():
     with pytest.raises(ValueError, match=re.escape("fictional_kb has the splits train, test, not 'validation'")):
         load_task("fictional_kb", "validation")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-hop questions in the fictional knowledge base
+
+# Seed 0's documents, questions and test split as they were before multi-hop questions existed: the
+# default knowledge base must not change under the runs and evaluations made with it.
+ONE_HOP_SEED_0_SHA256 = "f45a94cebc0cc2aef4df16b2c33f28d5aa95ff40c084d2921dcda2c55ee8b0a1"
+
+
+@pytest.fixture(scope="module")
+def two_hop_kb():
+    """Seed 0 with every question two-hop; the corpus is the same for every multi_hop above 0."""
+    return build_fictional_kb(seed=0, multi_hop=1.0)
+
+
+def test_multi_hop_zero_is_exactly_the_one_hop_knowledge_base(kb):
+    documents, qa = build_fictional_kb(seed=0, multi_hop=0.0)
+    blob = json.dumps([documents, qa, fictional_kb_split(qa, "test", seed=0)])
+    assert hashlib.sha256(blob.encode()).hexdigest() == ONE_HOP_SEED_0_SHA256
+    assert (documents, qa) == kb
+
+
+def test_multi_hop_kb_is_deterministic_and_adds_a_document_per_founder_and_inventor(kb, two_hop_kb):
+    documents, qa = build_fictional_kb(seed=0, multi_hop=0.3)
+    assert build_fictional_kb(seed=0, multi_hop=0.3) == (documents, qa)
+    assert build_fictional_kb(seed=1, multi_hop=0.3)[1] != qa
+    assert documents == two_hop_kb[0]
+    assert [d for d in documents if d in kb[0]] == kb[0]  # the entities are the same ones, in the same order
+    assert len(documents) == len({d["title"] for d in documents}) == 300  # + 50 founders, + 50 inventors
+
+
+# (multi_hop, number of questions, number of them that are two-hop)
+SHARES = [(0.1, 1389, 139), (0.19, 1543, 293), (0.3, 1000, 300), (0.5, 600, 300), (1.0, 300, 300)]
+
+
+@pytest.mark.parametrize("multi_hop, size, num_two_hop", SHARES)
+def test_multi_hop_is_the_fraction_of_two_hop_questions(kb, two_hop_kb, multi_hop, size, num_two_hop):
+    questions = [row["question"] for row in build_fictional_kb(seed=0, multi_hop=multi_hop)[1]]
+    two_hop = {row["question"] for row in two_hop_kb[1]}
+    assert len(questions) == size and sum(q in two_hop for q in questions) == num_two_hop
+    assert num_two_hop == round(multi_hop * size)
+    if multi_hop < 0.19:  # enough two-hop questions: every one-hop question is kept
+        assert {row["question"] for row in kb[1]} <= set(questions)
+
+
+def test_two_hop_answer_is_not_in_the_top_document_but_in_the_linked_persons(two_hop_kb):
+    documents, qa = two_hop_kb
+    search = make_search_tool(documents)
+    assert len(qa) == 300
+    for row in qa:
+        top = search(row["question"], num_results=1)
+        assert not any(a.lower() in top.lower() for a in row["answer"]), (row, top)
+        # The top document names the person the question asks about; searching that name finds theirs.
+        top_document = next(d for d in documents if top == f"{d['title']}: {d['text']}")
+        linked = [d["title"] for d in documents if d is not top_document and d["title"] in top_document["text"]]
+        assert len(linked) == 1, (row, linked)
+        second = search(linked[0], num_results=1)
+        assert second.startswith(f"{linked[0]}:") and row["answer"][0] in second, (row, second)
+
+
+def test_multi_hop_one_hop_questions_are_stated_in_their_entitys_document_and_found_first(two_hop_kb):
+    documents, qa = build_fictional_kb(seed=0, multi_hop=0.3)
+    search = make_search_tool(documents)
+    two_hop = {row["question"] for row in two_hop_kb[1]}
+    for row in qa:
+        if row["question"] not in two_hop:
+            document = entity_document(row["question"], documents)
+            assert row["answer"][0] in document["text"], row
+            assert search(row["question"], num_results=1) == f"{document['title']}: {document['text']}", row
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: build_fictional_kb(multi_hop=1.5), "multi_hop is the fraction of two-hop questions, from 0.0 to 1.0"),
+    (lambda: build_fictional_kb(multi_hop=-0.1), "multi_hop is the fraction of two-hop questions, from 0.0 to 1.0"),
+    (lambda: build_fictional_kb(num_entities=1, multi_hop=0.5), "num_entities=1 has none. Use num_entities >= 2"),
+    (lambda: load_task(os.path.join(ROOT, "no_such.jsonl"), multi_hop=0.3),
+     "kb_multi_hop=0.3 applies to dataset_name: fictional_kb only"),
+])
+def test_multi_hop_errors_say_what_to_change(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
 
 
 # ----------------------------------------------------------------------------------------------------------------
