@@ -15,7 +15,7 @@ a reward function must score odd text, never raise on it.
 
 from typing import Callable
 
-from protocol import ERROR_PREFIX, final_answer
+from protocol import ERROR_PREFIX, THINK_CLOSE, final_answer
 
 
 def per_turn(fn: Callable) -> Callable:
@@ -37,6 +37,12 @@ def role(message) -> str | None:
 def content(message) -> str:
     text = message.get("content") if isinstance(message, dict) else None
     return text if isinstance(text, str) else ""
+
+
+def visible_text(message) -> str:
+    """The content after its last </think>: what the chat_template protocol parses and chat templates
+    keep. An <answer> inside the model's thinking is not an answer."""
+    return content(message).rpartition(THINK_CLOSE)[2]
 
 
 def assistant_turns(completion) -> list[tuple[dict, list[dict]]]:
@@ -87,8 +93,8 @@ def malformed(tool_message) -> bool:
 
 
 def completion_answer(completion) -> str | None:
-    """The last complete <answer>...</answer> of the last assistant message that has one."""
+    """The last complete <answer>...</answer> (outside the thinking) of the last assistant message that has one."""
     for message in reversed(completion or []):
-        if role(message) == "assistant" and (answer := final_answer(content(message))) is not None:
+        if role(message) == "assistant" and (answer := final_answer(visible_text(message))) is not None:
             return answer
     return None

@@ -38,7 +38,7 @@ import string
 
 from protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
 from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_turn,
-                                  tool_turns)
+                                  tool_turns, visible_text)
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -184,9 +184,10 @@ def _xml_turn_format(message: dict, tools: list[dict]) -> float:
 
 
 def _chat_turn_format(message: dict, tools: list[dict]) -> float:
-    """One assistant turn's chat_template format, in [0, 1]: 1.0 with a complete <answer>...</answer>;
-    else the share of its tool calls that parsed, parsed / (parsed + malformed); 0.0 with neither."""
-    if ANSWER_PATTERN.search(content(message)):
+    """One assistant turn's chat_template format, in [0, 1]: 1.0 with a complete <answer>...</answer>
+    after the thinking; else the share of its tool calls that parsed, parsed / (parsed + malformed);
+    0.0 with neither."""
+    if ANSWER_PATTERN.search(visible_text(message)):
         return 1.0
     parsed, bad = len(calls(message)), sum(malformed(t) for t in tools)
     return parsed / (parsed + bad) if parsed + bad else 0.0

@@ -137,6 +137,11 @@ CASES = [
     ("chat_bad_json_call", [assistant('<tool_call>{"name": search}</tool_call>'), malformed_reply(),
                             assistant("<answer>Morvane</answer>")], ["Morvane"],
      (0.0, 0.0, 1.0, 0.5, 0.2 * 0.25, 0.1)),
+    # chat_template with thinking (Qwen3): only the text after the last </think> is the turn's answer
+    ("answer_after_thinking", [assistant("<think>\nI know it.\n</think>\n\n<answer>Morvane</answer>")], ["Morvane"],
+     (0.0, 0.0, 1.0, 0.5, 0.2 * 0.5, 0.2)),
+    ("answer_only_inside_thinking", [assistant("<think>\nMaybe <answer>Morvane</answer>?\n</think>\n\nNo idea.")],
+     ["Morvane"], (0.0, 0.0, 0.0, 0.0, 0.2 * 0.2, 0.0)),  # xml reads the whole turn: an answer (0.2), not at the end
     ("plain_text_no_tags", [assistant("Morvane")], ["Morvane"],
      (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
     ("empty_and_none_content", [assistant(""), {"role": "assistant", "content": None}, {"role": "user"}], ["Morvane"],
