@@ -1,0 +1,276 @@
+"""The rollout viewer (scripts/view_rollouts.py) and the run plots (scripts/plot_runs.py), run as a
+user runs them on a fixture run folder (tests/rollout_records.py). The page's structure is always
+checked; the page itself is loaded in headless Chromium over the DevTools protocol when a chromium
+binary is installed (`apt-get install chromium`), and that test skips otherwise."""
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from html.parser import HTMLParser
+
+import pytest
+
+from plot_runs import plot_runs
+from rollout_records import write_run
+from view_rollouts import build_page, compact
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class Page(HTMLParser):
+    """Every element as (tag, attributes), and the text of each JSON data block by id."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.elements, self.blocks, self._block = [], {}, None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.elements.append((tag, attrs))
+        if tag == "script" and attrs.get("type") == "application/json":
+            self._block = attrs["id"]
+            self.blocks[self._block] = ""
+
+    def handle_data(self, data):
+        if self._block:
+            self.blocks[self._block] += data
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._block = None
+
+    def skeleton(self) -> list:
+        """The elements that are not data blocks: what the page is built of before its JS runs."""
+        return [e for e in self.elements if e[1].get("type") != "application/json"]
+
+
+def view(run_dir, *flags) -> str:
+    """Run the viewer's command line; returns the page."""
+    out = os.path.join(run_dir, "page.html")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "view_rollouts.py"), run_dir, "--out", out, *flags],
+                   check=True, capture_output=True)
+    with open(out, encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(run folder, {file name: records}): train steps 1-3, eval step 2."""
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    return run_dir, write_run(run_dir, seed=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The page's structure (always)
+# ------------------------------------------------------------------------------------------------
+def test_page_is_self_contained_and_holds_every_step_exactly(run, tmp_path):
+    run_dir, files = run
+    start = time.time()
+    text = view(run_dir, "--digits", "0")
+    assert time.time() - start < 5
+    page = Page(text)
+    urls = [value for _, attrs in page.elements for name, value in attrs.items() if name in ("src", "href")]
+    assert not [u for u in urls if u and u.lower().startswith(("http:", "https:", "//"))], urls
+    assert set(page.blocks) == {"index", "data-train-000001", "data-train-000002", "data-train-000003",
+                                "data-eval-000002"}
+    for name, records in files.items():
+        key = ("eval-" if name.startswith("eval") else "train-") + name[-12:-6]
+        assert json.loads(page.blocks["data-" + key]) == records, key
+    index = json.loads(page.blocks["index"])
+    assert [s["key"] for s in index["steps"]] == ["train-000001", "train-000002", "train-000003", "eval-000002"]
+    assert {"R_O", "R_T", "turn/tool_execution_reward_func", "outcome/exact_match_reward_func"} <= set(index["rewards"])
+    # Model text (`</script><b>x</b>`, `<result>`, `&`) made no element: the page is built of the same
+    # elements as the page of a run with no rollouts at all.
+    assert "</script><b>x</b>" not in text
+    empty = tmp_path / "empty"
+    (empty / "rollouts").mkdir(parents=True)
+    assert page.skeleton() == Page(view(str(empty))).skeleton()
+
+
+def test_embedded_floats_keep_four_significant_digits_and_non_finite_values():
+    assert compact({"a": [0.123456789, -1234.5678, 3e-7], "b": [1, "x", None, True]}, digits=4) == \
+        {"a": [0.1235, -1235.0, 3e-7], "b": [1, "x", None, True]}
+    assert compact([float("-inf"), float("inf"), float("nan")], digits=4) == ["-Infinity", "Infinity", "NaN"]
+    assert compact([0.123456789], digits=0) == [0.123456789]
+
+
+def test_steps_and_episode_limit(run):
+    run_dir, _ = run
+    page = Page(view(run_dir, "--steps", "2-2", "--max-episodes-per-step", "3"))
+    assert set(page.blocks) == {"index", "data-train-000002", "data-eval-000002"}
+    assert [(e["group"], e["sample"]) for e in json.loads(page.blocks["data-train-000002"])] == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_default_page_is_smaller_and_matches_to_four_digits(run):
+    run_dir, files = run
+    page = build_page(run_dir)
+    assert len(page) < len(build_page(run_dir, digits=0))
+    embedded = json.loads(Page(page).blocks["data-train-000001"])
+    sampler = [lp for r in files["step-000001.jsonl"] for lp in r["tokens"]["sampler_logprob"]]
+    assert [lp for r in embedded for lp in r["tokens"]["sampler_logprob"]] == pytest.approx(sampler, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+def test_plot_two_runs_overlaid(tmp_path):
+    runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for seed, run_dir in enumerate(runs):
+        write_run(run_dir, seed=seed)
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_runs.py"), *runs, "--labels", "mt-grpo",
+                    "outcome-only", "--out", str(tmp_path / "plots")], check=True, capture_output=True)
+    with open(tmp_path / "plots" / "run_plots.png", "rb") as f:
+        png = f.read()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 50_000
+
+
+def test_plot_skips_missing_metrics(tmp_path):
+    history = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4, "unknown/metric": 1.0}, {"train_runtime": 3.0}]
+    assert plot_runs([("only loss", [{"step": 1, "unknown/metric": 1.0}])], "/nonexistent/x.png") is None
+    path = plot_runs([("only loss", history)], str(tmp_path / "loss_only.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+
+
+# ------------------------------------------------------------------------------------------------
+# The page in a real browser (headless Chromium, DevTools protocol over a local websocket)
+# ------------------------------------------------------------------------------------------------
+class DevTools:
+    """A minimal Chrome DevTools Protocol client: commands wait for their answer, events are kept."""
+
+    def __init__(self, websocket_url: str):
+        import websocket
+
+        self.ws = websocket.create_connection(websocket_url, timeout=30, suppress_origin=True)
+        self.events, self.last_id = [], 0
+
+    def send(self, method: str, **params) -> dict:
+        self.last_id += 1
+        self.ws.send(json.dumps({"id": self.last_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.last_id:
+                assert "error" not in message, message
+                return message.get("result", {})
+            self.events.append(message)
+
+    def wait_for(self, method: str):
+        while not any(e.get("method") == method for e in self.events):
+            self.events.append(json.loads(self.ws.recv()))
+
+    def js(self, expression: str):
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def errors(self) -> list:
+        return [e for e in self.events if e.get("method") == "Runtime.exceptionThrown"
+                or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+                or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+
+
+def find_chromium() -> str | None:
+    return next(filter(None, map(shutil.which, ["chromium", "chromium-browser", "google-chrome", "chrome"])), None)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
+    pytest.importorskip("websocket", reason="websocket-client is not installed (see requirements.txt)")
+    profile = tmp_path / "profile"
+    proc = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                             "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Port 0: Chromium picks a free port and writes it to DevToolsActivePort in the profile.
+        port_file, deadline = profile / "DevToolsActivePort", time.time() + 30
+        while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
+            assert time.time() < deadline and proc.poll() is None, "chromium did not start"
+            time.sleep(0.1)
+        port = port_file.read_text().split()[0]
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        targets = json.load(no_proxy.open(f"http://127.0.0.1:{port}/json/list", timeout=10))
+        client = DevTools(next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"])
+        yield client
+        client.send("Browser.close")  # lets Chromium end its own child processes
+        proc.wait(10)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_page_in_chromium(run, browser, tmp_path):
+    run_dir, files = run
+    view(run_dir)
+    browser.send("Emulation.setDeviceMetricsOverride", width=1280, height=860, deviceScaleFactor=1, mobile=False)
+    for domain in ("Runtime", "Log", "Page"):
+        browser.send(f"{domain}.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    assert browser.errors() == []
+
+    # The latest train step is shown, every token of it is a span, env tokens are styled apart.
+    assert browser.js("document.getElementById('step').value") == "train-000003"
+    records = files["step-000003.jsonl"]
+    masks = [m for r in records for m in r["tokens"]["env_mask"]]
+    assert browser.js("document.querySelectorAll('#groups .t').length") == len(masks)
+    assert browser.js("document.querySelectorAll('#groups .t.e').length") == masks.count(0)
+    style = browser.js("""['.t.m', '.t.e'].map((s) => {
+        const c = getComputedStyle(document.querySelector('#groups ' + s)); return [c.fontStyle, c.color]; })""")
+    assert style[0][0] == "normal" and style[1][0] == "italic" and style[0][1] != style[1][1], style
+    assert browser.js("document.querySelectorAll('#groups b, #groups script').length") == 0  # model text made no tag
+    assert browser.js("[...document.querySelectorAll('.t')].some((t) => t.textContent === '</script><b>x</b>')")
+
+    # Hovering a token shows its id, its text with visible whitespace, and its logprobs.
+    tokens = records[0]["tokens"]
+    i = next(k for k, t in enumerate(tokens["text"]) if t.startswith(" ") and tokens["env_mask"][k])
+    x, y = browser.js(f"""(() => {{ const r = document.querySelector('.t[data-e="0"][data-i="{i}"]')
+        .getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
+    browser.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+    display, tip = browser.js("[getComputedStyle($('tip')).display, $('tip').textContent]")
+    assert display == "block"
+    assert f"id {tokens['ids'][i]}" in tip and "␣" + tokens["text"][i][1:] in tip and "trainer logprob" in tip, tip
+    shot = browser.send("Page.captureScreenshot", format="png")["data"]
+    (tmp_path / "viewer.png").write_bytes(base64.b64decode(shot))
+    assert (tmp_path / "viewer.png").read_bytes().startswith(PNG_SIGNATURE)
+
+    # Filters: a stop reason, a reward range, then the eval step.
+    def shown_after(js_change):
+        browser.js(js_change + "; render()")
+        return browser.js("document.querySelectorAll('.episode').length")
+
+    assert shown_after("$('stop').value = 'max_env_steps'") == sum(r["stop_reason"] == "max_env_steps" for r in records)
+    at_least_one = sum(r["R_O"] >= 1 for r in records)
+    assert shown_after("$('stop').value = ''; $('reward').value = 'R_O'; $('min').value = '1'") == at_least_one
+    eval_records = files["eval-step-000002.jsonl"]
+    assert shown_after("$('min').value = ''; $('step').value = 'eval-000002'") == len(eval_records)
+    eval_tokens = sum(len(r["tokens"]["ids"]) for r in eval_records)
+    assert browser.js("document.querySelectorAll('#groups .t').length") == eval_tokens
+
+    # A step with more than EAGER_TOKENS tokens is drawn as its cards come near the screen.
+    count = "document.querySelectorAll('#groups .t').length"
+    assert browser.js(f"EAGER_TOKENS = 0; render(); {count}") == 0
+    deadline = time.time() + 10
+    while browser.js(count) < eval_tokens and time.time() < deadline:
+        time.sleep(0.05)
+    assert browser.js(count) == eval_tokens
+
+    # `#:E.I` pins the tooltip of a token of the default step (the docs screenshot uses it).
+    browser.js("history.replaceState(null, '', '#:0.4')")
+    browser.events.clear()
+    browser.send("Page.reload")
+    browser.wait_for("Page.loadEventFired")
+    assert f"id {records[0]['tokens']['ids'][4]}" in browser.js("$('tip').textContent")
+    assert browser.errors() == []
