@@ -48,7 +48,7 @@ VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1
   "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
   --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
   --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
-  --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "nccl"}')
+  --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}')
 TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_processes "$TRAIN_GPUS"
   mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server

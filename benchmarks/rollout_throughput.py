@@ -21,6 +21,7 @@ from prepare_models import make_tiny_agent_model
 from transformers import AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+from protocol import XMLProtocol
 
 
 class Recording(VLLMServerClient):
@@ -28,8 +29,8 @@ class Recording(VLLMServerClient):
 
     calls: list = []
 
-    def generate(self, prompts, max_tokens, n=1):
-        out = super().generate(prompts, max_tokens, n)
+    def generate(self, prompts, max_tokens, n=1, params=None):
+        out = super().generate(prompts, max_tokens, n, params)
         self.calls = self.calls + [([p for p in prompts for _ in range(n)], out)]
         return out
 
@@ -50,31 +51,33 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = [f"What is the capital of country number {i}?" for i in range(args.prompts)]
     with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log") as server:
-        def client(concurrency):
-            return VLLMServerClient("127.0.0.1", server.port, SamplingParams(temperature=1.0), startup_timeout=30,
-                                    max_concurrent_requests=concurrency)
+        def client(concurrency, kind=VLLMServerClient):
+            return kind(base_url=f"http://127.0.0.1:{server.port}", params=SamplingParams(temperature=1.0),
+                        stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30,
+                        max_concurrent_requests=concurrency)
 
         def env():
-            return MultiTurnToolEnv(tokenizer, [search], max_env_steps=2, max_tokens_per_turn=48,
-                                    max_completion_length=256, max_tool_response_tokens=48, tokenization_check="off",
-                                    few_shot=False)
+            return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
+                                    max_tokens_per_turn=48, max_completion_length=256, max_tool_response_tokens=48,
+                                    tokenization_check="off")
 
         e = env()
         prompts = [e.prompt(q) for q in questions for _ in range(args.generations)]
         e.rollout(prompts[:8], client(16))  # warm-up (compiles, caches)
 
-        rounds = Recording("127.0.0.1", server.port, SamplingParams(temperature=1.0), startup_timeout=30)
+        rounds = client(16, Recording)
         t0 = time.perf_counter()
         episodes = e.rollout(prompts, rounds)
         t_env = time.perf_counter() - t0
         env_tokens = sum(sum(ep.env_mask) for ep in episodes)
-        env_calls = sum(ep.tool_calls for ep in episodes)
+        env_calls = sum(len(ep.calls) for ep in episodes)
 
         sequential, seq_tokens, seq_calls = client(1), 0, 0
         t0 = time.perf_counter()
         for p in prompts:  # one blocking conversation at a time, one request per turn
             (ep,) = e.rollout([p], sequential)
-            seq_tokens, seq_calls = seq_tokens + sum(ep.env_mask), seq_calls + ep.tool_calls
+            seq_tokens += sum(ep.env_mask)
+            seq_calls += len(ep.calls)
         t_seq = time.perf_counter() - t0
 
         # (c) The multi-turn limit: each of the env's rounds replayed as one raw batched request with

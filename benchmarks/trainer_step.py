@@ -22,7 +22,8 @@ from prepare_models import make_tiny_model
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, group_normalize, token_advantages
+from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, TransformersBackend, SamplingParams, mt_grpo_advantages
+from protocol import XMLProtocol
 
 B, P, T, G = 16, 128, 256, 4
 
@@ -38,8 +39,11 @@ def trainers(model_dir):
                 report_to="none", use_cpu=True, bf16=False, beta=0.0, loss_type="dapo", disable_tqdm=True,
                 gradient_checkpointing=False)
     trl = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=GRPOConfig(**args), train_dataset=ds, processing_class=tokenizer)
-    env = MultiTurnToolEnv(tokenizer, [], 2, 64, T, 64, few_shot=False)
-    ours = MTGRPOEnvTrainer(model=model_dir, env=env, turn_reward_funcs=[reward], outcome_reward_funcs=[reward],
+    env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[], max_env_steps=2, max_tokens_per_turn=64,
+                           max_completion_length=T, max_tool_response_tokens=64)
+    backend = TransformersBackend(tokenizer=tokenizer, params=SamplingParams(), eos_token_ids=[tokenizer.eos_token_id],
+                                  stop_strings=env.protocol.stop_strings)
+    ours = MTGRPOEnvTrainer(model=model_dir, env=env, backend=backend, turn_reward_funcs=[reward], outcome_reward_funcs=[reward],
                             args=GRPOConfig(**args), script_args=MTGRPOScriptArguments(max_tokens_per_turn=64, max_tool_response_tokens=64),
                             train_dataset=ds, processing_class=tokenizer)
     for t in (trl, ours):  # set by Trainer.train(); the benchmark calls the loss directly
@@ -51,19 +55,21 @@ def batch(vocab):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(T // 4, T, (B,), generator=g)  # first <result> offset
     env_mask = torch.ones(B, T, dtype=torch.long)
+    turns = torch.zeros(B, T, dtype=torch.long)  # model turn of each token: 0 before the first <result>
     for i, s in enumerate(starts):  # a 32-token env reply after the first turn
         env_mask[i, s : s + 32] = 0
+        turns[i, s : s + 32] = -1
+        turns[i, s + 32 :] = 1
     return {
         "prompt_ids": torch.randint(3, vocab, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
         "completion_ids": torch.randint(3, vocab, (B, T), generator=g), "completion_mask": torch.ones(B, T, dtype=torch.long),
         "num_items_in_batch": env_mask.sum(),
-    }, env_mask, starts, torch.rand(B, generator=g), torch.rand(B, generator=g)
+    }, env_mask, turns, torch.rand(B, generator=g), torch.rand(B, generator=g)
 
 
-def step(trainer, inputs, multi_turn, env_mask, starts, R_T, R_O):
+def step(trainer, inputs, multi_turn, env_mask, turns, R_T, R_O):
     if multi_turn:
-        A_T, A_O = group_normalize(R_T, G), group_normalize(R_O, G)
-        inputs = {**inputs, "advantages": token_advantages("mt_grpo", A_O, A_T, A_O, starts, T, 1.0), "tool_mask": env_mask}
+        inputs = {**inputs, "advantages": mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0).tokens, "tool_mask": env_mask}
     else:  # TRL's sequence-level advantage, as its _generate_and_score_completions computes it
         r = R_O.view(-1, G)
         inputs = {**inputs, "advantages": ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)}
@@ -75,26 +81,26 @@ def step(trainer, inputs, multi_turn, env_mask, starts, R_T, R_O):
 def time_steps(repeats=12):
     model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"))
     trl, ours = trainers(model_dir)
-    inputs, env_mask, starts, R_T, R_O = batch(trl.model.config.vocab_size)
+    inputs, env_mask, turns, R_T, R_O = batch(trl.model.config.vocab_size)
     runs = {"TRL GRPOTrainer": (trl, False), "MTGRPOEnvTrainer": (ours, True)}
     times = {name: [] for name in runs}
     for name, (tr, mt) in runs.items():  # warm-up
         tr.model.train()
-        step(tr, inputs, mt, env_mask, starts, R_T, R_O)
+        step(tr, inputs, mt, env_mask, turns, R_T, R_O)
     for _ in range(repeats):  # interleaved, so drift hits both alike
         for name, (tr, mt) in runs.items():
             t0 = time.perf_counter()
-            step(tr, inputs, mt, env_mask, starts, R_T, R_O)
+            step(tr, inputs, mt, env_mask, turns, R_T, R_O)
             times[name].append(time.perf_counter() - t0)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     t0 = time.perf_counter()
     for _ in range(100):
-        token_advantages("mt_grpo", group_normalize(R_O, G), group_normalize(R_T, G), R_O, starts, T, 1.0)
+        mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0)
     adv_us = (time.perf_counter() - t0) / 100 * 1e6
     base = med["TRL GRPOTrainer"]
     print_table(f"Trainer step, tiny Qwen2, batch {B} x (prompt {P} + completion {T}), median of {repeats}",
                 ["trainer", "ms/step", "vs TRL"], [[k, v * 1000, f"{(v / base - 1) * 100:+.1f}%"] for k, v in med.items()])
-    print(f"\nper-token advantage assignment (group_normalize x2 + token_advantages, (B, T) = ({B}, {T})): {adv_us:.0f} us")
+    print(f"\nper-token advantage assignment (mt_grpo_advantages, (B, T) = ({B}, {T})): {adv_us:.0f} us")
 
 
 def memory_worker(mode, n=8, length=1024):

@@ -41,7 +41,7 @@ def main(repeats=3):
         state = model.state_dict()
         size_mb = sum(v.numel() * v.element_size() for k, v in state.items() if not (tied and k == "lm_head.weight")) / 2**20
         with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log") as server:
-            client = VLLMServerClient("127.0.0.1", server.port, SamplingParams(), startup_timeout=30)
+            client = VLLMServerClient(base_url=f"http://127.0.0.1:{server.port}", params=SamplingParams(), startup_timeout=30)
             folder = tempfile.mkdtemp(prefix="bench-sync-")
             times = []
             for _ in range(repeats):

@@ -138,12 +138,19 @@ AGENT_TURNS = [
 ]
 
 
+# Sampling defaults in generation_config.json, as instruct models ship them (Qwen2.5-Instruct sets
+# repetition_penalty 1.05; no_repeat_ngram_size is a field the trainer does not send): the trainer
+# must sample with the recipe's parameters and nothing else.
+HOSTILE_GENERATION_DEFAULTS = dict(do_sample=True, temperature=0.3, top_k=5, repetition_penalty=1.5, no_repeat_ngram_size=2)
+
+
 def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps: int = 40) -> str:
     """The tiny model, fine-tuned for a few seconds towards the protocol: after a user message it
     answers with one of AGENT_TURNS (loss on the assistant tokens only). It stays far from perfect,
-    which is what the tests want: its episodes mix answers, tool calls, broken calls and truncation."""
+    which is what the tests want: its episodes mix answers, tool calls, broken calls and truncation.
+    Its generation_config.json carries HOSTILE_GENERATION_DEFAULTS."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
@@ -168,6 +175,8 @@ def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                               **HOSTILE_GENERATION_DEFAULTS)
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -28,7 +28,10 @@ class VLLMCPUServer:
             self.port = s.getsockname()[1]
         self.log_path, self.startup_timeout = str(log_path), startup_timeout
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
-               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs"]
+               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs",
+               # vLLM's own sampling defaults, not the model's generation_config.json: the trainer sends every
+               # sampling parameter, and nothing else may change the distribution
+               "--generation-config", "vllm"]
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,

@@ -1,31 +1,67 @@
 """A generation backend that plays a fixed script: a real implementation of the backend interface
-(prompt ids in; sampled ids, logprobs and finish reason out) whose "model" writes given texts."""
+(prompt ids in; sampled ids, logprobs and finish reason out; another_round, sync_weights) whose
+"model" writes given texts."""
 
-from mt_grpo_trainer import Sample
+from mt_grpo_trainer import Sample, SamplingParams, TransformersBackend
 
 
 class ScriptedPolicy:
-    """`script[question]` is the list of model turns for that question. The turn to play is the
-    number of env replies (`<result>\\n`) already in the conversation. Each token gets logprob -0.5."""
+    """`script[question]` is the list of model turns for that question, or a list of such lists (one
+    variant per sample of a group: sample j of the first turn plays variant j; later turns continue
+    the variant whose first turn the conversation holds). The turn to play is the number of assistant
+    turns already taken after the question. Each token gets logprob -0.5."""
+
+    external = False
 
     def __init__(self, tokenizer, script: dict[str, list[str]]):
-        self.tokenizer, self.script = tokenizer, script
+        self.tokenizer = tokenizer
+        self.script = script
         self.calls = []  # (number of prompts, n) per generate call: tests check batching
+        self.rounds = 0
 
-    def turn_text(self, ids: list[int]) -> str:
+    def turn_text(self, ids: list[int], sample: int = 0) -> str:
         text = self.tokenizer.decode(ids)
-        conversation = text.split("<|im_start|>user", 1)[1]  # skip the system prompt's examples
-        question = next(q for q in self.script if q in conversation)
-        turns = self.script[question]
-        k = text.count("<result>\n")
+        question = max((q for q in self.script if q in text), key=lambda q: text.rindex(q))
+        conversation = text[text.rindex(question):]
+        k = conversation.count("<|im_start|>assistant") - 1  # the last one is the generation prompt
+        variants = self.script[question]
+        if isinstance(variants[0], str):
+            variants = [variants]
+        turns = variants[sample % len(variants)] if k == 0 else next(v for v in variants if v[0] in conversation)
         return turns[k] if k < len(turns) else ""
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1) -> list[Sample]:
+    def another_round(self, has_work: bool) -> bool:
+        self.rounds += has_work
+        return has_work
+
+    def sync_weights(self, model, accelerator) -> dict:
+        return {}
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, params=None) -> list[Sample]:
         self.calls.append((len(prompts), n))
         out = []
         for ids, limit in zip(prompts, max_tokens):
-            token_ids = self.tokenizer.encode(self.turn_text(ids), add_special_tokens=False)
-            finish = "stop" if len(token_ids) <= limit else "length"
-            token_ids = token_ids[:limit]
-            out += [Sample(list(token_ids), [-0.5] * len(token_ids), finish) for _ in range(n)]
+            for j in range(n):
+                token_ids = self.tokenizer.encode(self.turn_text(ids, j), add_special_tokens=False)
+                finish = "stop" if len(token_ids) <= limit else "length"
+                out.append(Sample(token_ids[:limit], [-0.5] * min(limit, len(token_ids)), finish))
         return out
+
+
+class ScriptedTransformersBackend(TransformersBackend):
+    """The in-process backend's round logic (lock-step across processes, sync_weights), with the
+    scripted policy in place of model.generate. `rounds` counts the rounds this rank ran."""
+
+    def __init__(self, tokenizer, script: dict):
+        super().__init__(tokenizer=tokenizer, params=SamplingParams(), eos_token_ids=[tokenizer.eos_token_id],
+                         stop_strings=[])
+        self.policy = ScriptedPolicy(tokenizer, script)
+        self.rounds = 0
+
+    def another_round(self, has_work: bool) -> bool:
+        go = super().another_round(has_work)
+        self.rounds += go
+        return go
+
+    def generate(self, prompts, max_tokens, n=1, params=None):
+        return self.policy.generate(prompts, max_tokens, n, params) if prompts else []

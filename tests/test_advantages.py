@@ -10,9 +10,11 @@ from mt_grpo_trainer import (
     Span,
     compute_rewards_per_func,
     group_normalize,
+    importance_weights,
+    mt_grpo_advantages,
+    probe_verdict,
     result_start,
-    token_advantages,
-    truncated_importance_weights,
+    token_turn_index,
     weighted_reward,
 )
 
@@ -57,44 +59,87 @@ def test_result_start_is_first_env_span_or_length():
     assert result_start([Span("model", 0, 7)], 20) == 20
 
 
-A_O = torch.tensor([1.0, -1.0])
-A_T = torch.tensor([0.5, 2.0])
-A_M = torch.tensor([0.25, -0.25])
+def turns(*spans_per_row, length):
+    """(B, T) model-turn index of each token, from each row's spans."""
+    return torch.stack([token_turn_index(spans, length) for spans in spans_per_row])
 
 
-def test_mt_grpo_assigns_turn_advantage_before_first_result_only():
-    # row 0: first <result> at 3 (one tool call); row 1: no tool call, so no <result>: start = T
-    adv = token_advantages("mt_grpo", A_O, A_T, A_M, torch.tensor([3, 6]), 6, turn_advantage_coef=0.5)
-    assert adv[0].tolist() == [1.25, 1.25, 1.25, 1.0, 1.0, 1.0]
-    # a trajectory that never called a tool: its whole completion is its first turn
-    assert adv[1].tolist() == [0.0] * 6
-
-
-def test_mt_grpo_with_several_tool_calls_splits_at_the_first_result():
+def test_token_turn_index_follows_the_spans():
     spans = [Span("model", 0, 2), Span("env", 2, 4), Span("model", 4, 5), Span("env", 5, 7), Span("model", 7, 8)]
-    start = torch.tensor([result_start(spans, 8)])
-    adv = token_advantages("mt_grpo", torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([0.0]), start, 8, 1.0)
-    assert adv[0].tolist() == [2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert token_turn_index(spans, 10).tolist() == [0, 0, -1, -1, 1, -1, -1, 2, -1, -1]
+    assert result_start(spans, 10) == 2 and result_start([Span("model", 0, 7)], 10) == 10
 
 
-def test_outcome_only_and_merged_ignore_turn_positions():
-    starts = torch.tensor([2, 4])
-    assert token_advantages("outcome_only", A_O, A_T, A_M, starts, 4, 1.0).tolist() == [[1.0] * 4, [-1.0] * 4]
-    assert token_advantages("merged", A_O, A_T, A_M, starts, 4, 1.0).tolist() == [[0.25] * 4, [-0.25] * 4]
+# Two groups of two: R_O (1, 0) and (0, 2); R_T (0.5, 0) and (1, 1) (equal: A_T = 0 in group 2).
+R_O = torch.tensor([1.0, 0.0, 0.0, 2.0])
+R_T = torch.tensor([0.5, 0.0, 1.0, 1.0])
+S = 1 / math.sqrt(2)  # a group of two {a, b}: (a - mean) / sample std = +-1/sqrt(2)
+ROWS = turns([Span("model", 0, 3), Span("env", 3, 5), Span("model", 5, 6)],  # a tool call, then an answer
+             [Span("model", 0, 6)],  # no tool call: the whole completion is its first turn
+             [Span("model", 0, 2), Span("env", 2, 4)],  # padded from 4 to 6
+             [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3), Span("env", 3, 4), Span("model", 4, 6)],
+             length=6)
+
+
+def test_mt_grpo_gives_turn_credit_before_the_first_result_only():
+    adv = mt_grpo_advantages(R_T, R_O, ROWS, group_size=2, mode="mt_grpo", turn_advantage_coef=0.5)
+    assert adv.outcome.tolist() == pytest.approx([S, -S, -S, S])
+    assert adv.turn.tolist() == pytest.approx([S, -S, 0.0, 0.0])
+    assert adv.tokens[0].tolist() == pytest.approx([S + 0.5 * S] * 3 + [S] * 3)
+    assert adv.tokens[1].tolist() == pytest.approx([-S - 0.5 * S] * 6)
+    assert adv.tokens[3].tolist() == pytest.approx([S] * 6)  # A_T = 0 in its group
+    assert adv.informative.tolist() == [True] * 4
+
+
+def test_baselines_ignore_turn_positions():
+    only = mt_grpo_advantages(R_T, R_O, ROWS, 2, "outcome_only", 1.0)
+    assert torch.allclose(only.tokens, torch.tensor([[v] * 6 for v in (S, -S, -S, S)]))
+    merged = mt_grpo_advantages(R_T, R_O, ROWS, 2, "merged", 1.0)  # R_T + R_O: (1.5, 0) and (1, 3)
+    assert torch.allclose(merged.tokens, torch.tensor([[v] * 6 for v in (S, -S, -S, S)]))
+
+
+def test_local_rows_of_a_process():
+    # process 1 of 2 holds samples 2-3: its tokens, advantages normalised over the whole batch
+    adv = mt_grpo_advantages(R_T, R_O, ROWS[2:], 2, "mt_grpo", 1.0, local=slice(2, 4))
+    assert torch.allclose(adv.tokens, torch.tensor([[-S] * 6, [S] * 6]))
+
+
+def test_groups_without_signal_are_marked():
+    R = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    adv = mt_grpo_advantages(torch.zeros(4), R, ROWS, 2, "mt_grpo", 1.0)
+    assert adv.informative.tolist() == [False, False, True, True]
+    assert adv.tokens[:2].abs().sum() == 0
+
+
+@pytest.mark.parametrize("scale, expected", [
+    ("group", [-S, S, -S, S]),
+    ("none", [-0.5, 0.5, -2.0, 2.0]),
+    # batch std of (0, 1, 0, 4): mean 1.25, sqrt((1.25^2 * 2 + 0.25^2 + 2.75^2) / 3) = sqrt(43/12)
+    ("batch", [v / math.sqrt(43 / 12) for v in (-0.5, 0.5, -2.0, 2.0)]),
+])
+def test_scale_rewards_as_trl_defines_it(scale, expected):
+    adv = group_normalize(torch.tensor([0.0, 1.0, 0.0, 4.0]), 2, scale)
+    assert adv.tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_rewards_give_zero_under_every_scale(scale):
+    assert group_normalize(torch.tensor([0.1, 0.1, 0.7, 0.7]), 2, scale).tolist() == [0.0] * 4
 
 
 def test_end_to_end_group_of_four_by_hand():
-    # Two prompts' worth of one group: turn rewards from tool use, outcome rewards from the answer.
+    # One group: turn rewards from tool use, outcome rewards from the answer.
     R_T = torch.tensor([0.7, 0.7, 0.2, 0.0])
     R_O = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    A_T, A_O = group_normalize(R_T, 4), group_normalize(R_O, 4)
-    assert A_O.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])  # mean .25, sample std .5
+    rows = turns(*[[Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)]] * 3, [Span("model", 0, 3)], length=3)
+    adv = mt_grpo_advantages(R_T, R_O, rows, 4, "mt_grpo", 1.0)
+    assert adv.outcome.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])  # mean .25, sample std .5
     mean_t = 0.4
     std_t = math.sqrt(((0.3) ** 2 * 2 + 0.2**2 + 0.4**2) / 3)
-    assert A_T.tolist() == pytest.approx([(r - mean_t) / std_t for r in R_T.tolist()])
-    adv = token_advantages("mt_grpo", A_O, A_T, A_O, torch.tensor([1, 1, 1, 3]), 3, 1.0)
-    assert adv[0].tolist() == pytest.approx([1.5 + A_T[0].item(), 1.5, 1.5])
-    assert adv[3].tolist() == pytest.approx([-0.5 + A_T[3].item()] * 3)
+    A_T = [(r - mean_t) / std_t for r in R_T.tolist()]
+    assert adv.turn.tolist() == pytest.approx(A_T)
+    assert adv.tokens[0].tolist() == pytest.approx([1.5 + A_T[0], 1.5, 1.5])
+    assert adv.tokens[3].tolist() == pytest.approx([-0.5 + A_T[3]] * 3)
 
 
 def test_reward_function_runs_once_per_batch_and_none_becomes_nan():
@@ -126,9 +171,43 @@ def test_reward_function_that_raises_is_named_with_the_failing_sample():
         compute_rewards_per_func([picky_reward], ["p"] * 3, [[]] * 3, {"answer": [["a"], ["b"], []]})
 
 
-def test_truncated_importance_weights_cap_and_ignore_env_tokens():
-    trainer = torch.tensor([[0.0, 0.0, -1.0]])
-    sampler = torch.tensor([[0.0, -5.0, 0.0]])  # ratios 1, e^5 (capped at 2), e^-1
-    mask = torch.tensor([[1, 1, 0]])
-    w = truncated_importance_weights(trainer, sampler, mask, cap=2.0)
-    assert w[0].tolist() == pytest.approx([1.0, 2.0, 1.0])
+TRAINER = torch.tensor([[0.0, 0.0, -1.0], [0.0, -1.0, 0.0]])
+SAMPLER = torch.tensor([[0.0, -5.0, 0.0], [0.0, 0.0, float("nan")]])  # ratios (1, e^5, e^-1), (1, e^-1, ?)
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
+E = math.e
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max, expected", [
+    ("token_truncate", None, 2.0, [[1.0, 2.0, 1.0], [1.0, 1 / E, 1.0]]),  # off-mask and NaN: 1
+    ("token_truncate", 0.5, 2.0, [[1.0, 2.0, 1.0], [1.0, 0.5, 1.0]]),
+    ("token_mask", None, 2.0, [[1.0, 0.0, 1.0], [1.0, 1 / E, 1.0]]),
+    ("token_mask", 0.5, 3.0, [[1.0, 0.0, 1.0], [1.0, 0.0, 1.0]]),
+    # sequence: the product over model tokens: e^5 and e^-1
+    ("sequence_truncate", None, 3.0, [[3.0, 3.0, 1.0], [1 / E] * 3]),
+    ("sequence_mask", None, 3.0, [[0.0, 0.0, 1.0], [1 / E] * 3]),
+    ("sequence_mask", 0.5, 3.0, [[0.0, 0.0, 1.0], [0.0] * 3]),
+])
+def test_importance_weights_in_every_trl_mode(mode, clip_min, clip_max, expected):
+    w = importance_weights(TRAINER, SAMPLER, MASK, mode, clip_min, clip_max)
+    assert torch.allclose(w, torch.tensor(expected))
+
+
+def probe(*values):
+    return torch.tensor(values)
+
+
+@pytest.mark.parametrize("ours, reference, theirs, noise, verdict, verified", [
+    (probe(-1.0, -2.0), probe(-1.0, -2.0), probe(-1.0, -2.0), 0.0, "", True),  # first sync: reference is ours
+    (probe(-1.5, -2.5), probe(-1.0, -2.0), probe(-1.5, -2.5), 0.0, "", True),  # fresh
+    (probe(-1.5, -2.5), probe(-1.0, -2.0), probe(-1.0, -2.0), 0.0, "stale weights", False),  # kept the old ones
+    (probe(-1.0, -2.0), probe(-1.0, -2.0), probe(-1.4, -2.0), 0.0, "differ from the trainer's by up to 0.4", False),
+    # the policy moved less than the noise: not judged for staleness, not a new reference
+    (probe(-1.0, -2.0001), probe(-1.0, -2.0), probe(-1.02, -2.0), 0.02, "", False),
+])
+def test_probe_verdict(ours, reference, theirs, noise, verdict, verified):
+    if verdict == "" and ours is not reference and torch.equal(ours, reference):
+        reference = ours  # the first sync passes the same tensor
+    error, metrics, ok = probe_verdict(ours, reference, theirs, noise, tolerance=0.1)
+    assert (verdict in error) and (bool(error) == bool(verdict))
+    assert ok == verified
+    assert metrics["sync/probe_max_abs_logprob_diff"] == pytest.approx((theirs - ours).abs().max().item())

@@ -1,11 +1,13 @@
 """MultiTurnToolEnv on real chat templates, driven by a scripted policy: masks, spans, stopping,
 budgets, and the tool-call parser."""
 
+import copy
 import time
 
 import pytest
 
-from mt_grpo_trainer import Action, MultiTurnToolEnv, pad_episodes, parse_action, render_ids, run_tool_calls
+from mt_grpo_trainer import MultiTurnToolEnv, ToolResult, pad_episodes, run_tool_calls
+from protocol import ToolCall, XMLProtocol
 from scripted_policy import ScriptedPolicy
 
 TOOL = '<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
@@ -27,7 +29,7 @@ def make_env(tokenizer, **overrides):
     kwargs = dict(max_env_steps=2, max_tokens_per_turn=64, max_completion_length=400, max_tool_response_tokens=64,
                   tokenization_check="strict")
     kwargs.update(overrides)
-    return MultiTurnToolEnv(tokenizer, [search], **kwargs)
+    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], **kwargs)
 
 
 @pytest.fixture(params=["smollm2", "qwen2.5"])
@@ -53,29 +55,37 @@ def test_masks_spans_and_texts_on_real_templates(tokenizer):
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == text
         model_ids = [t for t, m in zip(ep.completion_ids, ep.env_mask) if m]
         assert tokenizer.decode(model_ids) == "".join(SCRIPT[q][: len(model_turns)])
-        # decoding mask-0 tokens gives exactly the env message wrapped in the template's turn markers
-        env_msgs = [m["content"] for m in ep.messages if m["role"] == "user"]
-        for span, content in zip([s for s in ep.spans if s.role == "env"], env_msgs):
+        # decoding mask-0 tokens gives exactly the tool output as a <result> user turn in the template's markers
+        env_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
+        env_spans = [s for s in ep.spans if s.role == "env"]
+        assert len(env_spans) == len(env_msgs) == ep.tool_turns
+        for span, content in zip(env_spans, env_msgs):
             assert not any(ep.env_mask[span.start : span.end])
             assert set(ep.sampler_logprobs[span.start : span.end]) == {0.0}
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == (
-                f"<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
+                f"<|im_end|>\n<|im_start|>user\n<result>\n{content}\n</result><|im_end|>\n<|im_start|>assistant\n")
         # the whole thing equals a fresh render of the conversation, token for token
         assert not ep.tokenization_mismatch
-        full = render_ids(tokenizer, env.prompt(q) + ep.messages)
+        full = env.render_ids(env.prompt(q) + ep.messages)
         assert full[: len(ep.prompt_ids) + len(ep.completion_ids)] == ep.prompt_ids + ep.completion_ids
 
 
 def test_tool_results_and_errors_reach_the_model(tokenizer):
     env = make_env(tokenizer)
     search_ep, _, broken_ep, _ = env.rollout([env.prompt(q) for q in SCRIPT], ScriptedPolicy(tokenizer, SCRIPT))
-    assert "Its capital is Morvane" in search_ep.messages[1]["content"]
-    assert (search_ep.tool_calls, search_ep.tool_failures) == (1, 0)
-    errors = [m["content"] for m in broken_ep.messages if m["role"] == "user"]
-    assert "not valid JSON" in errors[0] and "unknown tool 'nope'" in errors[1]
-    assert all(e.startswith("<result>\nError: ") for e in errors)
+    assert search_ep.messages[1] == {"role": "tool", "name": "search",
+                                     "content": search(query="capital of Veltria")}
+    assert search_ep.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "search", "arguments": {"query": "capital of Veltria"}}}]
+    assert (search_ep.tool_turns, search_ep.tool_failures) == (1, 0)
+    errors = [m for m in broken_ep.messages if m["role"] == "tool"]
+    assert "not valid JSON" in errors[0]["content"] and errors[0]["name"] == ""
+    assert "unknown tool 'nope'" in errors[1]["content"] and errors[1]["name"] == "nope"
+    assert all(e["content"].startswith("Error: ") for e in errors)
+    assert broken_ep.messages[0]["tool_calls"] == []  # the malformed call did not parse
     # max_env_steps=2: the third call was sampled but not run, and nothing follows it
-    assert (broken_ep.tool_calls, broken_ep.tool_failures) == (2, 2)
+    assert (broken_ep.tool_turns, broken_ep.tool_failures, len(broken_ep.calls)) == (2, 2, 2)
+    assert [c.turn for c in broken_ep.calls] == [0, 1] and not any(c.ok for c in broken_ep.calls)
     assert broken_ep.spans[-1].role == "model" and broken_ep.messages[-1]["content"] == TOOL
 
 
@@ -87,7 +97,7 @@ def test_live_conversations_advance_together_one_call_per_step(smollm2_tokenizer
     assert policy.calls == [(1, 4), (4, 1)]
     policy.calls.clear()
     env.rollout([env.prompt(q) for q in SCRIPT], policy)
-    assert policy.calls == [(4, 1), (2, 1), (1, 1)]  # search + broken after step 1, broken after step 2
+    assert policy.calls == [(4, 1), (2, 1), (1, 1)]  # search + broken after round 1, broken after round 2
 
 
 def test_turn_token_limit_truncates_the_episode(smollm2_tokenizer):
@@ -112,24 +122,35 @@ def test_long_tool_output_is_cut_with_a_marker(smollm2_tokenizer):
 
 
 @pytest.mark.parametrize(
-    "text, kind, detail",
+    "text, answer, call",
     [
-        ('<reasoning>r</reasoning><tool>{"name": "search", "args": {"query": "q"}}</tool>', "tool", "search"),
-        ("<reasoning>r</reasoning><answer> Morvane </answer>", "answer", "Morvane"),
-        ('<tool>{"name": "search", "args": {"query": "q"}</tool>', "invalid", "not valid JSON"),
-        ('<tool>["search"]</tool>', "invalid", "JSON object"),
-        ('<tool>{"name": "search", "args": "q"}</tool>', "invalid", '"args" must be'),
-        ("<answer>x</tool>", "invalid", "unbalanced"),  # the stop string that ended it does not match the tag
-        ('<tool>{"name": "search"', "invalid", "unbalanced"),
-        ("<answer>never closed", "invalid", "unbalanced"),
-        ("just prose", "none", ""),
-        ("", "none", ""),
+        ('<reasoning>r</reasoning><tool>{"name": "search", "args": {"query": "q"}}</tool>', None,
+         ToolCall("search", {"query": "q"})),
+        ("<reasoning>r</reasoning><answer> Morvane </answer>", "Morvane", None),
+        ('<tool>{"name": "search", "args": {"query": "q"}</tool>', None, ToolCall("", error="not valid JSON")),
+        ('<tool>["search"]</tool>', None, ToolCall("", error="JSON object")),
+        ('<tool>{"name": "search", "args": "q"}</tool>', None, ToolCall("search", error='"args" must be')),
+        ("<answer>x</tool>", None, ToolCall("", error="opened but not closed")),  # the stop string did not match the tag
+        ('<tool>{"name": "search"', None, ToolCall("", error="opened but not closed")),
+        ("<answer>never closed", None, ToolCall("", error="opened but not closed")),
     ],
 )
-def test_parse_action(text, kind, detail):
-    action = parse_action(text)
-    assert action.kind == kind
-    assert detail in (action.name + action.error + str(action.args.get("answer", "")))
+def test_xml_parse(text, answer, call):
+    turn = XMLProtocol().parse(text)
+    assert turn.answer == answer
+    if call is None:
+        assert turn.calls == [] and turn.kind == "answer"
+        return
+    (parsed,) = turn.calls
+    assert (parsed.name, parsed.arguments) == (call.name, call.arguments)
+    assert call.error in parsed.error and bool(parsed.error) == bool(call.error)
+    assert not any(tag in parsed.error for tag in XMLProtocol.TAGS)  # the model copies error text
+
+
+@pytest.mark.parametrize("text", ["just prose", ""])
+def test_xml_parse_of_a_turn_without_action(text):
+    turn = XMLProtocol().parse(text)
+    assert (turn.kind, turn.answer, turn.calls) == ("none", None, [])
 
 
 def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
@@ -141,15 +162,18 @@ def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
         raise KeyError("boom")
 
     tools = {"slow": slow, "broken": broken}
-    calls = [Action("tool", "slow", {"seconds": 0.3}) for _ in range(4)] + [
-        Action("tool", "slow", {"seconds": 60}), Action("tool", "broken"), Action("tool", "slow", {"secs": 1})]
+    calls = [ToolCall("slow", {"seconds": 0.3}) for _ in range(4)] + [
+        ToolCall("slow", {"seconds": 60}), ToolCall("broken"), ToolCall("slow", {"secs": 1}),
+        ToolCall("", error="the tool call is not valid JSON.")]
     start = time.monotonic()
     results = run_tool_calls(tools, calls, timeout=1.0, max_workers=8)
     elapsed = time.monotonic() - start
-    assert results[:4] == [("done", True)] * 4
-    assert results[4] == ("Error: tool 'slow' timed out after 1s", False)
-    assert results[5][0].startswith("Error: tool 'broken' raised KeyError") and not results[5][1]
-    assert results[6][0].startswith("Error: bad arguments for tool 'slow'")
+    assert [(r.output, r.ok) for r in results[:4]] == [("done", True)] * 4
+    assert all(0.3 <= r.seconds < 1.0 for r in results[:4])
+    assert results[4] == ToolResult("Error: tool 'slow' timed out after 1s", False, 1.0)
+    assert results[5].output.startswith("Error: tool 'broken' raised KeyError") and not results[5].ok
+    assert results[6].output.startswith("Error: bad arguments for tool 'slow'")
+    assert results[7] == ToolResult("Error: the tool call is not valid JSON.", False)  # malformed: never run
     assert elapsed < 5  # bounded by the timeout, not the stuck call's 60 s (generous for slow CI)
 
 
@@ -173,9 +197,9 @@ def test_each_turn_asks_for_at_most_what_is_left_of_the_budget(smollm2_tokenizer
     seen = []
 
     class Recording(ScriptedPolicy):
-        def generate(self, prompts, max_tokens, n=1):
+        def generate(self, prompts, max_tokens, n=1, params=None):
             seen.append(list(max_tokens))
-            return super().generate(prompts, max_tokens, n)
+            return super().generate(prompts, max_tokens, n, params)
 
     (ep,) = env.rollout([env.prompt("Q-search")], Recording(smollm2_tokenizer, SCRIPT))
     env_tokens = ep.spans[1].end - ep.spans[1].start
@@ -185,10 +209,10 @@ def test_each_turn_asks_for_at_most_what_is_left_of_the_budget(smollm2_tokenizer
 def test_model_text_is_never_evaluated():
     """Tools get parsed JSON arguments only; nothing in the trainer evaluates text."""
     hostile = '<tool>{"name": "__import__(\'os\').system(\'touch /tmp/pwned\')", "args": {"query": "__import__"}}</tool>'
-    action = parse_action(hostile)
-    assert action.kind == "tool" and action.args == {"query": "__import__"}
-    (output, ok), = run_tool_calls({"search": search}, [action], timeout=1.0, max_workers=1)
-    assert not ok and output.startswith("Error: unknown tool")
+    (call,) = XMLProtocol().parse(hostile).calls
+    assert call.arguments == {"query": "__import__"}
+    (result,) = run_tool_calls({"search": search}, [call], timeout=1.0, max_workers=1)
+    assert not result.ok and result.output.startswith("Error: unknown tool")
     import ast
     import inspect
     import mt_grpo_trainer
@@ -196,3 +220,47 @@ def test_model_text_is_never_evaluated():
     calls = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(mt_grpo_trainer)))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert not calls & {"eval", "exec", "compile"}
+
+
+class OneSample:
+    """A backend that answers every conversation with the same sample."""
+
+    external = False
+
+    def __init__(self, sample):
+        self.sample = sample
+
+    def another_round(self, has_work):
+        return has_work
+
+    def generate(self, prompts, max_tokens, n=1, params=None):
+        return [self.sample] * (len(prompts) * n)
+
+
+def test_a_sample_vllm_cut_for_repetition_ends_the_episode_as_truncated(smollm2_tokenizer):
+    from mt_grpo_trainer import Sample, episode_stats, rollout_metrics
+
+    env = make_env(smollm2_tokenizer)
+    ids = smollm2_tokenizer.encode("<reasoning>again again again", add_special_tokens=False)
+    (ep,) = env.rollout([env.prompt("Q-direct")], OneSample(Sample(ids, [-0.1] * len(ids), "repetition")))
+    assert ep.stop_reason == "repetition" and ep.truncated
+    metrics = rollout_metrics(episode_stats([ep]))
+    assert metrics["rollout/stop/repetition"] == 1.0 and metrics["rollout/truncated_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("end_of_turn, expected_close", [
+    ("<|im_end|>", ""),  # the model closed its turn with the template's own close: not repeated
+    ("<|endoftext|>", "<|im_end|>"),  # another end-of-turn id: the template's close follows it
+])
+def test_end_of_turn_ids_of_the_generation_config_are_not_doubled(qwen_style_tokenizer, end_of_turn, expected_close):
+    """Qwen2.5's base tokenizer has eos <|endoftext|> while its chat turns end with <|im_end|>; both are
+    end-of-turn ids (generation_config.eos_token_id lists both)."""
+    tokenizer = copy.deepcopy(qwen_style_tokenizer)  # a session fixture: change a copy
+    tokenizer.eos_token = "<|endoftext|>"
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    env = make_env(tokenizer, eos_token_ids=eos_ids)
+    script = {"Q-search": [SCRIPT["Q-search"][0] + end_of_turn, SCRIPT["Q-search"][1]]}
+    (ep,) = env.rollout([env.prompt("Q-search")], ScriptedPolicy(tokenizer, script))
+    model_turn, reply = ep.spans[0], ep.spans[1]
+    assert tokenizer.decode(ep.completion_ids[model_turn.start : model_turn.end]).endswith("</tool>" + end_of_turn)
+    assert tokenizer.decode(ep.completion_ids[reply.start : reply.end]).startswith(expected_close + "\n<|im_start|>user\n")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, build_dataset, main, render_ids
+from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, build_dataset, main
+from protocol import XMLProtocol
 from test_smoke import RECIPE, ROOT, final_metrics, run
 
 
@@ -39,6 +40,24 @@ CASES = [
     ("", ["--max_prompt_length", "5"], ValueError, "Every prompt is longer than `max_prompt_length` (5)"),
     ("bogus_key: 3\n", [], SystemExit, "bogus_key"),
     ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError, "`use_peft` with `generation_backend: vllm_server`"),
+    ("", ["--tool_format", "json"], ValueError, "`tool_format` is 'json'; choose one of"),
+    # GRPOConfig fields this trainer replaces: each is refused with the name of ours
+    ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` ([1.0, 1.0, 1.0, 1.0, 1.0]) is not used by this trainer: set `turn_reward_weights`"),
+    ("multi_objective_aggregation: normalize_then_sum\n", [], ValueError, "`multi_objective_aggregation` ('normalize_then_sum') is not used"),
+    ("max_tool_calling_iterations: 3\n", [], ValueError, "`max_tool_calling_iterations` (3) is not used by this trainer: set `max_env_steps`"),
+    ("generation_kwargs: {no_repeat_ngram_size: 2}\n", [], ValueError, "`generation_kwargs` ({'no_repeat_ngram_size': 2}) is not used by this trainer: set the sampling fields"),
+    ("vllm_mode: server\n", [], ValueError, "`vllm_mode` ('server') is not used by this trainer"),
+    ("vllm_model_impl: transformers\n", [], ValueError, "`vllm_model_impl` ('transformers') is not used"),
+    ("vllm_enable_sleep_mode: true\n", [], ValueError, "`vllm_enable_sleep_mode` (True) is not used"),
+    ("vllm_gpu_memory_utilization: 0.5\n", [], ValueError, "launch.sh: VLLM_GPU_MEMORY"),
+    ("vllm_tensor_parallel_size: 2\n", [], ValueError, "launch.sh: VLLM_TP"),
+    ("vllm_max_model_length: 4096\n", [], ValueError, "launch.sh: VLLM_MAX_MODEL_LEN"),
+    ("vllm_structured_outputs_regex: 'a+'\n", [], ValueError, "structured outputs are not supported"),
+    ("vllm_group_port: 5000\n", [], ValueError, "`vllm_group_port` (5000) is not used by this trainer: set `nccl_master_port`"),
+    ("use_transformers_continuous_batching: true\n", [], ValueError, "`use_transformers_continuous_batching` (True) is not used"),
+    ("transformers_continuous_batching_config: {max_batch_tokens: 8}\n", [], ValueError, "`transformers_continuous_batching_config`"),
+    # TRL maps its deprecated use_transformers_paged onto use_transformers_continuous_batching first
+    ("use_transformers_paged: true\n", [], ValueError, "`use_transformers_continuous_batching` (True) is not used"),
 ]
 
 
@@ -61,10 +80,11 @@ def test_over_long_prompts_are_dropped_with_a_count(tiny_agent_dir, caplog):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
-    env = MultiTurnToolEnv(tokenizer, [], 2, 8, 16, 8, few_shot=False)
+    env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[], max_env_steps=2, max_tokens_per_turn=8,
+                           max_completion_length=16, max_tool_response_tokens=8)
     task = type("Task", (), {"dataset": Dataset.from_dict({"question": ["short?", "long " * 400 + "?"], "answer": [["a"], ["b"]]})})
-    limit = len(render_ids(tokenizer, env.prompt("short?"), add_generation_prompt=True)) + 10
-    dataset = build_dataset(MTGRPOScriptArguments(max_prompt_length=limit), env, tokenizer, task)
+    limit = len(env.render_ids(env.prompt("short?"), add_generation_prompt=True)) + 10
+    dataset = build_dataset(MTGRPOScriptArguments(max_prompt_length=limit), env, task)
     assert dataset["question"] == ["short?"]
     assert f"Dropped 1 of 2 prompts longer than max_prompt_length={limit}" in caplog.text
 
@@ -90,10 +110,14 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(tiny_agent_dir,
     stopped_at = int(checkpoints[0].split("-")[1])
     assert 2 <= stopped_at < 4
     # resumed: same steps, same learning rates, same final weights as the uninterrupted run
-    run([sys.executable, "mt_grpo_trainer.py", *flags, "--output_dir", out, "--resume_from_checkpoint", "last"], tmp_path)
+    log = run([sys.executable, "mt_grpo_trainer.py", *flags, "--output_dir", out, "--resume_from_checkpoint", "last"],
+              tmp_path)
+    # it continued at the next step rather than starting over
+    printed = [int(line.split("|")[0].split()[1]) for line in log.splitlines() if line.startswith("step ")]
+    assert printed == list(range(stopped_at + 1, 5))
     resumed = {h["step"]: h for h in final_metrics(out) if "loss" in h}
     reference = {h["step"]: h for h in final_metrics(ref) if "loss" in h}
-    assert sorted(resumed) == [1, 2, 3, 4][: len(resumed)] or min(resumed) == stopped_at + 1
+    assert sorted(resumed) == [1, 2, 3, 4]
     for step in range(stopped_at + 1, 5):
         assert resumed[step]["learning_rate"] == reference[step]["learning_rate"]
         assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], abs=1e-5)

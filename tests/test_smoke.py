@@ -1,6 +1,7 @@
 """Run the trainer as a user does, in a subprocess, on a tiny random model: 2 optimizer steps.
-Also the same under accelerate with 2 CPU processes (gloo), where ranks' episodes take different
-numbers of turns."""
+Also the same on 2 CPU processes (torchrun, gloo), where ranks' episodes take different numbers of
+turns. (`accelerate launch --cpu --num_processes 2` starts a single process: torchrun is the launcher
+that really starts two.)"""
 
 import json
 import os
@@ -13,6 +14,13 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "tests", "recipes", "tiny.yaml")
+
+
+def launch(processes: int) -> list[str]:
+    """The command prefix that starts `processes` ranks on CPU (the recipe has use_cpu: true)."""
+    if processes == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
 
 
 def run(cmd, tmp_path, timeout=600):
@@ -70,13 +78,13 @@ def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, fla
     assert changed_parameters(tiny_agent_dir, out), "no parameter changed after 2 optimizer steps"
 
 
-def test_two_processes_under_accelerate(tiny_agent_dir, tmp_path):
+def test_two_processes(tiny_agent_dir, tmp_path):
     """2 ranks, gloo: each rank's episodes end after different numbers of turns (random policy),
     and nothing may hang on a collective inside the rollout."""
     out = str(tmp_path / "out")
-    run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "mt_grpo_trainer.py", "--config", RECIPE,
-         "--model_name_or_path", tiny_agent_dir, "--output_dir", out, "--per_device_train_batch_size", "4"], tmp_path)
+    log = run([*launch(2), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+               "--output_dir", out, "--per_device_train_batch_size", "4"], tmp_path)
+    assert "Training on 2 processes" in log
     steps = [h for h in final_metrics(out) if "loss" in h]
     assert len(steps) == 2
     # episodes ended after different numbers of turns (a mean that is not a whole number)

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mt_grpo_trainer import SamplingParams, VLLMServerClient, parse_completions_response
+from protocol import XMLProtocol
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "vllm")
 
@@ -20,10 +21,14 @@ def load(name):
 
 
 class Server:
-    """A loopback server whose behaviour each test sets: `mode` is ok | down_5xx | slow."""
+    """A loopback server whose behaviour each test sets: `mode` is ok | down_5xx | slow; `finish`
+    lists the finish_reason of the next responses (then "length")."""
 
     def __init__(self):
-        self.mode, self.requests, self.delay = "ok", [], 0.0
+        self.mode = "ok"
+        self.requests = []
+        self.delay = 0.0
+        self.finish = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,10 +71,11 @@ class Server:
             for j in range(body["n"]):
                 c = json.loads(json.dumps(template["choices"][0]))
                 ids = [100 * (i + 1) + j] * body["max_tokens"]
-                c.update(index=i * body["n"] + j, token_ids=ids, finish_reason="length")
+                c.update(index=i * body["n"] + j, token_ids=ids, finish_reason=self.finish[0] if self.finish else "length")
                 c["logprobs"]["token_logprobs"] = [-0.25] * len(ids)
                 c["logprobs"]["tokens"] = ["x"] * len(ids)
                 choices.append(c)
+        self.finish = self.finish[1:]
         return {**template, "choices": choices}
 
     def close(self):
@@ -86,7 +92,8 @@ def server():
 
 def client(port, **kw):
     kw = {"startup_timeout": 5.0, "request_timeout": 5.0, "max_retries": 1, **kw}
-    return VLLMServerClient("127.0.0.1", port, SamplingParams(temperature=0.7, top_k=0, seed=3), **kw)
+    return VLLMServerClient(base_url=f"http://127.0.0.1:{port}", params=SamplingParams(temperature=0.7, top_k=0, seed=3),
+                            stop_strings=XMLProtocol.stop_strings, eos_token_ids=[2, 5], **kw)
 
 
 def test_parse_real_response_maps_choices_to_prompts():
@@ -97,7 +104,7 @@ def test_parse_real_response_maps_choices_to_prompts():
         s = samples[choice["index"] // n][choice["index"] % n]
         assert s.token_ids == choice["token_ids"]
         assert s.logprobs == [float(x) for x in choice["logprobs"]["token_logprobs"]]
-        assert s.finish_reason == ("length" if choice["finish_reason"] == "length" else "stop")
+        assert s.finish_reason == choice["finish_reason"]
 
 
 def test_response_without_token_ids_is_an_error_not_an_empty_completion():
@@ -118,8 +125,35 @@ def test_generate_sends_token_prompts_and_sampling_params(server):
     assert sorted(len(b["prompt"]) for b in bodies) == [1, 2]  # grouped by max_tokens
     b = bodies[0]
     assert b["return_token_ids"] is True and b["include_stop_str_in_output"] is True
-    assert b["stop"] == ["</tool>", "</answer>"] and b["temperature"] == 0.7 and b["seed"] == 3 and b["n"] == 2
-    assert b["top_k"] == 0  # off, in TRL and in vLLM
+    assert b["stop"] == ["</tool>", "</answer>"] and b["stop_token_ids"] == [2, 5]
+    # every sampling parameter explicit, so the model's generation_config.json cannot change the distribution
+    assert {k: b[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty", "seed", "n")} == {
+        "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "seed": 3, "n": 2}
+
+
+def test_aborted_completions_are_retried_and_counted(server):
+    c = client(server.port, max_retries=2)
+    server.finish = ["abort", "error"]
+    (sample,) = c.generate([[1]], [2])
+    assert len(server.requests) == 3 and c.aborted_requests == 2 and sample.finish_reason == "length"
+
+
+def test_aborted_until_retries_run_out_is_an_error(server):
+    c = client(server.port, max_retries=1)
+    server.finish = ["abort", "abort"]
+    with pytest.raises(ConnectionError, match="finished a completion with 'abort'"):
+        c.generate([[1]], [2])
+
+
+def test_repetition_is_its_own_finish_reason_and_unknown_ones_are_refused(server):
+    c = client(server.port)
+    server.finish = ["repetition"]
+    assert c.generate([[1]], [2])[0].finish_reason == "repetition"
+    server.finish = ["gremlins"]
+    with pytest.raises(RuntimeError, match="finish_reason 'gremlins'"):
+        c.generate([[1]], [2])
 
 
 def test_server_down_at_start_is_a_clear_error_within_the_timeout():

@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
-from test_smoke import RECIPE, ROOT, final_metrics, run
+from prepare_models import HOSTILE_GENERATION_DEFAULTS
+from protocol import XMLProtocol
+from test_smoke import RECIPE, ROOT, final_metrics, launch, run
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
@@ -40,8 +42,8 @@ def tied_server(tied_agent_dir, tmp_path_factory):
 class RecordingClient(VLLMServerClient):
     """The real client, keeping what the server returned so the test can compare."""
 
-    def generate(self, prompts, max_tokens, n=1):
-        samples = super().generate(prompts, max_tokens, n)
+    def generate(self, prompts, max_tokens, n=1, params=None):
+        samples = super().generate(prompts, max_tokens, n, params)
         self.returned = getattr(self, "returned", []) + [samples]
         return samples
 
@@ -52,10 +54,15 @@ def search(query: str) -> str:
 
 
 def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_server, tiny_agent_dir):
+    """...and those logprobs are the recipe's distribution, although the model's generation_config.json
+    asks for repetition_penalty 1.5, top_k 5 and temperature 0.3."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
-    client = RecordingClient("127.0.0.1", untied_server, SamplingParams(temperature=0.8), startup_timeout=30)
-    env = MultiTurnToolEnv(tokenizer, [search], max_env_steps=2, max_tokens_per_turn=40, max_completion_length=200,
-                           max_tool_response_tokens=40, few_shot=False)
+    assert model_generation_config(tiny_agent_dir)["repetition_penalty"] == 1.5
+    client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server}", params=SamplingParams(temperature=0.8),
+                             stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id],
+                             startup_timeout=30)
+    env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
+                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40)
     episodes = env.rollout([env.prompt("What is the capital of Veltria?")] * 4 + [env.prompt("Who founded Morvane?")] * 4, client)
     # replay the calls: step k's samples belong, in order, to the episodes still live at step k
     turn = [0] * len(episodes)
@@ -68,7 +75,7 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
             assert episodes[i].sampler_logprobs[span.start : span.end] == sample.logprobs
             assert all(episodes[i].env_mask[span.start : span.end])
             turn[i] += 1
-    assert any(ep.tool_calls for ep in episodes), "the tiny agent should call a tool sometimes"
+    assert any(ep.tool_turns for ep in episodes), "the tiny agent should call a tool sometimes"
     # processed logprobs are the trainer's: log_softmax(logits / temperature) at the sampled tokens
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     ep = episodes[0]
@@ -78,6 +85,15 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
     ours = logps.gather(1, torch.tensor(ep.completion_ids)[:, None]).squeeze(1)
     mask = torch.tensor(ep.env_mask, dtype=torch.bool)
     assert (ours[mask] - torch.tensor(ep.sampler_logprobs)[mask]).abs().max() < 1e-3
+
+
+def model_generation_config(model_dir):
+    import json
+
+    with open(os.path.join(model_dir, "generation_config.json")) as f:
+        config = json.load(f)
+    assert all(config[k] == v for k, v in HOSTILE_GENERATION_DEFAULTS.items())
+    return config
 
 
 def train_against(port, model_dir, tmp_path, *flags, timeout=600):
@@ -105,6 +121,24 @@ def test_two_steps_with_disk_sync_tied(tied_server, tied_agent_dir, tmp_path):
     # vLLM on CPU leaves a tied lm_head stale on reload; the trainer writes lm_head.weight explicitly.
     _, steps = train_against(tied_server.port, tied_agent_dir, tmp_path)
     assert_synced_each_step(steps)
+
+
+def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
+    """The reload works once (the first sync), then silently does nothing: the probe must catch the
+    server still serving the previous step's weights, and both ranks must stop."""
+    out = str(tmp_path / "out")
+    start = time.monotonic()
+    cmd = [*launch(2), "tests/run_trainer.py", "stale", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+           "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+           "--vllm_server_port", str(untied_server), "--weight_sync", "disk", "--sync_probe_tolerance", "10",
+           "--per_device_train_batch_size", "4", "--max_steps", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # one traceback per rank; the tolerance is loose on purpose: only the relative check can catch this
+    assert log.count("RuntimeError: After weight sync #2 (disk): stale weights") == 2, log[-4000:]
+    assert time.monotonic() - start < 600
 
 
 def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):

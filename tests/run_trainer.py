@@ -1,0 +1,63 @@
+"""Runs the trainer's real code with a backend the test chooses, as a script, so that `accelerate
+launch` can start it on several processes:
+
+    python tests/run_trainer.py score SCRIPT.json OUT_DIR <trainer flags>
+        one generation batch through the trainer's scoring path, with a scripted policy; process r
+        rolls out the groups of the dataset rows listed for it in SCRIPT.json; writes OUT_DIR/rank-r.json
+        (advantages, loss mask, rounds run, generate calls)
+    python tests/run_trainer.py stale <trainer flags>
+        trains against the recipe's vLLM server with the weight reload skipped on purpose after the
+        first sync (the server keeps the weights it had at the start)
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from mt_grpo_trainer import build_trainer  # noqa: E402
+from scripted_policy import ScriptedTransformersBackend  # noqa: E402
+
+
+def score(script_path: str, out_dir: str, flags: list[str]) -> None:
+    with open(script_path) as f:
+        spec = json.load(f)  # {"script": {question: variants}, "rows": [[row indices of rank 0], [rank 1], ...]}
+    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, spec["script"]))
+    backend = trainer.backend
+    rank = trainer.accelerator.process_index
+    G = trainer.num_generations
+    inputs = [dict(trainer.train_dataset[i]) for i in spec["rows"][rank] for _ in range(G)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(inputs)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump({"advantages": batch["advantages"].tolist(), "loss_mask": (batch["completion_mask"] * batch["tool_mask"]).tolist(),
+                   "completion_ids": batch["completion_ids"].tolist(), "rounds": backend.rounds,
+                   "generate_calls": backend.policy.calls}, f)
+
+
+def stale(flags: list[str]) -> None:
+    trainer = build_trainer(flags)
+    client = trainer.backend
+    reload = client.reload_weights_from_disk
+    reloads = []
+
+    def reload_once(folder):  # the bug under test: later reloads silently do nothing
+        if not reloads:
+            reload(folder)
+        reloads.append(folder)
+        client.reset_prefix_cache()
+
+    client.reload_weights_from_disk = reload_once
+    trainer.train()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "score":
+        score(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "stale":
+        stale(sys.argv[2:])
+    else:
+        raise SystemExit(__doc__)

@@ -1,0 +1,92 @@
+"""The trainer's real scoring path (rollout -> rewards -> advantages -> batch) with a scripted policy,
+under 1 and 2 processes, against advantages computed by hand; and lock-step generation rounds: a rank
+whose episodes end early still joins every round (ZeRO-3 gathers parameters at each)."""
+
+import json
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from test_smoke import RECIPE, launch, run
+
+QA, QB = "What is the capital of Veltria?", "Who founded the city of Morvane?"
+
+
+def call(tool, query, why):
+    return f'<reasoning>{why}</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
+
+
+def answer(text, why="done"):
+    return f"<reasoning>{why}</reasoning>\n<answer>{text}</answer>"
+
+
+# QA: four one-turn answers, two right. QB: two env steps then an answer (three rounds).
+SCRIPT = {
+    QA: [[answer("Morvane", "a")], [answer("Paris", "b")], [answer("Morvane", "c")], [answer("Lyon", "d")]],
+    QB: [[call("search", "Morvane", "a"), call("search", "founder Morvane", "a2"), answer("Ada Lovelace")],
+         [call("search", "Morvane", "b"), call("lookup", "Morvane", "b2"), answer("Bob")],
+         [call("lookup", "Morvane", "c"), call("lookup", "founder", "c2"), answer("Ada Lovelace")],
+         [call("search", "Morvane", "d"), call("search", "Morvane city", "d2"), answer("Grace")]],
+}
+# Rewards: turn = tool_execution_reward_func (0.2 x successful / calls), outcome = exact match.
+#   QA: R_T = 0 0 0 0 (no call)             R_O = 1 0 1 0
+#   QB: R_T = 0.2 0.1 0.0 0.2               R_O = 1 0 1 0
+# A_O (both groups): R_O has mean 0.5 and sample std sqrt(1/3): +-0.5 * sqrt(3)
+# A_T (QB): mean 0.125; deviations .075 -.025 -.125 .075; sample variance .0275 / 3
+A_O = [0.5 * math.sqrt(3), -0.5 * math.sqrt(3)] * 2
+STD_T = math.sqrt(0.0275 / 3)
+A_T = {QA: [0.0] * 4, QB: [d / STD_T for d in (0.075, -0.025, -0.125, 0.075)]}
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("task")
+    (d / "data.jsonl").write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n"
+                                  + json.dumps({"question": QB, "answer": ["Ada Lovelace", "Lovelace"]}) + "\n")
+    (d / "corpus.jsonl").write_text(
+        json.dumps({"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."}) + "\n"
+        + json.dumps({"title": "Morvane", "text": "Morvane is a city. It was founded by Ada Lovelace."}) + "\n")
+    return d
+
+
+def score(tiny_agent_dir, task_files, tmp_path, processes: int, rows: list[list[int]]):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"script": SCRIPT, "rows": rows}))
+    out = tmp_path / "dump"
+    flags = ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
+             "--dataset_name", str(task_files / "data.jsonl"), "--corpus_path", str(task_files / "corpus.jsonl"),
+             "--turn_reward_funcs", "tool_execution_reward_func", "--outcome_reward_funcs", "exact_match_reward_func",
+             "--max_completion_length", "512", "--max_tokens_per_turn", "128", "--max_tool_response_tokens", "64",
+             "--tokenization_check", "strict", "--per_device_train_batch_size", str(8 // processes)]
+    run([*launch(processes), "tests/run_trainer.py", "score", str(spec), str(out), *flags], tmp_path)
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(processes)]
+
+
+def check_group(dump, row_offset: int, question: str, tokenizer):
+    for j in range(4):
+        adv, mask = dump["advantages"][row_offset + j], dump["loss_mask"][row_offset + j]
+        first = len(tokenizer.encode(SCRIPT[question][j][0], add_special_tokens=False))
+        model_positions = [t for t, m in enumerate(mask) if m]
+        assert model_positions[:first] == list(range(first))  # the first turn opens the completion
+        for t in model_positions:
+            expected = A_O[j] + (A_T[question][j] if t < first else 0.0)
+            assert adv[t] == pytest.approx(expected, abs=1e-5), (question, j, t)
+
+
+def test_one_process(tiny_agent_dir, task_files, tmp_path):
+    (dump,) = score(tiny_agent_dir, task_files, tmp_path, 1, [[0, 1]])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    check_group(dump, 0, QA, tokenizer)
+    check_group(dump, 4, QB, tokenizer)
+    assert dump["rounds"] == 3
+
+
+def test_two_processes_score_their_local_slice_and_run_the_same_rounds(tiny_agent_dir, task_files, tmp_path):
+    rank0, rank1 = score(tiny_agent_dir, task_files, tmp_path, 2, [[0], [1]])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    check_group(rank0, 0, QA, tokenizer)
+    check_group(rank1, 0, QB, tokenizer)
+    # rank 0's episodes all ended after one turn, rank 1's after three: rank 0 still joined rounds 2 and 3
+    assert rank0["generate_calls"] == [[1, 4]] and rank0["rounds"] == 3
+    assert rank1["generate_calls"] == [[1, 4], [4, 1], [4, 1]] and rank1["rounds"] == 3
