@@ -1,9 +1,13 @@
+"""Fixtures shared by the test modules, and the repository root and scripts/ on sys.path. The shared
+plain helpers (ROOT, RECIPE, run, ...) live in helpers.py: test modules import them from there."""
+
 import os
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, smoke_run
+
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -48,3 +52,10 @@ def qwen_style_tokenizer(tiny_model_dir):
     with open(os.path.join(ROOT, "tests", "fixtures", "qwen2.5_chat_template.jinja")) as f:
         tokenizer.chat_template = f.read()
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def smoke_metrics(tiny_agent_dir, tmp_path_factory):
+    """Every metric name a 1-step run logs (test_readme checks they are documented)."""
+    _, _, steps = smoke_run(tiny_agent_dir, tmp_path_factory.mktemp("metrics"), "--max_steps", "1", "--beta", "0.01")
+    return sorted(set(steps[0]) - {"step"})

@@ -10,12 +10,10 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import RECIPE, ROOT
 from mt_grpo_trainer import SamplingParams, TransformersBackend, build_trainer
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
-from test_smoke import RECIPE
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_in_process_samples_follow_the_recipe_not_the_generation_config(tiny_agent_dir):

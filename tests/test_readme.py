@@ -4,9 +4,8 @@ import dataclasses
 import os
 import re
 
+from helpers import ROOT
 from mt_grpo_trainer import MTGRPOScriptArguments
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def readme():
@@ -34,6 +33,3 @@ def test_metrics_logged_by_a_smoke_run_are_documented(smoke_metrics):
     text = readme()
     missing = [k for k in smoke_metrics if not documented_metric(k, text)]
     assert not missing, f"README's metrics table lacks {missing}"
-
-
-from test_smoke import smoke_metrics  # noqa: E402,F401  (the fixture: one 1-step run)

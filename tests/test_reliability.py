@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import RECIPE, ROOT, final_metrics, run
 from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, build_dataset, main
 from protocol import XMLProtocol
-from test_smoke import RECIPE, ROOT, final_metrics, run
 
 
 def write(tmp_path, text):

@@ -8,7 +8,7 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from test_smoke import RECIPE, launch, run
+from helpers import RECIPE, launch, run
 
 QA, QB = "What is the capital of Veltria?", "Who founded the city of Morvane?"
 

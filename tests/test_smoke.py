@@ -3,58 +3,9 @@ Also the same on 2 CPU processes (torchrun, gloo), where ranks' episodes take di
 turns. (`accelerate launch --cpu --num_processes 2` starts a single process: torchrun is the launcher
 that really starts two.)"""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "tests", "recipes", "tiny.yaml")
-
-
-def launch(processes: int) -> list[str]:
-    """The command prefix that starts `processes` ranks on CPU (the recipe has use_cpu: true)."""
-    if processes == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-
-
-def run(cmd, tmp_path, timeout=600):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
-    (tmp_path / "log.txt").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
-    return log
-
-
-def final_metrics(output_dir):
-    with open(os.path.join(output_dir, "trainer_state.json")) as f:
-        return json.load(f)["log_history"]
-
-
-def changed_parameters(model_dir, output_dir):
-    before, after = load_file(os.path.join(model_dir, "model.safetensors")), load_file(os.path.join(output_dir, "model.safetensors"))
-    return [k for k in before if not torch.equal(before[k], after[k])]
-
-
-def smoke_run(model_dir, tmp_path, *flags):
-    out = str(tmp_path / "out")
-    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
-               "--output_dir", out, "--save_strategy", "no", *flags], tmp_path)
-    return out, log, [h for h in final_metrics(out) if "loss" in h]
-
-
-@pytest.fixture(scope="module")
-def smoke_metrics(tiny_agent_dir, tmp_path_factory):
-    """Every metric name a run logs (test_readme checks they are documented)."""
-    _, _, steps = smoke_run(tiny_agent_dir, tmp_path_factory.mktemp("metrics"), "--max_steps", "1", "--beta", "0.01")
-    return sorted(set(steps[0]) - {"step"})
+from helpers import RECIPE, changed_parameters, final_metrics, launch, run, smoke_run
 
 
 @pytest.mark.parametrize("mode, flags", [

@@ -1,16 +1,20 @@
 """The agent's tools: BM25 `search` on the fictional knowledge base and hand-written corpora,
-`wiki_search` without a network (real sockets, nothing mocked), and the `build_tools` registry."""
+`wiki_search` without a network (real sockets, nothing mocked), and `build_tools`: registry names,
+dotted paths and corpus tools."""
 
 import inspect
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 import tools.wiki_search
+from helpers import ROOT
 from tasks.fictional_kb import build_fictional_kb
-from tools import TOOL_NAMES, build_tools
+from tools import TOOLS, build_tools
 from tools.search import make_search_tool
 
 KALOSH = "Kalosh: Kalosh is a city on the Dun River."
@@ -97,28 +101,63 @@ def test_search_document_without_title_is_shown_as_text_only():
 # ----------------------------------------------------------------------------------------------------------------
 # build_tools
 
-def test_build_tools_returns_the_named_tools_in_order():
-    built = build_tools(["wiki_search", "search"], CORPUS)
-    assert [fn.__name__ for fn in built] == ["wiki_search", "search"]
-    assert TOOL_NAMES == ["search", "wiki_search"]
+@pytest.mark.parametrize("names, called", [
+    (["search"], ["search"]),  # a registry name; a corpus tool, built from the corpus
+    (["wiki_search", "search"], ["wiki_search", "search"]),  # in the recipe's order
+    (["tools.wiki_search:wiki_search"], ["wiki_search"]),  # dotted paths
+    (["tools.wiki_search.wiki_search"], ["wiki_search"]),
+    (["tool_examples:make_count_tool", "search"], ["count_documents", "search"]),  # a corpus tool by its path
+])
+def test_build_tools_resolves_names_and_paths_in_order(names, called):
+    assert [fn.__name__ for fn in build_tools(names, CORPUS)] == called
+
+
+def test_build_tools_builds_corpus_tools_from_the_corpus():
+    search, count_documents = build_tools(["search", "tool_examples:make_count_tool"], CORPUS)
+    assert search("capital of Veltria", num_results=1) == "Veltria: Veltria is a country. Its capital is Morvane."
+    assert count_documents(word="kalosh") == "2"
+    assert build_tools(["tools.wiki_search:wiki_search"], None) == [tools.wiki_search.wiki_search]
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_every_registry_name_is_the_name_the_model_calls(name):
+    assert [fn.__name__ for fn in build_tools([name], CORPUS)] == [name]
 
 
 @pytest.mark.parametrize("names, corpus, message", [
-    (["search", "calculator"], CORPUS,
-     "Unknown tool name(s) ['calculator'] in `tools`. Valid names: search, wiki_search."),
-    (["search"], None, "The `search` tool needs a corpus"),
+    (["search", "calculator"], CORPUS, "Unknown tool 'calculator'. Valid names: search, wiki_search; a dotted path "
+                                       "`module:function` to any importable function also works."),
+    (["tool_examples:NOT_A_FUNCTION"], CORPUS,
+     "Tool 'tool_examples:NOT_A_FUNCTION': 'NOT_A_FUNCTION' in 'tool_examples' is a list, not a function."),
+    (["tool_examples:calculator"], CORPUS, "Tool 'tool_examples:calculator': module 'tool_examples' has no attribute"),
+    (["no_such_package.tools.calculator"], CORPUS, "Tool 'no_such_package.tools.calculator': cannot import module "
+                                                   "'no_such_package.tools' (ModuleNotFoundError"),
+    (["search"], None, "The `search` tool needs a corpus, and this task has none."),
+    (["tool_examples:make_count_tool"], None, "The `tool_examples:make_count_tool` tool needs a corpus"),
     (["search", "search"], CORPUS, "`tools` lists a tool twice"),
+    (["search", "tool_examples:search"], CORPUS,
+     "Tools 'search' and 'tool_examples:search' are both functions named 'search'"),
+    (["wiki_search", "tools.wiki_search:wiki_search"], None,
+     "Tools 'wiki_search' and 'tools.wiki_search:wiki_search' are both functions named 'wiki_search'"),
 ])
 def test_build_tools_errors(names, corpus, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         build_tools(names, corpus)
-    if corpus is None:  # the message must say how to get a corpus or avoid needing one
+    if corpus is None and "needs a corpus" in message:  # it must say how to get a corpus or avoid needing one
         assert "corpus_path" in str(error.value) and "fictional_kb" in str(error.value)
         assert "wiki_search" in str(error.value)
 
 
 def test_wiki_search_only_needs_no_corpus():
     assert [fn.__name__ for fn in build_tools(["wiki_search"], None)] == ["wiki_search"]
+
+
+def test_importing_tools_loads_no_tool_library():
+    """bm25s and wikipedia load when a tool is built or called, not when the trainer imports `tools`."""
+    code = ("import sys, tools, tools.search, tools.wiki_search; "
+            "print(sorted(m for m in ('bm25s', 'wikipedia', 'requests') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
-from test_smoke import RECIPE, ROOT, final_metrics, launch, run
+from helpers import RECIPE, ROOT, final_metrics, launch, run
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")

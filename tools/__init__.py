@@ -1,45 +1,84 @@
 """The tools the agent can call, by name.
 
 A tool is a plain function with typed keyword arguments that returns a string. The trainer renders
-its signature and the first line of its docstring into the system prompt, and the model calls it as
-`<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a tool raises an exception with
-a message that says what went wrong: the environment shows it to the model as `Error: ...` and
-counts a failed call. The trainer bounds each call with `tool_timeout`, so a tool need not.
+its signature and the first line of its docstring into the system prompt, and the model calls it by
+its function name (`__name__`): `<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a
+tool raises an exception with a message that says what went wrong: the environment shows it to the
+model as `Error: ...` and counts a failed call. The trainer bounds each call with `tool_timeout`, so a
+tool need not.
 
 To add a tool: write the function in a module under `tools/` (docstring: one line saying what it
-does, then an `Args:` section with one line per argument), add its name to TOOL_NAMES and a branch
-to `build_tools` below, and list the name in the recipe's `tools`.
+does, then an `Args:` section with one line per argument), then either add one line
+`"my_tool": "tools.my_module:my_tool"` to TOOLS below and list the name in the recipe's `tools`, or
+list its dotted path there (`tools.my_module:my_tool`, or any importable module). registry.py
+resolves both, as it does for rewards; an unknown name fails with the list of valid names.
 
-    search        offline BM25 over the task's corpus (tools/search.py); needs a corpus
-    wiki_search   English Wikipedia summaries (tools/wiki_search.py); needs the network
+A tool that needs the task's corpus (the recipe's `corpus_path`, or the task's own, as fictional_kb
+has) is built from it: write a factory that takes the list of `{"title", "text"}` documents and
+returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at start-up:
+
+    @corpus_tool
+    def make_titles_tool(corpus: list[dict]) -> Callable[..., str]:
+        titles = sorted(d["title"] for d in corpus)
+
+        def list_titles(prefix: str = "") -> str:
+            '''List the titles of the knowledge base's documents.
+
+            Args:
+                prefix: only the titles that start with it, e.g. "Vel".
+            '''
+            return ", ".join(t for t in titles if t.startswith(prefix)) or f"No title starts with {prefix!r}."
+
+        return list_titles
 """
 
 from typing import Callable
 
-TOOL_NAMES = ["search", "wiki_search"]
+from registry import resolve
+
+# name in the recipe -> `module:function`. The name is the one the model calls (the tool's __name__), and a
+# module is imported only when a recipe names its tool.
+TOOLS: dict[str, str] = {
+    "search": "tools.search:make_search_tool",  # offline BM25 over the task's corpus; a corpus tool
+    "wiki_search": "tools.wiki_search:wiki_search",  # English Wikipedia summaries; needs the network
+}
+
+
+def corpus_tool(factory: Callable) -> Callable:
+    """Marks `factory(corpus) -> tool`: `build_tools` calls it with the task's corpus, and fails
+    clearly when the task has none."""
+    factory.corpus_tool = True
+    return factory
 
 
 def build_tools(names: list[str], corpus: list[dict] | None) -> list[Callable]:
-    """The tool functions for `names` (the recipe's `tools`), in that order. `corpus` is the task's
-    list of `{"title", "text"}` documents, which `search` indexes; None if the task has none."""
-    unknown = [n for n in names if n not in TOOL_NAMES]
-    if unknown:
-        raise ValueError(f"Unknown tool name(s) {unknown} in `tools`. Valid names: {', '.join(TOOL_NAMES)}.")
+    """The tool functions for `names` (the recipe's `tools`: names in TOOLS or dotted paths), in that
+    order. `corpus` is the task's list of `{"title", "text"}` documents, from which corpus tools are
+    built; None if the task has none."""
     if len(set(names)) != len(names):
         raise ValueError(f"`tools` lists a tool twice: {names}. List each tool once.")
-    tools = []
-    for name in names:
-        # Imports here, not at the top: each tool loads its library only when a recipe asks for it.
-        if name == "search":
-            if corpus is None:
-                raise ValueError("The `search` tool needs a corpus to search, and this task has none. Set "
-                                 "`corpus_path` in the recipe to a .jsonl of {title, text} documents, or use the "
-                                 "fictional_kb task (dataset_name: fictional_kb), or use `wiki_search` instead.")
-            from tools.search import make_search_tool
-
-            tools.append(make_search_tool(corpus))
-        elif name == "wiki_search":
-            from tools.wiki_search import wiki_search
-
-            tools.append(wiki_search)
+    tools = [build_tool(name, corpus) for name in names]
+    # The model calls a tool by its function name, so two tools with one name could not both be called.
+    first_with = {}
+    for name, tool in zip(names, tools):
+        called = getattr(tool, "__name__", None)
+        if called is None:
+            raise ValueError(f"Tool '{name}' is a {type(tool).__name__} without a __name__, which the model "
+                             "would call it by; make it a function (def).")
+        if called in first_with:
+            raise ValueError(f"Tools '{first_with[called]}' and '{name}' are both functions named '{called}', and "
+                             "the model calls a tool by its function name. Rename one of the functions.")
+        first_with[called] = name
     return tools
+
+
+def build_tool(name: str, corpus: list[dict] | None) -> Callable:
+    """One tool: the function `name` resolves to, or, for a corpus tool, what its factory builds."""
+    entry = resolve(name, TOOLS, "tool")
+    if not getattr(entry, "corpus_tool", False):
+        return entry
+    if corpus is None:
+        raise ValueError(f"The `{name}` tool needs a corpus, and this task has none. Set `corpus_path` "
+                         "in the recipe to a .jsonl of {title, text} documents, or use the fictional_kb task "
+                         "(dataset_name: fictional_kb), or use a tool that needs no corpus, such as `wiki_search`.")
+    return entry(corpus)

@@ -11,6 +11,8 @@ says so instead of listing arbitrary documents.
 
 from typing import Callable
 
+from tools import corpus_tool
+
 MAX_RESULTS = 10
 
 
@@ -18,7 +20,7 @@ class BM25Search:
     """A BM25 index over `corpus`, built once; `search` is read-only, so threads may share it."""
 
     def __init__(self, corpus: list[dict]):
-        import bm25s  # here, not at the top, so that `import tools` stays cheap
+        import bm25s  # here, not at the top, so that importing this module stays cheap
 
         self.documents = _check_corpus(corpus)
         texts = [f"{d['title']}\n{d['text']}" for d in self.documents]
@@ -45,9 +47,10 @@ class BM25Search:
         return "\n\n".join(f"{d['title']}: {d['text']}" if d["title"] else d["text"] for d in ranked)
 
 
+@corpus_tool
 def make_search_tool(corpus: list[dict]) -> Callable[..., str]:
     """The `search` tool over `corpus`: a function named `search` whose signature and docstring the
-    trainer renders into the system prompt."""
+    trainer renders into the system prompt. A corpus tool: `build_tools` passes the task's corpus."""
     index = BM25Search(corpus)
 
     def search(query: str, num_results: int = 3) -> str:

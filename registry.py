@@ -1,0 +1,39 @@
+"""From a name in a recipe to a function: the one lookup behind rewards (rewards/) and tools (tools/).
+
+A recipe names a function in one of two ways:
+
+    registry name   a key of the package's registry: `REWARD_FUNCS` in rewards/, `TOOLS` in tools/
+    dotted path     any importable function: `package.module:function`, or `package.module.function`
+
+A registry entry is the function itself, or its dotted path as a string: that module is imported only
+when a recipe names the entry. Every failure is a ValueError that says what to change; an unknown name
+lists the valid ones.
+"""
+
+import importlib
+from typing import Callable
+
+
+def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callable:
+    """The function `name` stands for: `registry[name]`, or the function at the dotted path `name`.
+    `kind` ("reward function", "tool") is what the error messages call it."""
+    entry = registry.get(name, name)
+    if callable(entry):
+        return entry
+    if ":" not in entry and "." not in entry:
+        raise ValueError(f"Unknown {kind} '{name}'. Valid names: {', '.join(sorted(registry))}; "
+                         "a dotted path `module:function` to any importable function also works.")
+    what = f"{kind[0].upper()}{kind[1:]} '{name}'"
+    module_name, _, attr = entry.partition(":") if ":" in entry else entry.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{what}: the path '{entry}' must look like `module:function` or `module.function`.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while it loads
+        raise ValueError(f"{what}: cannot import module '{module_name}' ({type(e).__name__}: {e}).") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"{what}: module '{module_name}' has no attribute '{attr}'.")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"{what}: '{attr}' in '{module_name}' is a {type(fn).__name__}, not a function.")
+    return fn
