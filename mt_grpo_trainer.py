@@ -38,6 +38,7 @@ tool protocol (tags, stop strings, parsing) is `protocol.py`, shared with the re
 import concurrent.futures
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -81,7 +82,8 @@ TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_an
 # ------------------------------------------------------------------------------------------------
 # 1. Config
 # ------------------------------------------------------------------------------------------------
-ADVANTAGE_MODES = ("mt_grpo", "outcome_only", "merged")
+ADVANTAGE_MODES = ("mt_grpo", "per_turn", "outcome_only", "merged")
+TURN_NORMALIZATIONS = ("pooled", "by_turn_index")
 BACKENDS = ("transformers", "vllm_server")
 TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
 WEIGHT_SYNCS = ("auto", "nccl", "disk")
@@ -105,10 +107,30 @@ class MTGRPOScriptArguments:
         default=0, metadata={"help": "Seed of the fictional knowledge base, kept apart from `seed` so that runs "
                              "with different training seeds see the same task."}
     )
+    kb_multi_hop: float = field(
+        default=0.0, metadata={"help": "Share of fictional_kb questions that need two searches (0 to 1), e.g. 'In "
+                               "what year was the founder of the city of X born?'. 0: the one-hop task."}
+    )
     corpus_path: str | None = field(
         default=None,
         metadata={"help": ".jsonl of {title, text} documents for the offline `search` tool; fictional_kb brings "
                   "its own."},
+    )
+    # Evaluation: runs with TRL's eval_strategy / eval_steps (and once before the first step)
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Dataset to evaluate on, as `dataset_name` (None: the training dataset)."}
+    )
+    eval_dataset_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate on (None: the held-out one: test for fictional_kb, "
+                                "validation for triviaqa). Tune nothing on it."}
+    )
+    eval_max_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many questions (None: all). Each is one greedy "
+                                "episode, or num_generations_eval sampled ones (pass@k)."}
+    )
+    save_rollouts_steps: int = field(
+        default=0, metadata={"help": "Write every N-th rollout to <output_dir>/rollouts/step-<step>.jsonl, and every "
+                             "evaluation to eval-step-<step>.jsonl, for scripts/view_rollouts.py (0: off)."}
     )
     tools: list[str] = field(
         default_factory=lambda: ["search"], metadata={"help": "Tool names from tools/ (search, wiki_search) or "
@@ -137,11 +159,26 @@ class MTGRPOScriptArguments:
     # MT-GRPO
     advantage_mode: str = field(
         default="mt_grpo",
-        metadata={"help": "mt_grpo (turn-level credit) | outcome_only (the paper's GRPO-OR) | merged (GRPO-MR: "
-                  "one advantage from R_T + R_O)."},
+        metadata={"help": "mt_grpo (the paper: turn credit for the first turn) | per_turn (turn credit for every "
+                  "tool turn, from per-turn rewards) | outcome_only (the paper's GRPO-OR) | merged (GRPO-MR: one "
+                  "advantage from R_T + R_O)."},
     )
     turn_advantage_coef: float = field(
-        default=1.0, metadata={"help": "Weight of A_T on tokens before the first <result> (paper: 1.0)."}
+        default=1.0, metadata={"help": "Weight of A_T on the tokens of the turn it credits (paper: 1.0)."}
+    )
+    turn_normalization: str = field(
+        default="pooled",
+        metadata={"help": "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the group (pooled) or "
+                  "over the group's samples that have a turn k (by_turn_index; biased when the policy chooses how "
+                  "many turns to take, see README)."},
+    )
+    turn_credit_discount: float = field(
+        default=0.0, metadata={"help": "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) of its later tool turns "
+                               "(0: each turn its own credit only)."}
+    )
+    mask_zero_advantage_groups: bool = field(
+        default=True, metadata={"help": "Groups whose advantages are all 0 (equal rewards) leave the loss and its "
+                                "normaliser, so they do not dilute the gradient of informative groups (dapo, bnpo)."}
     )
     # Episode limits
     max_env_steps: int = field(
@@ -219,6 +256,7 @@ class MTGRPOScriptArguments:
                 raise ValueError(f"`{name}` is {getattr(self, name)!r}; choose one of {list(choices)}.")
 
         check_choice("advantage_mode", ADVANTAGE_MODES)
+        check_choice("turn_normalization", TURN_NORMALIZATIONS)
         check_choice("generation_backend", BACKENDS)
         check_choice("tokenization_check", TOKENIZATION_CHECKS)
         check_choice("weight_sync", WEIGHT_SYNCS)
@@ -232,7 +270,9 @@ class MTGRPOScriptArguments:
                 )
         if self.advantage_mode != "outcome_only" and not self.outcome_reward_funcs and not self.turn_reward_funcs:
             raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
-        if not self.turn_reward_funcs and self.advantage_mode == "mt_grpo" and self.turn_advantage_coef != 0:
+        if not 0.0 <= self.turn_credit_discount <= 1.0:
+            raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {self.turn_credit_discount}.")
+        if not self.turn_reward_funcs and self.advantage_mode in ("mt_grpo", "per_turn") and self.turn_advantage_coef != 0:
             raise ValueError(
                 f"`turn_advantage_coef` is {self.turn_advantage_coef} but `turn_reward_funcs` is empty, so A_T would "
                 "always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
@@ -244,6 +284,10 @@ class MTGRPOScriptArguments:
         for name in ("tool_timeout", "vllm_request_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}.")
+        if not 0.0 <= self.kb_multi_hop <= 1.0:
+            raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {self.kb_multi_hop}.")
+        if self.save_rollouts_steps < 0:
+            raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, got {self.save_rollouts_steps}.")
 
 
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
@@ -1150,27 +1194,46 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
 # ------------------------------------------------------------------------------------------------
 # 4. Rewards and advantages (pure functions; tests import them)
 # ------------------------------------------------------------------------------------------------
-def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict) -> torch.Tensor:
-    """(B, F) rewards, each function called once for the whole batch. None -> NaN ("not applicable");
-    a real NaN or inf, a wrong count, or an exception is an error naming the function and sample."""
-    out = torch.full((len(prompts), len(funcs)), float("nan"))
+def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
+                             tool_turns: list[int] | None = None, max_turns: int = 1) -> torch.Tensor:
+    """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
+    each sample) (B, F, max_turns). A per-turn function (`fn.per_turn`, rewards/conversation.py)
+    returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
+    fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
+    error naming the function and sample."""
+    B = len(prompts)
+    out = torch.full((B, len(funcs), max_turns), float("nan"))
     for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
+        per_turn = getattr(fn, "per_turn", False) is True
+        if per_turn and tool_turns is None:
+            raise ValueError(f"Reward function '{name}' is per-turn (@per_turn): list it in `turn_reward_funcs`.")
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
         except Exception as e:
             raise RuntimeError(f"Reward function '{name}' raised on sample {_failing_sample(fn, prompts, completions, columns)}: "
                                f"{type(e).__name__}: {e}") from e
-        if len(values) != len(prompts):
-            raise ValueError(f"Reward function '{name}' returned {len(values)} values for {len(prompts)} samples.")
+        if len(values) != B:
+            raise ValueError(f"Reward function '{name}' returned {len(values)} values for {B} samples.")
         for i, v in enumerate(values):
-            if v is None:
-                continue
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
-                                 "numbers, or None for 'not applicable'.")
-            out[i, f] = float(v)
-    return out
+            if per_turn:
+                if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
+                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, which has "
+                                     f"{tool_turns[i]} tool turns: return one value (or None) per tool turn.")
+                for k, x in enumerate(v[:max_turns]):
+                    out[i, f, k] = _reward_value(name, i, x)
+            else:
+                out[i, f, 0] = _reward_value(name, i, v)
+    return out if tool_turns is not None else out[:, :, 0]
+
+
+def _reward_value(name: str, i: int, v) -> float:
+    if v is None:
+        return float("nan")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite numbers, "
+                         "or None for 'not applicable'.")
+    return float(v)
 
 
 def _failing_sample(fn, prompts, completions, columns) -> str:
@@ -1184,8 +1247,10 @@ def _failing_sample(fn, prompts, completions, columns) -> str:
 
 
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(B, F) -> (B,). NaN entries (None) are left out of the sum; a row that is all NaN stays NaN."""
-    total = (rewards_per_func * weights).nansum(dim=1)
+    """(B, F) -> (B,), or per turn (B, F, K) -> (B, K). NaN entries (None) are left out of the sum; an
+    entry whose functions are all NaN stays NaN."""
+    w = weights.view(1, -1, *([1] * (rewards_per_func.dim() - 2)))
+    total = (rewards_per_func * w).nansum(dim=1)
     total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
     return total
 
@@ -1217,37 +1282,62 @@ def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "g
 @dataclass
 class Advantages:
     tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
-    turn: torch.Tensor  # (B,) A_T of every sample of the generation batch
+    turn: torch.Tensor  # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
     outcome: torch.Tensor  # (B,) A_O
     informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
 
 
+def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str, scale_rewards: str) -> torch.Tensor:
+    """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is
+    normalised over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of
+    the group."""
+    B, K = R_T.shape
+    if normalization == "by_turn_index":
+        return torch.stack([group_normalize(R_T[:, k], group_size, scale_rewards) for k in range(K)], dim=1)
+    return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
+
+
 def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int, mode: str,
-                       turn_advantage_coef: float, scale_rewards: str = "group",
-                       local: slice = slice(None)) -> Advantages:
-    """The algorithm. R_T, R_O: (B,) rewards of the whole generation batch (NaN: not applicable);
-    token_turns: (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is
-    everything before the first <result>; -1 is padding); `local` picks this process's rows of B.
-        mt_grpo       A_O + coef * A_T on turn 0, A_O after it
+                       turn_advantage_coef: float, scale_rewards: str = "group", local: slice = slice(None),
+                       turn_normalization: str = "pooled", turn_credit_discount: float = 0.0) -> Advantages:
+    """The algorithm. R_T: (B, K) turn rewards of the whole generation batch, one column per tool turn
+    (K = 1: the episode's turn reward; NaN: not applicable or no such turn); R_O: (B,); token_turns:
+    (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is everything
+    before the first <result>; -1 for environment tokens and padding); `local` picks this process's rows.
+        mt_grpo       A_O + coef * A_T on turn 0, A_O after it (the paper)
+        per_turn      A_O + coef * C(k) on the model turn that made tool turn k, where
+                      C(k) = sum_{j >= k} gamma^(j-k) A_T(j); the final turn gets A_O
         outcome_only  A_O everywhere (GRPO-OR)
         merged        the advantage of R_T + R_O everywhere (GRPO-MR)"""
-    A_T = group_normalize(R_T, group_size, scale_rewards)
+    if R_T.dim() == 1:
+        R_T = R_T[:, None]
     A_O = group_normalize(R_O, group_size, scale_rewards)
-    if mode == "mt_grpo":
-        first = (token_turns == 0).float()  # (B_local, T)
-        tokens = A_O[local, None] + turn_advantage_coef * A_T[local, None] * first
-        signal = A_O.abs() + A_T.abs() * (turn_advantage_coef != 0)
-    elif mode == "outcome_only":
-        tokens = A_O[local, None].expand_as(token_turns).clone()
-        signal = A_O.abs()
-    elif mode == "merged":
-        both_nan = torch.isnan(R_T) & torch.isnan(R_O)
-        A_M = group_normalize(torch.where(both_nan, float("nan"), R_T.nan_to_num() + R_O.nan_to_num()), group_size,
-                              scale_rewards)
-        tokens = A_M[local, None].expand_as(token_turns).clone()
-        signal = A_M.abs()
+    if mode == "per_turn":
+        A_T = torch.nan_to_num(turn_advantages(R_T, group_size, turn_normalization, scale_rewards), nan=0.0)
+        credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)  # the column past the last turn: no later turns
+        for k in reversed(range(A_T.shape[1])):
+            credit[:, k] = A_T[:, k] + turn_credit_discount * credit[:, k + 1]
+        local_credit = credit[local].gather(1, token_turns.clamp(0, A_T.shape[1]).to(credit.device))  # (B_local, T)
+        tokens = A_O[local, None] + turn_advantage_coef * local_credit * (token_turns >= 0)
+        signal = A_O.abs() + A_T.abs().amax(dim=1) * (turn_advantage_coef != 0)
     else:
-        raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
+        A_T = group_normalize(R_T[:, 0], group_size, scale_rewards)[:, None]  # (B, 1)
+        if mode == "mt_grpo":
+            first = (token_turns == 0).float()  # (B_local, T)
+            tokens = A_O[local, None] + turn_advantage_coef * A_T[local] * first
+            signal = A_O.abs() + A_T[:, 0].abs() * (turn_advantage_coef != 0)
+        elif mode == "outcome_only":
+            tokens = A_O[local, None].expand_as(token_turns).clone()
+            signal = A_O.abs()
+        elif mode == "merged":
+            R_T0 = R_T[:, 0]
+            both_nan = torch.isnan(R_T0) & torch.isnan(R_O)
+            A_M = group_normalize(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()), group_size,
+                                  scale_rewards)
+            tokens = A_M[local, None].expand_as(token_turns).clone()
+            signal = A_M.abs()
+        else:
+            raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
     informative = (signal.view(-1, group_size).amax(dim=1) > 0).repeat_interleave(group_size)
     return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
 
@@ -1290,9 +1380,9 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
 
-    turn_per_func: torch.Tensor  # (B, F_turn)
+    turn_per_func: torch.Tensor  # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
     outcome_per_func: torch.Tensor  # (B, F_outcome)
-    R_T: torch.Tensor  # (B,) weighted turn reward
+    R_T: torch.Tensor  # (B, K) weighted turn reward (NaN: not applicable, or no such tool turn)
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
@@ -1301,11 +1391,11 @@ class MTGRPOEnvTrainer(GRPOTrainer):
 
     def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
-                 train_dataset=None, processing_class=None, peft_config=None, callbacks=None):
+                 train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None, callbacks=None):
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
-                         train_dataset=train_dataset, processing_class=processing_class, peft_config=peft_config,
-                         callbacks=callbacks)
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                         peft_config=peft_config, callbacks=callbacks)
         self.env = env
         self.backend = backend
         self.script_args = script_args
@@ -1314,6 +1404,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self.turn_weights = reward_weights(script_args.turn_reward_weights, turn_reward_funcs)
         self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
         self._synced_step = -1
+        self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         check_distributed_generation(backend, self.accelerator, args)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
@@ -1324,9 +1415,10 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         episodes, seconds = self._roll_out(prompts)  # 2. multi-turn episodes
         batch = self._tensors(episodes)  # 3. padded ids and masks, old and reference logprobs
         scores = self._score(prompts, episodes, inputs)  # 4. turn and outcome rewards of all processes
-        adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages (mt_grpo_advantages)
-        self._correct_for_sampler(batch, mode)  # 6. importance weights of an external sampler
+        adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages; groups without signal masked
+        weights = self._correct_for_sampler(batch, mode)  # 6. importance weights of an external sampler
         self._log(mode, prompts, episodes, scores, adv, seconds)  # 7. metrics and the completions table
+        self._record_rollout(inputs, episodes, scores, adv, batch, weights)  # 8. rollouts/step-N.jsonl
         batch.pop("token_turns")
         return batch
 
@@ -1353,8 +1445,6 @@ class MTGRPOEnvTrainer(GRPOTrainer):
                              self.pad_to_multiple_of)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         batch["sampling_per_token_logps"] = batch.pop("sampler_logps")  # TRL's name (off-policy masking reads it)
-        loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         self._add_old_and_ref_logps(batch)
         return batch
 
@@ -1387,27 +1477,40 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         device = self.accelerator.device
         completions = [ep.messages for ep in episodes]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
-        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns).to(device))
+        tool_turns = [ep.tool_turns for ep in episodes]
+        K = self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1
+        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns, tool_turns, K).to(device))
         outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions, columns).to(device))
-        R_T = weighted_reward(turn, self.turn_weights.to(device)) if self.turn_reward_funcs else torch.zeros(len(turn), device=device)
-        R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else torch.zeros_like(R_T)
+        R_T = weighted_reward(turn, self.turn_weights.to(device)) if self.turn_reward_funcs else \
+            torch.zeros(len(turn), K, device=device)
+        if K > 1:  # per_turn: a column is a tool turn, and a sample has as many as it took
+            taken = gather(torch.tensor(tool_turns, device=device))
+            R_T[torch.arange(K, device=device)[None, :] >= taken[:, None]] = float("nan")
+        R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else \
+            torch.zeros(len(R_T), device=device)
         return Scores(turn_per_func=turn, outcome_per_func=outcome, R_T=R_T, R_O=R_O)
 
     def _advantages(self, scores: Scores, batch: dict, mode: str) -> Advantages:
-        """Normalised over the whole generation batch; this process keeps the per-token advantages of its rows."""
-        B = len(batch["completion_ids"])
-        rank = self.accelerator.process_index
-        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode),
-                                 self.script_args.advantage_mode, self.script_args.turn_advantage_coef,
-                                 self.args.scale_rewards, local=slice(rank * B, (rank + 1) * B))
+        """Normalised over the whole generation batch; this process keeps the per-token advantages of its
+        rows. Groups without signal leave the loss and its normaliser (mask_zero_advantage_groups)."""
+        B, rank, sa = len(batch["completion_ids"]), self.accelerator.process_index, self.script_args
+        local = slice(rank * B, (rank + 1) * B)
+        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode), sa.advantage_mode,
+                                 sa.turn_advantage_coef, self.args.scale_rewards, local=local,
+                                 turn_normalization=sa.turn_normalization, turn_credit_discount=sa.turn_credit_discount)
         batch["advantages"] = adv.tokens
+        if sa.mask_zero_advantage_groups:
+            batch["tool_mask"] = batch["tool_mask"] * adv.informative[local, None].to(batch["tool_mask"].dtype)
+        loss_mask = batch["completion_mask"] * batch["tool_mask"]
+        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return adv
 
-    def _correct_for_sampler(self, batch: dict, mode: str) -> None:
+    def _correct_for_sampler(self, batch: dict, mode: str) -> torch.Tensor | None:
         """Scale the advantages by the importance weights of an external sampler (vLLM), as TRL's
-        `vllm_importance_sampling_*` fields say; log the trainer-vs-sampler mismatch per turn."""
+        `vllm_importance_sampling_*` fields say; log the trainer-vs-sampler mismatch per turn. Returns
+        the (B, T) weights, or None when there is no correction."""
         if not self._corrects_sampler():
-            return
+            return None
         old, sampler = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
         loss_mask = batch["completion_mask"] * batch["tool_mask"]
         weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
@@ -1419,6 +1522,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         first = (batch["token_turns"] == 0).long()
         m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
         m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
+        return weights
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
@@ -1438,7 +1542,9 @@ class MTGRPOEnvTrainer(GRPOTrainer):
                 m[f"rewards/{kind}/{fn.__name__}"].append(torch.nanmean(rpf[:, i]).item())
         for kind, R, A in (("turn", scores.R_T, adv.turn), ("outcome", scores.R_O, adv.outcome)):
             m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
-            m[f"rewards/{kind}/frac_zero_std_groups"].append((A.view(-1, G) == 0).all(dim=1).float().mean().item())
+            groups = A.reshape(A.shape[0] // G, -1)  # (groups, G * K): rows are group-major
+            m[f"rewards/{kind}/frac_zero_std_groups"].append((groups == 0).all(dim=1).float().mean().item())
+        m["rewards/frac_zero_signal_groups"].append(1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
         stats = gather(episode_stats(episodes).to(self.accelerator.device))  # one gather, never one per episode
         for name, value in rollout_metrics(stats).items():
             m[name].append(value)
@@ -1455,10 +1561,124 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
         self._logs["prompt"].extend(gather_object(prompts))
         self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
-        per_func = torch.cat([scores.turn_per_func, scores.outcome_per_func], dim=1)
+        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func], dim=1)  # (B, F)
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(per_func[:, i].tolist())
         self._logs["advantages"].extend(adv.outcome.tolist())
+
+
+    # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
+    def _record_rollout(self, inputs: list[dict], episodes: list[Episode], scores: Scores, adv: Advantages,
+                        batch: dict, weights: torch.Tensor | None) -> None:
+        every = self.script_args.save_rollouts_steps
+        self._rollouts += 1
+        if not every or (self._rollouts - 1) % every:
+            return
+        B, rank = len(episodes), self.accelerator.process_index
+        local = slice(rank * B, (rank + 1) * B)
+        records = episode_records(
+            self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
+            policy_version=self.state.global_step, first_index=rank * B, group_size=self.num_generations,
+            rewards=self._rewards_by_name(scores, local, episodes), R_T=scores.R_T[local], R_O=scores.R_O[local],
+            A_T=adv.turn[local], A_O=adv.outcome[local],
+            token_values={"advantage": batch["advantages"], "trainer_logprob": batch.get("old_per_token_logps"),
+                          "is_weight": weights},
+        )
+        self._write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
+
+    def _rewards_by_name(self, scores: Scores, rows: slice, episodes: list[Episode]) -> dict[str, dict[str, list]]:
+        """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
+        turn = {fn.__name__: [r[:ep.tool_turns] for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
+                if getattr(fn, "per_turn", False) else scores.turn_per_func[rows, i, 0].tolist()
+                for i, fn in enumerate(self.turn_reward_funcs)}
+        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist() for i, fn in enumerate(self.outcome_reward_funcs)}
+        return {"turn": turn, "outcome": outcome}
+
+    def _write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
+        """Gather every process's records; the main process writes them as JSONL. Returns the path."""
+        records = gather_object(records) if self.accelerator.num_processes > 1 else records
+        path = os.path.join(folder or os.path.join(self.args.output_dir, "rollouts"), name)
+        if self.accelerator.is_main_process:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                for record in records:
+                    f.write(json.dumps(record) + "\n")
+        return path
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict[str, float]:
+        """Multi-turn episodes on the eval set with no gradient, logged as `eval/...` metrics; what
+        `eval_strategy` runs. Replaces TRL's evaluation loop, which scores single-turn completions."""
+        metrics, records = self.run_evaluation(eval_dataset)
+        if self.script_args.save_rollouts_steps:
+            self._write_records(f"eval-step-{self.state.global_step:06d}.jsonl", records)
+        # transformers' log, not TRL's: TRL's would merge (and clear) the training metrics gathered so far
+        super(GRPOTrainer, self).log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
+        """(metrics, per-episode records) on `dataset` (default: the eval set). Greedy decoding, one
+        episode per question, unless `num_generations_eval` k > 1: then k episodes sampled as in
+        training, and pass@k. Questions are spread over the processes; every process gets the metrics."""
+        from rewards.triviaqa_reward import exact_match_reward_func, exist_answer_in_search_results
+
+        dataset = self.eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ValueError("No evaluation set: set `eval_strategy: steps` (with `eval_steps`) so that the trainer "
+                             "loads one, or pass a dataset.")
+        k = self.args.num_generations_eval or 1
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._sync_weights()  # the vLLM server evaluates the current policy
+            inputs, episodes = self._eval_episodes(dataset, k)
+        finally:
+            self.model.train(was_training)
+        completions = [ep.messages for ep in episodes]
+        columns = {key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")} if inputs else {}
+        turn = compute_rewards_per_func(self.turn_reward_funcs, [x["prompt"] for x in inputs], completions, columns,
+                                        [ep.tool_turns for ep in episodes], self.script_args.max_env_steps)
+        outcome = compute_rewards_per_func(self.outcome_reward_funcs, [x["prompt"] for x in inputs], completions, columns)
+        answers = columns.get("answer", [[]] * len(inputs))
+        exact = exact_match_reward_func([], completions, answers) if inputs else []
+        hit = exist_answer_in_search_results([], completions, answers) if inputs else []
+        results = [{"question": x["row"], "exact_match": exact[i] == 1.0, "first_search_hit": hit[i] > 0,
+                    "answered": ep.stop_reason == "answer", "tool_calls": len(ep.calls), "tool_failures": ep.tool_failures,
+                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(turn[i, f]) for f, fn in enumerate(self.turn_reward_funcs)},
+                                **{f"outcome/{fn.__name__}": outcome[i, f].item()
+                                   for f, fn in enumerate(self.outcome_reward_funcs)}}}
+                   for i, (x, ep) in enumerate(zip(inputs, episodes))]
+        all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
+        rows = slice(0, len(episodes))
+        records = episode_records(
+            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
+            policy_version=self.state.global_step, first_index=0, group_size=k,
+            rewards={"turn": {fn.__name__: [r[:n] for r, n in zip(turn[rows, i].tolist(), (e.tool_turns for e in episodes))]
+                              if getattr(fn, "per_turn", False) else turn[rows, i, 0].tolist()
+                              for i, fn in enumerate(self.turn_reward_funcs)},
+                     "outcome": {fn.__name__: outcome[rows, i].tolist() for i, fn in enumerate(self.outcome_reward_funcs)}},
+            token_values={},
+        )
+        for record, result in zip(records, results):
+            record["group"] = result["question"]  # the question's row in the eval set
+        return eval_metrics(all_results, k), records
+
+    def _eval_episodes(self, dataset, k: int) -> tuple[list[dict], list[Episode]]:
+        """This process's questions (every world_size-th row), k episodes each, in rollouts of at most
+        per_device_eval_batch_size episodes. Every process runs the same number of rollouts (some may be
+        empty), as lock-step generation needs."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = [{**dataset[i], "row": i} for i in range(rank, len(dataset), world)]
+        inputs = [row for row in rows for _ in range(k)]
+        per_rollout = max(k, self.args.per_device_eval_batch_size // k * k)
+        rollouts = math.ceil(math.ceil(len(dataset) / world) * k / per_rollout)
+        params = GREEDY if k == 1 else None  # None: the training sampling parameters
+        episodes = []
+        for r in range(rollouts):
+            chunk = inputs[r * per_rollout : (r + 1) * per_rollout]
+            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params)
+        return inputs, episodes
 
 
 def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.Tensor:
@@ -1498,6 +1718,89 @@ def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
     for i, reason in enumerate(STOP_REASONS):
         out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
     return out
+
+
+def _number(x) -> float | None:
+    """A JSON-friendly reward: NaN ("not applicable") becomes None."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    return torch.nanmean(x).item() if not torch.isnan(x).all() else float("nan")
+
+
+def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
+    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list (one value per
+    tool turn the episode took); None when absent."""
+    if values is None:
+        return None
+    row = values[i].reshape(-1).tolist()
+    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:tool_turns]]
+
+
+def episode_records(tokenizer, episodes: list[Episode], inputs: list[dict], *, step: int, mode: str,
+                    policy_version: int, first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
+                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None) -> list[dict]:
+    """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (README: "Looking at
+    rollouts"): the turns, every completion token with its mask and per-token values, rewards,
+    advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
+    records = []
+    for i, (ep, row) in enumerate(zip(episodes, inputs)):
+        n = len(ep.completion_ids)
+        turns, model_turn = [], -1
+        for span in ep.spans:
+            turn = {"role": span.role, "start": span.start, "end": span.end,
+                    "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
+            if span.role == "model":
+                model_turn += 1
+            else:
+                turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
+            turns.append(turn)
+        tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
+                  "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}
+        for name, values in token_values.items():
+            tokens[name] = None if values is None else values[i, :n].tolist()
+        k = first_index + i
+        records.append({
+            "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
+            "policy_version": policy_version, "question": row.get("question"), "answer": row.get("answer"),
+            "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
+            "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
+                               for name, v in funcs.items()} for kind, funcs in rewards.items()},
+            "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
+            "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
+            "first_result": result_start(ep.spans, n), "stop_reason": ep.stop_reason,
+            "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
+                           for c in ep.calls],
+        })
+    return records
+
+
+def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
+    """`eval/...` metrics from one dict per episode (question row, exact_match, first_search_hit,
+    answered, tool_calls, tool_failures, rewards). With k episodes per question, pass@k is the share of
+    questions with at least one exact match."""
+    if not results:
+        return {}
+    mean = lambda key: sum(float(r[key]) for r in results) / len(results)  # noqa: E731
+    calls = sum(r["tool_calls"] for r in results)
+    metrics = {
+        "eval/exact_match": mean("exact_match"),
+        "eval/answered_ratio": mean("answered"),
+        "eval/tool_calls_per_episode": mean("tool_calls"),
+        "eval/tool_success_rate": 1 - sum(r["tool_failures"] for r in results) / calls if calls else float("nan"),
+        "eval/first_search_hit": mean("first_search_hit"),
+        "eval/episodes": float(len(results)),
+    }
+    if k > 1:
+        solved: dict[int, bool] = {}
+        for r in results:
+            solved[r["question"]] = solved.get(r["question"], False) or r["exact_match"]
+        metrics[f"eval/pass@{k}"] = sum(solved.values()) / len(solved)
+    for name in results[0]["rewards"]:
+        values = [r["rewards"][name] for r in results if not math.isnan(r["rewards"][name])]
+        metrics[f"eval/rewards/{name}"] = sum(values) / len(values) if values else float("nan")
+    return metrics
 
 
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
@@ -1571,6 +1874,25 @@ def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, tas
     return dataset
 
 
+HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation"}
+
+
+def load_eval_task(script_args: MTGRPOScriptArguments, load_task: Callable):
+    """The eval set: `eval_dataset_name` (default: the training dataset) at `eval_dataset_split`
+    (default: the task's held-out split). It must not be the training split of the training set."""
+    name = script_args.eval_dataset_name or script_args.dataset_name
+    # a local file has one split, "train": another file is held out as a whole
+    split = script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name) or ("train" if name != script_args.dataset_name else None)
+    if split is None:
+        raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set `eval_dataset_name` "
+                         "to another file (and `eval_dataset_split`), or turn evaluation off (`eval_strategy: no`).")
+    if name == script_args.dataset_name and split == script_args.dataset_split:
+        raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set `eval_dataset_split` "
+                         "(or `eval_dataset_name`) to held-out data.")
+    return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
+                     script_args.kb_multi_hop)
+
+
 def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
     """Each reward's required keyword arguments must be dataset columns."""
     for fn in funcs:
@@ -1635,10 +1957,11 @@ def parse_args(argv: list[str] | None = None):
         raise
 
 
-def build_trainer(argv: list[str] | None = None, backend_factory: Callable | None = None) -> MTGRPOEnvTrainer:
+def build_trainer(argv: list[str] | None = None, backend_factory: Callable | None = None,
+                  evaluation: bool = False) -> MTGRPOEnvTrainer:
     """Everything but training: parse and check the recipe, load task, tools, rewards, tokenizer, env,
     backend and trainer. `backend_factory(env)` replaces the recipe's generation backend (tests use a
-    scripted one)."""
+    scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
     script_args, training_args, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_trl()
@@ -1655,7 +1978,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     turn_funcs = [get_reward_func(n) for n in script_args.turn_reward_funcs]
     outcome_funcs = [get_reward_func(n) for n in script_args.outcome_reward_funcs]
     task = load_task(script_args.dataset_name, script_args.dataset_split, script_args.max_samples,
-                     script_args.corpus_path, script_args.kb_seed)
+                     script_args.corpus_path, script_args.kb_seed, script_args.kb_multi_hop)
     if task.num_skipped:
         logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped, "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
@@ -1674,6 +1997,12 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs, eos_token_ids=eos_ids,
     )
     dataset = build_dataset(script_args, env, task)
+    eval_dataset = None
+    if evaluation or training_args.eval_strategy != "no":
+        eval_task = load_eval_task(script_args, load_task)
+        check_reward_columns(turn_funcs + outcome_funcs, eval_task.dataset.column_names)
+        eval_dataset = build_dataset(script_args, env, eval_task)
+        training_args.eval_on_start = training_args.eval_strategy != "no"  # every curve starts at the untrained model
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
                                        "attn_implementation": model_args.attn_implementation,
                                        "revision": model_args.model_revision}
@@ -1681,7 +2010,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         model=model_args.model_name_or_path, env=env,
         backend=backend_factory(env) if backend_factory else make_backend(script_args, training_args, env, eos_ids),
         turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs, args=training_args, script_args=script_args,
-        train_dataset=dataset, processing_class=tokenizer, peft_config=get_peft_config(model_args),
+        train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=get_peft_config(model_args),
         callbacks=[StepPrinter()],
     )
     trainer.add_callback(GracefulStop(trainer))

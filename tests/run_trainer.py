@@ -5,6 +5,9 @@ launch` can start it on several processes:
         one generation batch through the trainer's scoring path, with a scripted policy; process r
         rolls out the groups of the dataset rows listed for it in SCRIPT.json; writes OUT_DIR/rank-r.json
         (advantages, loss mask, rounds run, generate calls)
+    python tests/run_trainer.py eval SCRIPT.json OUT_DIR <trainer flags>
+        evaluation (run_evaluation) with the scripted policy; writes OUT_DIR/metrics.json (main process)
+        and OUT_DIR/rank-r.json (this process's records and rounds)
     python tests/run_trainer.py stale <trainer flags>
         trains against the recipe's vLLM server with the weight reload skipped on purpose after the
         first sync (the server keeps the weights it had at the start)
@@ -38,6 +41,21 @@ def score(script_path: str, out_dir: str, flags: list[str]) -> None:
                    "generate_calls": backend.policy.calls}, f)
 
 
+def evaluate(script_path: str, out_dir: str, flags: list[str]) -> None:
+    with open(script_path) as f:
+        spec = json.load(f)
+    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, spec["script"]),
+                            evaluation=True)
+    metrics, records = trainer.run_evaluation()
+    os.makedirs(out_dir, exist_ok=True)
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump({"records": records, "rounds": trainer.backend.rounds}, f)
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f)
+
+
 def stale(flags: list[str]) -> None:
     trainer = build_trainer(flags)
     client = trainer.backend
@@ -57,6 +75,8 @@ def stale(flags: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "score":
         score(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "eval":
+        evaluate(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "stale":
         stale(sys.argv[2:])
     else:

@@ -84,7 +84,7 @@ ROWS = turns([Span("model", 0, 3), Span("env", 3, 5), Span("model", 5, 6)],  # a
 def test_mt_grpo_gives_turn_credit_before_the_first_result_only():
     adv = mt_grpo_advantages(R_T, R_O, ROWS, group_size=2, mode="mt_grpo", turn_advantage_coef=0.5)
     assert adv.outcome.tolist() == pytest.approx([S, -S, -S, S])
-    assert adv.turn.tolist() == pytest.approx([S, -S, 0.0, 0.0])
+    assert adv.turn[:, 0].tolist() == pytest.approx([S, -S, 0.0, 0.0])
     assert adv.tokens[0].tolist() == pytest.approx([S + 0.5 * S] * 3 + [S] * 3)
     assert adv.tokens[1].tolist() == pytest.approx([-S - 0.5 * S] * 6)
     assert adv.tokens[3].tolist() == pytest.approx([S] * 6)  # A_T = 0 in its group
@@ -137,7 +137,7 @@ def test_end_to_end_group_of_four_by_hand():
     mean_t = 0.4
     std_t = math.sqrt(((0.3) ** 2 * 2 + 0.2**2 + 0.4**2) / 3)
     A_T = [(r - mean_t) / std_t for r in R_T.tolist()]
-    assert adv.turn.tolist() == pytest.approx(A_T)
+    assert adv.turn[:, 0].tolist() == pytest.approx(A_T)
     assert adv.tokens[0].tolist() == pytest.approx([1.5 + A_T[0], 1.5, 1.5])
     assert adv.tokens[3].tolist() == pytest.approx([-0.5 + A_T[3]] * 3)
 
@@ -211,3 +211,77 @@ def test_probe_verdict(ours, reference, theirs, noise, verdict, verified):
     assert (verdict in error) and (bool(error) == bool(verdict))
     assert ok == verified
     assert metrics["sync/probe_max_abs_logprob_diff"] == pytest.approx((theirs - ours).abs().max().item())
+
+
+# ---- per_turn: one group of four, up to two tool turns each (NaN: no such turn, or a None reward)
+#   s0: two tool turns, R_T (0.2, 0.5), R_O 1      s1: one tool turn, R_T (0.0, -), R_O 0
+#   s2: no tool call,   R_T (-, -),     R_O 0      s3: two tool turns, R_T (None, 0.1), R_O 1
+PT_R_T = torch.tensor([[0.2, 0.5], [0.0, NAN], [NAN, NAN], [NAN, 0.1]])
+PT_R_O = torch.tensor([1.0, 0.0, 0.0, 1.0])
+PT_ROWS = turns([Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3), Span("env", 3, 4), Span("model", 4, 5)],
+                [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)],
+                [Span("model", 0, 2)],
+                [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3), Span("env", 3, 4), Span("model", 4, 5)],
+                length=5)
+A_O4 = 0.5 / math.sqrt(1 / 3)  # R_O mean 0.5, sample std sqrt(4 * 0.25 / 3)
+# pooled over the group's four valid (sample, turn) values 0.2 0.5 0.0 0.1: mean 0.2, sample std sqrt(0.14 / 3)
+P = math.sqrt(0.14 / 3)
+POOLED = [[0.0, 0.3 / P], [-0.2 / P, 0.0], [0.0, 0.0], [0.0, -0.1 / P]]
+# by turn index: turn 0 over s0, s1 (0.2, 0.0); turn 1 over s0, s3 (0.5, 0.1): each +-1/sqrt(2)
+BY_INDEX = [[S, S], [-S, 0.0], [0.0, 0.0], [0.0, -S]]
+
+
+@pytest.mark.parametrize("normalization, A_T", [("pooled", POOLED), ("by_turn_index", BY_INDEX)])
+def test_per_turn_credit_by_hand(normalization, A_T):
+    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, 4, "per_turn", 0.5, turn_normalization=normalization)
+    assert torch.allclose(adv.turn, torch.tensor(A_T), atol=1e-6)
+    A_O = [A_O4, -A_O4, -A_O4, A_O4]
+    env = None  # env tokens: A_O (masked in the loss anyway)
+    expected = [
+        [A_O[0] + 0.5 * A_T[0][0], env, A_O[0] + 0.5 * A_T[0][1], env, A_O[0]],  # the answer turn gets A_O
+        [A_O[1] + 0.5 * A_T[1][0], env, A_O[1], A_O[1], A_O[1]],  # padded after its answer
+        [A_O[2]] * 5,  # no tool call: all of it is the final turn
+        [A_O[3] + 0.5 * A_T[3][0], env, A_O[3] + 0.5 * A_T[3][1], env, A_O[3]],
+    ]
+    for row, values in zip(adv.tokens.tolist(), expected):
+        for got, want in zip(row, values):
+            if want is not None:
+                assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_per_turn_discount_adds_the_later_turns_credit():
+    g = 0.5
+    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, 4, "per_turn", 1.0, turn_credit_discount=g)
+    A = POOLED
+    assert adv.tokens[0, 0].item() == pytest.approx(A_O4 + A[0][0] + g * A[0][1])
+    assert adv.tokens[0, 2].item() == pytest.approx(A_O4 + A[0][1])  # the last tool turn: its own credit
+    assert adv.tokens[0, 4].item() == pytest.approx(A_O4)  # the answer turn
+    assert adv.tokens[3, 0].item() == pytest.approx(A_O4 + 0.0 + g * A[3][1])  # a None reward credits 0 itself
+
+
+def test_per_turn_rewards_fill_one_column_per_tool_turn():
+    from rewards import per_turn
+
+    @per_turn
+    def each_turn(prompts, completions, **kwargs):
+        return [[0.5] * n for n in (2, 1, 0)]
+
+    def first_turn(prompts, completions, **kwargs):
+        return [1.0, None, 0.0]
+
+    out = compute_rewards_per_func([each_turn, first_turn], ["p"] * 3, [[]] * 3, {}, tool_turns=[2, 1, 0], max_turns=2)
+    assert out.shape == (3, 2, 2)
+    assert out[:, 0].tolist()[0] == [0.5, 0.5] and out[1, 0, 0] == 0.5 and torch.isnan(out[1, 0, 1])
+    assert torch.isnan(out[2, 0]).all()
+    assert out[0, 1, 0] == 1.0 and torch.isnan(out[0, 1, 1]) and torch.isnan(out[1, 1]).all()
+
+
+def test_a_per_turn_reward_of_the_wrong_length_or_in_the_outcome_rewards_is_an_error():
+    from reward_examples import one_value_too_many
+
+    with pytest.raises(ValueError, match=r"'one_value_too_many' returned \[1.0, 1.0\] for sample 0, which has 1 tool turns"):
+        compute_rewards_per_func([one_value_too_many], ["p"], [[{"role": "assistant", "content": "x", "tool_calls": []},
+                                                               {"role": "tool", "name": "s", "content": "r"}]],
+                                 {}, tool_turns=[1], max_turns=2)
+    with pytest.raises(ValueError, match="list it in `turn_reward_funcs`"):
+        compute_rewards_per_func([one_value_too_many], ["p"], [[]], {})

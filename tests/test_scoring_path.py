@@ -90,3 +90,38 @@ def test_two_processes_score_their_local_slice_and_run_the_same_rounds(tiny_agen
     # rank 0's episodes all ended after one turn, rank 1's after three: rank 0 still joined rounds 2 and 3
     assert rank0["generate_calls"] == [[1, 4]] and rank0["rounds"] == 3
     assert rank1["generate_calls"] == [[1, 4], [4, 1], [4, 1]] and rank1["rounds"] == 3
+
+
+QC = "What is the currency of Veltria?"
+SIGNAL_SCRIPT = {QA: [[answer("Morvane")], [answer("Paris, a city far away")], [answer("Morvane")], [answer("Lyon")]],
+                 QC: [[answer("gold")]] * 4}  # all four equally wrong: no signal
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir, task_files, tmp_path, mask):
+    """dapo loss with ratio 1: -sum(A * loss mask) / (loss tokens). QA's group has signal (R_O 1 0 1 0);
+    QC's rewards are all equal, so its advantages are 0: masked, its tokens leave the denominator."""
+    from mt_grpo_trainer import build_trainer
+    from scripted_policy import ScriptedTransformersBackend
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n" + json.dumps({"question": QC, "answer": "veltrian mark"}) + "\n")
+    trainer = build_trainer(
+        ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
+         "--dataset_name", str(data), "--corpus_path", str(task_files / "corpus.jsonl"),
+         "--outcome_reward_funcs", "exact_match_reward_func", "--turn_reward_funcs", "tool_execution_reward_func",
+         "--mask_zero_advantage_groups", str(mask).lower(), "--max_completion_length", "256"],
+        backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, SIGNAL_SCRIPT))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); the test calls the loss directly
+    batch = trainer._generate_and_score_completions([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])
+    loss = trainer._compute_loss(trainer.model, batch).item()
+
+    tokenizer = trainer.processing_class
+    n = [len(tokenizer.encode(v[0], add_special_tokens=False)) for v in SIGNAL_SCRIPT[QA]]  # QA episode lengths
+    n_qc = len(tokenizer.encode(SIGNAL_SCRIPT[QC][0][0], add_special_tokens=False))
+    a = 0.5 * math.sqrt(3)  # A_O = +-a in QA's group, A_T = 0 (no tool call)
+    numerator = a * (n[0] - n[1] + n[2] - n[3])
+    denominator = sum(n) + (0 if mask else 4 * n_qc)
+    assert batch["num_items_in_batch"].item() == denominator
+    assert loss == pytest.approx(-numerator / denominator, rel=1e-5)

@@ -12,6 +12,9 @@ from helpers import RECIPE, changed_parameters, final_metrics, launch, run, smok
     ("mt_grpo", []),
     ("outcome_only", []),
     ("merged", ["--num_iterations", "2", "--beta", "0.02"]),  # old logprobs, the reference model and KL
+    ("per_turn", ["--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
+                  "repeated_query_penalty_per_turn", "--max_env_steps", "3", "--turn_credit_discount", "0.5",
+                  "--kb_multi_hop", "0.3"]),
 ])
 def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, flags):
     out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--advantage_mode", mode, *flags)
@@ -19,7 +22,8 @@ def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, fla
     assert len(steps) == 2
     # a rollout at every step, except that num_iterations 2 trains twice on each rollout
     rollout_steps = steps[::2] if "--num_iterations" in flags else steps
-    for key in ["rewards/turn/mean", "rewards/outcome/mean", "rewards/turn/tool_execution_reward_func",
+    turn_reward = "rewards/turn/tool_execution_per_turn" if mode == "per_turn" else "rewards/turn/tool_execution_reward_func"
+    for key in ["rewards/turn/mean", "rewards/outcome/mean", turn_reward, "rewards/frac_zero_signal_groups",
                 "rewards/outcome/exact_match_reward_func", "rollout/tool_calls_per_episode", "rollout/model_tokens",
                 "completions/mean_length"]:
         assert all(key in h for h in rollout_steps), key
