@@ -141,6 +141,21 @@ def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
     assert time.monotonic() - start < 600
 
 
+def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
+    """tool_format chat_template against a server of its own, serving a copy of the tiny agent whose tokenizer
+    has Qwen2.5's template and <tool_call> tokens, taught a little to call tools through them
+    (test_chat_template.make_chat_template_agent): the weights stay in sync and the tool calls are answered."""
+    from test_chat_template import CHAT_TEMPLATE_FLAGS, make_chat_template_agent
+
+    model_dir = make_chat_template_agent(tiny_agent_dir, str(tmp_path / "model"))
+    with VLLMCPUServer(model_dir, tmp_path / "server.log", max_model_len=2048) as server:
+        log, steps = train_against(server.port, model_dir, tmp_path, *CHAT_TEMPLATE_FLAGS)
+    assert "tool format: chat_template" in log
+    assert_synced_each_step(steps)
+    assert all("rewards/outcome/chat_format_reward_func" in h for h in steps)
+    assert any(h["rollout/tool_calls_per_episode"] > 0 and h["rollout/env_tokens"] > 0 for h in steps), steps
+
+
 def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
     """Runs last in this module: it kills the tied server."""
     port = tied_server.port
