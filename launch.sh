@@ -62,6 +62,8 @@ show() {  # print a command so that it can be pasted into a shell
   echo "${out[*]}"
 }
 if [ "$DRY_RUN" = 1 ]; then
+  TOOL_FORMAT=$(awk -F': *' '/^tool_format:/ {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//')
+  echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands
   echo "$(show "${VLLM_CMD[@]}") &"
   echo "# wait for http://127.0.0.1:$VLLM_PORT/health (at most ${VLLM_HEALTH_TIMEOUT}s), then:"
   show "${TRAIN_CMD[@]}"

@@ -37,6 +37,7 @@ tool protocol (tags, stop strings, parsing) is `protocol.py`, shared with the re
 
 import concurrent.futures
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -53,7 +54,8 @@ from typing import Callable
 import httpx
 import torch
 from accelerate.utils import broadcast_object_list, gather, gather_object
-from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
+from transformers import AutoTokenizer, GenerationConfig, StoppingCriteria, TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
@@ -214,6 +216,22 @@ class MTGRPOScriptArguments:
         metadata={"help": "transformers (in-process, samples from the policy; CPU demo) | vllm_server (HTTP to a "
                   "vLLM OpenAI server at vllm_server_host:vllm_server_port, or vllm_server_base_url)."},
     )
+    rollout_scheduler: str = field(
+        default="auto",
+        metadata={"help": "per_episode (each conversation takes its next turn as soon as its tool results are back; "
+                  "needs a server) | rounds (all conversations advance in lock-step; what in-process generation "
+                  "needs) | auto (per_episode for vllm_server, rounds for transformers)."},
+    )
+    async_rollout: bool = field(
+        default=False,
+        metadata={"help": "Overlap generation and training (vllm_server): while the trainer runs optimizer steps on "
+                  "one generation batch, the server samples the next with the weights of the batch before; the "
+                  "importance-sampling correction corrects for it. Prompts then come from a seeded stream."},
+    )
+    max_staleness: int = field(
+        default=1, metadata={"help": "async_rollout: generation batches the sampler runs ahead of the trainer. Only 1: "
+                             "the weights are synced between batches, never during a request."}
+    )
     vllm_request_timeout: float = field(
         default=600.0, metadata={"help": "Seconds one HTTP request to the vLLM server may take before it fails."}
     )
@@ -260,6 +278,7 @@ class MTGRPOScriptArguments:
         check_choice("generation_backend", BACKENDS)
         check_choice("tokenization_check", TOKENIZATION_CHECKS)
         check_choice("weight_sync", WEIGHT_SYNCS)
+        check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
         check_choice("tool_format", sorted(PROTOCOLS))
         for kind in ("turn", "outcome"):
             funcs, weights = getattr(self, f"{kind}_reward_funcs"), getattr(self, f"{kind}_reward_weights")
@@ -284,6 +303,15 @@ class MTGRPOScriptArguments:
         for name in ("tool_timeout", "vllm_request_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}.")
+        if self.async_rollout and self.generation_backend != "vllm_server":
+            raise ValueError("`async_rollout` overlaps a server's sampling with training: set `generation_backend: "
+                             "vllm_server`, or `async_rollout: false` (an in-process model cannot do both at once).")
+        if self.async_rollout and self.max_staleness != 1:
+            raise ValueError(f"`max_staleness` is {self.max_staleness}; only 1 is supported: the weights are synced "
+                             "between generation batches and never during a request, so one batch runs ahead at most.")
+        if self.rollout_scheduler == "per_episode" and self.generation_backend != "vllm_server":
+            raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they come "
+                             "(`generation_backend: vllm_server`); in-process generation runs in rounds.")
         if not 0.0 <= self.kb_multi_hop <= 1.0:
             raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {self.kb_multi_hop}.")
         if self.save_rollouts_steps < 0:
@@ -338,6 +366,9 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
             f"`max_tokens_per_turn` ({script_args.max_tokens_per_turn}) exceeds `max_completion_length` "
             f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
         )
+    if script_args.async_rollout and not args.vllm_importance_sampling_correction:
+        raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the importance-sampling "
+                         "correction is what corrects for that: set `vllm_importance_sampling_correction: true`.")
     if script_args.max_tool_response_tokens >= args.max_completion_length:
         raise ValueError(
             f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
@@ -416,6 +447,7 @@ class TransformersBackend:
         self.cache_implementation = cache_implementation
         self.model = None  # set by sync_weights: the (possibly wrapped) policy
         self.accelerator = None
+        self.stop = StopStringMatcher(tokenizer, stop_strings)
 
     def sync_weights(self, model, accelerator) -> dict:
         """In-process the sampler is the policy: nothing to copy, only where to find it."""
@@ -438,7 +470,7 @@ class TransformersBackend:
                                           min_p=params.min_p)
         return GenerationConfig(
             do_sample=not greedy, **sampling, repetition_penalty=params.repetition_penalty,
-            max_new_tokens=max_new_tokens, stop_strings=self.stop_strings or None,
+            max_new_tokens=max_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, output_scores=True,
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,
         )
@@ -464,9 +496,13 @@ class TransformersBackend:
             try:
                 out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                      generation_config=self.generation_config(params or self.params, max(limits)),
-                                     tokenizer=tok)
+                                     stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
             finally:
                 model.generation_config = saved
+        if device.type == "cuda":
+            # generate grows the KV cache by reallocation at every token; the caching allocator keeps the
+            # ever larger freed blocks (measured: 62 GiB held after an eval rollout of 48 SmolLM2 episodes)
+            torch.cuda.empty_cache()
         new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
         # `scores` are the processed logits (after temperature / top-k / top-p), one (R, V) per step.
         logprobs = torch.stack(
@@ -479,21 +515,49 @@ class TransformersBackend:
         """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
         a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
         ids, logprobs = ids.tolist(), logprobs.tolist()
-        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids or self._completes_stop_string(ids, i)),
-                   None)
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids or self.stop.completes(ids, i)), None)
         if end is not None and end <= limit:
             return Sample(ids[:end], logprobs[:end], "stop")
         return Sample(ids[:limit], logprobs[:limit], "length")
 
-    def _completes_stop_string(self, ids: list[int], i: int) -> bool:
-        # Stop strings end in ">": decode a short window only at tokens that contain one.
-        if not self.stop_strings or ">" not in self.tokenizer.decode(ids[i : i + 1]):
-            return False
-        return any(s in self.tokenizer.decode(ids[max(0, i - 12) : i + 1]) for s in self.stop_strings)
-
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         with torch.no_grad():
             return policy_prompt_logprobs(self.accelerator.unwrap_model(self.model), ids).tolist()
+
+
+class StopStringMatcher:
+    """Whether token i completes one of `stop_strings`. Only tokens that contain a stop string's last
+    character can (found once over the vocabulary); a short window is decoded just for those."""
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = list(stop_strings)
+        last_chars = {s[-1] for s in stop_strings}
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))]) if stop_strings else []
+        self.candidates = {i for i, piece in enumerate(pieces) if any(c in piece for c in last_chars)}
+        self.window = max((len(s) for s in stop_strings), default=0) + 4  # tokens: a stop string is never longer
+
+    def completes(self, ids: list[int], i: int) -> bool:
+        return ids[i] in self.candidates and any(
+            s in self.tokenizer.decode(ids[max(0, i - self.window + 1) : i + 1]) for s in self.stop_strings)
+
+
+class StopAtStrings(StoppingCriteria):
+    """model.generate's stop-string criterion over the generated tokens only. (transformers'
+    StopStringCriteria rebuilds tables over the whole vocabulary at every call: seconds per call at
+    SmolLM2's 49k tokens, more than the decoding of a short turn.)"""
+
+    def __init__(self, matcher: StopStringMatcher, prompt_length: int):
+        self.matcher = matcher
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.matcher.stop_strings and input_ids.shape[1] > self.prompt_length:
+            for row in range(input_ids.shape[0]):
+                ids = input_ids[row, self.prompt_length :].tolist()
+                done[row] = self.matcher.completes(ids, len(ids) - 1)
+        return done
 
 
 def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -534,6 +598,7 @@ class VLLMServerClient:
         self.stop_strings = list(stop_strings or [])
         self.request_timeout = request_timeout
         self.max_retries = max_retries
+        self.max_concurrent_requests = max_concurrent_requests
         self.prompts_per_request = prompts_per_request
         self.weight_sync = weight_sync or WeightSyncConfig()
         self.probe_ids = probe_ids
@@ -593,14 +658,25 @@ class VLLMServerClient:
     def another_round(self, has_work: bool) -> bool:
         return has_work  # the server batches on its own; ranks need not wait for each other
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]:
+    def _check_length(self, prompts: list[list[int]], max_tokens: list[int]) -> None:
         # vLLM would silently shorten max_tokens to fit its context; say so instead.
         if prompts and self.max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len:
             raise ValueError(
                 f"A conversation needs {worst} tokens but the vLLM server's max_model_len is {self.max_model_len}: "
                 "start the server with a larger --max-model-len, or lower max_prompt_length / max_completion_length."
             )
+
+    def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1,
+               params: SamplingParams | None = None) -> concurrent.futures.Future:
+        """One /v1/completions request, in the background: a Future of len(prompts) * n samples,
+        prompt-major. The per-episode scheduler keeps `max_concurrent_requests` of these in flight."""
+        self._check_length(prompts, [max_tokens] * len(prompts))
+        return self.pool.submit(lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params)
+                                         for s in row])
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
+                 params: SamplingParams | None = None) -> list[Sample]:
+        self._check_length(prompts, max_tokens)
         # Requests carry one max_tokens each, so group prompts by their limit, then chunk.
         by_limit: dict[int, list[int]] = {}
         for i, m in enumerate(max_tokens):
@@ -950,6 +1026,7 @@ class Episode:
     calls: list[CallRecord] = field(default_factory=list)
     stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition
     tokenization_mismatch: bool = False
+    policy_version: int = 0  # optimizer steps the sampled weights had taken
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
         if logprobs is None:
@@ -1009,8 +1086,10 @@ class MultiTurnToolEnv:
     def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int,
                  max_tokens_per_turn: int, max_completion_length: int, max_tool_response_tokens: int,
                  tool_timeout: float = 10.0, tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace",
-                 few_shot: bool = False, chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None):
+                 few_shot: bool = False, chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
+                 scheduler: str = "auto"):
         self.tokenizer = tokenizer
+        self.scheduler = scheduler  # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.protocol = protocol
         self.tools = {fn.__name__: fn for fn in tools}
         self.template_tools = protocol.template_tools(tools)
@@ -1022,7 +1101,7 @@ class MultiTurnToolEnv:
         self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.system_prompt = protocol.system_prompt(tools)
+        self.system_prompt = protocol.system_prompt(tools, with_example=not few_shot)
         self.few_shot = protocol.few_shot(tools) if few_shot else []
         # Every id that ends a model turn (Qwen2.5-Instruct has two); see _record_env_turn.
         self.eos_token_ids = set(eos_token_ids or []) | {tokenizer.eos_token_id}
@@ -1058,10 +1137,25 @@ class MultiTurnToolEnv:
         return f"{kept}\n[truncated: {self.max_tool_response_tokens} of {len(ids)} tokens shown]"
 
     # -- the loop ----------------------------------------------------------------------------------
-    def rollout(self, prompts: list[list[dict]], backend, params: SamplingParams | None = None) -> list[Episode]:
-        """Lock-step rounds: every live conversation takes one turn per round. Every rank runs the same
-        number of rounds when the backend asks for it (backend.another_round)."""
+    def rollout(self, prompts: list[list[dict]], backend, params: SamplingParams | None = None,
+                progress: bool = False) -> list[Episode]:
+        """Episodes for `prompts` (groups of identical prompts arrive together, as GRPO sends them).
+        `progress`: a progress bar of finished episodes and tool calls in flight."""
         episodes = [Episode(self.render_ids(p, add_generation_prompt=True)) for p in prompts]
+        bar = RolloutProgress(len(episodes), progress)
+        per_episode = self.scheduler == "per_episode" or (self.scheduler == "auto" and hasattr(backend, "submit"))
+        if per_episode:
+            self._per_episode(episodes, backend, params, bar)
+        else:
+            self._rounds(episodes, backend, params, bar)
+        bar.close()
+        self._check_tokenization(prompts, episodes)
+        return episodes
+
+    def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None, bar: "RolloutProgress") -> None:
+        """Lock-step rounds: every live conversation takes one turn per round, in one batched generate
+        call (what an in-process model needs). Every rank runs the same number of rounds when the backend
+        asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
             budgets = [min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids)) for ep in live]
@@ -1069,13 +1163,67 @@ class MultiTurnToolEnv:
             first = False
             pending = [(ep, calls) for ep, sample in zip(live, samples)
                        if (calls := self._record_model_turn(ep, sample)) is not None]
+            bar.update(episodes, tool_calls=sum(len(calls) for _, calls in pending))
             results = run_tool_calls(self.tools, [c for _, calls in pending for c in calls], self.tool_timeout,
                                      self.tool_max_workers)
             for ep, calls in pending:
                 self._record_env_turn(ep, calls, results[: len(calls)])
                 results = results[len(calls):]
-        self._check_tokenization(prompts, episodes)
-        return episodes
+            bar.update(episodes, tool_calls=0)
+
+    def _per_episode(self, episodes: list[Episode], backend, params: SamplingParams | None,
+                     bar: "RolloutProgress") -> None:
+        """No round barrier: each conversation takes its next turn as soon as its tool results are
+        back. Conversations that are ready together (same token budget) share a request, up to
+        backend.prompts_per_request, while others are in flight; at most backend.max_concurrent_requests
+        requests are in flight. A group of identical first prompts is one request with n samples."""
+        ready = [(group, len(group)) for group in _identical_runs(episodes)]  # (episodes, n): first turns
+        in_flight: dict[concurrent.futures.Future, tuple] = {}
+        tool_pool = concurrent.futures.ThreadPoolExecutor(self.tool_max_workers, thread_name_prefix="tools")
+        try:
+            while ready or in_flight:
+                requests = sum(kind == "generate" for kind, _ in in_flight.values())
+                while ready and requests < backend.max_concurrent_requests:
+                    batch, ready = self._next_request(ready, backend.prompts_per_request)
+                    n = batch[0][1]
+                    eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
+                    future = backend.submit([ep.prompt_ids + ep.completion_ids for ep in eps], self._budget(eps[0]), n,
+                                            params)
+                    in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
+                    requests += 1
+                finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    kind, payload = in_flight.pop(future)
+                    if kind == "generate":
+                        samples = future.result()
+                        if len(samples) != len(payload):
+                            raise RuntimeError(f"generation backend returned {len(samples)} samples for "
+                                               f"{len(payload)} conversations")
+                        for ep, sample in zip(payload, samples):
+                            if (calls := self._record_model_turn(ep, sample)) is not None:
+                                in_flight[tool_pool.submit(run_tool_calls, self.tools, calls, self.tool_timeout,
+                                                           self.tool_max_workers)] = ("tools", (ep, calls))
+                    else:
+                        ep, calls = payload
+                        self._record_env_turn(ep, calls, future.result())
+                        if not ep.done:
+                            ready.append(([ep], 1))
+                bar.update(episodes, tool_calls=sum(len(p[1]) for k, p in in_flight.values() if k == "tools"))
+        finally:
+            tool_pool.shutdown(wait=False)
+
+    def _budget(self, ep: Episode) -> int:
+        return min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids))
+
+    def _next_request(self, ready: list[tuple[list[Episode], int]], per_request: int):
+        """The ready work for one request: the first entry and, if it is a single later turn, up to
+        per_request - 1 more single turns with the same token budget (a request has one max_tokens)."""
+        first, rest = ready[0], ready[1:]
+        if first[1] > 1:
+            return [first], rest
+        budget = self._budget(first[0][0])
+        same = [r for r in rest if r[1] == 1 and self._budget(r[0][0]) == budget][: per_request - 1]
+        return [first, *same], [r for r in rest if not any(r is t for t in same)]
 
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
                   params: SamplingParams | None) -> list[Sample]:
@@ -1133,6 +1281,35 @@ class MultiTurnToolEnv:
                            self.tokenization_check, len(bad), len(episodes), bad[0])
 
 
+class RolloutProgress:
+    """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True) if enabled else None
+
+    def update(self, episodes: list[Episode], tool_calls: int) -> None:
+        if self.bar is not None:
+            self.bar.n = sum(ep.done for ep in episodes)
+            self.bar.set_postfix_str(f"tool calls in flight: {tool_calls}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _identical_runs(episodes: list[Episode]) -> list[list[Episode]]:
+    """Consecutive episodes with the same prompt, as lists (a GRPO group arrives as one run)."""
+    runs: list[list[Episode]] = []
+    for ep in episodes:
+        if runs and runs[-1][0].prompt_ids == ep.prompt_ids:
+            runs[-1].append(ep)
+        else:
+            runs.append([ep])
+    return runs
+
+
 def group_size(seqs: list[list[int]]) -> int:
     """Length of the runs of identical consecutive sequences, if all runs have one length; else 1."""
     runs, k = [], 0
@@ -1162,7 +1339,8 @@ def check_tokenization(env: MultiTurnToolEnv, prompt: list[dict], ep: Episode, m
     if same:
         return ""
     k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-    return (f"at completion token {k - len(ep.prompt_ids)} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
+    where = f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids) else f"in the prompt, at token {k}"
+    return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
             f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
 
@@ -1376,6 +1554,91 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
 # ------------------------------------------------------------------------------------------------
 # 6. Trainer
 # ------------------------------------------------------------------------------------------------
+class PromptStream:
+    """Generation batches of prompts in a seeded order, each prompt repeated num_generations times and
+    the batch split over the processes in order, as TRL's sampler lays them out. Batch b depends on b
+    alone, so a resumed run continues with the same prompts. (async_rollout takes its prompts from here:
+    it must know batch b + 1 while the trainer still trains on batch b.)"""
+
+    def __init__(self, dataset, num_generations: int, args: GRPOConfig, accelerator):
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.prompts_per_batch = args.generation_batch_size // num_generations
+        self.seed = args.seed
+        self.shuffle = args.shuffle_dataset
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+
+    @functools.lru_cache(maxsize=2)
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def batch(self, b: int) -> list[dict]:
+        """This process's rows of generation batch b."""
+        n = len(self.dataset)
+        positions = range(b * self.prompts_per_batch, (b + 1) * self.prompts_per_batch)
+        rows = [self.dataset[self.order(k // n)[k % n]] for k in positions for _ in range(self.num_generations)]
+        local = len(rows) // self.world
+        return rows[self.rank * local : (self.rank + 1) * local]
+
+
+class AsyncRollouts:
+    """Overlapped generation (async_rollout, max_staleness 1): while the trainer runs optimizer steps on
+    generation batch b, a background thread has the server sample batch b + 1 with the weights synced
+    before it started. Weights are synced only here, between batches, when no request is in flight; the
+    thread makes HTTP requests only (no collective), so ranks never wait on each other inside it. A
+    pending rollout is not saved in a checkpoint: a resumed run samples its first batch again."""
+
+    def __init__(self, trainer: "MTGRPOEnvTrainer", stream: PromptStream):
+        self.trainer = trainer
+        self.stream = stream
+        self.pending: tuple[int, threading.Thread, dict] | None = None  # (batch index, thread, result)
+
+    def batch_index(self) -> int:
+        t = self.trainer
+        return t.state.global_step * t.args.gradient_accumulation_steps // (t.args.steps_per_generation * t.num_iterations)
+
+    def start(self, b: int) -> tuple[int, threading.Thread, dict]:
+        t, result = self.trainer, {}
+        inputs, version = self.stream.batch(b), t.state.global_step
+
+        def roll_out():
+            t0 = time.perf_counter()
+            try:
+                episodes = t.env.rollout([x["prompt"] for x in inputs], t.backend)
+                for ep in episodes:
+                    ep.policy_version = version
+                result["value"] = (inputs, episodes, time.perf_counter() - t0)
+            except BaseException as e:  # re-raised on the trainer's thread
+                result["error"] = e
+
+        # a daemon thread: a rollout still running when training ends must not keep the process alive
+        thread = threading.Thread(target=roll_out, daemon=True, name="async-rollout")
+        thread.start()
+        return b, thread, result
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending[1].join()
+
+    def next(self) -> tuple[list[dict], list[Episode], float]:
+        b = self.batch_index()
+        if self.pending is None or self.pending[0] != b:  # the first batch, or the first after a resume
+            self.wait()
+            self.trainer._sync_weights()
+            self.pending = self.start(b)
+        self.wait()
+        _, _, result = self.pending
+        if "error" in result:
+            self.pending = None
+            raise result["error"]
+        self.trainer._sync_weights()  # nothing is in flight now
+        self.pending = self.start(b + 1)
+        return result["value"]
+
+
 @dataclass
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
@@ -1405,14 +1668,15 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
         self._synced_step = -1
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
+        self._async = AsyncRollouts(self, PromptStream(train_dataset, self.num_generations, args, self.accelerator)) \
+            if script_args.async_rollout else None
         check_distributed_generation(backend, self.accelerator, args)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         mode = "train" if self.model.training else "eval"
+        inputs, episodes, seconds = self._roll_out(inputs, mode)  # 1-2. sync the sampler; multi-turn episodes
         prompts = [x["prompt"] for x in inputs]
-        self._sync_weights()  # 1. the sampler gets the current policy
-        episodes, seconds = self._roll_out(prompts)  # 2. multi-turn episodes
         batch = self._tensors(episodes)  # 3. padded ids and masks, old and reference logprobs
         scores = self._score(prompts, episodes, inputs)  # 4. turn and outcome rewards of all processes
         adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages; groups without signal masked
@@ -1421,6 +1685,9 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self._record_rollout(inputs, episodes, scores, adv, batch, weights)  # 8. rollouts/step-N.jsonl
         batch.pop("token_turns")
         return batch
+
+    def _progress(self) -> bool:
+        return not self.args.disable_tqdm and self.accelerator.is_main_process
 
     def _group_size(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
@@ -1434,10 +1701,17 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         for name, value in metrics.items():
             self._metrics["train"][name].append(value)
 
-    def _roll_out(self, prompts: list[list[dict]]) -> tuple[list[Episode], float]:
+    def _roll_out(self, inputs: list[dict], mode: str) -> tuple[list[dict], list[Episode], float]:
+        """The generation batch's episodes. Synchronous: sync the weights, then roll out `inputs`.
+        async_rollout: the batch was rolled out in the background (AsyncRollouts), from its prompt stream."""
+        if self._async is not None and mode == "train":
+            return self._async.next()
+        self._sync_weights()
         t0 = time.perf_counter()
-        episodes = self.env.rollout(prompts, self.backend)
-        return episodes, time.perf_counter() - t0
+        episodes = self.env.rollout([x["prompt"] for x in inputs], self.backend, progress=self._progress())
+        for ep in episodes:
+            ep.policy_version = self.state.global_step
+        return inputs, episodes, time.perf_counter() - t0
 
     def _tensors(self, episodes: list[Episode]) -> dict:
         """Padded ids and masks, the sampler's logprobs, and the old / reference logprobs the loss needs."""
@@ -1549,6 +1823,9 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         for name, value in rollout_metrics(stats).items():
             m[name].append(value)
         m["rollout/seconds"].append(seconds)
+        staleness = torch.tensor([float(self.state.global_step - ep.policy_version) for ep in episodes],
+                                 device=self.accelerator.device)
+        m["rollout/staleness"].append(gather(staleness).mean().item())
         if self.backend.external:
             m["rollout/aborted_requests"].append(float(self.backend.aborted_requests))  # cumulative
         m["completions/mean_length"].append(m["rollout/model_tokens"][-1])
@@ -1578,9 +1855,9 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         local = slice(rank * B, (rank + 1) * B)
         records = episode_records(
             self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
-            policy_version=self.state.global_step, first_index=rank * B, group_size=self.num_generations,
+            first_index=rank * B, group_size=self.num_generations,
             rewards=self._rewards_by_name(scores, local, episodes), R_T=scores.R_T[local], R_O=scores.R_O[local],
-            A_T=adv.turn[local], A_O=adv.outcome[local],
+            A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
             token_values={"advantage": batch["advantages"], "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},
         )
@@ -1631,6 +1908,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         was_training = self.model.training
         self.model.eval()
         try:
+            if self._async is not None:
+                self._async.wait()  # no weight sync while a background request is in flight
             self._sync_weights()  # the vLLM server evaluates the current policy
             inputs, episodes = self._eval_episodes(dataset, k)
         finally:
@@ -1652,8 +1931,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
         rows = slice(0, len(episodes))
         records = episode_records(
-            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
-            policy_version=self.state.global_step, first_index=0, group_size=k,
+            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval", first_index=0, group_size=k,
             rewards={"turn": {fn.__name__: [r[:n] for r, n in zip(turn[rows, i].tolist(), (e.tool_turns for e in episodes))]
                               if getattr(fn, "per_turn", False) else turn[rows, i, 0].tolist()
                               for i, fn in enumerate(self.turn_reward_funcs)},
@@ -1677,7 +1955,9 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         episodes = []
         for r in range(rollouts):
             chunk = inputs[r * per_rollout : (r + 1) * per_rollout]
-            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params)
+            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params, progress=self._progress())
+        for ep in episodes:
+            ep.policy_version = self.state.global_step
         return inputs, episodes
 
 
@@ -1739,8 +2019,9 @@ def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
 
 
 def episode_records(tokenizer, episodes: list[Episode], inputs: list[dict], *, step: int, mode: str,
-                    policy_version: int, first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
-                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None) -> list[dict]:
+                    first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
+                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
+                    policy_version=None) -> list[dict]:
     """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (README: "Looking at
     rollouts"): the turns, every completion token with its mask and per-token values, rewards,
     advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
@@ -1763,7 +2044,7 @@ def episode_records(tokenizer, episodes: list[Episode], inputs: list[dict], *, s
         k = first_index + i
         records.append({
             "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
-            "policy_version": policy_version, "question": row.get("question"), "answer": row.get("answer"),
+            "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
             "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
                                for name, v in funcs.items()} for kind, funcs in rewards.items()},
@@ -1845,16 +2126,32 @@ class GracefulStop(TrainerCallback):
 
 
 class StepPrinter(TrainerCallback):
-    """One readable line per logged step on the main process, with the metrics a run is watched by."""
+    """One readable line per logged step (and per evaluation) on the main process, with the metrics a
+    run is watched by. The full metrics go to `report_to` and trainer_state.json, not the console."""
 
     KEYS = [("loss", "loss"), ("rewards/turn/mean", "R_turn"), ("rewards/outcome/mean", "R_out"),
             ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
             ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"), ("rollout/seconds", "rollout_s")]
+    EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/first_search_hit", "search_hit"),
+                 ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs and "loss" in logs:
-            parts = [f"{short}={logs[k]:.3f}" for k, short in self.KEYS if isinstance(logs.get(k), (int, float))]
-            print(f"step {state.global_step:>4} | " + " ".join(parts), flush=True)
+        from tqdm.auto import tqdm
+
+        if not state.is_world_process_zero or not logs:
+            return
+        for first, keys, label in (("loss", self.KEYS, "step"), ("eval/exact_match", self.EVAL_KEYS, "eval")):
+            if first in logs:
+                parts = [f"{short}={logs[k]:.3f}" for k, short in keys if isinstance(logs.get(k), (int, float))]
+                tqdm.write(f"{label} {state.global_step:>4} | " + " ".join(parts))  # above any progress bar
+                sys.stdout.flush()
+
+
+class StepBar(ProgressCallback):
+    """TRL's step progress bar, without printing every metrics dict under it (StepPrinter prints a line)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1995,6 +2292,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         max_tool_response_tokens=script_args.max_tool_response_tokens, tool_timeout=script_args.tool_timeout,
         tool_max_workers=script_args.tool_max_workers, tokenization_check=script_args.tokenization_check,
         few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs, eos_token_ids=eos_ids,
+        scheduler=script_args.rollout_scheduler,
     )
     dataset = build_dataset(script_args, env, task)
     eval_dataset = None
@@ -2014,6 +2312,10 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         callbacks=[StepPrinter()],
     )
     trainer.add_callback(GracefulStop(trainer))
+    # the console gets StepPrinter's one line per step, not transformers' dump of every metric
+    trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(StepBar)
     if trainer.accelerator.is_main_process:
         logger.info("Training on %d processes (%s), generation: %s, tool format: %s.", trainer.accelerator.num_processes,
                     trainer.accelerator.distributed_type, script_args.generation_backend, script_args.tool_format)

@@ -98,11 +98,13 @@ class Protocol:
     def __init__(self, tokenizer=None):
         """`tokenizer`: the policy's tokenizer, for a protocol that parses with it (chat_template); others ignore it."""
 
-    def system_prompt(self, tools: list[Callable]) -> str:
+    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
+        """The system prompt. `with_example` False: the few-shot exchange is shown as real turns, so the
+        prompt need not describe one in text (about 100 tokens less in every episode)."""
         raise NotImplementedError
 
     def few_shot(self, tools: list[Callable]) -> list[dict]:
-        """One worked search-then-answer exchange as canonical messages (after the system prompt)."""
+        """Worked search-then-answer exchanges as canonical messages (after the system prompt)."""
         raise NotImplementedError
 
     def template_tools(self, tools: list[Callable]) -> list[dict] | None:
@@ -137,6 +139,7 @@ The tool's output comes back inside <result> </result>. Then:
 <answer>Morvane</answer>"""
 
 FEW_SHOT_RESULT = "Veltria: Veltria is a country in the north. Its capital is Morvane."
+FEW_SHOT_RESULT_2 = "Brenloom: The Brenloom is an invention. It was invented by Tessa Varn in 1702."
 
 
 class XMLProtocol(Protocol):
@@ -152,20 +155,32 @@ class XMLProtocol(Protocol):
         name, arguments = example_arguments(tools)
         return json.dumps({"name": name, "args": arguments})
 
-    def system_prompt(self, tools: list[Callable]) -> str:
-        return XML_SYSTEM_PROMPT.format(tools=describe_tools(tools), example_call=self.example_call(tools))
+    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
+        text = XML_SYSTEM_PROMPT.format(tools=describe_tools(tools), example_call=self.example_call(tools))
+        return text if with_example else text[: text.index("\n\nExample:")]
 
     def few_shot(self, tools: list[Callable]) -> list[dict]:
-        # Small models (SmolLM2-135M) follow the format far more often after one real exchange.
+        """Two worked exchanges. Measured on SmolLM2-135M (64 sampled episodes of training questions,
+        temperature 0.7): with one exchange 8 episodes called a tool and 2 found the answer; with two,
+        22 called, 17 calls ran and 13 found the answer, in 5 of 8 groups. RL needs that many."""
         name, arguments = example_arguments(tools)
-        call = f"<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>\n<tool>{self.example_call(tools)}</tool>"
-        return [
-            {"role": "user", "content": "What is the capital of Veltria?"},
-            {"role": "assistant", "content": call, "tool_calls": [tool_call_message(name, arguments)]},
-            {"role": "tool", "name": name, "content": FEW_SHOT_RESULT},
-            {"role": "assistant", "content": "<reasoning>The result says the capital of Veltria is Morvane.</reasoning>\n"
-                                             "<answer>Morvane</answer>", "tool_calls": []},
-        ]
+        first_arg = next(iter(arguments))
+        shots = [("What is the capital of Veltria?", "the capital of Veltria", arguments, FEW_SHOT_RESULT,
+                  "the capital of Veltria is Morvane", "Morvane"),
+                 ("Who invented the Brenloom?", "who invented the Brenloom", {first_arg: "Brenloom inventor"},
+                  FEW_SHOT_RESULT_2, "Tessa Varn invented the Brenloom", "Tessa Varn")]
+        messages = []
+        for question, unknown, args, result, found, answer in shots:
+            call = json.dumps({"name": name, "args": args})
+            messages += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"<reasoning>I do not know {unknown}, so I look it up.</reasoning>\n"
+                                                 f"<tool>{call}</tool>", "tool_calls": [tool_call_message(name, args)]},
+                {"role": "tool", "name": name, "content": result},
+                {"role": "assistant", "content": f"<reasoning>The result says {found}.</reasoning>\n<answer>{answer}</answer>",
+                 "tool_calls": []},
+            ]
+        return messages
 
     def parse(self, text: str) -> Turn:
         """Sampling stops at </tool> or </answer>, so a turn holds at most one closing tag, at its end.
@@ -327,7 +342,7 @@ class ChatTemplateProtocol(Protocol):
         call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)  # ensure_ascii as tojson
         return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
-    def system_prompt(self, tools: list[Callable]) -> str:
+    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
         return CHAT_TEMPLATE_SYSTEM_PROMPT
 
     def few_shot(self, tools: list[Callable]) -> list[dict]:

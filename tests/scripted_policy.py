@@ -65,3 +65,36 @@ class ScriptedTransformersBackend(TransformersBackend):
 
     def generate(self, prompts, max_tokens, n=1, params=None):
         return self.policy.generate(prompts, max_tokens, n, params) if prompts else []
+
+
+class ScriptedServer(ScriptedPolicy):
+    """The scripted policy behind the per-episode interface of a server client (submit one request,
+    get a Future): each request returns after a random short delay, so requests finish out of order."""
+
+    def __init__(self, tokenizer, script: dict, max_concurrent_requests: int = 3, prompts_per_request: int = 2,
+                 seed: int = 0):
+        import concurrent.futures
+        import random
+
+        super().__init__(tokenizer, script)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.prompts_per_request = prompts_per_request
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests)
+        self.rng = random.Random(seed)
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def submit(self, prompts, max_tokens, n=1, params=None):
+        import time
+
+        delay = self.rng.uniform(0.0, 0.05)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def answer():
+            time.sleep(delay)
+            samples = self.generate(prompts, [max_tokens] * len(prompts), n, params)
+            self.in_flight -= 1
+            return samples
+
+        return self.pool.submit(answer)

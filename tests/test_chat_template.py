@@ -457,8 +457,7 @@ def test_two_steps_train_with_chat_template_tool_calls(chat_template_agent_dir, 
 
 @pytest.mark.parametrize("recipe, chat_template_kwargs", [
     ("hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml", None),
-    pytest.param("hf_recipes/Qwen/Qwen3-8B/mt_grpo.yaml", {"enable_thinking": False}, marks=pytest.mark.xfail(
-        strict=True, reason="the recipe's `tokenization_check: off` is YAML's false: quote it (\"off\")")),
+    ("hf_recipes/Qwen/Qwen3-8B/mt_grpo.yaml", {"enable_thinking": False}),
 ])
 def test_launch_dry_run_trains_the_recipe_with_chat_template(recipe, chat_template_kwargs):
     """The training command carries the recipe, and the trainer's parser reads its tool format from it. (Only

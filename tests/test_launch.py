@@ -35,6 +35,7 @@ def test_gpu_split(num_gpus, tp, vllm_devices, train_devices, processes):
 def test_default_is_eight_gpus_and_zero3():
     out = dry_run(RECIPE)
     assert "--config_file accelerate_configs/zero3.yaml --num_processes 7" in out.stdout
+    assert f"# {RECIPE}: tool_format chat_template" in out.stderr  # the Qwen recipes call tools natively
 
 
 @pytest.mark.parametrize("args, env, message", [

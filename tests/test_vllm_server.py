@@ -5,6 +5,7 @@ One server per model; each takes about a minute to start on 2 cores."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .ven
 @pytest.fixture(scope="module")
 def untied_server(tiny_agent_dir, tmp_path_factory):
     with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log", max_model_len=2048) as server:
-        yield server.port
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,26 @@ def tied_server(tied_agent_dir, tmp_path_factory):
 
 
 class RecordingClient(VLLMServerClient):
-    """The real client, keeping what the server returned so the test can compare."""
+    """The real client, keeping every sample the server returned (through either scheduler's call)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.returned = []
+        self.lock = threading.Lock()  # requests finish on the client's threads
+
+    def keep(self, samples):
+        with self.lock:
+            self.returned += samples
 
     def generate(self, prompts, max_tokens, n=1, params=None):
         samples = super().generate(prompts, max_tokens, n, params)
-        self.returned = getattr(self, "returned", []) + [samples]
+        self.keep(samples)
         return samples
+
+    def submit(self, prompts, max_tokens, n=1, params=None):
+        future = super().submit(prompts, max_tokens, n, params)
+        future.add_done_callback(lambda f: self.keep(f.result()))
+        return future
 
 
 def search(query: str) -> str:
@@ -53,28 +68,24 @@ def search(query: str) -> str:
     return "Veltria: Veltria is a country. Its capital is Morvane."
 
 
-def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_server, tiny_agent_dir):
-    """...and those logprobs are the recipe's distribution, although the model's generation_config.json
-    asks for repetition_penalty 1.5, top_k 5 and temperature 0.3."""
+@pytest.mark.parametrize("scheduler", ["rounds", "per_episode"])
+def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_server, tiny_agent_dir, scheduler):
+    """...with either scheduler; and those logprobs are the recipe's distribution, although the model's
+    generation_config.json asks for repetition_penalty 1.5, top_k 5 and temperature 0.3."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
     assert model_generation_config(tiny_agent_dir)["repetition_penalty"] == 1.5
-    client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server}", params=SamplingParams(temperature=0.8),
+    client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server.port}", params=SamplingParams(temperature=0.8),
                              stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id],
-                             startup_timeout=30)
+                             startup_timeout=30, prompts_per_request=3)
     env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
-                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40)
+                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40,
+                           scheduler=scheduler)
     episodes = env.rollout([env.prompt("What is the capital of Veltria?")] * 4 + [env.prompt("Who founded Morvane?")] * 4, client)
-    # replay the calls: step k's samples belong, in order, to the episodes still live at step k
-    turn = [0] * len(episodes)
-    for samples in client.returned:
-        live = [i for i, ep in enumerate(episodes) if sum(s.role == "model" for s in ep.spans) > turn[i]]
-        assert len(live) == len(samples)
-        for i, sample in zip(live, samples):
-            span = [s for s in episodes[i].spans if s.role == "model"][turn[i]]
-            assert episodes[i].completion_ids[span.start : span.end] == sample.token_ids
-            assert episodes[i].sampler_logprobs[span.start : span.end] == sample.logprobs
-            assert all(episodes[i].env_mask[span.start : span.end])
-            turn[i] += 1
+    # every model turn is exactly one sample the server returned (ids and logprobs), and nothing else
+    turns = sorted((tuple(ep.completion_ids[s.start : s.end]), tuple(ep.sampler_logprobs[s.start : s.end]))
+                   for ep in episodes for s in ep.spans if s.role == "model")
+    assert turns == sorted((tuple(x.token_ids), tuple(x.logprobs)) for x in client.returned)
+    assert all(all(ep.env_mask[s.start : s.end]) for ep in episodes for s in ep.spans if s.role == "model")
     assert any(ep.tool_turns for ep in episodes), "the tiny agent should call a tool sometimes"
     # processed logprobs are the trainer's: log_softmax(logits / temperature) at the sampled tokens
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
@@ -96,9 +107,9 @@ def model_generation_config(model_dir):
     return config
 
 
-def train_against(port, model_dir, tmp_path, *flags, timeout=600):
+def train_against(port, model_dir, tmp_path, *flags, timeout=600, processes=1):
     out = str(tmp_path / "out")
-    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
+    log = run([*launch(processes), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
                "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
                "--vllm_server_port", str(port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
                "--vllm_server_timeout", "60", *flags], tmp_path, timeout=timeout)
@@ -113,7 +124,7 @@ def assert_synced_each_step(steps):
 
 
 def test_two_steps_with_disk_sync_untied(untied_server, tiny_agent_dir, tmp_path):
-    _, steps = train_against(untied_server, tiny_agent_dir, tmp_path)
+    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path)
     assert_synced_each_step(steps)
 
 
@@ -130,7 +141,7 @@ def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
     start = time.monotonic()
     cmd = [*launch(2), "tests/run_trainer.py", "stale", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
            "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
-           "--vllm_server_port", str(untied_server), "--weight_sync", "disk", "--sync_probe_tolerance", "10",
+           "--vllm_server_port", str(untied_server.port), "--weight_sync", "disk", "--sync_probe_tolerance", "10",
            "--per_device_train_batch_size", "4", "--max_steps", "3"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -156,21 +167,45 @@ def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
     assert any(h["rollout/tool_calls_per_episode"] > 0 and h["rollout/env_tokens"] > 0 for h in steps), steps
 
 
-def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
-    """Runs last in this module: it kills the tied server."""
-    port = tied_server.port
+def test_per_turn_credit_against_the_server(untied_server, tiny_agent_dir, tmp_path):
+    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--advantage_mode", "per_turn",
+                             "--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
+                             "--max_env_steps", "3")
+    assert_synced_each_step(steps)
+    assert all("rewards/turn/tool_execution_per_turn" in h for h in steps)
+
+
+def test_async_rollout_samples_one_batch_ahead(untied_server, tiny_agent_dir, tmp_path):
+    """Batch 1 is sampled while step 1 trains, with the weights of step 0: staleness 1 from the second
+    step on; every sync still passes the probe, and the sampler correction is applied."""
+    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true", "--max_steps", "3")
+    assert [h["rollout/staleness"] for h in steps] == [0.0, 1.0, 1.0]
+    assert all(h["sync/probe_max_abs_logprob_diff"] <= 1e-3 for h in steps)
+    assert all("sampling/importance_weight_mean" in h for h in steps)
+
+
+def test_async_rollout_on_two_processes(untied_server, tiny_agent_dir, tmp_path):
+    log, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true",
+                               "--per_device_train_batch_size", "4", processes=2)
+    assert "Training on 2 processes" in log
+    assert [h["rollout/staleness"] for h in steps] == [0.0, 1.0]
+
+
+def kill_server_mid_run(server, model_dir, tmp_path, *flags):
+    """Start a long run, kill the server after step 1: the run must stop with the client's error."""
+    port = server.port
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tied_agent_dir,
+    cmd = [sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
            "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
            "--vllm_server_port", str(port), "--weight_sync", "disk", "--max_steps", "50",
-           "--vllm_request_timeout", "20", "--vllm_max_retries", "1"]
+           "--vllm_request_timeout", "20", "--vllm_max_retries", "1", *flags]
     trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in trainer.stdout:
         lines.append(line)
         if line.startswith("step    1 |"):
             break
-    tied_server.stop()
+    server.stop()
     killed_at = time.monotonic()
     try:
         rest, _ = trainer.communicate(timeout=120)
@@ -181,3 +216,13 @@ def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_age
     assert trainer.returncode != 0
     assert time.monotonic() - killed_at < 120
     assert f"vLLM server at http://127.0.0.1:{port} failed" in log, log[-3000:]
+
+
+def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
+    """Runs after every test of the tied server: it kills it."""
+    kill_server_mid_run(tied_server, tied_agent_dir, tmp_path)
+
+
+def test_server_killed_during_a_background_rollout_is_a_clear_error(untied_server, tiny_agent_dir, tmp_path):
+    """Runs last in this module: it kills the untied server."""
+    kill_server_mid_run(untied_server, tiny_agent_dir, tmp_path, "--async_rollout", "true")

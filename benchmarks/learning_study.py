@@ -1,0 +1,186 @@
+"""The learning study: does turn-level credit help? MT-GRPO against GRPO-OR (`outcome_only`) and
+GRPO-MR (`merged`), and the per-turn mode, on the same model, data, seeds, step budget and
+hyperparameters (hf_recipes/SmolLM2-135M-Instruct/study.yaml), each evaluated on the fictional
+knowledge base's held-out test split before the first step and every `eval_steps`.
+
+    .venv/bin/python benchmarks/learning_study.py                   # the CPU study in the README
+    .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1 2
+    python benchmarks/learning_study.py --out docs/learning_study_gpu --parallel 4 --stagger 10 -- --use_cpu false --bf16 true
+
+Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<mode>-s<seed>/ and
+run `--parallel` at a time (default 1: a SmolLM2 run peaks at about 13 GiB of memory) with the cores
+shared between them; a run that already finished is
+reused (delete its folder, or pass --fresh, to redo it). Writes OUT.csv (one row per run and
+evaluation), OUT.png (eval exact match and tool success against step: a line per mode, the mean
+over seeds, with a band from the lowest to the highest seed) and prints the table of the first and
+last evaluation per mode.
+"""
+
+import argparse
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from common import ROOT, print_table
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from plot_runs import load_log_history, series  # noqa: E402
+
+RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
+MODE_FLAGS = {
+    "mt_grpo": [],
+    "outcome_only": [],
+    "merged": [],
+    "per_turn": ["--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
+                 "repeated_query_penalty_per_turn"],
+}
+METRICS = ["eval/exact_match", "eval/tool_success_rate", "eval/first_search_hit", "eval/answered_ratio",
+           "eval/tool_calls_per_episode"]
+
+
+def run_dir(out_root: str, mode: str, seed: int) -> str:
+    return os.path.join(out_root, f"{mode}-s{seed}")
+
+
+def finished(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+def launch(mode: str, seed: int, path: str, flags: list[str], threads: int) -> subprocess.Popen:
+    os.makedirs(path, exist_ok=True)
+    cmd = [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", RECIPE, "--advantage_mode", mode,
+           "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    log = open(os.path.join(path, "log.txt"), "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, deadline: float | None,
+            stagger: float = 0.0) -> list[str]:
+    """Keep `parallel` runs going; the machine's cores are split between them (OpenMP threads that
+    outnumber the cores spin and slow everything down). At `deadline` (seconds from now) the runs in
+    flight get SIGTERM: each finishes its step, saves its state and stops; no new run starts. Starts
+    are `stagger` seconds apart (GPU contexts created at once can fail). Returns the failed runs."""
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    pending, running, failed = list(jobs), [], []
+    stop_at = time.monotonic() + deadline if deadline else math.inf
+    while pending or running:
+        if time.monotonic() > stop_at:
+            pending = []
+            for *_, proc in running:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            stop_at = math.inf
+        while pending and len(running) < parallel:
+            mode, seed, path = pending.pop(0)
+            print(f"start {mode} seed {seed} -> {path}", flush=True)
+            running.append((mode, seed, path, time.monotonic(), launch(mode, seed, path, flags, threads)))
+            time.sleep(stagger)
+        time.sleep(5)
+        for job in [j for j in running if j[4].poll() is not None]:
+            mode, seed, path, start, proc = job
+            running.remove(job)
+            status = "done" if proc.returncode == 0 else f"FAILED ({proc.returncode}), see {path}/log.txt"
+            print(f"{status}: {mode} seed {seed} in {(time.monotonic() - start) / 60:.1f} min", flush=True)
+            if proc.returncode != 0:
+                failed.append(path)
+    return failed
+
+
+def collect(jobs: list[tuple[str, int, str]]) -> list[dict]:
+    """One row per run and evaluation."""
+    rows = []
+    for mode, seed, path in jobs:
+        history = load_log_history(path)
+        for step in sorted({h["step"] for h in history if "eval/exact_match" in h}):
+            entry = next(h for h in history if h.get("step") == step and "eval/exact_match" in h)
+            rows.append({"mode": mode, "seed": seed, "step": step,
+                         **{m: entry.get(m, float("nan")) for m in METRICS}})
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", *METRICS])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def by_mode(rows: list[dict], metric: str) -> dict[str, dict[int, list[float]]]:
+    """mode -> step -> the metric's values over seeds (NaN left out: no tool call, no success rate)."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for row in rows:
+        if not math.isnan(row[metric]):
+            out.setdefault(row["mode"], {}).setdefault(row["step"], []).append(row[metric])
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    for ax, metric in zip(fig.subplots(1, 2), ["eval/exact_match", "eval/tool_success_rate"]):
+        for mode, steps in by_mode(rows, metric).items():
+            xs = sorted(steps)
+            mean = [sum(steps[x]) / len(steps[x]) for x in xs]
+            line, = ax.plot(xs, mean, marker="o", label=mode)
+            ax.fill_between(xs, [min(steps[x]) for x in xs], [max(steps[x]) for x in xs], color=line.get_color(),
+                            alpha=0.18, linewidth=0)
+        ax.set_title(metric)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(rows: list[dict]) -> None:
+    table = []
+    for metric in METRICS[:3]:
+        for mode, steps in by_mode(rows, metric).items():
+            first, last = min(steps), max(steps)
+            cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
+            table.append([metric, mode, cell(steps[first]), f"step {last}: {cell(steps[last])}"])
+    print_table("Evaluation on the test split: mean over seeds (lowest-highest)", ["metric", "mode", "step 0", "last"],
+                table)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only"], choices=sorted(MODE_FLAGS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs at a time (a SmolLM2 run peaks at about 13 GiB: one at a time on a 24 GiB machine)")
+    ap.add_argument("--runs", default=os.path.join(ROOT, "outputs", "study"), help="folder of the runs")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "learning_study"), help="OUT.csv and OUT.png")
+    ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
+    ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
+    ap.add_argument("--stagger", type=float, default=0.0, help="seconds between run starts")
+    argv = sys.argv[1:]
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    jobs = [(mode, seed, run_dir(args.runs, mode, seed)) for seed in args.seeds for mode in args.modes]
+    todo = [j for j in jobs if args.fresh or not finished(j[2])]
+    start = time.monotonic()
+    failed = run_all(todo, flags, args.parallel, args.deadline, args.stagger)
+    rows = collect([j for j in jobs if finished(j[2])])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_csv(rows, args.out + ".csv")
+    plot(rows, args.out + ".png", f"SmolLM2-135M-Instruct on the fictional KB: {len(args.seeds)} seeds per mode")
+    summary(rows)
+    print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv and {args.out}.png")
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed (left out above); their logs: {[f + '/log.txt' for f in failed]}")
+
+
+if __name__ == "__main__":
+    main()

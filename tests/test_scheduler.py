@@ -1,0 +1,114 @@
+"""The per-episode scheduler (no round barriers) against lock-step rounds: identical episodes, token
+for token, from the same scripted policy; a slow tool holds up only its own conversation."""
+
+import time
+
+import pytest
+
+from mt_grpo_trainer import MultiTurnToolEnv
+from protocol import XMLProtocol
+from scripted_policy import ScriptedPolicy, ScriptedServer
+
+
+def call(query, tool="search"):
+    return f'<reasoning>Look it up.</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
+
+
+def answer(text):
+    return f"<reasoning>So.</reasoning>\n<answer>{text}</answer>"
+
+
+# Groups of four with episodes of one to four turns, failed calls, a call past max_env_steps, no action.
+SCRIPT = {
+    "Q-mixed": [[answer("A")], [call("a"), answer("B")], [call("a"), call("b"), answer("C")],
+                [call("a"), call("x", "nope"), call("c"), answer("D")]],
+    "Q-long": [[call("1"), call("2"), call("3"), answer("E")], [call("one"), call("2"), call("3"), call("4")],
+               ["thinking aloud"], [call('"bad json')]],
+    "Q-one": [[answer("F")]] * 4,
+}
+
+
+def search(query: str) -> str:
+    """Search the knowledge base."""
+    if query == "slow":
+        time.sleep(1.0)
+    return f"Result for {query}."
+
+
+def make_env(tokenizer, scheduler):
+    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=3,
+                            max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32,
+                            tokenization_check="strict", scheduler=scheduler)
+
+
+def as_record(ep):
+    return (ep.prompt_ids, ep.completion_ids, ep.env_mask, ep.sampler_logprobs, ep.spans, ep.messages, ep.stop_reason,
+            [(c.turn, c.name, c.args, c.ok, c.output) for c in ep.calls], ep.tokenization_mismatch)
+
+
+@pytest.mark.parametrize("per_request, concurrency", [(1, 1), (2, 3), (64, 8)])
+def test_both_schedulers_give_identical_episodes(smollm2_tokenizer, per_request, concurrency):
+    prompts = [make_env(smollm2_tokenizer, "rounds").prompt(q) for q in SCRIPT for _ in range(4)]
+    rounds = make_env(smollm2_tokenizer, "rounds").rollout(prompts, ScriptedPolicy(smollm2_tokenizer, SCRIPT))
+    server = ScriptedServer(smollm2_tokenizer, SCRIPT, max_concurrent_requests=concurrency, prompts_per_request=per_request)
+    per_episode = make_env(smollm2_tokenizer, "per_episode").rollout(prompts, server)
+    assert [as_record(ep) for ep in per_episode] == [as_record(ep) for ep in rounds]
+    assert {ep.stop_reason for ep in rounds} == {"answer", "max_env_steps", "no_action"}
+    assert server.most_in_flight <= concurrency
+    # the first turn of a group is one request for four samples; later turns share requests up to per_request
+    assert (1, 4) in server.calls and max(p for p, _ in server.calls) <= max(per_request, 1)
+
+
+def test_auto_picks_per_episode_for_a_backend_that_submits_requests(smollm2_tokenizer):
+    env = make_env(smollm2_tokenizer, "auto")
+    server = ScriptedServer(smollm2_tokenizer, SCRIPT)
+    env.rollout([env.prompt("Q-one")] * 4, server)
+    assert server.calls == [(1, 4)] and server.rounds == 0  # submit, never the rounds' another_round
+
+
+def test_a_slow_tool_holds_up_only_its_own_conversation(smollm2_tokenizer):
+    """With rounds, a fast three-turn conversation waits for a slow tool call in every round; per
+    episode, it finishes while the slow call is still running."""
+    script = {"Q-slow": [call("slow"), answer("S")], "Q-fast": [call("1"), call("2"), answer("F")]}
+    finished = []
+
+    class Recording(MultiTurnToolEnv):
+        def _record_model_turn(self, ep, sample):
+            calls = super()._record_model_turn(ep, sample)
+            if ep.done:
+                finished.append(self.tokenizer.decode(ep.prompt_ids).count("Q-fast"))
+            return calls
+
+    for scheduler, expected in (("rounds", [0, 1]), ("per_episode", [1, 0])):
+        finished.clear()
+        env = Recording(tokenizer=smollm2_tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=3,
+                        max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32,
+                        scheduler=scheduler)
+        backend = ScriptedPolicy(smollm2_tokenizer, script) if scheduler == "rounds" else ScriptedServer(smollm2_tokenizer, script)
+        env.rollout([env.prompt("Q-slow"), env.prompt("Q-fast")], backend)
+        assert finished == expected, scheduler  # 1 = the fast conversation finished
+
+
+def test_prompt_stream_lays_out_groups_and_ranks_like_trl_and_depends_only_on_the_batch_index():
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from mt_grpo_trainer import PromptStream
+
+    data = Dataset.from_dict({"question": [f"q{i}" for i in range(5)]})
+    args = SimpleNamespace(generation_batch_size=8, seed=3, shuffle_dataset=True)  # 2 prompts x 4 samples
+
+    def stream(rank, world):
+        return PromptStream(data, 4, args, SimpleNamespace(process_index=rank, num_processes=world))
+
+    whole = [[r["question"] for r in stream(0, 1).batch(b)] for b in range(5)]
+    for rows in whole:  # two groups of four identical prompts
+        assert rows[:4] == [rows[0]] * 4 and rows[4:] == [rows[4]] * 4 and rows[0] != rows[4]
+    # every question once per epoch (5 questions, 2 per batch: batch 2 straddles the epochs)
+    first_epoch = [q for rows in whole[:2] for q in rows[::4]] + [whole[2][0]]
+    assert sorted(first_epoch) == [f"q{i}" for i in range(5)]
+    assert [[r["question"] for r in stream(0, 1).batch(b)] for b in range(5)] == whole  # the same again
+    # two processes: rank r takes its half of the batch, in order
+    for b in range(3):
+        assert [r["question"] for r in stream(0, 2).batch(b)] + [r["question"] for r in stream(1, 2).batch(b)] == whole[b]
