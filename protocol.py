@@ -96,7 +96,8 @@ class Protocol:
     stop_strings: list[str] = []  # sampling stops at these as well as at EOS
 
     def __init__(self, tokenizer=None):
-        """`tokenizer`: the policy's tokenizer, for a protocol that parses with it (chat_template); others ignore it."""
+        """`tokenizer`: the policy's tokenizer, for a protocol that parses with it (chat_template); others
+        ignore it."""
 
     def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
         """The system prompt. `with_example` False: the few-shot exchange is shown as real turns, so the
@@ -147,7 +148,8 @@ class XMLProtocol(Protocol):
     TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
     RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
     REASONING_OPEN, REASONING_CLOSE = "<reasoning>", "</reasoning>"
-    TAGS = (TOOL_OPEN, TOOL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESULT_OPEN, RESULT_CLOSE, REASONING_OPEN, REASONING_CLOSE)
+    TAGS = (TOOL_OPEN, TOOL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESULT_OPEN, RESULT_CLOSE,
+            REASONING_OPEN, REASONING_CLOSE)
     stop_strings = [TOOL_CLOSE, ANSWER_CLOSE]
     _TOOL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 
@@ -167,17 +169,21 @@ class XMLProtocol(Protocol):
         first_arg = next(iter(arguments))
         shots = [("What is the capital of Veltria?", "the capital of Veltria", arguments, FEW_SHOT_RESULT,
                   "the capital of Veltria is Morvane", "Morvane"),
-                 ("Who invented the Brenloom?", "who invented the Brenloom", {first_arg: "Brenloom inventor"},
-                  FEW_SHOT_RESULT_2, "Tessa Varn invented the Brenloom", "Tessa Varn")]
+                 ("Who invented the Brenloom?", "who invented the Brenloom",
+                  {first_arg: "Brenloom inventor"}, FEW_SHOT_RESULT_2,
+                  "Tessa Varn invented the Brenloom", "Tessa Varn")]
         messages = []
         for question, unknown, args, result, found, answer in shots:
             call = json.dumps({"name": name, "args": args})
             messages += [
                 {"role": "user", "content": question},
-                {"role": "assistant", "content": f"<reasoning>I do not know {unknown}, so I look it up.</reasoning>\n"
-                                                 f"<tool>{call}</tool>", "tool_calls": [tool_call_message(name, args)]},
+                {"role": "assistant",
+                 "content": f"<reasoning>I do not know {unknown}, so I look it up.</reasoning>\n"
+                            f"<tool>{call}</tool>",
+                 "tool_calls": [tool_call_message(name, args)]},
                 {"role": "tool", "name": name, "content": result},
-                {"role": "assistant", "content": f"<reasoning>The result says {found}.</reasoning>\n<answer>{answer}</answer>",
+                {"role": "assistant",
+                 "content": f"<reasoning>The result says {found}.</reasoning>\n<answer>{answer}</answer>",
                  "tool_calls": []},
             ]
         return messages
@@ -192,16 +198,19 @@ class XMLProtocol(Protocol):
             try:
                 call = json.loads(m.group(1))
             except json.JSONDecodeError as e:
-                return Turn(calls=[ToolCall("", error=f"the tool call is not valid JSON ({e.msg} at char {e.pos}).")])
+                return Turn(calls=[ToolCall(
+                    "", error=f"the tool call is not valid JSON ({e.msg} at char {e.pos}).")])
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return Turn(calls=[ToolCall("", error='a tool call must be a JSON object {"name": ..., "args": {...}}.')])
+                return Turn(calls=[ToolCall(
+                    "", error='a tool call must be a JSON object {"name": ..., "args": {...}}.')])
             args = call.get("args", {})
             if not isinstance(args, dict):
-                return Turn(calls=[ToolCall(call["name"], error='"args" must be a JSON object of keyword arguments.')])
+                return Turn(calls=[ToolCall(
+                    call["name"], error='"args" must be a JSON object of keyword arguments.')])
             return Turn(calls=[ToolCall(call["name"], args)])
         if any(tag in text for tag in (self.TOOL_OPEN, self.TOOL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)):
-            return Turn(calls=[ToolCall("", error="a tool call or answer was opened but not closed, or closed but "
-                                                  "not opened.")])
+            return Turn(calls=[ToolCall(
+                "", error="a tool call or answer was opened but not closed, or closed but not opened.")])
         return Turn()
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
@@ -218,7 +227,8 @@ class XMLProtocol(Protocol):
                 out.append({"role": m["role"], "content": m["content"]})
         for m in out:
             if "_results" in m:
-                m["content"] = f"{self.RESULT_OPEN}\n" + "\n\n".join(m.pop("_results")) + f"\n{self.RESULT_CLOSE}"
+                m["content"] = (f"{self.RESULT_OPEN}\n" + "\n\n".join(m.pop("_results"))
+                                + f"\n{self.RESULT_CLOSE}")
         return out
 
 
@@ -234,8 +244,9 @@ _TOOL_CALL_TAG = re.compile(f"({re.escape(TOOL_CALL_OPEN)}|{re.escape(TOOL_CALL_
 
 
 def tool_schemas(tools: list[Callable]) -> list[dict]:
-    """The tools as JSON schemas for `apply_chat_template(tools=...)`, made by transformers from each tool's
-    type hints and Google-style docstring. Call it at start-up: a tool that cannot be described fails here."""
+    """The tools as JSON schemas for `apply_chat_template(tools=...)`, made by transformers from each
+    tool's type hints and Google-style docstring. Call it at start-up: a tool that cannot be described
+    fails here."""
     # Imported here, not at the top, so that the rewards can import this module without transformers.
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
@@ -246,15 +257,17 @@ def tool_schemas(tools: list[Callable]) -> list[dict]:
             schemas.append(get_json_schema(fn))
         except (TypeHintParsingException, DocstringParsingException) as e:
             raise ValueError(
-                f"Tool {getattr(fn, '__name__', fn)!r} cannot be described to the model as a JSON schema: {e}. "
-                "Give every argument a type hint, and write a Google-style docstring: a one-line description, "
-                "then an `Args:` section with one `name: description` line per argument (see tools/search.py)."
+                f"Tool {getattr(fn, '__name__', fn)!r} cannot be described to the model as a JSON schema: "
+                f"{e}. Give every argument a type hint, and write a Google-style docstring: a one-line "
+                "description, then an `Args:` section with one `name: description` line per argument "
+                "(see tools/search.py)."
             ) from None
     return schemas
 
 
 def tool_call_from_object(call) -> ToolCall:
-    """{"name": str, "arguments": {...}} -> ToolCall; `arguments` may also be a JSON string of an object."""
+    """{"name": str, "arguments": {...}} -> ToolCall; `arguments` may also be a JSON string of an
+    object."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return ToolCall("", error='a tool call must be a JSON object {"name": ..., "arguments": {...}}.')
     arguments = call.get("arguments", {})
@@ -278,20 +291,23 @@ def tool_call_from_json(body: str) -> ToolCall:
 
 def parse_hermes_calls(text: str) -> list[ToolCall]:
     """Every <tool_call>JSON</tool_call> block of `text`, in order. A block that does not parse, one left
-    open, and a closing tag with no opening one each become a ToolCall with an error (with the name if known)."""
+    open, and a closing tag with no opening one each become a ToolCall with an error (with the name if
+    known)."""
     pieces = _TOOL_CALL_TAG.split(text)  # [text, tag, text, tag, text, ...]
     calls, body = [], None  # body: the text after the last opening tag, None outside a block
     for tag, after in zip(pieces[1::2], pieces[2::2]):
         if tag == TOOL_CALL_OPEN:
             if body is not None:
-                calls.append(ToolCall(tool_call_from_json(body).name, error="a tool call was opened but not closed."))
+                calls.append(ToolCall(tool_call_from_json(body).name,
+                                      error="a tool call was opened but not closed."))
             body = after
         else:
             calls.append(tool_call_from_json(body) if body is not None
                          else ToolCall("", error="a tool call was closed but not opened."))
             body = None
     if body is not None:
-        calls.append(ToolCall(tool_call_from_json(body).name, error="a tool call was opened but not closed."))
+        calls.append(ToolCall(tool_call_from_json(body).name,
+                              error="a tool call was opened but not closed."))
     return calls
 
 
@@ -302,22 +318,24 @@ class ChatTemplateProtocol(Protocol):
         {"name": "search", "arguments": {"query": "capital of Veltria"}}
         </tool_call>
 
-    any number of times in one turn, with the tools given to the template as JSON schemas (`template_tools`),
-    and each result given back as a `tool` message, which both templates render as
+    any number of times in one turn, with the tools given to the template as JSON schemas
+    (`template_tools`), and each result given back as a `tool` message, which both templates render as
     `<tool_response>\\n...\\n</tool_response>` inside one user turn per run of tool messages.
 
-    Parsing: with a tokenizer that defines a `response_template` (transformers' response parsing), the turn is
-    parsed with `tokenizer.parse_response`; otherwise, as with Qwen2.5's and Qwen3's tokenizers on the Hub,
-    which define none, with `parse_hermes_calls`. Both give their calls to `tool_call_from_object`.
+    Parsing: with a tokenizer that defines a `response_template` (transformers' response parsing), the
+    turn is parsed with `tokenizer.parse_response`; otherwise, as with Qwen2.5's and Qwen3's tokenizers on
+    the Hub, which define none, with `parse_hermes_calls`. Both give their calls to
+    `tool_call_from_object`.
 
-    Re-rendering (the env's tokenization check renders prompt + completion in one go). Qwen2.5 gives back the
-    rollout's text exactly. Qwen3 rewrites every assistant turn after the last user message, so every sampled
-    turn T (the tool replies are `tool` messages, not user ones):
+    Re-rendering (the env's tokenization check renders prompt + completion in one go). Qwen2.5 gives back
+    the rollout's text exactly. Qwen3 rewrites every assistant turn after the last user message, so every
+    sampled turn T (the tool replies are `tool` messages, not user ones):
       - T with `</think>`: R = the text before the first `</think>`, after the last `<think>` there, stripped
         of newlines; C = the text after the last `</think>`, stripped of leading newlines. It becomes
         `<think>\\n` + R + `\\n</think>\\n\\n` + C if R is non-empty or T is the episode's last turn, else C
         alone (the last turn: the answer, or whatever turn the episode stopped at);
-      - T without `</think>` stays T, except as the last turn: `<think>\\n\\n</think>\\n\\n` + T.lstrip("\\n").
+      - T without `</think>` stays T, except as the last turn: `<think>\\n\\n</think>\\n\\n` +
+        T.lstrip("\\n").
     So with `enable_thinking=False`, whose generation prompts pre-write `<think>\\n\\n</think>\\n\\n` before
     every sampled turn, every episode with a tool turn differs: the re-render lacks that empty block before
     each turn but the last (which keeps it). With thinking on (the default) an episode re-renders as sampled
@@ -334,12 +352,15 @@ class ChatTemplateProtocol(Protocol):
     stop_strings = []
 
     def __init__(self, tokenizer=None):
-        # Kept only if it defines transformers' response parsing; the Hub's Qwen2.5 and Qwen3 tokenizers do not.
+        # Kept only if it defines transformers' response parsing; the Hub's Qwen2.5 and Qwen3 tokenizers
+        # do not.
         self.response_parser = tokenizer if getattr(tokenizer, "response_template", None) else None
 
     def format_call(self, name: str, arguments: dict) -> str:
-        """A call as Qwen's templates render one: `{"name": "` + name + `", "arguments": ` + tojson + `}`."""
-        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)  # ensure_ascii as tojson
+        """A call as Qwen's templates render one: `{"name": "` + name + `", "arguments": ` + tojson +
+        `}`."""
+        # ensure_ascii as tojson
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
         return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
     def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
@@ -361,8 +382,9 @@ class ChatTemplateProtocol(Protocol):
 
     def parse(self, text: str) -> Turn:
         """An <answer> ends the episode (calls beside it are not run); else the turn's calls, in order.
-        Only the text after the last </think> counts, as in the templates, which keep only that as the turn's
-        content. Error messages never quote the protocol's tags: a small model copies them into its next turn."""
+        Only the text after the last </think> counts, as in the templates, which keep only that as the
+        turn's content. Error messages never quote the protocol's tags: a small model copies them into its
+        next turn."""
         if self.response_parser is not None:
             content, calls = self.parse_with_tokenizer(text)
         else:
@@ -371,7 +393,8 @@ class ChatTemplateProtocol(Protocol):
         if (answer := final_answer(content)) is not None:
             return Turn(answer=answer)
         if not calls and (ANSWER_OPEN in content or ANSWER_CLOSE in content):
-            return Turn(calls=[ToolCall("", error="an answer was opened but not closed, or closed but not opened.")])
+            return Turn(calls=[ToolCall(
+                "", error="an answer was opened but not closed, or closed but not opened.")])
         return Turn(calls=calls)
 
     def parse_with_tokenizer(self, text: str) -> tuple[str, list[ToolCall]]:
