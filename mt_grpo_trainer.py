@@ -20,19 +20,25 @@ Where this departs from the paper's code:
   (absent) first <result>, so all of it gets A_O + coef * A_T. The paper's code gave those a third,
   "merged" advantage normalised separately; advantages normalised over different rewards are not
   comparable within one group, so we do not mix them. `advantage_mode: merged` is that baseline alone.
-- A group whose rewards are all equal gets zero advantage (a guard, not `std + 1e-4`).
+- A group whose rewards are all equal gets zero advantage (a guard, not `std + 1e-4`), and groups
+  whose advantages are all zero leave the loss and its normaliser (`mask_zero_advantage_groups`).
 - Rollouts are token-in/token-out: the completion holds the exact token ids the sampler drew; model
   text is never decoded and re-encoded. Split points come from recorded turn spans, not string search.
+- Beyond the paper: `advantage_mode: per_turn` credits every tool turn with its own A_T(k) from
+  per-turn rewards (the paper credits the first turn only); see README "Per-turn credit".
 
 Commands:
     python mt_grpo_trainer.py --config hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml   # CPU demo
     accelerate launch mt_grpo_trainer.py --config hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
     ./launch.sh hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml   # vLLM on GPU 7, training on 0-6
+    python scripts/evaluate.py --config RECIPE --model_name_or_path CHECKPOINT   # evaluate a saved model
 
 Sections, in pipeline order: config -> generation backends (and their weight sync) -> multi-turn
-env -> rewards and advantages -> loss -> trainer -> main. The algorithm lives in the pure functions
-of sections 4-5 (`mt_grpo_advantages`, `importance_weights`); sections 2, 6 and 7 are plumbing. The
-tool protocol (tags, stop strings, parsing) is `protocol.py`, shared with the rewards.
+env (rounds or per-episode scheduling) -> rewards and advantages -> loss -> trainer (the step as
+named stages; overlapped rollouts, evaluation, rollout records) -> main. The algorithm lives in the
+pure functions of sections 4-5 (`mt_grpo_advantages`, `importance_weights`); sections 2, 6 and 7
+are plumbing. The tool protocols (tags, stop strings, parsing) are `protocol.py`, shared with the
+rewards.
 """
 
 import concurrent.futures
@@ -213,8 +219,8 @@ class MTGRPOScriptArguments:
     )
     few_shot: bool = field(
         default=True,
-        metadata={"help": "Show one worked search-then-answer exchange as chat turns before each question. "
-                  "Small models need it to follow the format; large instruct models do not."},
+        metadata={"help": "Show two worked search-then-answer exchanges as chat turns before each question. "
+                  "Small models need them to call tools; large instruct models do not."},
     )
     tool_timeout: float = field(
         default=10.0, metadata={"help": "Seconds a tool call may run before it fails."}

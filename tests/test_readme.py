@@ -24,8 +24,13 @@ def test_every_config_field_has_help():
 
 
 def documented_metric(name: str, text: str) -> bool:
-    """`rewards/turn/exact_match_reward_func` is documented by the row `rewards/turn/<func>`."""
+    """`rewards/turn/exact_match_reward_func` is documented by the row `rewards/turn/<func>`, and
+    `rollout/stop/answer` by `rollout/stop/<reason>` when that row names `answer`."""
     generic = re.sub(r"^(rewards/(turn|outcome))/(?!mean$|frac_zero_std_groups$)[^/]+$", r"\1/<func>", name)
+    stop = re.match(r"^rollout/stop/(.+)$", name)
+    if stop:
+        row = next((line for line in text.splitlines() if line.startswith("| `rollout/stop/<reason>` |")), "")
+        return f"`{stop.group(1)}`" in row
     return f"`{generic}`" in text
 
 

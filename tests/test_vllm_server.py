@@ -123,9 +123,13 @@ def assert_synced_each_step(steps):
         assert "sampling/logprob_diff_first_turn" in h
 
 
-def test_two_steps_with_disk_sync_untied(untied_server, tiny_agent_dir, tmp_path):
-    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path)
+def test_two_steps_with_disk_sync_untied_and_evaluation(untied_server, tiny_agent_dir, tmp_path):
+    """...with eval_strategy: the server evaluates the synced weights before step 1 and after each step."""
+    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--eval_strategy", "steps",
+                             "--eval_steps", "1", "--eval_max_samples", "4")
     assert_synced_each_step(steps)
+    evals = [h for h in final_metrics(str(tmp_path / "out")) if "eval/exact_match" in h]
+    assert [h["step"] for h in evals] == [0, 1, 2] and all(h["eval/episodes"] == 4 for h in evals)
 
 
 def test_two_steps_with_disk_sync_tied(tied_server, tied_agent_dir, tmp_path):
