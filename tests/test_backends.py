@@ -42,7 +42,7 @@ def test_peft_reference_is_the_base_model_and_kl_is_not_zero(tiny_agent_dir, tmp
     trainer = build_trainer(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
                              "--output_dir", str(tmp_path / "out"), "--use_peft", "true", "--lora_r", "8",
                              "--lora_target_modules", "q_proj", "v_proj", "--beta", "0.1", "--learning_rate", "0.05",
-                             "--max_steps", "1"])
+                             "--max_steps", "1", "--mask_zero_advantage_groups", "false"])
     trainer.train()  # one LoRA step: the adapter (initialised to 0) now changes the policy
     trainer.model.train()
     inputs = [dict(trainer.train_dataset[0])] * trainer.num_generations * 2
@@ -50,7 +50,9 @@ def test_peft_reference_is_the_base_model_and_kl_is_not_zero(tiny_agent_dir, tmp
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     T = batch["completion_ids"].shape[1]
+    # every model token (groups without signal stay in the mask: the flag above keeps them)
     mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    assert mask.any()
     with torch.no_grad():
         policy = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, T)[0]
         with trainer.accelerator.unwrap_model(trainer.model).disable_adapter():
