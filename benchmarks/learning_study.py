@@ -11,7 +11,7 @@ Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<m
 run `--parallel` at a time (default 1: a SmolLM2 run peaks at about 13 GiB of memory) with the cores
 shared between them; a run that already finished is
 reused (delete its folder, or pass --fresh, to redo it). Writes OUT.csv (one row per run and
-evaluation), OUT.png (eval exact match and tool success against step: a line per mode, the mean
+evaluation), OUT.png (eval exact match, tool success, first-search hit and tool calls per episode against step: a line per mode, the mean
 over seeds, with a band from the lowest to the highest seed) and prints the table of the first and
 last evaluation per mode.
 """
@@ -124,8 +124,11 @@ def by_mode(rows: list[dict], metric: str) -> dict[str, dict[int, list[float]]]:
 def plot(rows: list[dict], path: str, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2))
-    for ax, metric in zip(fig.subplots(1, 2), ["eval/exact_match", "eval/tool_success_rate"]):
+    # tool_success_rate is undefined (left out) at an eval with no tool call: calls per episode and
+    # first_search_hit show what the policy does there
+    fig = Figure(figsize=(11, 8))
+    panels = ["eval/exact_match", "eval/tool_success_rate", "eval/first_search_hit", "eval/tool_calls_per_episode"]
+    for ax, metric in zip(fig.subplots(2, 2).flat, panels):
         for mode, steps in by_mode(rows, metric).items():
             xs = sorted(steps)
             mean = [sum(steps[x]) / len(steps[x]) for x in xs]
@@ -134,7 +137,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                             alpha=0.18, linewidth=0)
         ax.set_title(metric)
         ax.set_xlabel("optimizer step")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, max([1.0, *(v for steps_ in by_mode(rows, metric).values() for vs in steps_.values()
+                                        for v in vs)]) + 0.02)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
@@ -145,13 +149,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def summary(rows: list[dict]) -> None:
     table = []
-    for metric in METRICS[:3]:
+    for metric in METRICS:
         for mode, steps in by_mode(rows, metric).items():
-            first, last = min(steps), max(steps)
-            cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
-            table.append([metric, mode, cell(steps[first]), f"step {last}: {cell(steps[last])}"])
-    print_table("Evaluation on the test split: mean over seeds (lowest-highest)", ["metric", "mode", "step 0", "last"],
-                table)
+            first, last = 0, max(r["step"] for r in rows if r["mode"] == mode)
+            cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "n/a"  # noqa: E731
+            table.append([metric, mode, cell(steps.get(first, [])), f"step {last}: {cell(steps.get(last, []))}"])
+    print_table("Evaluation on the test split: mean over seeds (lowest-highest); tool success over seeds that made a call, n/a if none did",
+                ["metric", "mode", "step 0", "last"], table)
 
 
 def main():
