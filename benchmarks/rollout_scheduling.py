@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from vllm_cpu import VLLMCPUServer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
-from protocol import XMLProtocol
+from protocol import ToolCall, Turn, XMLProtocol
 
 MEDIAN, P99 = 0.2, 4.0
 SIGMA = math.log(P99 / MEDIAN) / 2.326  # the 99th percentile of a standard normal
@@ -46,8 +46,20 @@ class LongTailSearch:
         return f"Veltria: Veltria is a country in the north. Its capital is Morvane. (query: {query})"
 
 
+class EveryCallRuns(XMLProtocol):
+    """The tiny agent writes `<tool>` but its JSON rarely parses (it was taught without a system
+    prompt), and a malformed call never reaches a tool. This benchmark measures scheduling, not the
+    model: every call the model attempts is answered by the long-tail search, which the model's own
+    tokens and turn structure are left as sampled."""
+
+    def parse(self, text: str) -> Turn:
+        turn = super().parse(text)
+        return Turn(answer=turn.answer, calls=[ToolCall("search", c.arguments if not c.error else {"query": "?"})
+                                               for c in turn.calls])
+
+
 def make_search(tool: LongTailSearch):
-    def search(query: str) -> str:
+    def search(query: str = "", **_) -> str:
         """Search the knowledge base."""
         return tool(query)
 
@@ -94,7 +106,7 @@ def main():
     with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log", max_model_len=2048) as server:
         def run(scheduler: str, per_request: int):
             tool = LongTailSearch(args.seed)
-            env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[make_search(tool)],
+            env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=EveryCallRuns(), tools=[make_search(tool)],
                                    max_env_steps=3, max_tokens_per_turn=48, max_completion_length=512,
                                    max_tool_response_tokens=48, tokenization_check="off", scheduler=scheduler,
                                    tool_max_workers=256)

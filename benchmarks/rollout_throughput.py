@@ -56,10 +56,11 @@ def main():
                         stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30,
                         max_concurrent_requests=concurrency)
 
-        def env():
+        def env(scheduler: str = "rounds"):
+            # rounds: (c) replays the env's rounds, which only the lock-step scheduler has
             return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
                                     max_tokens_per_turn=48, max_completion_length=256, max_tool_response_tokens=48,
-                                    tokenization_check="off")
+                                    tokenization_check="off", scheduler=scheduler)
 
         e = env()
         prompts = [e.prompt(q) for q in questions for _ in range(args.generations)]
@@ -71,6 +72,12 @@ def main():
         t_env = time.perf_counter() - t0
         env_tokens = sum(sum(ep.env_mask) for ep in episodes)
         env_calls = sum(len(ep.calls) for ep in episodes)
+
+        t0 = time.perf_counter()
+        per_episode = env("per_episode").rollout(prompts, client(16))
+        t_pe = time.perf_counter() - t0
+        pe_tokens = sum(sum(ep.env_mask) for ep in per_episode)
+        pe_calls = sum(len(ep.calls) for ep in per_episode)
 
         sequential, seq_tokens, seq_calls = client(1), 0, 0
         t0 = time.perf_counter()
@@ -101,7 +108,8 @@ def main():
         raw_tokens = sum(len(c["token_ids"]) for c in raw["choices"])
 
     rows = [
-        ["MultiTurnToolEnv (batched, concurrent)", len(episodes), env_tokens, env_calls, t_env, env_tokens / t_env],
+        ["MultiTurnToolEnv, lock-step rounds", len(episodes), env_tokens, env_calls, t_env, env_tokens / t_env],
+        ["MultiTurnToolEnv, per-episode scheduling", len(per_episode), pe_tokens, pe_calls, t_pe, pe_tokens / t_pe],
         ["(a) one request at a time", len(prompts), seq_tokens, seq_calls, t_seq, seq_tokens / t_seq],
         ["(b) raw: one batched request", len(prompts), raw_tokens, 0, t_raw, raw_tokens / t_raw],
         ["(c) raw: the env's rounds, one request each", len(prompts), env_tokens, 0, t_rounds, env_tokens / t_rounds],
