@@ -2501,6 +2501,15 @@ def main(argv: list[str] | None = None):
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(trainer.args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step
+    end_processes(trainer)
+
+
+def end_processes(trainer: MTGRPOEnvTrainer) -> None:
+    """Wait for every rank, then destroy the process group. Without it, a rank that reaches interpreter
+    shutdown while gloo's worker threads still hold tensors dies with SIGABRT ("terminate called without
+    an active exception") after a run that succeeded, and the launcher reports the whole job failed."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

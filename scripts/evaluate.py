@@ -17,7 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mt_grpo_trainer import build_trainer  # noqa: E402
+from mt_grpo_trainer import build_trainer, end_processes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
         for key, value in metrics.items():
             print(f"{key.ljust(width)} | {value:.4f}")
         print(f"\nwrote {os.path.join(out, 'eval_episodes.jsonl')} and eval_summary.json")
+    end_processes(trainer)
     return metrics
 
 
