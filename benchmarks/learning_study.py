@@ -5,15 +5,17 @@ knowledge base's held-out test split before the first step and every `eval_steps
 
     .venv/bin/python benchmarks/learning_study.py                   # the CPU study in the README
     .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1 2
-    python benchmarks/learning_study.py --out docs/learning_study_gpu --parallel 4 --stagger 10 -- --use_cpu false --bf16 true
+    python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
+        --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
 
 Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<mode>-s<seed>/ and
-run `--parallel` at a time (default 1: a SmolLM2 run peaks at about 13 GiB of memory) with the cores
-shared between them; a run that already finished is
-reused (delete its folder, or pass --fresh, to redo it). Writes OUT.csv (one row per run and
-evaluation), OUT.png (eval exact match, tool success, first-search hit and tool calls per episode against step: a line per mode, the mean
-over seeds, with a band from the lowest to the highest seed) and prints the table of the first and
-last evaluation per mode.
+run `--parallel` at a time (default 1: a SmolLM2 run peaks at about 13 GiB of memory on CPU, and
+held 61-69 GiB of an H100's memory, so four runs on one GPU ran out of it) with the cores shared
+between them; a run that already finished is reused (delete its folder, or pass --fresh, to redo
+it). Writes OUT.csv (one row per run and evaluation), OUT.png (eval exact match, tool success,
+first-search hit and tool calls per episode against step: a line per mode, the mean over seeds, with
+a band from the lowest to the highest seed) and prints the table of the first and last evaluation
+per mode.
 """
 
 import argparse
@@ -181,7 +183,8 @@ def main():
     rows = collect([j for j in jobs if finished(j[2])])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_csv(rows, args.out + ".csv")
-    plot(rows, args.out + ".png", f"SmolLM2-135M-Instruct on the fictional KB: {len(args.seeds)} seeds per mode")
+    plot(rows, args.out + ".png", f"SmolLM2-135M-Instruct on the fictional KB: {len(args.seeds)} "
+                                    f"seed{'s' if len(args.seeds) > 1 else ''} per mode")
     summary(rows)
     print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv and {args.out}.png")
     if failed:
