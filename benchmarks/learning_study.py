@@ -162,6 +162,29 @@ def summary(rows: list[dict]) -> None:
                 ["metric", "mode", "step 0", "last"], table)
 
 
+def csv_difference(new: float, old: float) -> float:
+    """|new - old| with `new` rounded as the CSV writes it; NaN (no tool call, so no success rate)
+    matches only NaN."""
+    new = float(f"{new:.4f}")
+    if math.isnan(new) or math.isnan(old):
+        return 0.0 if math.isnan(new) and math.isnan(old) else math.inf
+    return abs(new - old)
+
+
+def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
+    """How far this study's evaluations are from an earlier CSV's, row by row (same mode, seed and
+    step): the check that the study reproduces. Returns the number of rows without a counterpart and
+    one row per metric: [metric, evaluations compared, identical, largest difference]."""
+    with open(reference, newline="") as f:
+        ref = {(r["mode"], int(r["seed"]), int(r["step"])): r for r in csv.DictReader(f)}
+    pairs = [(row, ref[key]) for row in rows if (key := (row["mode"], row["seed"], row["step"])) in ref]
+    table = []
+    for metric in METRICS:
+        diffs = [csv_difference(row[metric], float(old[metric])) for row, old in pairs]
+        table.append([metric, len(diffs), sum(d == 0 for d in diffs), max(diffs, default=0.0)])
+    return len(rows) - len(pairs), table
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only"], choices=sorted(MODE_FLAGS))
@@ -173,6 +196,7 @@ def main():
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between run starts")
+    ap.add_argument("--compare", metavar="CSV", help="an earlier study's CSV: print the differences, row by row")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -186,6 +210,10 @@ def main():
     plot(rows, args.out + ".png", f"SmolLM2-135M-Instruct on the fictional KB: {len(args.seeds)} "
                                     f"seed{'s' if len(args.seeds) > 1 else ''} per mode")
     summary(rows)
+    if args.compare:
+        unmatched, table = compare(rows, args.compare)
+        print_table(f"Against {args.compare}, evaluation by evaluation ({unmatched} without a counterpart there)",
+                    ["metric", "compared", "identical", "largest difference"], table)
     print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv and {args.out}.png")
     if failed:
         raise SystemExit(f"{len(failed)} runs failed (left out above); their logs: {[f + '/log.txt' for f in failed]}")

@@ -1,0 +1,71 @@
+"""The learning study's bookkeeping (benchmarks/learning_study.py): one CSV row per run and evaluation
+read from trainer_state.json, and the row-by-row comparison with an earlier CSV that checks a rerun."""
+
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from learning_study import METRICS, collect, compare, csv_difference, write_csv  # noqa: E402
+
+
+def write_run(folder, evals: dict[int, dict]):
+    """A trainer_state.json whose log history holds training rows and the given evaluations."""
+    os.makedirs(folder)
+    history = []
+    for step, metrics in evals.items():
+        history.append({"step": step, "loss": 0.1})
+        history.append({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"log_history": history}, f)
+
+
+def evaluation(exact_match, calls):
+    # no call: the success rate is undefined and the trainer logs NaN
+    return {"exact_match": exact_match, "tool_success_rate": 1.0 if calls else math.nan,
+            "first_search_hit": 0.5, "answered_ratio": 1.0, "tool_calls_per_episode": calls}
+
+
+def test_rows_per_evaluation_and_an_identical_rerun_compares_equal(tmp_path):
+    runs = [("mt_grpo", 1, str(tmp_path / "mt_grpo-s1")), ("outcome_only", 1, str(tmp_path / "outcome_only-s1"))]
+    write_run(runs[0][2], {0: evaluation(0.0, 0.375), 10: evaluation(1 / 32, 1.0)})
+    write_run(runs[1][2], {0: evaluation(0.0, 0.375), 10: evaluation(0.0, 0.0)})
+    rows = collect(runs)
+    assert [(r["mode"], r["step"]) for r in rows] == [("mt_grpo", 0), ("mt_grpo", 10), ("outcome_only", 0),
+                                                      ("outcome_only", 10)]
+    assert rows[1]["eval/exact_match"] == 1 / 32 and math.isnan(rows[3]["eval/tool_success_rate"])
+    reference = str(tmp_path / "study.csv")
+    write_csv(rows, reference)
+    unmatched, table = compare(rows, reference)
+    assert unmatched == 0
+    # 1/32 is written as 0.0312 and must still count as identical; NaN matches NaN
+    assert table == [[m, 4, 4, 0.0] for m in METRICS]
+
+
+def test_a_changed_evaluation_is_reported_with_its_size(tmp_path):
+    runs = [("mt_grpo", 1, str(tmp_path / "mt_grpo-s1"))]
+    write_run(runs[0][2], {0: evaluation(0.0, 0.375), 10: evaluation(0.125, 1.0)})
+    reference = str(tmp_path / "study.csv")
+    write_csv(collect(runs), reference)
+    os.remove(os.path.join(runs[0][2], "trainer_state.json"))
+    os.rmdir(runs[0][2])
+    # the rerun: one question more right at step 10, no tool call at all at step 0, and a step 20
+    write_run(runs[0][2], {0: evaluation(0.0, 0.0), 10: evaluation(0.15625, 1.0), 20: evaluation(0.2, 1.0)})
+    unmatched, table = compare(collect(runs), reference)
+    assert unmatched == 1
+    by_metric = {row[0]: row[1:] for row in table}
+    assert by_metric["eval/exact_match"][:2] == [2, 1]
+    assert math.isclose(by_metric["eval/exact_match"][2], 0.1562 - 0.125)
+    assert by_metric["eval/tool_success_rate"] == [2, 1, math.inf]  # NaN against 1.0
+    assert by_metric["eval/tool_calls_per_episode"] == [2, 1, 0.375]
+    assert by_metric["eval/answered_ratio"] == [2, 2, 0.0]
+
+
+def test_csv_difference_rounds_like_the_csv():
+    assert csv_difference(1 / 3, 0.3333) == 0.0
+    assert math.isclose(csv_difference(0.5, 0.25), 0.25)
+    assert csv_difference(math.nan, math.nan) == 0.0
+    assert csv_difference(math.nan, 0.0) == math.inf and csv_difference(0.0, math.nan) == math.inf
