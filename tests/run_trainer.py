@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from mt_grpo_trainer import build_trainer  # noqa: E402
+from mt_grpo_trainer import build_trainer, end_processes  # noqa: E402
 from scripted_policy import ScriptedTransformersBackend  # noqa: E402
 
 
@@ -39,6 +39,7 @@ def score(script_path: str, out_dir: str, flags: list[str]) -> None:
         json.dump({"advantages": batch["advantages"].tolist(), "loss_mask": (batch["completion_mask"] * batch["tool_mask"]).tolist(),
                    "completion_ids": batch["completion_ids"].tolist(), "rounds": backend.rounds,
                    "generate_calls": backend.policy.calls}, f)
+    end_processes(trainer)  # without it a rank can abort at exit (see end_processes)
 
 
 def evaluate(script_path: str, out_dir: str, flags: list[str]) -> None:
@@ -54,6 +55,7 @@ def evaluate(script_path: str, out_dir: str, flags: list[str]) -> None:
     if trainer.accelerator.is_main_process:
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
+    end_processes(trainer)
 
 
 def stale(flags: list[str]) -> None:
@@ -70,6 +72,7 @@ def stale(flags: list[str]) -> None:
 
     client.reload_weights_from_disk = reload_once
     trainer.train()
+    end_processes(trainer)
 
 
 if __name__ == "__main__":
