@@ -4,7 +4,7 @@ hyperparameters (hf_recipes/SmolLM2-135M-Instruct/study.yaml), each evaluated on
 knowledge base's held-out test split before the first step and every `eval_steps`.
 
     .venv/bin/python benchmarks/learning_study.py                   # the CPU study in the README
-    .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1 2
+    .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1
     python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
         --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
 
@@ -188,7 +188,7 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only"], choices=sorted(MODE_FLAGS))
+    ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only", "merged"], choices=sorted(MODE_FLAGS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--parallel", type=int, default=1,
                     help="runs at a time (a SmolLM2 study run peaks at about 16 GiB: one at a time on a 24 GiB machine)")
