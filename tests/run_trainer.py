@@ -20,11 +20,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from mt_grpo_trainer import build_trainer, end_processes  # noqa: E402
+from mt_grpo_trainer import MTGRPOEnvTrainer, build_trainer, end_processes  # noqa: E402
 from scripted_policy import ScriptedTransformersBackend  # noqa: E402
 
 
-def score(script_path: str, out_dir: str, flags: list[str]) -> None:
+def score(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
     with open(script_path) as f:
         spec = json.load(f)  # {"script": {question: variants}, "rows": [[row indices of rank 0], [rank 1], ...]}
     trainer = build_trainer(flags, backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, spec["script"]))
@@ -39,10 +39,10 @@ def score(script_path: str, out_dir: str, flags: list[str]) -> None:
         json.dump({"advantages": batch["advantages"].tolist(), "loss_mask": (batch["completion_mask"] * batch["tool_mask"]).tolist(),
                    "completion_ids": batch["completion_ids"].tolist(), "rounds": backend.rounds,
                    "generate_calls": backend.policy.calls}, f)
-    end_processes(trainer)  # without it a rank can abort at exit (see end_processes)
+    return trainer
 
 
-def evaluate(script_path: str, out_dir: str, flags: list[str]) -> None:
+def evaluate(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
     with open(script_path) as f:
         spec = json.load(f)
     trainer = build_trainer(flags, backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, spec["script"]),
@@ -55,10 +55,10 @@ def evaluate(script_path: str, out_dir: str, flags: list[str]) -> None:
     if trainer.accelerator.is_main_process:
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
-    end_processes(trainer)
+    return trainer
 
 
-def stale(flags: list[str]) -> None:
+def stale(flags: list[str]) -> MTGRPOEnvTrainer:
     trainer = build_trainer(flags)
     client = trainer.backend
     reload = client.reload_weights_from_disk
@@ -72,15 +72,16 @@ def stale(flags: list[str]) -> None:
 
     client.reload_weights_from_disk = reload_once
     trainer.train()
-    end_processes(trainer)
+    return trainer
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "score":
-        score(sys.argv[2], sys.argv[3], sys.argv[4:])
+        trainer = score(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "eval":
-        evaluate(sys.argv[2], sys.argv[3], sys.argv[4:])
+        trainer = evaluate(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "stale":
-        stale(sys.argv[2:])
+        trainer = stale(sys.argv[2:])
     else:
         raise SystemExit(__doc__)
+    end_processes(trainer)  # without it a rank can abort at exit (see end_processes)
