@@ -68,23 +68,22 @@ def main():
         prompts = [e.prompt(q) for q in questions for _ in range(args.generations)]
         e.rollout(prompts[:8], client(16))  # warm-up (compiles, caches)
 
+        def timed_rollout(environment, backend):
+            """(episodes, seconds, model tokens, tool calls) of one rollout of every prompt."""
+            t0 = time.perf_counter()
+            eps = environment.rollout(prompts, backend)
+            return eps, time.perf_counter() - t0, sum(sum(ep.env_mask) for ep in eps), sum(len(ep.calls) for ep in eps)
+
         rounds = client(16, Recording)
-        t0 = time.perf_counter()
-        episodes = e.rollout(prompts, rounds)
-        t_env = time.perf_counter() - t0
-        env_tokens = sum(sum(ep.env_mask) for ep in episodes)
-        env_calls = sum(len(ep.calls) for ep in episodes)
+        episodes, t_env, env_tokens, env_calls = timed_rollout(e, rounds)
 
         # per-episode scheduling with the recipe defaults (merged requests of up to 64, 16 in flight),
         # then with the settings the long-tail benchmark favours (one conversation per request, all in flight)
         per_episode_rows = []
         for per_request, in_flight in [(64, 16), (1, len(prompts))]:
-            t0 = time.perf_counter()
-            eps = env("per_episode").rollout(prompts, client(in_flight, per_request=per_request))
-            t_pe = time.perf_counter() - t0
-            tokens = sum(sum(ep.env_mask) for ep in eps)
+            eps, t_pe, tokens, calls = timed_rollout(env("per_episode"), client(in_flight, per_request=per_request))
             per_episode_rows.append([f"MultiTurnToolEnv, per-episode, {per_request} per request, {in_flight} in flight",
-                                     len(eps), tokens, sum(len(ep.calls) for ep in eps), t_pe, tokens / t_pe])
+                                     len(eps), tokens, calls, t_pe, tokens / t_pe])
 
         sequential, seq_tokens, seq_calls = client(1), 0, 0
         t0 = time.perf_counter()
