@@ -415,6 +415,15 @@ def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) ->
         raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
                          "importance-sampling correction is what corrects for that: set "
                          "`vllm_importance_sampling_correction: true`.")
+    known = SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED
+    if script_args.mask_zero_advantage_groups and args.loss_type not in known:
+        raise ValueError(f"`loss_type: {args.loss_type}` has no known normaliser for `mask_zero_advantage_groups`; "
+                         f"set `mask_zero_advantage_groups: false`, or use one of {list(known)}.")
+    if (args.loss_type == "vespo" and args.vllm_importance_sampling_correction
+            and not args.vllm_importance_sampling_mode.startswith("token")):
+        raise ValueError("`loss_type: vespo` folds token-level importance weights into its own sequence weight: "
+                         "set `vllm_importance_sampling_mode` to token_truncate or token_mask (or turn "
+                         "`vllm_importance_sampling_correction` off).")
     if script_args.max_tool_response_tokens >= args.max_completion_length:
         raise ValueError(
             f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
@@ -1533,6 +1542,29 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return total
 
 
+def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
+                          per_turn_funcs: list[bool]) -> torch.Tensor:
+    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T for `advantage_mode: per_turn`.
+    Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool still has
+    a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from each
+    per-turn function (a turn that called nothing did no tool work) and its own value from each per-sample
+    one. Without that column the episode would get no turn credit at all, so a group's searching
+    samples would be compared only with each other and the pressure to search, which `mt_grpo` gives
+    through A_T of a no-tool episode (usually below its group's mean), would vanish. Columns past an
+    episode's turns are NaN (no such turn)."""
+    B, F, K = turn_per_func.shape
+    no_tool = (tool_turns == 0)[:, None]  # (B, 1)
+    flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
+    first = turn_per_func[:, :, 0].clone()
+    first[no_tool.expand(B, F) & flags] = 0.0
+    table = turn_per_func.clone()
+    table[:, :, 0] = first
+    R_T = weighted_reward(table, weights)  # (B, K)
+    turns = torch.arange(K, device=R_T.device)[None, :]
+    R_T[turns >= tool_turns.clamp(min=1)[:, None]] = float("nan")
+    return R_T
+
+
 def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group",
                     eps: float = 1e-6) -> torch.Tensor:
     """(B,) rewards -> (B,) advantages, centred on the group mean and scaled as TRL's `scale_rewards`
@@ -1655,6 +1687,42 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
                             torch.zeros_like(log_ratio))
     ratio = ratio.expand_as(diff)
     return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
+
+
+# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so what
+# "leave the normaliser" means for groups without signal (mask_zero_advantage_groups):
+#   per-row mean, then the mean over rows     grpo, sapo        -> count informative rows only
+#   sum over rows of per-row sums             luspo             -> likewise (its .mean() is over rows)
+#   b x max_completion_length                 dr_grpo           -> likewise
+#   loss tokens of the micro-batch            bnpo              -> count informative tokens only
+#   loss tokens of the generation batch       dapo, cispo, vespo -> likewise, over all processes
+SEQUENCE_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")
+TOKEN_NORMALISED = ("bnpo",)
+BATCH_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+
+
+def zero_signal_scale(loss_type: str, loss_mask: torch.Tensor, informative: torch.Tensor,
+                      num_items: torch.Tensor, num_informative_items: torch.Tensor) -> torch.Tensor:
+    """(b, 1) factor on the advantages of one micro-batch that takes groups without signal out of the
+    policy-gradient term's normaliser, while every other term (KL, entropy bonus, metrics) keeps TRL's
+    normaliser over all model tokens. Exact: those groups' advantages are 0, so their policy-gradient
+    terms are 0, and every loss type's policy term is linear in a positively scaled advantage (PPO's
+    min(r A, clip(r) A), CISPO, SAPO and VESPO all pick their branch by the sign of A). A micro-batch
+    without signal has zero advantages: factor 1. `informative`: (b,) 0/1 per row; `num_items` and
+    `num_informative_items`: model tokens of the whole generation batch, all and informative."""
+    loss_mask, informative = loss_mask.float(), informative.float()
+    if loss_type in SEQUENCE_NORMALISED:
+        total, kept = loss_mask.new_tensor(float(len(informative))), informative.sum()
+    elif loss_type in TOKEN_NORMALISED:
+        total, kept = loss_mask.sum(), (loss_mask * informative[:, None]).sum()
+    elif loss_type in BATCH_TOKEN_NORMALISED:
+        total, kept = num_items.float(), num_informative_items.float()
+    else:
+        raise ValueError(f"loss_type {loss_type!r} has no known normaliser; set "
+                         "`mask_zero_advantage_groups: false` or use one of "
+                         f"{list(SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
+    scale = torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
+    return scale.expand(len(informative), 1).to(torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1876,11 +1944,14 @@ class MTGRPOEnvTrainer(GRPOTrainer):
                                                tool_turns, K).to(device))
         outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,
                                                   columns).to(device))
-        R_T = weighted_reward(turn, self.turn_weights.to(device)) if self.turn_reward_funcs else \
-            torch.zeros(len(turn), K, device=device)
-        if K > 1:  # per_turn: a column is a tool turn, and a sample has as many as it took
-            taken = gather(torch.tensor(tool_turns, device=device))
-            R_T[torch.arange(K, device=device)[None, :] >= taken[:, None]] = float("nan")
+        if not self.turn_reward_funcs:
+            R_T = torch.zeros(len(turn), K, device=device)
+        elif self.script_args.advantage_mode == "per_turn":  # a column per tool turn, and turn 0 for everyone
+            R_T = per_turn_reward_table(turn, self.turn_weights.to(device),
+                                        gather(torch.tensor(tool_turns, device=device)),
+                                        [getattr(fn, "per_turn", False) is True for fn in self.turn_reward_funcs])
+        else:
+            R_T = weighted_reward(turn, self.turn_weights.to(device))
         R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else \
             torch.zeros(len(R_T), device=device)
         return Scores(turn_per_func=turn, outcome_per_func=outcome, R_T=R_T, R_O=R_O)
@@ -1895,11 +1966,13 @@ class MTGRPOEnvTrainer(GRPOTrainer):
                                  local=local, turn_normalization=sa.turn_normalization,
                                  turn_credit_discount=sa.turn_credit_discount)
         batch["advantages"] = adv.tokens
-        if sa.mask_zero_advantage_groups:
-            batch["tool_mask"] = (batch["tool_mask"]
-                                  * adv.informative[local, None].to(batch["tool_mask"].dtype))
         loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        informative = adv.informative[local].to(loss_mask.dtype)  # (B_local,)
+        counts = self.accelerator.gather(torch.stack([loss_mask.sum(), (loss_mask * informative[:, None]).sum()])
+                                         .view(1, 2)).sum(dim=0)
+        batch["num_items_in_batch"] = counts[0]
+        if sa.mask_zero_advantage_groups:  # read by _compute_loss (zero_signal_scale), per micro-batch
+            batch["informative"], batch["num_informative_items"] = informative, counts[1]
         return adv
 
     def _correct_for_sampler(self, batch: dict, mode: str) -> torch.Tensor | None:
@@ -1913,7 +1986,10 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
                                      self.args.vllm_importance_sampling_clip_min,
                                      self.args.vllm_importance_sampling_clip_max)
-        batch["advantages"] = batch["advantages"] * weights
+        if self.loss_type == "vespo":  # VESPO takes the weights into its sequence weight phi(w), not as a factor
+            batch["importance_sampling_ratio"] = weights
+        else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
+            batch["advantages"] = batch["advantages"] * weights
         m = self._metrics[mode]
         m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
         gap = torch.nan_to_num((old - sampler).abs(), nan=0.0)
@@ -1921,6 +1997,17 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
         m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
         return weights
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, with groups without signal out of the policy term's normaliser (zero_signal_scale):
+        the batch is split into micro-batches after scoring, so the factor is taken here, per micro-batch."""
+        if "informative" in inputs:
+            inputs = dict(inputs)
+            scale = zero_signal_scale(self.loss_type, inputs["completion_mask"] * inputs["tool_mask"],
+                                      inputs.pop("informative"), inputs["num_items_in_batch"],
+                                      inputs.pop("num_informative_items"))
+            inputs["advantages"] = inputs["advantages"] * scale.to(inputs["advantages"].device)
+        return super()._compute_loss(model, inputs)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")

@@ -13,6 +13,7 @@ first tool call and the reasoning that led to it. Those marked `@per_turn` retur
 list with one value per tool turn (`[]` for an episode without one), for a turn-level advantage.
     tool_execution_reward_func       0.2 * successful calls / calls, whole episode      [0, 0.2]
     exist_answer_in_search_results   0.5 if an alias is in a result of the first tool turn  {0, 0.5}
+                                     (a result's first 3 documents: what a default search returns)
     tool_execution_per_turn          per tool turn: 0.2 * successful calls / calls       [0, 0.2]
     answer_in_result_per_turn        per tool turn: 0.5 if an alias is in one of its results  {0, 0.5}
     repeated_query_penalty_per_turn  per tool turn: -0.2 if a call repeats an earlier call  {-0.2, 0}
@@ -71,9 +72,17 @@ def _execution_score(tools: list[dict]) -> float:
     return 0.2 * (sum(not failed(t) for t in tools) / len(tools)) if tools else 0.0
 
 
+# A result is judged on its first JUDGED_DOCUMENTS documents (`search` separates them by a blank line),
+# what a call with the default num_results returns: asking for more documents (up to 10) must not raise
+# the turn reward, only a better query may. A tool whose output has no blank line is one document.
+JUDGED_DOCUMENTS = 3
+
+
 def _answer_found(tools: list[dict], aliases: list[str]) -> float:
-    """0.5 if a successful result among `tools` contains an alias (whole words), else 0.0."""
-    texts = [normalize_answer(content(t)) for t in tools if not failed(t)]
+    """0.5 if one of the first JUDGED_DOCUMENTS documents of a successful result among `tools` contains an
+    alias (whole words), else 0.0."""
+    texts = [normalize_answer("\n\n".join(content(t).split("\n\n")[:JUDGED_DOCUMENTS]))
+             for t in tools if not failed(t)]
     return 0.5 if any(_contains(text, a) for text in texts for a in aliases) else 0.0
 
 

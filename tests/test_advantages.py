@@ -12,10 +12,12 @@ from mt_grpo_trainer import (
     group_normalize,
     importance_weights,
     mt_grpo_advantages,
+    per_turn_reward_table,
     probe_verdict,
     result_start,
     token_turn_index,
     weighted_reward,
+    zero_signal_scale,
 )
 
 NAN = float("nan")
@@ -285,3 +287,55 @@ def test_a_per_turn_reward_of_the_wrong_length_or_in_the_outcome_rewards_is_an_e
                                  {}, tool_turns=[1], max_turns=2)
     with pytest.raises(ValueError, match="list it in `turn_reward_funcs`"):
         compute_rewards_per_func([one_value_too_many], ["p"], [[]], {})
+
+
+# ---- per_turn: an episode without a tool turn still has a turn 0 (per_turn_reward_table)
+#   functions: f0 per-turn (one value per tool turn), f1 per-sample (one value per episode), weights 1 and 2
+#   s0: two tool turns, f0 (0.5, 0.2), f1 1.0      s1: one tool turn, f0 (0.5,), f1 0.0
+#   s2: no tool turn,   f0 [],         f1 0.0      s3: no tool turn, f0 [], f1 None
+def test_per_turn_table_gives_an_episode_without_a_tool_turn_its_first_turn():
+    per_func = torch.tensor([[[0.5, 0.2], [1.0, NAN]],
+                             [[0.5, NAN], [0.0, NAN]],
+                             [[NAN, NAN], [0.0, NAN]],
+                             [[NAN, NAN], [NAN, NAN]]])
+    R_T = per_turn_reward_table(per_func, torch.tensor([1.0, 2.0]), torch.tensor([2, 1, 0, 0]), [True, False])
+    expected = [[0.5 + 2.0, 0.2], [0.5, NAN], [0.0, NAN], [0.0, NAN]]  # s2, s3: f0 gives 0 to a turn without a call
+    assert torch.allclose(R_T, torch.tensor(expected), equal_nan=True)
+
+
+def test_per_turn_credit_reaches_an_episode_that_never_searched():
+    """One group: s0 searched and found (R_T(0) 0.7), s1 searched and missed (0.2), s2 and s3 answered at once
+    (turn 0 earns 0). Pooled A_T(0) over 0.7 0.2 0 0 (mean 0.225, sample std sqrt(0.3275 / 3)); the
+    no-search answers get A_O + A_T(0) on all their tokens, a negative credit: the pressure to search."""
+    R_T = torch.tensor([[0.7, NAN], [0.2, NAN], [0.0, NAN], [0.0, NAN]])
+    R_O = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    rows = turns([Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)],
+                 [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)],
+                 [Span("model", 0, 3)], [Span("model", 0, 3)], length=3)
+    adv = mt_grpo_advantages(R_T, R_O, rows, 4, "per_turn", 1.0)
+    std = math.sqrt(0.3275 / 3)
+    A_T0 = [(r - 0.225) / std for r in (0.7, 0.2, 0.0, 0.0)]
+    A_O = [0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5]  # R_O mean 0.25, sample std sqrt(0.75 / 3) = 0.5
+    assert adv.tokens[2].tolist() == pytest.approx([A_O[2] + A_T0[2]] * 3, abs=1e-5)
+    assert A_T0[2] < 0
+    assert adv.tokens[0, 0].item() == pytest.approx(A_O[0] + A_T0[0], abs=1e-5)  # the searching turn
+    assert adv.tokens[0, 2].item() == pytest.approx(A_O[0], abs=1e-5)  # its answer turn: A_O
+
+
+@pytest.mark.parametrize("loss_type, expected", [
+    # rows 0, 1 informative (mask 3 and 1 tokens), row 2 not (2 tokens); generation batch: 20 tokens, 5 informative
+    ("grpo", 3 / 2), ("dr_grpo", 3 / 2), ("luspo", 3 / 2), ("sapo", 3 / 2),
+    ("bnpo", 6 / 4),
+    ("dapo", 20 / 5), ("cispo", 20 / 5), ("vespo", 20 / 5),
+])
+def test_zero_signal_scale_by_loss_type(loss_type, expected):
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    scale = zero_signal_scale(loss_type, mask, torch.tensor([1, 1, 0]), torch.tensor(20), torch.tensor(5))
+    assert scale.shape == (3, 1) and torch.allclose(scale, torch.full((3, 1), expected))
+
+
+def test_zero_signal_scale_without_signal_is_one_and_an_unknown_loss_is_refused():
+    mask = torch.ones(2, 2)
+    assert torch.equal(zero_signal_scale("bnpo", mask, torch.zeros(2), torch.tensor(4), torch.tensor(0)), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="mask_zero_advantage_groups: false"):
+        zero_signal_scale("new_loss", mask, torch.ones(2), torch.tensor(4), torch.tensor(4))

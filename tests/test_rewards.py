@@ -336,3 +336,13 @@ def test_bad_dotted_path_says_what_is_wrong(path, why):
     with pytest.raises(ValueError) as e:
         get_reward_func(path)
     assert why in str(e.value) and path in str(e.value)
+
+
+def test_asking_for_more_documents_does_not_raise_the_turn_reward():
+    """The answer in the 4th document (a search with num_results 4 or more) earns nothing: the turn
+    rewards judge what a default search (3 documents) returns, so only a better query pays."""
+    docs = ["Aland: a place.", "Borva: a river.", "Cendra: a town.", "Veltria: its capital is Morvane."]
+    fourth = [SEARCH, tool("\n\n".join(docs)), answer_turn("Morvane")]
+    third = [SEARCH, tool("\n\n".join(docs[1:])), answer_turn("Morvane")]
+    for fn in (exist_answer_in_search_results, lambda p, c, a: [v[0] for v in answer_in_result_per_turn(p, c, a)]):
+        assert fn(None, [fourth, third], [["Morvane"], ["Morvane"]]) == [0.0, 0.5]

@@ -97,10 +97,7 @@ SIGNAL_SCRIPT = {QA: [[answer("Morvane")], [answer("Paris, a city far away")], [
                  QC: [[answer("gold")]] * 4}  # all four equally wrong: no signal
 
 
-@pytest.mark.parametrize("mask", [True, False])
-def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir, task_files, tmp_path, mask):
-    """dapo loss with ratio 1: -sum(A * loss mask) / (loss tokens). QA's group has signal (R_O 1 0 1 0);
-    QC's rewards are all equal, so its advantages are 0: masked, its tokens leave the denominator."""
+def signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags):
     from mt_grpo_trainer import build_trainer
     from scripted_policy import ScriptedTransformersBackend
 
@@ -110,11 +107,22 @@ def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir,
         ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
          "--dataset_name", str(data), "--corpus_path", str(task_files / "corpus.jsonl"),
          "--outcome_reward_funcs", "exact_match_reward_func", "--turn_reward_funcs", "tool_execution_reward_func",
-         "--mask_zero_advantage_groups", str(mask).lower(), "--max_completion_length", "256"],
+         "--max_completion_length", "256", *flags],
         backend_factory=lambda env: ScriptedTransformersBackend(env.tokenizer, SIGNAL_SCRIPT))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by train(); the test calls the loss directly
     batch = trainer._generate_and_score_completions([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])
+    return trainer, batch
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("mask", [True, False])
+def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir, task_files, tmp_path, mask, loss_type):
+    """Policy ratio 1, so each loss is -sum(A over loss tokens) / its normaliser. QA's group has signal
+    (R_O 1 0 1 0); QC's rewards are all equal, so its advantages are 0: with masking its tokens (dapo, bnpo)
+    or rows (dr_grpo) leave the normaliser, and nothing else changes (the loss mask keeps every model token)."""
+    trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--loss_type", loss_type,
+                                    "--mask_zero_advantage_groups", str(mask).lower())
     loss = trainer._compute_loss(trainer.model, batch).item()
 
     tokenizer = trainer.processing_class
@@ -122,6 +130,41 @@ def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir,
     n_qc = len(tokenizer.encode(SIGNAL_SCRIPT[QC][0][0], add_special_tokens=False))
     a = 0.5 * math.sqrt(3)  # A_O = +-a in QA's group, A_T = 0 (no tool call)
     numerator = a * (n[0] - n[1] + n[2] - n[3])
-    denominator = sum(n) + (0 if mask else 4 * n_qc)
-    assert batch["num_items_in_batch"].item() == denominator
+    denominator = {"dapo": sum(n) + (0 if mask else 4 * n_qc), "bnpo": sum(n) + (0 if mask else 4 * n_qc),
+                   "dr_grpo": (4 if mask else 8) * 256}[loss_type]
+    assert batch["num_items_in_batch"].item() == sum(n) + 4 * n_qc  # every model token stays in the loss mask
+    assert (batch["completion_mask"] * batch["tool_mask"]).sum().item() == sum(n) + 4 * n_qc
     assert loss == pytest.approx(-numerator / denominator, rel=1e-5)
+
+
+def test_the_kl_and_the_metrics_act_on_every_group_whatever_the_masking(tiny_agent_dir, task_files, tmp_path):
+    """With beta > 0, the KL term and TRL's metrics (entropy, kl) are the same with and without
+    mask_zero_advantage_groups: masking changes only the policy term's normaliser."""
+    import torch
+
+    trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--mask_zero_advantage_groups", "true")
+    loss_mask = batch["completion_mask"] * batch["tool_mask"]
+    # a reference policy that differs from the current one, so the KL is not 0
+    ref = batch["old_per_token_logps"] if "old_per_token_logps" in batch else None
+    if ref is None:
+        with torch.no_grad():
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            ref = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, batch["completion_ids"].shape[1])[0]
+    batch["ref_per_token_logps"] = ref - 0.3 * loss_mask
+
+    def loss_and_metrics(masking: bool, beta: float):
+        trainer.beta = beta
+        b = dict(batch)
+        if not masking:
+            b.pop("informative"), b.pop("num_informative_items")
+        for values in trainer._metrics["train"].values():
+            values.clear()
+        loss = trainer._compute_loss(trainer.model, b).item()
+        return loss, {k: v[-1] for k, v in trainer._metrics["train"].items() if k in ("kl", "entropy") and v}
+
+    (on, m_on), (off, m_off) = loss_and_metrics(True, 0.5), loss_and_metrics(False, 0.5)
+    (on0, _), (off0, _) = loss_and_metrics(True, 0.0), loss_and_metrics(False, 0.0)
+    assert m_on == m_off and m_on["kl"] > 0
+    assert on - on0 == pytest.approx(off - off0, rel=1e-5) and on - on0 > 0  # the same KL term either way
+    assert on0 != pytest.approx(off0)  # the policy term does change with masking
