@@ -60,7 +60,7 @@ from typing import Callable
 import httpx
 import torch
 from accelerate.utils import broadcast_object_list, gather, gather_object
-from transformers import AutoTokenizer, GenerationConfig, StoppingCriteria, TrainerCallback
+from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
@@ -80,7 +80,9 @@ logger = logging.getLogger("mt_grpo")
 #       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
 #       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
 #   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
-#   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of (attributes)
+#   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
+#   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
+#       num_iterations) == 0): async_rollout's batch index follows it
 #   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
@@ -485,7 +487,55 @@ class SamplingParams:
                    min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty)
 
 
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampled distribution is more than the softmax at `temperature`."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
+
+
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(L,) token ids -> (L, V) bool: which tokens occur before each position (what a repetition penalty
+    acts on: the prompt and everything sampled or written since)."""
+    first = torch.full((vocab_size,), ids.numel(), dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=ids.device), reduce="amin")
+    return first[None, :] < torch.arange(ids.numel(), device=ids.device)[:, None]
+
+
+def sampler_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, V) logprobs of the distribution a sampler with `params` draws from (see process_logits)."""
+    return process_logits(logits, params, seen).log_softmax(-1)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, V) logits -> (N, V) the logits a sampler with `params` draws from (softmax), in vLLM's
+    order (v1 Sampler, the processed_logprobs it returns): repetition penalty on the tokens `seen` (N, V)
+    so far (positive logits divided, others multiplied), temperature, min_p (drop p < min_p * max p),
+    top-k (ties with the k-th kept), top-p (drop a token when the mass strictly above it reaches top_p;
+    the most likely is always kept). Greedy (temperature 0) is temperature 1. The in-process
+    backend samples through this same function, and the trainer scores samples with it, so on-policy
+    importance weights are exactly 1 whatever the settings; dropped tokens get -inf."""
+    x = logits.float()
+    if params.repetition_penalty != 1.0 and seen is not None:
+        x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
+    x = x / (params.temperature or 1.0)
+    if params.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    if params.top_k > 0 or params.top_p < 1.0:
+        ordered, order = x.sort(-1)  # ascending
+        V = x.shape[-1]
+        if 0 < params.top_k < V:
+            ordered = ordered.masked_fill(ordered < ordered[:, V - params.top_k : V - params.top_k + 1],
+                                          float("-inf"))
+        if params.top_p < 1.0:
+            below = ordered.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
+            below[:, -1] = False
+            ordered = ordered.masked_fill(below, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, ordered)
+    return x
 
 
 class TransformersBackend:
@@ -523,11 +573,10 @@ class TransformersBackend:
         return self.accelerator.reduce(flag, reduction="max").item() > 0
 
     def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
-        greedy = params.temperature == 0
-        sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p,
-                                          top_k=params.top_k, min_p=params.min_p)
+        # No sampling field of transformers' own: SamplerProcessing applies them all, in vLLM's order
+        # (transformers applies min_p after top-k / top-p, vLLM before), as the trainer recomputes them.
         return GenerationConfig(
-            do_sample=not greedy, **sampling, repetition_penalty=params.repetition_penalty,
+            do_sample=params.temperature != 0, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
             max_new_tokens=max_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, output_scores=True,
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,
@@ -553,9 +602,10 @@ class TransformersBackend:
             # it in); an empty one means only what we pass here applies.
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
+                p = params or self.params
                 out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                     generation_config=self.generation_config(params or self.params,
-                                                                              max(limits)),
+                                     generation_config=self.generation_config(p, max(limits)),
+                                     logits_processor=[SamplerProcessing(p, attention_mask.to(device))],
                                      stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
             finally:
                 model.generation_config = saved
@@ -564,7 +614,8 @@ class TransformersBackend:
             # ever larger freed blocks (measured: 62 GiB held after an eval rollout of 48 SmolLM2 episodes)
             torch.cuda.empty_cache()
         new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
-        # `scores` are the processed logits (after temperature / top-k / top-p), one (R, V) per step.
+        # `scores` are SamplerProcessing's logits (after penalty, temperature, min_p, top-k, top-p), one
+        # (R, V) per step.
         logprobs = torch.stack(
             [s.float().log_softmax(-1).gather(1, new_ids[:, i : i + 1].to(s.device)).squeeze(1).cpu()
              for i, s in enumerate(out.scores)], dim=1,
@@ -584,6 +635,28 @@ class TransformersBackend:
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         with torch.no_grad():
             return policy_prompt_logprobs(self.accelerator.unwrap_model(self.model), ids).tolist()
+
+
+class SamplerProcessing(LogitsProcessor):
+    """model.generate's sampling distribution as `sampler_logprobs` defines it (the only processor: the
+    generation config turns transformers' own off). `prompt_mask` (R, P) marks the real prompt tokens of
+    the left-padded batch: padding is not a token the repetition penalty should see."""
+
+    def __init__(self, params: SamplingParams, prompt_mask: torch.Tensor):
+        self.params = params
+        self.prompt_mask = prompt_mask.bool()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        seen = None
+        if self.params.repetition_penalty != 1.0:
+            R, L = input_ids.shape
+            real = torch.ones(R, L, dtype=torch.bool, device=input_ids.device)
+            real[:, : self.prompt_mask.shape[1]] = self.prompt_mask
+            V = scores.shape[-1]
+            seen = torch.zeros(R, V + 1, dtype=torch.bool, device=scores.device)
+            seen.scatter_(1, torch.where(real, input_ids, V), True)  # padding goes to the spare column V
+            seen = seen[:, :V]
+        return process_logits(scores, self.params, seen)
 
 
 class StopStringMatcher:
@@ -620,6 +693,26 @@ class StopAtStrings(StoppingCriteria):
                 ids = input_ids[row, self.prompt_length :].tolist()
                 done[row] = self.matcher.completes(ids, len(ids) - 1)
         return done
+
+
+def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                            completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                            params: SamplingParams) -> torch.Tensor:
+    """(B, T) the policy's logprob of each completion token under the sampler's processing
+    (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
+    pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
+    differ from the softmax at the temperature. One row at a time, without padding: the processing needs
+    full-vocabulary logits, (length, V) per row. Every rank calls it for the same number of rows (under
+    ZeRO-3 each forward is a collective). 0 on padding."""
+    out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    for r in range(completion_ids.shape[0]):
+        prompt, n = prompt_ids[r][prompt_mask[r].bool()], int(completion_mask[r].sum())
+        ids = torch.cat([prompt, completion_ids[r, :n]])
+        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (n, V)
+        seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
+        out[r, :n] = sampler_logprobs(logits, params, seen).gather(1, ids[len(prompt):, None]).squeeze(1)
+    # a token the sampler drew that this processing drops: -inf, floored as vLLM's API floors it (weight 0)
+    return out.clamp(min=-9999.0)
 
 
 def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -674,6 +767,7 @@ class VLLMServerClient:
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
         self.model_name = model["id"]
         self.max_model_len = model.get("max_model_len")
+        self.check_logprobs_mode()
         self._nccl_sync = None
         # trainer's probe logprobs at the last verified sync
         self._probe_reference: torch.Tensor | None = None
@@ -720,6 +814,22 @@ class VLLMServerClient:
             f"vLLM server at {self.base_url} failed {path} {self.max_retries + 1} times ({error}). Is it "
             "still running? Check its log."
         )
+
+    def check_logprobs_mode(self) -> None:
+        """The server must return the logprobs of the distribution it sampled from (after temperature, top-p,
+        ...), which the trainer compares with its own; vLLM's default returns the raw model's, and the
+        importance weights would then be off by the processing on every token. Read from /server_info (dev
+        mode); a server without that endpoint is judged by the sampling probe at the first sync instead."""
+        try:
+            response = self.http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
+            mode = response.json()["vllm_config"]["model_config"]["logprobs_mode"] if response.is_success else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            mode = None
+        if mode is not None and mode != "processed_logprobs":
+            raise ValueError(
+                f"The vLLM server at {self.base_url} returns {mode}, but the trainer needs the logprobs of the "
+                "distribution the server samples from: restart it with `--logprobs-mode processed_logprobs` "
+                "(launch.sh does).")
 
     # -- generation --------------------------------------------------------------------------------
     def another_round(self, has_work: bool) -> bool:
@@ -810,6 +920,8 @@ class VLLMServerClient:
         accelerator.wait_for_everyone()
         self._syncs += 1
         metrics = self._check_probe(unwrapped, accelerator)
+        if self._syncs == 1 and self.probe_ids is not None:
+            metrics.update(self._check_sampler(unwrapped, accelerator))
         metrics["sync/seconds"] = time.perf_counter() - t0
         return metrics
 
@@ -850,6 +962,31 @@ class VLLMServerClient:
         if verdict[0]:
             raise RuntimeError(verdict[0])
         return verdict[1]
+
+    def _check_sampler(self, model, accelerator, tokens: int = 32) -> dict:
+        """Once, after the first sync: the server samples `tokens` tokens after the probe sequence with the
+        recipe's parameters, and the logprobs it reports must be the trainer's under the same processing
+        (policy_sampler_logprobs), not the raw model's. Catches a server started without
+        `--logprobs-mode processed_logprobs` that /server_info could not tell, and any processing the two
+        sides do differently. Every rank runs the trainer forward; rank 0 judges; every rank stops on failure."""
+        sample = [None]
+        if accelerator.is_main_process:
+            (sample[0],) = self._complete([self.probe_ids], tokens, 1, self.params)[0]
+        sample = broadcast_object_list(sample) if accelerator.num_processes > 1 else sample
+        ids, theirs = sample[0].token_ids, torch.tensor(sample[0].logprobs)
+        if not ids:
+            return {}
+        prompt, completion = torch.tensor([self.probe_ids]), torch.tensor([ids])
+        ones = lambda x: torch.ones_like(x)  # noqa: E731
+        device = next(model.parameters()).device
+        with torch.no_grad(), accelerator.autocast():
+            args = [t.to(device) for t in (prompt, ones(prompt), completion, ones(completion))]
+            processed = policy_sampler_logprobs(model, *args, self.params)[0].cpu()
+            raw = policy_sampler_logprobs(model, *args, SamplingParams())[0].cpu()
+        error, metrics = sampler_probe_verdict(theirs, processed, raw, self.weight_sync.probe_tolerance)
+        if error:
+            raise RuntimeError(f"Sampling probe against the vLLM server at {self.base_url}: {error}")
+        return metrics
 
     def reload_weights_from_disk(self, weights_dir: str) -> None:
         """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
@@ -931,6 +1068,25 @@ def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Ten
                 "trainer: TRL trains under bf16 autocast unless `bf16: false`, which a float32 server does "
                 "not match."), metrics, False
     return "", metrics, measurable or reference is ours
+
+
+def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor,
+                          tolerance: float) -> tuple[str, dict]:
+    """Judge the logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under
+    the recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation).
+    Returns (error or "", metrics). NaN (vLLM's null for -inf) counts as a mismatch."""
+    gap = lambda x: torch.nan_to_num((theirs - x).abs(), nan=math.inf)  # noqa: E731
+    metrics = {"sync/sampler_probe_max_abs_logprob_diff": gap(processed).max().item()}
+    if metrics["sync/sampler_probe_max_abs_logprob_diff"] <= tolerance:
+        return "", metrics
+    if gap(raw).max().item() <= tolerance or gap(raw).mean() < gap(processed).mean():
+        return ("its sampled tokens' logprobs are the raw model's (no temperature, top-p, top-k, min_p or "
+                "repetition penalty), not those of the distribution it sampled from, so every importance weight "
+                "would be off: restart the server with `--logprobs-mode processed_logprobs` (launch.sh does)."), metrics
+    return (f"its sampled tokens' logprobs differ from the trainer's under the same sampling parameters by up to "
+            f"{metrics['sync/sampler_probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
+            "server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or serves another "
+            "model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."), metrics
 
 
 def tied_embedding_name(model: torch.nn.Module) -> str | None:
@@ -1765,26 +1921,25 @@ class AsyncRollouts:
     generation batch b, a background thread has the server sample batch b + 1 with the weights synced
     before it started. Weights are synced only here, between batches, when no request is in flight; the
     thread makes HTTP requests only (no collective), so ranks never wait on each other inside it. A
-    pending rollout is not saved in a checkpoint: a resumed run samples its first batch again."""
+    pending rollout is not saved in a checkpoint: a resumed run samples its first batch again.
+    Given callables, not the trainer: `roll_out(prompts)` -> episodes, `sync()` gives the sampler the
+    current policy, `version()` is the policy's optimizer step."""
 
-    def __init__(self, trainer: "MTGRPOEnvTrainer", stream: PromptStream):
-        self.trainer = trainer
+    def __init__(self, stream: PromptStream, roll_out: Callable[[list], list[Episode]], sync: Callable[[], None],
+                 version: Callable[[], int]):
         self.stream = stream
+        self.roll_out = roll_out
+        self.sync = sync
+        self.version = version
         self.pending: tuple[int, threading.Thread, dict] | None = None  # (batch index, thread, result)
 
-    def batch_index(self) -> int:
-        t = self.trainer
-        return (t.state.global_step * t.args.gradient_accumulation_steps
-                // (t.args.steps_per_generation * t.num_iterations))
-
     def start(self, b: int) -> tuple[int, threading.Thread, dict]:
-        t, result = self.trainer, {}
-        inputs, version = self.stream.batch(b), t.state.global_step
+        result, inputs, version = {}, self.stream.batch(b), self.version()
 
         def roll_out():
             t0 = time.perf_counter()
             try:
-                episodes = t.env.rollout([x["prompt"] for x in inputs], t.backend)
+                episodes = self.roll_out([x["prompt"] for x in inputs])
                 for ep in episodes:
                     ep.policy_version = version
                 result["value"] = (inputs, episodes, time.perf_counter() - t0)
@@ -1800,20 +1955,33 @@ class AsyncRollouts:
         if self.pending is not None:
             self.pending[1].join()
 
-    def next(self) -> tuple[list[dict], list[Episode], float]:
-        b = self.batch_index()
+    def next(self, b: int) -> tuple[list[dict], list[Episode], float]:
+        """Generation batch b (rolled out in the background while b - 1 trained), and start b + 1."""
         if self.pending is None or self.pending[0] != b:  # the first batch, or the first after a resume
             self.wait()
-            self.trainer._sync_weights()
+            self.sync()
             self.pending = self.start(b)
         self.wait()
         _, _, result = self.pending
         if "error" in result:
             self.pending = None
             raise result["error"]
-        self.trainer._sync_weights()  # nothing is in flight now
+        self.sync()  # nothing is in flight now
         self.pending = self.start(b + 1)
         return result["value"]
+
+
+def generation_index(micro_step: int, generate_every: int, first: int) -> int:
+    """Index of the generation batch TRL asks for at `micro_step` (micro-steps since this run started:
+    TRL generates when micro_step % generate_every == 0, generate_every = steps_per_generation x
+    num_iterations), counting from `first`, the first batch of this run."""
+    return first + micro_step // generate_every
+
+
+def first_generation(global_step: int, gradient_accumulation_steps: int, generate_every: int) -> int:
+    """The first generation batch of a run that starts (or resumes) at `global_step`: the next one not yet
+    begun. A batch a checkpoint cut in the middle is not trained again (TRL generates afresh on resume)."""
+    return -(-global_step * gradient_accumulation_steps // generate_every)
 
 
 @dataclass
@@ -1848,9 +2016,12 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self._synced_step = -1
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         self._async = (
-            AsyncRollouts(self, PromptStream(train_dataset, self.num_generations, args, self.accelerator))
+            AsyncRollouts(PromptStream(train_dataset, self.num_generations, args, self.accelerator),
+                          roll_out=lambda prompts: self.env.rollout(prompts, self.backend),
+                          sync=self._sync_weights, version=lambda: self.state.global_step)
             if script_args.async_rollout else None
         )
+        self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
         check_distributed_generation(backend, self.accelerator, args)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
@@ -1887,7 +2058,11 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         """The generation batch's episodes. Synchronous: sync the weights, then roll out `inputs`.
         async_rollout: the batch was rolled out in the background (AsyncRollouts), from its prompt stream."""
         if self._async is not None and mode == "train":
-            return self._async.next()
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._first_generation is None:
+                self._first_generation = first_generation(self.state.global_step,
+                                                          self.args.gradient_accumulation_steps, generate_every)
+            return self._async.next(generation_index(self._step, generate_every, self._first_generation))
         self._sync_weights()
         t0 = time.perf_counter()
         episodes = self.env.rollout([x["prompt"] for x in inputs], self.backend, progress=self._progress())
@@ -1918,6 +2093,16 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         with torch.no_grad():
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
+            if self._corrects_sampler():
+                # pi_trainer of the importance weights: of the distribution the sampler drew from
+                params = self.backend.params
+                if params.truncates:
+                    with self.accelerator.autocast():
+                        batch["trainer_sampler_logps"] = policy_sampler_logprobs(
+                            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                            batch["completion_mask"], params)
+                else:  # the softmax at the temperature: what TRL's logprobs already are
+                    batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
             if self.beta != 0.0:
                 if self.ref_model is not None:
                     batch["ref_per_token_logps"] = logps(self.ref_model)
@@ -1981,7 +2166,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         the (B, T) weights, or None when there is no correction."""
         if not self._corrects_sampler():
             return None
-        old, sampler = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+        old, sampler = batch.pop("trainer_sampler_logps"), batch["sampling_per_token_logps"]
         loss_mask = batch["completion_mask"] * batch["tool_mask"]
         weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
                                      self.args.vllm_importance_sampling_clip_min,

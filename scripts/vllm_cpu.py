@@ -18,9 +18,11 @@ VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
 class VLLMCPUServer:
-    """Dev mode (weight reload, /reset_prefix_cache), float32, processed logprobs (after temperature)."""
+    """Dev mode (weight reload, /reset_prefix_cache, /server_info), float32, processed logprobs (those of the
+    distribution it samples from; `logprobs_mode` other than that only for the test that it is refused)."""
 
-    def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600):
+    def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
+                 logprobs_mode: str = "processed_logprobs"):
         if not os.path.exists(VLLM_PYTHON):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
@@ -28,7 +30,7 @@ class VLLMCPUServer:
             self.port = s.getsockname()[1]
         self.log_path, self.startup_timeout = str(log_path), startup_timeout
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
-               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", "processed_logprobs",
+               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", logprobs_mode,
                # vLLM's own sampling defaults, not the model's generation_config.json: the trainer sends every
                # sampling parameter, and nothing else may change the distribution
                "--generation-config", "vllm"]

@@ -59,3 +59,16 @@ def smoke_metrics(tiny_agent_dir, tmp_path_factory):
     """Every metric name a 1-step run logs (test_readme checks they are documented)."""
     _, _, steps = smoke_run(tiny_agent_dir, tmp_path_factory.mktemp("metrics"), "--max_steps", "1", "--beta", "0.01")
     return sorted(set(steps[0]) - {"step"})
+
+
+@pytest.fixture(scope="session")
+def agent(tiny_agent_dir):
+    """(model, tokenizer, prompt ids) of the tiny agent in float32, for sampling and scoring by hand."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of Veltria?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    return model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False)

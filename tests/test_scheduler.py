@@ -112,3 +112,55 @@ def test_prompt_stream_lays_out_groups_and_ranks_like_trl_and_depends_only_on_th
     # two processes: rank r takes its half of the batch, in order
     for b in range(3):
         assert [r["question"] for r in stream(0, 2).batch(b)] + [r["question"] for r in stream(1, 2).batch(b)] == whole[b]
+
+
+# (gradient_accumulation_steps, steps_per_generation, num_iterations): generations on, before, across and
+# between optimizer-step boundaries (TRL allows steps_per_generation < gradient_accumulation_steps)
+ASYNC_GRID = [(1, 1, 1), (4, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 2)]
+
+
+@pytest.mark.parametrize("ga, spg, iterations", ASYNC_GRID)
+def test_async_rollout_trains_each_batch_once_in_order(tiny_agent_dir, tmp_path, ga, spg, iterations):
+    """A real training run on TRL's micro-step schedule, with a scripted server: the batches handed to the
+    trainer are 0, 1, 2, ... (each once, none dropped), each rolled out one batch ahead in the background
+    (never again synchronously), so the sampler is never more than one generation batch ahead."""
+    import json
+    import math
+
+    from helpers import RECIPE
+    from mt_grpo_trainer import build_trainer
+
+    data = tmp_path / "data.jsonl"
+    # enough questions that no epoch ends inside the run (an epoch's end shortens its last accumulation window)
+    data.write_text("".join(json.dumps({"question": f"{q} {i}", "answer": "A"}) + "\n"
+                            for i in range(40) for q in ("Q-one",)))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"title": "A", "text": "A is the answer."}) + "\n")
+    generations = 4
+    max_steps = math.ceil(generations * spg * iterations / ga)
+    trainer = build_trainer(
+        ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
+         "--dataset_name", str(data), "--corpus_path", str(corpus), "--generation_backend", "vllm_server",
+         "--async_rollout", "true",
+         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", str(ga),
+         "--steps_per_generation", str(spg), "--num_iterations", str(iterations), "--max_steps", str(max_steps),
+         "--max_completion_length", "256", "--max_tokens_per_turn", "64", "--max_tool_response_tokens", "32"],
+        backend_factory=lambda env: ScriptedServer(env.tokenizer, SCRIPT))
+    asked, started = [], []
+    next_batch, start = trainer._async.next, trainer._async.start
+
+    def recording_next(b):
+        asked.append(b)
+        return next_batch(b)
+
+    def recording_start(b):
+        started.append(b)
+        return start(b)
+
+    trainer._async.next, trainer._async.start = recording_next, recording_start
+    trainer.train()
+    trainer._async.wait()
+    assert trainer._step == max_steps * ga  # micro-steps TRL ran
+    expected = math.ceil(max_steps * ga / (spg * iterations))  # TRL generates every spg x iterations micro-steps
+    assert asked == list(range(expected))
+    assert started == list(range(expected + 1))  # each once; the last one is the prefetch nobody trains

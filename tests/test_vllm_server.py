@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
-from helpers import RECIPE, ROOT, final_metrics, launch, run
+from helpers import RECIPE, ROOT, SAMPLER_GRID, final_metrics, launch, on_policy_weights, run, sampler_id
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
@@ -220,6 +220,80 @@ def kill_server_mid_run(server, model_dir, tmp_path, *flags):
     assert trainer.returncode != 0
     assert time.monotonic() - killed_at < 120
     assert f"vLLM server at http://127.0.0.1:{port} failed" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("settings", SAMPLER_GRID, ids=sampler_id)
+def test_server_importance_weights_are_one_on_policy(untied_server, agent, settings):
+    """The server holds the trainer's weights (the model it loaded): under every sampler setting the
+    weights of what it sampled are 1, per token and per sequence."""
+    model, tokenizer, ids = agent
+    params = SamplingParams(**settings)
+    client = VLLMServerClient(base_url=f"http://127.0.0.1:{untied_server.port}", params=params,
+                              eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30)
+    prompts = [ids, ids[:-5] + ids[-3:]]
+    samples = client.generate(prompts, [40, 40], n=3)
+    for mode in ("token_truncate", "sequence_truncate"):
+        weights = on_policy_weights(model, prompts, samples, params, mode)
+        assert torch.allclose(weights, torch.ones_like(weights), atol=1e-3), (mode, weights.min(), weights.max())
+
+
+def test_qwen3_sampler_settings_train_with_weights_of_one(untied_server, tiny_agent_dir, tmp_path):
+    """The Qwen3 recipe's sampling (temperature 0.7, top_p 0.8, top_k 20) against the server: the first step
+    is on-policy, so its importance weights are 1 and the gradient is not erased."""
+    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--temperature", "0.7", "--top_p", "0.8",
+                             "--top_k", "20", "--max_steps", "1")
+    assert steps[0]["sampling/importance_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert steps[0]["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
+    assert steps[0]["grad_norm"] > 0
+
+
+@pytest.fixture(scope="module")
+def raw_server(tiny_agent_dir, tmp_path_factory):
+    """A server started as vLLM starts by default: it reports the raw model's logprobs."""
+    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm-raw") / "server.log", max_model_len=2048,
+                       logprobs_mode="raw_logprobs") as server:
+        yield server
+
+
+def test_a_server_returning_raw_logprobs_is_refused_at_start_up(raw_server, tiny_agent_dir, tmp_path):
+    out = str(tmp_path / "out")
+    proc = subprocess.run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path",
+                           tiny_agent_dir, "--output_dir", out, "--generation_backend", "vllm_server",
+                           "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(raw_server.port),
+                           "--weight_sync", "disk", "--temperature", "0.7"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "returns raw_logprobs" in proc.stderr and "--logprobs-mode processed_logprobs" in proc.stderr, proc.stderr[-3000:]
+
+
+def probe_client(port, tokenizer, params, cls=VLLMServerClient):
+    probe = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Where is Morvane?"}],
+                                                           add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    return cls(base_url=f"http://127.0.0.1:{port}", params=params, eos_token_ids=[tokenizer.eos_token_id],
+               startup_timeout=30, probe_ids=probe)
+
+
+def test_the_sampling_probe_catches_raw_logprobs_where_server_info_cannot(raw_server, agent):
+    """A server without /server_info (not in dev mode, or another build) is judged by what it samples."""
+    from accelerate import Accelerator
+
+    class NoServerInfo(VLLMServerClient):
+        def check_logprobs_mode(self):
+            pass
+
+    model, tokenizer, _ = agent
+    client = probe_client(raw_server.port, tokenizer, SamplingParams(temperature=0.7, top_p=0.8, top_k=20), NoServerInfo)
+    with pytest.raises(RuntimeError, match="restart the server with `--logprobs-mode processed_logprobs`"):
+        client._check_sampler(model, Accelerator(cpu=True))
+
+
+def test_the_sampling_probe_passes_a_processed_server(untied_server, agent):
+    from accelerate import Accelerator
+
+    model, tokenizer, _ = agent
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2)
+    metrics = probe_client(untied_server.port, tokenizer, params)._check_sampler(model, Accelerator(cpu=True))
+    assert metrics["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
 
 
 def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
