@@ -360,6 +360,19 @@ class MTGRPOScriptArguments:
                              f"got {self.save_rollouts_steps}.")
 
 
+@dataclass
+class MTGRPOConfig(GRPOConfig):
+    """TRL's GRPOConfig, evaluating greedily by default. (TRL's default, None, means num_generations
+    episodes per eval question, and its check then wants the eval batch divisible by num_generations, which
+    one greedy episode per question does not need.)"""
+
+    num_generations_eval: int | None = field(
+        default=1,
+        metadata={"help": "Episodes per eval question: 1 greedy (default); k > 1 sampled as in training, with "
+                  "pass@k."},
+    )
+
+
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
 # error that says what to set instead: a silently ignored field trains something else than the recipe
 # says.
@@ -2298,7 +2311,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         # transformers' log, not TRL's: TRL's would merge (and clear) the training metrics gathered so far
         super(GRPOTrainer, self).log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+        # also under transformers' `eval_` names, which metric_for_best_model (check_best_metric) looks up
+        return {**metrics, **{f"eval_{k.removeprefix('eval/')}": v for k, v in metrics.items()}}
 
     def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
         """(metrics, per-episode records) on `dataset` (default: the eval set). Greedy decoding, one
@@ -2502,6 +2516,29 @@ def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
     return metrics
 
 
+def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> list[str]:
+    """Every eval metric name (without `eval/`) that eval_metrics logs."""
+    names = ["exact_match", "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "first_search_hit",
+             "episodes"] + ([f"pass@{k}"] if k > 1 else [])
+    return names + [f"rewards/turn/{fn.__name__}" for fn in turn_funcs] + \
+        [f"rewards/outcome/{fn.__name__}" for fn in outcome_funcs]
+
+
+def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
+    """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
+    (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    bare = name.removeprefix("eval/").removeprefix("eval_")
+    names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs)
+    if bare not in names:
+        raise ValueError(f"`metric_for_best_model` is {name!r}, which evaluation does not log"
+                         + (" (there is no eval loss: evaluation runs episodes, not a loss)" if bare == "loss" else "")
+                         + f"; choose one of {names}, e.g. `metric_for_best_model: exact_match`.")
+    args.metric_for_best_model = f"eval_{bare}"
+
+
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
     """In-process generation on several processes runs in lock-step rounds (see another_round); two
     settings would still hang, because every forward is then a collective and ranks generate different
@@ -2674,7 +2711,7 @@ def parse_args(argv: list[str] | None = None):
         if not os.path.isfile(path):
             raise SystemExit(f"Recipe file not found: {path!r}. Pass an existing YAML, e.g. --config "
                              "hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml")
-    parser = TrlParser((MTGRPOScriptArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((MTGRPOScriptArguments, MTGRPOConfig, ModelConfig))
     try:
         return parser.parse_args_and_config(argv)
     except ValueError as e:
@@ -2712,6 +2749,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped,
                        "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
+    check_best_metric(training_args, turn_funcs, outcome_funcs)
     tools = build_tools(script_args.tools, task.corpus)
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",

@@ -129,3 +129,17 @@ def test_evaluation_command_on_a_saved_model(tiny_agent_dir, tmp_path):
     episodes = [json.loads(line) for line in (out / "eval_episodes.jsonl").read_text().splitlines()]
     assert len(episodes) == 3 and all(e["mode"] == "eval" and e["answer"] for e in episodes)
     assert "eval/exact_match" in log and "eval_summary.json" in log
+
+
+def test_best_model_by_an_eval_metric_with_an_eval_batch_not_divisible_by_the_group(tiny_agent_dir, tmp_path):
+    """Greedy evaluation (the default) takes any eval batch size (TRL's check wants one divisible by
+    num_generations), and `metric_for_best_model` may name an eval metric as it is logged."""
+    out = tmp_path / "out"
+    run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", "1", "--eval_max_samples", "3",
+         "--per_device_eval_batch_size", "3", "--save_strategy", "steps", "--save_steps", "1",
+         "--load_best_model_at_end", "true", "--metric_for_best_model", "eval/first_search_hit"], tmp_path)
+    state = json.loads((out / "trainer_state.json").read_text())
+    evals = {h["step"]: h["eval/first_search_hit"] for h in state["log_history"] if "eval/first_search_hit" in h}
+    assert state["best_metric"] == max(evals[1], evals[2])
+    assert os.path.isdir(state["best_model_checkpoint"])

@@ -41,6 +41,12 @@ CASES = [
     ("bogus_key: 3\n", [], SystemExit, "bogus_key"),
     ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError, "`use_peft` with `generation_backend: vllm_server`"),
     ("", ["--tool_format", "json"], ValueError, "`tool_format` is 'json'; choose one of"),
+    ("", ["--metric_for_best_model", "reward"], ValueError, "`metric_for_best_model` is 'reward', which evaluation does not log"),
+    ("", ["--load_best_model_at_end", "true", "--eval_strategy", "steps", "--save_strategy", "steps"], ValueError,
+     "there is no eval loss"),
+    ("", ["--mask_zero_advantage_groups", "true", "--loss_type", "unknown"], ValueError, "loss_type"),
+    ("", ["--loss_type", "vespo", "--vllm_importance_sampling_mode", "sequence_mask"], ValueError,
+     "`loss_type: vespo` folds token-level importance weights"),
     # GRPOConfig fields this trainer replaces: each is refused with the name of ours
     ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` ([1.0, 1.0, 1.0, 1.0, 1.0]) is not used by this trainer: set `turn_reward_weights`"),
     ("multi_objective_aggregation: normalize_then_sum\n", [], ValueError, "`multi_objective_aggregation` ('normalize_then_sum') is not used"),
