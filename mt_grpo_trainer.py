@@ -362,15 +362,28 @@ class MTGRPOScriptArguments:
 
 @dataclass
 class MTGRPOConfig(GRPOConfig):
-    """TRL's GRPOConfig, evaluating greedily by default. (TRL's default, None, means num_generations
-    episodes per eval question, and its check then wants the eval batch divisible by num_generations, which
-    one greedy episode per question does not need.)"""
+    """TRL's GRPOConfig with two defaults moved. Evaluation is greedy (TRL's None means num_generations
+    episodes per eval question, and its check then wants the eval batch divisible by num_generations,
+    which one greedy episode per question does not need). Activation checkpointing keeps TRL's default,
+    on, under transformers' new name: TRL sets the deprecated `gradient_checkpointing`, and every run
+    printed transformers' deprecation warning; a recipe may still use either name."""
 
     num_generations_eval: int | None = field(
         default=1,
         metadata={"help": "Episodes per eval question: 1 greedy (default); k > 1 sampled as in training, with "
                   "pass@k."},
     )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated name of `activation_checkpointing`; either may be set."})
+
+    def __post_init__(self):
+        old, new = self.gradient_checkpointing, self.activation_checkpointing
+        if old is not None and new is not None and old != new:
+            raise ValueError(f"`gradient_checkpointing` ({old}) and `activation_checkpointing` ({new}) disagree; "
+                             "they are one setting: keep `activation_checkpointing` only.")
+        self.activation_checkpointing = next((v for v in (new, old) if v is not None), True)
+        self.gradient_checkpointing = None
+        super().__post_init__()
 
 
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
@@ -591,7 +604,7 @@ class TransformersBackend:
         return GenerationConfig(
             do_sample=params.temperature != 0, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
             max_new_tokens=max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, output_scores=True,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,
         )
 
@@ -616,9 +629,10 @@ class TransformersBackend:
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
                 p = params or self.params
+                processing = SamplerProcessing(p, attention_mask.to(device))
                 out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                      generation_config=self.generation_config(p, max(limits)),
-                                     logits_processor=[SamplerProcessing(p, attention_mask.to(device))],
+                                     logits_processor=[processing],
                                      stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
             finally:
                 model.generation_config = saved
@@ -627,12 +641,7 @@ class TransformersBackend:
             # ever larger freed blocks (measured: 62 GiB held after an eval rollout of 48 SmolLM2 episodes)
             torch.cuda.empty_cache()
         new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
-        # `scores` are SamplerProcessing's logits (after penalty, temperature, min_p, top-k, top-p), one
-        # (R, V) per step.
-        logprobs = torch.stack(
-            [s.float().log_softmax(-1).gather(1, new_ids[:, i : i + 1].to(s.device)).squeeze(1).cpu()
-             for i, s in enumerate(out.scores)], dim=1,
-        )  # (R, S)
+        logprobs = processing.sampled_logprobs(new_ids)  # (R, S)
         return [self._finish(new_ids[r], logprobs[r], limits[r]) for r in range(len(rows))]
 
     def _finish(self, ids: torch.Tensor, logprobs: torch.Tensor, limit: int) -> Sample:
@@ -652,14 +661,34 @@ class TransformersBackend:
 
 class SamplerProcessing(LogitsProcessor):
     """model.generate's sampling distribution as `sampler_logprobs` defines it (the only processor: the
-    generation config turns transformers' own off). `prompt_mask` (R, P) marks the real prompt tokens of
-    the left-padded batch: padding is not a token the repetition penalty should see."""
+    generation config turns transformers' own off), and the logprob of each sampled token, read as
+    generation runs: at each step the token sampled at the step before is in `input_ids`. Only the last
+    step's (R, V) logprobs are kept (output_scores would keep one per step until generate returns).
+    `prompt_mask` (R, P) marks the real prompt tokens of the left-padded batch: padding is not a token the
+    repetition penalty should see."""
 
     def __init__(self, params: SamplingParams, prompt_mask: torch.Tensor):
         self.params = params
         self.prompt_mask = prompt_mask.bool()
+        self.logprobs: list[torch.Tensor] = []  # (R,) per sampled token but the last
+        self.last: torch.Tensor | None = None  # (R, V) logprobs of the last step
+
+    def sampled_logprobs(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """(R, S) the logprob of each of the S tokens generate returned (it may undo deferred steps)."""
+        S, steps = new_ids.shape[1], list(self.logprobs[: new_ids.shape[1]])
+        if len(steps) < S:
+            steps.append(self.last.gather(1, new_ids[:, len(steps) : len(steps) + 1].to(self.last.device))
+                         .squeeze(1).cpu())
+        return torch.stack(steps, dim=1) if steps else torch.zeros(new_ids.shape[0], 0)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1).cpu())
+        processed = self._process(input_ids, scores)
+        self.last = processed.float().log_softmax(-1)
+        return processed
+
+    def _process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         seen = None
         if self.params.repetition_penalty != 1.0:
             R, L = input_ids.shape

@@ -37,7 +37,7 @@ def trainers(model_dir):
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * B})
     args = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B, num_generations=G, max_completion_length=T,
                 report_to="none", use_cpu=True, bf16=False, beta=0.0, loss_type="dapo", disable_tqdm=True,
-                gradient_checkpointing=False)
+                activation_checkpointing=False)
     trl = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=GRPOConfig(**args), train_dataset=ds, processing_class=tokenizer)
     env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[], max_env_steps=2, max_tokens_per_turn=64,
                            max_completion_length=T, max_tool_response_tokens=64)
