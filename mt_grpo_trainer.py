@@ -54,6 +54,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -2646,7 +2647,9 @@ class StepBar(ProgressCallback):
 # ------------------------------------------------------------------------------------------------
 def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, task):
     """Questions -> chat prompts; prompts longer than max_prompt_length are dropped, with a count."""
-    dataset = task.dataset.map(lambda row: {"prompt": env.prompt(row["question"])})
+    # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
+    # pickled (dill warned at every start, and the cache never worked)
+    dataset = task.dataset.add_column("prompt", [env.prompt(q) for q in task.dataset["question"]])
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
     if len(keep) < len(dataset):
@@ -2757,6 +2760,9 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
     script_args, training_args, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
+    # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a recipe to change
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
     check_trl()
     check_training_args(script_args, training_args)
     if model_args.use_peft and script_args.generation_backend == "vllm_server":

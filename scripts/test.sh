@@ -4,4 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_vllm.sh  # the live vLLM-server tests need it
+# The viewer's browser test needs a headless Chromium: install Debian's where we can (root and apt).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "Installing chromium for the browser test (apt-get)..."
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+    || echo "chromium could not be installed: the browser test will skip (and fail on CI)"
+fi
 exec .venv/bin/python -m pytest tests -q --timeout=900 "$@"

@@ -1,7 +1,7 @@
 """The rollout viewer (scripts/view_rollouts.py) and the run plots (scripts/plot_runs.py), run as a
 user runs them on a fixture run folder (tests/rollout_records.py). The page's structure is always
-checked; the page itself is loaded in headless Chromium over the DevTools protocol when a chromium
-binary is installed (`apt-get install chromium`), and that test skips otherwise."""
+checked; the page itself is loaded in headless Chromium over the DevTools protocol. scripts/test.sh installs
+chromium where it can (root with apt); elsewhere that test skips, and on CI (CI=true) it fails instead."""
 
 import base64
 import json
@@ -184,7 +184,9 @@ def find_chromium() -> str | None:
 def browser(tmp_path):
     binary = find_chromium()
     if binary is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
+        if os.environ.get("CI") == "true":  # scripts/test.sh installs it where it can: on CI a skip would hide that
+            pytest.fail("no chromium binary on PATH on CI: scripts/test.sh should have installed it (apt-get install chromium)")
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; scripts/test.sh installs it as root)")
     pytest.importorskip("websocket", reason="websocket-client is not installed (see requirements.txt)")
     profile = tmp_path / "profile"
     proc = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",

@@ -20,7 +20,12 @@ class BM25Search:
     """A BM25 index over `corpus`, built once; `search` is read-only, so threads may share it."""
 
     def __init__(self, corpus: list[dict]):
+        import logging
+
         import bm25s  # here, not at the top, so that importing this module stays cheap
+
+        # bm25s sets its own logger to DEBUG at import, so every index build printed a DEBUG line
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
 
         self.documents = _check_corpus(corpus)
         texts = [f"{d['title']}\n{d['text']}" for d in self.documents]
