@@ -1751,15 +1751,12 @@ def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, to
     samples would be compared only with each other and the pressure to search, which `mt_grpo` gives
     through A_T of a no-tool episode (usually below its group's mean), would vanish. Columns past an
     episode's turns are NaN (no such turn)."""
-    B, F, K = turn_per_func.shape
     no_tool = (tool_turns == 0)[:, None]  # (B, 1)
     flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
-    first = turn_per_func[:, :, 0].clone()
-    first[no_tool.expand(B, F) & flags] = 0.0
     table = turn_per_func.clone()
-    table[:, :, 0] = first
+    table[:, :, 0].masked_fill_(no_tool & flags, 0.0)  # (B, F) view of the first turn
     R_T = weighted_reward(table, weights)  # (B, K)
-    turns = torch.arange(K, device=R_T.device)[None, :]
+    turns = torch.arange(turn_per_func.shape[2], device=R_T.device)[None, :]
     R_T[turns >= tool_turns.clamp(min=1)[:, None]] = float("nan")
     return R_T
 
@@ -1891,7 +1888,7 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
 # How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so what
 # "leave the normaliser" means for groups without signal (mask_zero_advantage_groups):
 #   per-row mean, then the mean over rows     grpo, sapo        -> count informative rows only
-#   sum over rows of per-row sums             luspo             -> likewise (its .mean() is over rows)
+#   per-row sum, then the mean over rows      luspo             -> likewise
 #   b x max_completion_length                 dr_grpo           -> likewise
 #   loss tokens of the micro-batch            bnpo              -> count informative tokens only
 #   loss tokens of the generation batch       dapo, cispo, vespo -> likewise, over all processes
