@@ -35,22 +35,19 @@ Commands:
 
 Sections, in pipeline order: config -> generation backends (and their weight sync) -> multi-turn
 env (rounds or per-episode scheduling) -> rewards and advantages -> loss -> trainer (the step as
-named stages; overlapped rollouts, evaluation, rollout records) -> main. The algorithm lives in the
-pure functions of sections 4-5 (`mt_grpo_advantages`, `importance_weights`); sections 2, 6 and 7
-are plumbing. The tool protocols (tags, stop strings, parsing) are `protocol.py`, shared with the
-rewards.
+named stages; evaluation) -> main. The algorithm lives in the pure functions of sections 4-5
+(`mt_grpo_advantages`, `sampler_logprobs`, `importance_weights`, `zero_signal_scale`); sections 2, 6 and
+7 are plumbing. Beside this file: `protocol.py` (the tool protocols: tags, stop strings, parsing, shared
+with the rewards), `checks.py` (every config rule and the TRL check), `reporting.py` (metrics, rollout
+records, console, SIGTERM) and `async_rollout.py` (the overlapped rollout of the next batch).
 """
 
 import concurrent.futures
-import dataclasses
-import functools
-import inspect
 import json
 import logging
 import math
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -61,44 +58,27 @@ from typing import Callable
 import httpx
 import torch
 from accelerate.utils import broadcast_object_list, gather, gather_object
-from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria, TrainerCallback
+from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
-from protocol import PROTOCOLS, Protocol, ToolCall, error_text, get_protocol, tool_call_message
+from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
+from checks import (ADVANTAGE_MODES, check_best_metric, check_distributed_generation, check_reward_columns,
+                    check_script_args, check_training_args, check_trl)
+from protocol import Protocol, ToolCall, error_text, get_protocol, tool_call_message
+from reporting import (EPISODE_STATS, GracefulStop, RolloutProgress, StepBar, StepPrinter, _nanmean, episode_records,
+                       episode_stats, eval_metrics, rollout_metrics)
 
 logger = logging.getLogger("mt_grpo")
 
-# TRL names this file relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
-# `check_trl` verifies the version range and that each name still exists at start-up.
-#   GRPOTrainer._generate_and_score_completions(inputs) -> batch   overridden: rollout, rewards, advantages
-#   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-#       batch_size=) -> (logps, entropies, aux_loss)               old, reference and probe logprobs
-#   GRPOTrainer._compute_loss reads batch keys prompt_ids, prompt_mask, completion_ids, completion_mask,
-#       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
-#       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
-#   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
-#   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
-#   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
-#       num_iterations) == 0): async_rollout's batch index follows it
-#   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
-#   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
-TRL_TESTED_RANGE = ">=1.16.0,<1.17"
-TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. Config
 # ------------------------------------------------------------------------------------------------
-ADVANTAGE_MODES = ("mt_grpo", "per_turn", "outcome_only", "merged")
-TURN_NORMALIZATIONS = ("pooled", "by_turn_index")
-BACKENDS = ("transformers", "vllm_server")
-TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
-WEIGHT_SYNCS = ("auto", "nccl", "disk")
-
 
 @dataclass
 class MTGRPOScriptArguments:
@@ -306,59 +286,7 @@ class MTGRPOScriptArguments:
     )
 
     def __post_init__(self):
-        def check_choice(name, choices):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"`{name}` is {getattr(self, name)!r}; choose one of {list(choices)}.")
-
-        check_choice("advantage_mode", ADVANTAGE_MODES)
-        check_choice("turn_normalization", TURN_NORMALIZATIONS)
-        check_choice("generation_backend", BACKENDS)
-        check_choice("tokenization_check", TOKENIZATION_CHECKS)
-        check_choice("weight_sync", WEIGHT_SYNCS)
-        check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
-        check_choice("tool_format", sorted(PROTOCOLS))
-        for kind in ("turn", "outcome"):
-            funcs, weights = getattr(self, f"{kind}_reward_funcs"), getattr(self, f"{kind}_reward_weights")
-            if weights is not None and len(weights) != len(funcs):
-                raise ValueError(
-                    f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
-                    f"{len(funcs)} functions; give one weight per function, or leave the weights unset."
-                )
-        if (self.advantage_mode != "outcome_only" and not self.outcome_reward_funcs
-                and not self.turn_reward_funcs):
-            raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
-        if not 0.0 <= self.turn_credit_discount <= 1.0:
-            raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {self.turn_credit_discount}.")
-        if (not self.turn_reward_funcs and self.advantage_mode in ("mt_grpo", "per_turn")
-                and self.turn_advantage_coef != 0):
-            raise ValueError(
-                f"`turn_advantage_coef` is {self.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
-                "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
-            )
-        for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
-                     "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
-        for name in ("tool_timeout", "vllm_request_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}.")
-        if self.async_rollout and self.generation_backend != "vllm_server":
-            raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
-                             "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
-                             "model cannot do both at once).")
-        if self.async_rollout and self.max_staleness != 1:
-            raise ValueError(f"`max_staleness` is {self.max_staleness}; only 1 is supported: the weights are "
-                             "synced between generation batches and never during a request, so one batch "
-                             "runs ahead at most.")
-        if self.rollout_scheduler == "per_episode" and self.generation_backend != "vllm_server":
-            raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
-                             "come (`generation_backend: vllm_server`); in-process generation runs in "
-                             "rounds.")
-        if not 0.0 <= self.kb_multi_hop <= 1.0:
-            raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {self.kb_multi_hop}.")
-        if self.save_rollouts_steps < 0:
-            raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, "
-                             f"got {self.save_rollouts_steps}.")
+        check_script_args(self)
 
 
 @dataclass
@@ -385,99 +313,6 @@ class MTGRPOConfig(GRPOConfig):
         self.activation_checkpointing = next((v for v in (new, old) if v is not None), True)
         self.gradient_checkpointing = None
         super().__post_init__()
-
-
-# GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
-# error that says what to set instead: a silently ignored field trains something else than the recipe
-# says.
-REPLACED_GRPO_FIELDS = {
-    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are "
-                      "kept apart)",
-    "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
-                                   "`advantage_mode` (mt_grpo, outcome_only, merged)",
-    "max_tool_calling_iterations": "set `max_env_steps`",
-    "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and "
-                         "`repetition_penalty`; other generation options are not sent, so that both backends "
-                         "sample from what the recipe says",
-    "vllm_mode": "it belongs to TRL's `use_vllm` path; this trainer's server path is "
-                 "`generation_backend: vllm_server`",
-    "vllm_model_impl": "set it on the vLLM server",
-    "vllm_enable_sleep_mode": "it belongs to TRL's colocated vLLM, which this trainer does not use",
-    "vllm_gpu_memory_utilization": "set it on the vLLM server (launch.sh: VLLM_GPU_MEMORY)",
-    "vllm_tensor_parallel_size": "set it on the vLLM server (launch.sh: VLLM_TP)",
-    "vllm_max_model_length": "set it on the vLLM server (launch.sh: VLLM_MAX_MODEL_LEN)",
-    "vllm_structured_outputs_regex": "structured outputs are not supported: the protocol's stop strings end "
-                                     "each turn",
-    "vllm_group_port": "set `nccl_master_port`",
-    "use_transformers_continuous_batching": "the in-process backend uses model.generate; for a faster engine "
-                                            "use `generation_backend: vllm_server`",
-    "transformers_continuous_batching_config": "see `use_transformers_continuous_batching`",
-    "use_transformers_paged": "see `use_transformers_continuous_batching`",
-}
-
-
-def check_training_args(script_args: MTGRPOScriptArguments, args: GRPOConfig) -> None:
-    """Cross-checks between our arguments and TRL's, with errors that name the field to change."""
-    if args.use_vllm:
-        raise ValueError(
-            "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn "
-            "client: set `use_vllm: false` and `generation_backend: vllm_server`."
-        )
-    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    for name, instead in REPLACED_GRPO_FIELDS.items():
-        if getattr(args, name) != defaults[name]:
-            raise ValueError(f"`{name}` ({getattr(args, name)!r}) is not used by this trainer: {instead}.")
-    if args.generation_batch_size % args.num_generations != 0:
-        raise ValueError(
-            f"The generation batch ({args.generation_batch_size} = per_device_train_batch_size x processes x "
-            f"steps_per_generation) must be divisible by `num_generations` ({args.num_generations}): change "
-            "`per_device_train_batch_size` or `num_generations`."
-        )
-    if args.num_generations < 2:
-        raise ValueError("`num_generations` must be at least 2: advantages are normalised within each group.")
-    if script_args.max_tokens_per_turn > args.max_completion_length:
-        raise ValueError(
-            f"`max_tokens_per_turn` ({script_args.max_tokens_per_turn}) exceeds `max_completion_length` "
-            f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
-        )
-    if script_args.async_rollout and not args.vllm_importance_sampling_correction:
-        raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
-                         "importance-sampling correction is what corrects for that: set "
-                         "`vllm_importance_sampling_correction: true`.")
-    known = SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED
-    if script_args.mask_zero_advantage_groups and args.loss_type not in known:
-        raise ValueError(f"`loss_type: {args.loss_type}` has no known normaliser for `mask_zero_advantage_groups`; "
-                         f"set `mask_zero_advantage_groups: false`, or use one of {list(known)}.")
-    if (args.loss_type == "vespo" and args.vllm_importance_sampling_correction
-            and not args.vllm_importance_sampling_mode.startswith("token")):
-        raise ValueError("`loss_type: vespo` folds token-level importance weights into its own sequence weight: "
-                         "set `vllm_importance_sampling_mode` to token_truncate or token_mask (or turn "
-                         "`vllm_importance_sampling_correction` off).")
-    if script_args.max_tool_response_tokens >= args.max_completion_length:
-        raise ValueError(
-            f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
-            f"`max_completion_length` ({args.max_completion_length}), or no tool result ever fits."
-        )
-
-
-def check_trl() -> None:
-    """The installed TRL must be the tested range: this file overrides and reads TRL's private names
-    (listed at the top). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway."""
-    import trl
-    from packaging.specifiers import SpecifierSet
-
-    missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
-    if missing:
-        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies "
-                           f"on; install trl{TRL_TESTED_RANGE} (see requirements.txt).")
-    if (trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE)
-            and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1"):
-        raise RuntimeError(
-            f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and "
-            "relies on TRL private names (listed at the top of mt_grpo_trainer.py). Install the pinned "
-            "version (pip install -r requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one "
-            "and check that list."
-        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1333,6 +1168,11 @@ class Episode:
         return self.stop_reason in TRUNCATED_STOP_REASONS
 
     @property
+    def first_result(self) -> int:
+        """Offset of the first environment (<result>) turn in the completion; its length when there is none."""
+        return result_start(self.spans, len(self.completion_ids))
+
+    @property
     def tool_turns(self) -> int:
         """Model turns the environment answered (environment steps taken)."""
         return sum(s.role == "env" for s in self.spans)
@@ -1578,25 +1418,6 @@ class MultiTurnToolEnv:
         if bad := [d for d in diffs if d]:
             logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; "
                            "first: %s", self.tokenization_check, len(bad), len(episodes), bad[0])
-
-
-class RolloutProgress:
-    """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = (tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True)
-                    if enabled else None)
-
-    def update(self, episodes: list[Episode], tool_calls: int) -> None:
-        if self.bar is not None:
-            self.bar.n = sum(ep.done for ep in episodes)
-            self.bar.set_postfix_str(f"tool calls in flight: {tool_calls}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _identical_runs(episodes: list[Episode]) -> list[list[Episode]]:
@@ -1924,106 +1745,6 @@ def zero_signal_scale(loss_type: str, loss_mask: torch.Tensor, informative: torc
 # ------------------------------------------------------------------------------------------------
 # 6. Trainer
 # ------------------------------------------------------------------------------------------------
-class PromptStream:
-    """Generation batches of prompts in a seeded order, each prompt repeated num_generations times and
-    the batch split over the processes in order, as TRL's sampler lays them out. Batch b depends on b
-    alone, so a resumed run continues with the same prompts. (async_rollout takes its prompts from here:
-    it must know batch b + 1 while the trainer still trains on batch b.)"""
-
-    def __init__(self, dataset, num_generations: int, args: GRPOConfig, accelerator):
-        self.dataset = dataset
-        self.num_generations = num_generations
-        self.prompts_per_batch = args.generation_batch_size // num_generations
-        self.seed = args.seed
-        self.shuffle = args.shuffle_dataset
-        self.rank = accelerator.process_index
-        self.world = accelerator.num_processes
-
-    @functools.lru_cache(maxsize=2)
-    def order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        return torch.randperm(len(self.dataset),
-                              generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-
-    def batch(self, b: int) -> list[dict]:
-        """This process's rows of generation batch b."""
-        n = len(self.dataset)
-        positions = range(b * self.prompts_per_batch, (b + 1) * self.prompts_per_batch)
-        rows = [self.dataset[self.order(k // n)[k % n]] for k in positions
-                for _ in range(self.num_generations)]
-        local = len(rows) // self.world
-        return rows[self.rank * local : (self.rank + 1) * local]
-
-
-class AsyncRollouts:
-    """Overlapped generation (async_rollout, max_staleness 1): while the trainer runs optimizer steps on
-    generation batch b, a background thread has the server sample batch b + 1 with the weights synced
-    before it started. Weights are synced only here, between batches, when no request is in flight; the
-    thread makes HTTP requests only (no collective), so ranks never wait on each other inside it. A
-    pending rollout is not saved in a checkpoint: a resumed run samples its first batch again.
-    Given callables, not the trainer: `roll_out(prompts)` -> episodes, `sync()` gives the sampler the
-    current policy, `version()` is the policy's optimizer step."""
-
-    def __init__(self, stream: PromptStream, roll_out: Callable[[list], list[Episode]], sync: Callable[[], None],
-                 version: Callable[[], int]):
-        self.stream = stream
-        self.roll_out = roll_out
-        self.sync = sync
-        self.version = version
-        self.pending: tuple[int, threading.Thread, dict] | None = None  # (batch index, thread, result)
-
-    def start(self, b: int) -> tuple[int, threading.Thread, dict]:
-        result, inputs, version = {}, self.stream.batch(b), self.version()
-
-        def roll_out():
-            t0 = time.perf_counter()
-            try:
-                episodes = self.roll_out([x["prompt"] for x in inputs])
-                for ep in episodes:
-                    ep.policy_version = version
-                result["value"] = (inputs, episodes, time.perf_counter() - t0)
-            except BaseException as e:  # re-raised on the trainer's thread
-                result["error"] = e
-
-        # a daemon thread: a rollout still running when training ends must not keep the process alive
-        thread = threading.Thread(target=roll_out, daemon=True, name="async-rollout")
-        thread.start()
-        return b, thread, result
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending[1].join()
-
-    def next(self, b: int) -> tuple[list[dict], list[Episode], float]:
-        """Generation batch b (rolled out in the background while b - 1 trained), and start b + 1."""
-        if self.pending is None or self.pending[0] != b:  # the first batch, or the first after a resume
-            self.wait()
-            self.sync()
-            self.pending = self.start(b)
-        self.wait()
-        _, _, result = self.pending
-        if "error" in result:
-            self.pending = None
-            raise result["error"]
-        self.sync()  # nothing is in flight now
-        self.pending = self.start(b + 1)
-        return result["value"]
-
-
-def generation_index(micro_step: int, generate_every: int, first: int) -> int:
-    """Index of the generation batch TRL asks for at `micro_step` (micro-steps since this run started:
-    TRL generates when micro_step % generate_every == 0, generate_every = steps_per_generation x
-    num_iterations), counting from `first`, the first batch of this run."""
-    return first + micro_step // generate_every
-
-
-def first_generation(global_step: int, gradient_accumulation_steps: int, generate_every: int) -> int:
-    """The first generation batch of a run that starts (or resumes) at `global_step`: the next one not yet
-    begun. A batch a checkpoint cut in the middle is not trained again (TRL generates afresh on resume)."""
-    return -(-global_step * gradient_accumulation_steps // generate_every)
-
-
 @dataclass
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
@@ -2420,225 +2141,6 @@ class MTGRPOEnvTrainer(GRPOTrainer):
 def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.Tensor:
     return torch.tensor(weights if weights is not None else [1.0] * len(funcs), dtype=torch.float32)
 
-
-EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
-                 "tokenization_mismatch", "turns")
-STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
-
-
-def episode_stats(episodes: list[Episode]) -> torch.Tensor:
-    """(B, len(EPISODE_STATS) + len(STOP_REASONS)) per-episode numbers, gathered once per batch."""
-    rows = []
-    for ep in episodes:
-        model_tokens = sum(ep.env_mask)
-        rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
-                     ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                     sum(s.role == "model" for s in ep.spans)]
-                    + [ep.stop_reason == r for r in STOP_REASONS])
-    return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
-
-
-def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
-    """`rollout/...` metrics from gathered episode_stats rows."""
-    s = dict(zip(EPISODE_STATS, stats[:, : len(EPISODE_STATS)].T))
-    calls = s["tool_calls"].sum()
-    out = {
-        "rollout/tool_calls_per_episode": s["tool_calls"].mean().item(),
-        "rollout/tool_success_rate": ((1 - s["tool_failures"].sum() / calls).item() if calls > 0
-                                      else float("nan")),
-        "rollout/turns_per_episode": s["turns"].mean().item(),
-        "rollout/model_tokens": s["model_tokens"].mean().item(),
-        "rollout/env_tokens": s["env_tokens"].mean().item(),
-        "rollout/truncated_ratio": s["truncated"].mean().item(),
-        "rollout/answered_ratio": s["answered"].mean().item(),
-        "rollout/tokenization_mismatch_ratio": s["tokenization_mismatch"].mean().item(),
-    }
-    for i, reason in enumerate(STOP_REASONS):
-        out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
-    return out
-
-
-def _number(x) -> float | None:
-    """A JSON-friendly reward: NaN ("not applicable") becomes None."""
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    return torch.nanmean(x).item() if not torch.isnan(x).all() else float("nan")
-
-
-def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
-    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list (one value per
-    tool turn the episode took); None when absent."""
-    if values is None:
-        return None
-    row = values[i].reshape(-1).tolist()
-    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:tool_turns]]
-
-
-def episode_records(tokenizer, episodes: list[Episode], inputs: list[dict], *, step: int, mode: str,
-                    first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
-                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
-                    policy_version=None) -> list[dict]:
-    """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (README: "Looking at
-    rollouts"): the turns, every completion token with its mask and per-token values, rewards,
-    advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
-    records = []
-    for i, (ep, row) in enumerate(zip(episodes, inputs)):
-        n = len(ep.completion_ids)
-        turns, model_turn = [], -1
-        for span in ep.spans:
-            turn = {"role": span.role, "start": span.start, "end": span.end,
-                    "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
-            if span.role == "model":
-                model_turn += 1
-            else:
-                turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
-            turns.append(turn)
-        tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
-                  "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}
-        for name, values in token_values.items():
-            tokens[name] = None if values is None else values[i, :n].tolist()
-        k = first_index + i
-        records.append({
-            "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
-            "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
-            "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
-            "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
-                               for name, v in funcs.items()} for kind, funcs in rewards.items()},
-            "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
-            "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
-            "first_result": result_start(ep.spans, n), "stop_reason": ep.stop_reason,
-            "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
-                           for c in ep.calls],
-        })
-    return records
-
-
-def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
-    """`eval/...` metrics from one dict per episode (question row, exact_match, first_search_hit,
-    answered, tool_calls, tool_failures, rewards). With k episodes per question, pass@k is the share of
-    questions with at least one exact match."""
-    if not results:
-        return {}
-    mean = lambda key: sum(float(r[key]) for r in results) / len(results)  # noqa: E731
-    calls = sum(r["tool_calls"] for r in results)
-    metrics = {
-        "eval/exact_match": mean("exact_match"),
-        "eval/answered_ratio": mean("answered"),
-        "eval/tool_calls_per_episode": mean("tool_calls"),
-        "eval/tool_success_rate": (1 - sum(r["tool_failures"] for r in results) / calls if calls
-                                   else float("nan")),
-        "eval/first_search_hit": mean("first_search_hit"),
-        "eval/episodes": float(len(results)),
-    }
-    if k > 1:
-        solved: dict[int, bool] = {}
-        for r in results:
-            solved[r["question"]] = solved.get(r["question"], False) or r["exact_match"]
-        metrics[f"eval/pass@{k}"] = sum(solved.values()) / len(solved)
-    for name in results[0]["rewards"]:
-        values = [r["rewards"][name] for r in results if not math.isnan(r["rewards"][name])]
-        metrics[f"eval/rewards/{name}"] = sum(values) / len(values) if values else float("nan")
-    return metrics
-
-
-def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> list[str]:
-    """Every eval metric name (without `eval/`) that eval_metrics logs."""
-    names = ["exact_match", "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "first_search_hit",
-             "episodes"] + ([f"pass@{k}"] if k > 1 else [])
-    return names + [f"rewards/turn/{fn.__name__}" for fn in turn_funcs] + \
-        [f"rewards/outcome/{fn.__name__}" for fn in outcome_funcs]
-
-
-def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
-    """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
-    (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
-    name = args.metric_for_best_model
-    if name is None:
-        return
-    bare = name.removeprefix("eval/").removeprefix("eval_")
-    names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs)
-    if bare not in names:
-        raise ValueError(f"`metric_for_best_model` is {name!r}, which evaluation does not log"
-                         + (" (there is no eval loss: evaluation runs episodes, not a loss)" if bare == "loss" else "")
-                         + f"; choose one of {names}, e.g. `metric_for_best_model: exact_match`.")
-    args.metric_for_best_model = f"eval_{bare}"
-
-
-def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
-    """In-process generation on several processes runs in lock-step rounds (see another_round); two
-    settings would still hang, because every forward is then a collective and ranks generate different
-    numbers of tokens: refuse them with the fix."""
-    if backend.external or accelerator.num_processes == 1:
-        return
-    from trl.distributed import DistributedBackend
-
-    dist = DistributedBackend(accelerator)
-    if dist.is_zero3 and not args.ds3_gather_for_generation:
-        raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
-                         "transformers` on several processes would hang (ranks generate different numbers of "
-                         "tokens, and each forward gathers parameters). Set `ds3_gather_for_generation: "
-                         "true`, or use `generation_backend: vllm_server`.")
-    if dist.fsdp_version == 2:
-        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang "
-                         "(each forward is a collective and ranks generate different numbers of tokens). Use "
-                         "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
-
-
-class GracefulStop(TrainerCallback):
-    """On SIGTERM (a preempted or cancelled job): finish the optimizer step in flight, save a
-    checkpoint, stop. `--resume_from_checkpoint last` then continues at the same step with the same
-    optimizer, scheduler and RNG state. The flag is max-reduced across ranks at each step end (one
-    scalar collective), so every rank stops at the same step even if only one got the signal."""
-
-    def __init__(self, trainer: "MTGRPOEnvTrainer"):
-        self.trainer = trainer
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame):
-        self.requested = True
-
-    def on_step_end(self, args, state, control, **kwargs):
-        flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
-        if self.trainer.accelerator.reduce(flag, reduction="max").item() > 0:
-            logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
-            control.should_save = True
-            control.should_training_stop = True
-
-
-class StepPrinter(TrainerCallback):
-    """One readable line per logged step (and per evaluation) on the main process, with the metrics a
-    run is watched by. The full metrics go to `report_to` and trainer_state.json, not the console."""
-
-    KEYS = [("loss", "loss"), ("rewards/turn/mean", "R_turn"), ("rewards/outcome/mean", "R_out"),
-            ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
-            ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"),
-            ("rollout/seconds", "rollout_s")]
-    EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/first_search_hit", "search_hit"),
-                 ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        from tqdm.auto import tqdm
-
-        if not state.is_world_process_zero or not logs:
-            return
-        for first, keys, label in (("loss", self.KEYS, "step"), ("eval/exact_match", self.EVAL_KEYS, "eval")):
-            if first in logs:
-                parts = [f"{short}={logs[k]:.3f}" for k, short in keys
-                         if isinstance(logs.get(k), (int, float))]
-                tqdm.write(f"{label} {state.global_step:>4} | " + " ".join(parts))  # above any progress bar
-                sys.stdout.flush()
-
-
-class StepBar(ProgressCallback):
-    """TRL's step progress bar, without printing every metrics dict under it (StepPrinter prints a line)."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
-
-
 # ------------------------------------------------------------------------------------------------
 # 7. Main
 # ------------------------------------------------------------------------------------------------
@@ -2678,16 +2180,6 @@ def load_eval_task(script_args: MTGRPOScriptArguments, load_task: Callable):
                          "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
     return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
                      script_args.kb_multi_hop)
-
-
-def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
-    """Each reward's required keyword arguments must be dataset columns."""
-    for fn in funcs:
-        for name, p in inspect.signature(fn).parameters.items():
-            if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                    and name not in ("prompts", "completions") and name not in columns):
-                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
-                                 f"the dataset has only {columns}.")
 
 
 def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
@@ -2761,7 +2253,8 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a recipe to change
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
     check_trl()
-    check_training_args(script_args, training_args)
+    check_training_args(script_args, training_args,
+                        SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)
     if model_args.use_peft and script_args.generation_backend == "vllm_server":
         # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload
         # kills it).

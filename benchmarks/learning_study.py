@@ -163,6 +163,19 @@ def summary(rows: list[dict]) -> None:
                 ["metric", "mode", "step 0", "last"], table)
 
 
+def read_csv(path: str) -> list[dict]:
+    """Rows as `collect` makes them, from a CSV that `write_csv` wrote."""
+    with open(path, newline="") as f:
+        return [{"mode": r["mode"], "seed": int(r["seed"]), "step": int(r["step"]),
+                 **{m: float(r[m]) for m in METRICS}} for r in csv.DictReader(f)]
+
+
+def with_earlier_runs(rows: list[dict], earlier: list[dict]) -> list[dict]:
+    """`earlier`'s rows of the runs (mode, seed) that `rows` does not have, then `rows`."""
+    ran = {(r["mode"], r["seed"]) for r in rows}
+    return [r for r in earlier if (r["mode"], r["seed"]) not in ran] + rows
+
+
 def csv_difference(new: float, old: float) -> float:
     """|new - old| with `new` rounded as the CSV writes it; NaN (no tool call, so no success rate)
     matches only NaN."""
@@ -176,12 +189,11 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
     """How far this study's evaluations are from an earlier CSV's, row by row (same mode, seed and
     step): the check that the study reproduces. Returns the number of rows without a counterpart and
     one row per metric: [metric, evaluations compared, identical, largest difference]."""
-    with open(reference, newline="") as f:
-        ref = {(r["mode"], int(r["seed"]), int(r["step"])): r for r in csv.DictReader(f)}
+    ref = {(r["mode"], r["seed"], r["step"]): r for r in read_csv(reference)}
     pairs = [(row, ref[key]) for row in rows if (key := (row["mode"], row["seed"], row["step"])) in ref]
     table = []
     for metric in METRICS:
-        diffs = [csv_difference(row[metric], float(old[metric])) for row, old in pairs]
+        diffs = [csv_difference(row[metric], old[metric]) for row, old in pairs]
         table.append([metric, len(diffs), sum(d == 0 for d in diffs), max(diffs, default=0.0)])
     return len(rows) - len(pairs), table
 
@@ -198,6 +210,8 @@ def main():
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between run starts")
     ap.add_argument("--compare", metavar="CSV", help="an earlier study's CSV: print the differences, row by row")
+    ap.add_argument("--include", metavar="CSV", help="an earlier study's CSV: its runs (mode and seed) that are not "
+                    "in this study are kept in OUT.csv, the plot and the table (to add a mode without rerunning the rest)")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -206,10 +220,13 @@ def main():
     start = time.monotonic()
     failed = run_all(todo, flags, args.parallel, args.deadline, args.stagger)
     rows = collect([j for j in jobs if finished(j[2])])
+    if args.include:
+        rows = with_earlier_runs(rows, read_csv(args.include))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_csv(rows, args.out + ".csv")
-    plot(rows, args.out + ".png", f"SmolLM2-135M-Instruct on the fictional KB: {len(args.seeds)} "
-                                    f"seed{'s' if len(args.seeds) > 1 else ''} per mode")
+    seeds = {m: len({r["seed"] for r in rows if r["mode"] == m}) for m in dict.fromkeys(r["mode"] for r in rows)}
+    plot(rows, args.out + ".png", "SmolLM2-135M-Instruct on the fictional KB, seeds per mode: "
+                                  + ", ".join(f"{m} {n}" for m, n in seeds.items()))
     summary(rows)
     if args.compare:
         unmatched, table = compare(rows, args.compare)

@@ -9,7 +9,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from learning_study import METRICS, collect, compare, csv_difference, write_csv  # noqa: E402
+from learning_study import METRICS, collect, compare, csv_difference, read_csv, with_earlier_runs, write_csv  # noqa: E402
 
 
 def write_run(folder, evals: dict[int, dict]):
@@ -69,3 +69,17 @@ def test_csv_difference_rounds_like_the_csv():
     assert math.isclose(csv_difference(0.5, 0.25), 0.25)
     assert csv_difference(math.nan, math.nan) == 0.0
     assert csv_difference(math.nan, 0.0) == math.inf and csv_difference(0.0, math.nan) == math.inf
+
+
+def test_an_earlier_csv_keeps_the_runs_this_study_did_not_make(tmp_path):
+    """--include: a new mode joins the committed study without rerunning the others; a rerun replaces its old rows."""
+    old = [("mt_grpo", 1, str(tmp_path / "mt_grpo-s1")), ("per_turn", 1, str(tmp_path / "old-per_turn-s1"))]
+    write_run(old[0][2], {0: evaluation(0.0, 0.375), 10: evaluation(0.125, 1.0)})
+    write_run(old[1][2], {0: evaluation(0.0, 0.375)})
+    earlier = str(tmp_path / "earlier.csv")
+    write_csv(collect(old), earlier)
+    new = [("per_turn", 1, str(tmp_path / "per_turn-s1"))]
+    write_run(new[0][2], {0: evaluation(0.0, 0.375), 10: evaluation(0.25, 1.0)})
+    rows = with_earlier_runs(collect(new), read_csv(earlier))
+    assert [(r["mode"], r["step"]) for r in rows] == [("mt_grpo", 0), ("mt_grpo", 10), ("per_turn", 0), ("per_turn", 10)]
+    assert rows[1]["eval/exact_match"] == 0.125 and rows[3]["eval/exact_match"] == 0.25

@@ -1,0 +1,232 @@
+"""Every config rule in one place, with errors that name the field to change, and the TRL check. The
+trainer calls them at start-up (build_trainer); MTGRPOScriptArguments.__post_init__ calls
+check_script_args."""
+
+import dataclasses
+import inspect
+import os
+from typing import Callable
+
+from trl import GRPOConfig, GRPOTrainer
+
+from protocol import PROTOCOLS
+from reporting import eval_metric_names
+
+# TRL names mt_grpo_trainer.py relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
+# `check_trl` verifies the version range and that each name still exists at start-up.
+#   GRPOTrainer._generate_and_score_completions(inputs) -> batch   overridden: rollout, rewards, advantages
+#   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+#       batch_size=) -> (logps, entropies, aux_loss)               old, reference and probe logprobs
+#   GRPOTrainer._compute_loss reads batch keys prompt_ids, prompt_mask, completion_ids, completion_mask,
+#       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
+#       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
+#   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
+#   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
+#   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
+#       num_iterations) == 0): async_rollout's batch index follows it
+#   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
+#   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
+TRL_TESTED_RANGE = ">=1.16.0,<1.17"
+TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
+
+ADVANTAGE_MODES = ("mt_grpo", "per_turn", "outcome_only", "merged")
+TURN_NORMALIZATIONS = ("pooled", "by_turn_index")
+BACKENDS = ("transformers", "vllm_server")
+TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
+WEIGHT_SYNCS = ("auto", "nccl", "disk")
+
+
+def check_script_args(args) -> None:
+    """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field."""
+    def check_choice(name, choices):
+        if getattr(args, name) not in choices:
+            raise ValueError(f"`{name}` is {getattr(args, name)!r}; choose one of {list(choices)}.")
+
+    check_choice("advantage_mode", ADVANTAGE_MODES)
+    check_choice("turn_normalization", TURN_NORMALIZATIONS)
+    check_choice("generation_backend", BACKENDS)
+    check_choice("tokenization_check", TOKENIZATION_CHECKS)
+    check_choice("weight_sync", WEIGHT_SYNCS)
+    check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
+    check_choice("tool_format", sorted(PROTOCOLS))
+    for kind in ("turn", "outcome"):
+        funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
+        if weights is not None and len(weights) != len(funcs):
+            raise ValueError(
+                f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
+                f"{len(funcs)} functions; give one weight per function, or leave the weights unset."
+            )
+    if (args.advantage_mode != "outcome_only" and not args.outcome_reward_funcs
+            and not args.turn_reward_funcs):
+        raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
+    if not 0.0 <= args.turn_credit_discount <= 1.0:
+        raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {args.turn_credit_discount}.")
+    if (not args.turn_reward_funcs and args.advantage_mode in ("mt_grpo", "per_turn")
+            and args.turn_advantage_coef != 0):
+        raise ValueError(
+            f"`turn_advantage_coef` is {args.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
+            "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
+        )
+    for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
+                 "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"`{name}` must be at least 1, got {getattr(args, name)}.")
+    for name in ("tool_timeout", "vllm_request_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(args, name)}.")
+    if args.async_rollout and args.generation_backend != "vllm_server":
+        raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
+                         "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
+                         "model cannot do both at once).")
+    if args.async_rollout and args.max_staleness != 1:
+        raise ValueError(f"`max_staleness` is {args.max_staleness}; only 1 is supported: the weights are "
+                         "synced between generation batches and never during a request, so one batch "
+                         "runs ahead at most.")
+    if args.rollout_scheduler == "per_episode" and args.generation_backend != "vllm_server":
+        raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
+                         "come (`generation_backend: vllm_server`); in-process generation runs in "
+                         "rounds.")
+    if not 0.0 <= args.kb_multi_hop <= 1.0:
+        raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {args.kb_multi_hop}.")
+    if args.save_rollouts_steps < 0:
+        raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, "
+                         f"got {args.save_rollouts_steps}.")
+
+
+# GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
+# error that says what to set instead: a silently ignored field trains something else than the recipe
+# says.
+REPLACED_GRPO_FIELDS = {
+    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are "
+                      "kept apart)",
+    "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
+                                   "`advantage_mode` (mt_grpo, outcome_only, merged)",
+    "max_tool_calling_iterations": "set `max_env_steps`",
+    "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and "
+                         "`repetition_penalty`; other generation options are not sent, so that both backends "
+                         "sample from what the recipe says",
+    "vllm_mode": "it belongs to TRL's `use_vllm` path; this trainer's server path is "
+                 "`generation_backend: vllm_server`",
+    "vllm_model_impl": "set it on the vLLM server",
+    "vllm_enable_sleep_mode": "it belongs to TRL's colocated vLLM, which this trainer does not use",
+    "vllm_gpu_memory_utilization": "set it on the vLLM server (launch.sh: VLLM_GPU_MEMORY)",
+    "vllm_tensor_parallel_size": "set it on the vLLM server (launch.sh: VLLM_TP)",
+    "vllm_max_model_length": "set it on the vLLM server (launch.sh: VLLM_MAX_MODEL_LEN)",
+    "vllm_structured_outputs_regex": "structured outputs are not supported: the protocol's stop strings end "
+                                     "each turn",
+    "vllm_group_port": "set `nccl_master_port`",
+    "use_transformers_continuous_batching": "the in-process backend uses model.generate; for a faster engine "
+                                            "use `generation_backend: vllm_server`",
+    "transformers_continuous_batching_config": "see `use_transformers_continuous_batching`",
+    "use_transformers_paged": "see `use_transformers_continuous_batching`",
+}
+
+
+def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
+    """Cross-checks between our arguments and TRL's, with errors that name the field to change.
+    `normalised_loss_types`: the loss types whose normaliser zero_signal_scale knows."""
+    if args.use_vllm:
+        raise ValueError(
+            "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn "
+            "client: set `use_vllm: false` and `generation_backend: vllm_server`."
+        )
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name, instead in REPLACED_GRPO_FIELDS.items():
+        if getattr(args, name) != defaults[name]:
+            raise ValueError(f"`{name}` ({getattr(args, name)!r}) is not used by this trainer: {instead}.")
+    if args.generation_batch_size % args.num_generations != 0:
+        raise ValueError(
+            f"The generation batch ({args.generation_batch_size} = per_device_train_batch_size x processes x "
+            f"steps_per_generation) must be divisible by `num_generations` ({args.num_generations}): change "
+            "`per_device_train_batch_size` or `num_generations`."
+        )
+    if args.num_generations < 2:
+        raise ValueError("`num_generations` must be at least 2: advantages are normalised within each group.")
+    if script_args.max_tokens_per_turn > args.max_completion_length:
+        raise ValueError(
+            f"`max_tokens_per_turn` ({script_args.max_tokens_per_turn}) exceeds `max_completion_length` "
+            f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
+        )
+    if script_args.async_rollout and not args.vllm_importance_sampling_correction:
+        raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
+                         "importance-sampling correction is what corrects for that: set "
+                         "`vllm_importance_sampling_correction: true`.")
+    known = normalised_loss_types
+    if script_args.mask_zero_advantage_groups and args.loss_type not in known:
+        raise ValueError(f"`loss_type: {args.loss_type}` has no known normaliser for `mask_zero_advantage_groups`; "
+                         f"set `mask_zero_advantage_groups: false`, or use one of {list(known)}.")
+    if (args.loss_type == "vespo" and args.vllm_importance_sampling_correction
+            and not args.vllm_importance_sampling_mode.startswith("token")):
+        raise ValueError("`loss_type: vespo` folds token-level importance weights into its own sequence weight: "
+                         "set `vllm_importance_sampling_mode` to token_truncate or token_mask (or turn "
+                         "`vllm_importance_sampling_correction` off).")
+    if script_args.max_tool_response_tokens >= args.max_completion_length:
+        raise ValueError(
+            f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
+            f"`max_completion_length` ({args.max_completion_length}), or no tool result ever fits."
+        )
+
+
+def check_trl() -> None:
+    """The installed TRL must be the tested range: this file overrides and reads TRL's private names
+    (listed above). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway."""
+    import trl
+    from packaging.specifiers import SpecifierSet
+
+    missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
+    if missing:
+        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies "
+                           f"on; install trl{TRL_TESTED_RANGE} (see requirements.txt).")
+    if (trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE)
+            and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1"):
+        raise RuntimeError(
+            f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and "
+            "relies on TRL private names (listed at the top of checks.py). Install the pinned "
+            "version (pip install -r requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one "
+            "and check that list."
+        )
+
+
+def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
+    """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
+    (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    bare = name.removeprefix("eval/").removeprefix("eval_")
+    names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs)
+    if bare not in names:
+        raise ValueError(f"`metric_for_best_model` is {name!r}, which evaluation does not log"
+                         + (" (there is no eval loss: evaluation runs episodes, not a loss)" if bare == "loss" else "")
+                         + f"; choose one of {names}, e.g. `metric_for_best_model: exact_match`.")
+    args.metric_for_best_model = f"eval_{bare}"
+
+
+def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
+    """In-process generation on several processes runs in lock-step rounds (see another_round); two
+    settings would still hang, because every forward is then a collective and ranks generate different
+    numbers of tokens: refuse them with the fix."""
+    if backend.external or accelerator.num_processes == 1:
+        return
+    from trl.distributed import DistributedBackend
+
+    dist = DistributedBackend(accelerator)
+    if dist.is_zero3 and not args.ds3_gather_for_generation:
+        raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
+                         "transformers` on several processes would hang (ranks generate different numbers of "
+                         "tokens, and each forward gathers parameters). Set `ds3_gather_for_generation: "
+                         "true`, or use `generation_backend: vllm_server`.")
+    if dist.fsdp_version == 2:
+        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang "
+                         "(each forward is a collective and ranks generate different numbers of tokens). Use "
+                         "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
+
+
+def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
+    """Each reward's required keyword arguments must be dataset columns."""
+    for fn in funcs:
+        for name, p in inspect.signature(fn).parameters.items():
+            if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and name not in ("prompts", "completions") and name not in columns):
+                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
+                                 f"the dataset has only {columns}.")

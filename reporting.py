@@ -1,0 +1,217 @@
+"""What a run reports: rollout and eval metrics, episode records (scripts/view_rollouts.py reads them),
+the console (a progress bar of the rollout, one line per step) and the SIGTERM stop. Episodes are read by
+their attributes (mt_grpo_trainer.Episode); nothing here changes what is trained."""
+
+import dataclasses
+import logging
+import math
+import signal
+import sys
+from typing import Callable
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+logger = logging.getLogger("mt_grpo")
+
+
+class RolloutProgress:
+    """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = (tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True)
+                    if enabled else None)
+
+    def update(self, episodes: list, tool_calls: int) -> None:
+        if self.bar is not None:
+            self.bar.n = sum(ep.done for ep in episodes)
+            self.bar.set_postfix_str(f"tool calls in flight: {tool_calls}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
+                 "tokenization_mismatch", "turns")
+STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
+
+
+def episode_stats(episodes: list) -> torch.Tensor:
+    """(B, len(EPISODE_STATS) + len(STOP_REASONS)) per-episode numbers, gathered once per batch."""
+    rows = []
+    for ep in episodes:
+        model_tokens = sum(ep.env_mask)
+        rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
+                     ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
+                     sum(s.role == "model" for s in ep.spans)]
+                    + [ep.stop_reason == r for r in STOP_REASONS])
+    return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
+
+
+def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
+    """`rollout/...` metrics from gathered episode_stats rows."""
+    s = dict(zip(EPISODE_STATS, stats[:, : len(EPISODE_STATS)].T))
+    calls = s["tool_calls"].sum()
+    out = {
+        "rollout/tool_calls_per_episode": s["tool_calls"].mean().item(),
+        "rollout/tool_success_rate": ((1 - s["tool_failures"].sum() / calls).item() if calls > 0
+                                      else float("nan")),
+        "rollout/turns_per_episode": s["turns"].mean().item(),
+        "rollout/model_tokens": s["model_tokens"].mean().item(),
+        "rollout/env_tokens": s["env_tokens"].mean().item(),
+        "rollout/truncated_ratio": s["truncated"].mean().item(),
+        "rollout/answered_ratio": s["answered"].mean().item(),
+        "rollout/tokenization_mismatch_ratio": s["tokenization_mismatch"].mean().item(),
+    }
+    for i, reason in enumerate(STOP_REASONS):
+        out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
+    return out
+
+
+def _number(x) -> float | None:
+    """A JSON-friendly reward: NaN ("not applicable") becomes None."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    return torch.nanmean(x).item() if not torch.isnan(x).all() else float("nan")
+
+
+def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
+    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list (one value per
+    tool turn the episode took); None when absent."""
+    if values is None:
+        return None
+    row = values[i].reshape(-1).tolist()
+    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:tool_turns]]
+
+
+def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int, mode: str,
+                    first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
+                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
+                    policy_version=None) -> list[dict]:
+    """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (README: "Looking at
+    rollouts"): the turns, every completion token with its mask and per-token values, rewards,
+    advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
+    records = []
+    for i, (ep, row) in enumerate(zip(episodes, inputs)):
+        n = len(ep.completion_ids)
+        turns, model_turn = [], -1
+        for span in ep.spans:
+            turn = {"role": span.role, "start": span.start, "end": span.end,
+                    "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
+            if span.role == "model":
+                model_turn += 1
+            else:
+                turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
+            turns.append(turn)
+        tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
+                  "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}
+        for name, values in token_values.items():
+            tokens[name] = None if values is None else values[i, :n].tolist()
+        k = first_index + i
+        records.append({
+            "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
+            "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
+            "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
+            "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
+                               for name, v in funcs.items()} for kind, funcs in rewards.items()},
+            "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
+            "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
+            "first_result": ep.first_result, "stop_reason": ep.stop_reason,
+            "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
+                           for c in ep.calls],
+        })
+    return records
+
+
+def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
+    """`eval/...` metrics from one dict per episode (question row, exact_match, first_search_hit,
+    answered, tool_calls, tool_failures, rewards). With k episodes per question, pass@k is the share of
+    questions with at least one exact match."""
+    if not results:
+        return {}
+    mean = lambda key: sum(float(r[key]) for r in results) / len(results)  # noqa: E731
+    calls = sum(r["tool_calls"] for r in results)
+    metrics = {
+        "eval/exact_match": mean("exact_match"),
+        "eval/answered_ratio": mean("answered"),
+        "eval/tool_calls_per_episode": mean("tool_calls"),
+        "eval/tool_success_rate": (1 - sum(r["tool_failures"] for r in results) / calls if calls
+                                   else float("nan")),
+        "eval/first_search_hit": mean("first_search_hit"),
+        "eval/episodes": float(len(results)),
+    }
+    if k > 1:
+        solved: dict[int, bool] = {}
+        for r in results:
+            solved[r["question"]] = solved.get(r["question"], False) or r["exact_match"]
+        metrics[f"eval/pass@{k}"] = sum(solved.values()) / len(solved)
+    for name in results[0]["rewards"]:
+        values = [r["rewards"][name] for r in results if not math.isnan(r["rewards"][name])]
+        metrics[f"eval/rewards/{name}"] = sum(values) / len(values) if values else float("nan")
+    return metrics
+
+
+def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> list[str]:
+    """Every eval metric name (without `eval/`) that eval_metrics logs."""
+    names = ["exact_match", "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "first_search_hit",
+             "episodes"] + ([f"pass@{k}"] if k > 1 else [])
+    return names + [f"rewards/turn/{fn.__name__}" for fn in turn_funcs] + \
+        [f"rewards/outcome/{fn.__name__}" for fn in outcome_funcs]
+
+
+class GracefulStop(TrainerCallback):
+    """On SIGTERM (a preempted or cancelled job): finish the optimizer step in flight, save a
+    checkpoint, stop. `--resume_from_checkpoint last` then continues at the same step with the same
+    optimizer, scheduler and RNG state. The flag is max-reduced across ranks at each step end (one
+    scalar collective), so every rank stops at the same step even if only one got the signal."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
+        if self.trainer.accelerator.reduce(flag, reduction="max").item() > 0:
+            logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class StepPrinter(TrainerCallback):
+    """One readable line per logged step (and per evaluation) on the main process, with the metrics a
+    run is watched by. The full metrics go to `report_to` and trainer_state.json, not the console."""
+
+    KEYS = [("loss", "loss"), ("rewards/turn/mean", "R_turn"), ("rewards/outcome/mean", "R_out"),
+            ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
+            ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"),
+            ("rollout/seconds", "rollout_s")]
+    EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/first_search_hit", "search_hit"),
+                 ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from tqdm.auto import tqdm
+
+        if not state.is_world_process_zero or not logs:
+            return
+        for first, keys, label in (("loss", self.KEYS, "step"), ("eval/exact_match", self.EVAL_KEYS, "eval")):
+            if first in logs:
+                parts = [f"{short}={logs[k]:.3f}" for k, short in keys
+                         if isinstance(logs.get(k), (int, float))]
+                tqdm.write(f"{label} {state.global_step:>4} | " + " ".join(parts))  # above any progress bar
+                sys.stdout.flush()
+
+
+class StepBar(ProgressCallback):
+    """TRL's step progress bar, without printing every metrics dict under it (StepPrinter prints a line)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
