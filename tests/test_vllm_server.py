@@ -223,13 +223,15 @@ def kill_server_mid_run(server, model_dir, tmp_path, *flags):
 
 
 @pytest.mark.parametrize("settings", SAMPLER_GRID, ids=sampler_id)
-def test_server_importance_weights_are_one_on_policy(untied_server, agent, settings):
-    """The server holds the trainer's weights (the model it loaded): under every sampler setting the
-    weights of what it sampled are 1, per token and per sequence."""
+def test_server_importance_weights_are_one_on_policy(untied_server, tiny_agent_dir, agent, settings):
+    """Right after a weight sync that gives the server the trainer's weights (earlier tests trained and
+    synced others), under every sampler setting the weights of what it sampled are 1, per token and per
+    sequence."""
     model, tokenizer, ids = agent
     params = SamplingParams(**settings)
     client = VLLMServerClient(base_url=f"http://127.0.0.1:{untied_server.port}", params=params,
                               eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30)
+    client.reload_weights_from_disk(tiny_agent_dir)
     prompts = [ids, ids[:-5] + ids[-3:]]
     samples = client.generate(prompts, [40, 40], n=3)
     for mode in ("token_truncate", "sequence_truncate"):
@@ -287,12 +289,14 @@ def test_the_sampling_probe_catches_raw_logprobs_where_server_info_cannot(raw_se
         client._check_sampler(model, Accelerator(cpu=True))
 
 
-def test_the_sampling_probe_passes_a_processed_server(untied_server, agent):
+def test_the_sampling_probe_passes_a_processed_server(untied_server, tiny_agent_dir, agent):
     from accelerate import Accelerator
 
     model, tokenizer, _ = agent
     params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2)
-    metrics = probe_client(untied_server.port, tokenizer, params)._check_sampler(model, Accelerator(cpu=True))
+    client = probe_client(untied_server.port, tokenizer, params)
+    client.reload_weights_from_disk(tiny_agent_dir)  # the trainer's weights: earlier tests synced others
+    metrics = client._check_sampler(model, Accelerator(cpu=True))
     assert metrics["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
 
 
