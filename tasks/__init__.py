@@ -27,6 +27,9 @@ import datasets
 TASK_NAMES = ["fictional_kb", "triviaqa"]
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 MAX_SKIP_REASONS = 5
+# What evaluation reports on a question-answer task (every task here is one): `eval/<name>` is the share of
+# episodes on which the reward function (a name from rewards/) is above 0.
+QA_EVAL_METRICS = {"exact_match": "exact_match_reward_func", "first_search_hit": "exist_answer_in_search_results"}
 FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.List(datasets.Value("string"))})
 
 
@@ -36,6 +39,7 @@ class Task:
     corpus: list[dict] | None  # {"title", "text"} documents for the `search` tool; None: no corpus
     num_skipped: int = 0  # malformed rows left out
     skipped: list[str] = field(default_factory=list)  # why, for the first MAX_SKIP_REASONS of them
+    eval_metrics: dict[str, str] = field(default_factory=lambda: dict(QA_EVAL_METRICS))  # eval/<name>: reward function
 
 
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
@@ -67,6 +71,29 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
     task = _validated(raw, max_samples, source=dataset_name)
     task.corpus = corpus_override if corpus_override is not None else corpus
     return task
+
+
+# The split each task holds out for evaluation (a local file has one split: another file is held out whole).
+HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation"}
+
+
+def load_eval_task(script_args) -> Task:
+    """The eval task of a recipe (MTGRPOScriptArguments `script_args`): `eval_dataset_name` (default: the
+    training dataset) at `eval_dataset_split` (default: the task's held-out split). It must not be the training
+    split of the training set."""
+    name = script_args.eval_dataset_name or script_args.dataset_name
+    # a local file has one split, "train": another file is held out as a whole
+    split = (script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
+             or ("train" if name != script_args.dataset_name else None))
+    if split is None:
+        raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set "
+                         "`eval_dataset_name` to another file (and `eval_dataset_split`), or turn evaluation "
+                         "off (`eval_strategy: no`).")
+    if name == script_args.dataset_name and split == script_args.dataset_split:
+        raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set "
+                         "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
+    return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
+                     script_args.kb_multi_hop)
 
 
 def load_corpus(path: str) -> list[dict]:

@@ -12,6 +12,7 @@ class ScriptedPolicy:
     turns already taken after the question. Each token gets logprob -0.5."""
 
     external = False
+    can_submit = False
 
     def __init__(self, tokenizer, script: dict[str, list[str]]):
         self.tokenizer = tokenizer
@@ -70,6 +71,8 @@ class ScriptedTransformersBackend(TransformersBackend):
 class ScriptedServer(ScriptedPolicy):
     """The scripted policy behind the per-episode interface of a server client (submit one request,
     get a Future): each request returns after a random short delay, so requests finish out of order."""
+
+    can_submit = True
 
     def __init__(self, tokenizer, script: dict, max_concurrent_requests: int = 3, prompts_per_request: int = 2,
                  seed: int = 0):

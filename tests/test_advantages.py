@@ -13,12 +13,12 @@ from mt_grpo_trainer import (
     importance_weights,
     mt_grpo_advantages,
     per_turn_reward_table,
-    probe_verdict,
     result_start,
     token_turn_index,
     weighted_reward,
     zero_signal_scale,
 )
+from weight_sync import probe_verdict
 
 NAN = float("nan")
 

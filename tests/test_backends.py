@@ -5,7 +5,6 @@ and chat_template_kwargs on every render."""
 import os
 import shutil
 
-import pytest
 import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,3 +85,28 @@ def test_chat_template_kwargs_reach_every_render(tiny_agent_dir, tmp_path):
     without = env.tokenizer.apply_chat_template(env.protocol.template_messages(trainer.train_dataset[0]["prompt"]),
                                                 tools=env.template_tools, tokenize=False, add_generation_prompt=True)
     assert not without.endswith(empty_think)  # the default (thinking on) differs: the kwargs made the difference
+
+
+def test_every_backend_has_the_generation_backend_interface():
+    """The real backends and the tests' scripted ones share one interface (GenerationBackend), with the same
+    parameter names, so that a scripted run exercises the env as a real one does; a backend that can_submit
+    has the per-episode scheduler's part too, shaped like the real client's."""
+    import inspect
+
+    from mt_grpo_trainer import GenerationBackend, VLLMServerClient
+    from scripted_policy import ScriptedPolicy, ScriptedServer, ScriptedTransformersBackend
+
+    def parameters(cls, name):
+        return list(inspect.signature(getattr(cls, name)).parameters)
+
+    methods = [n for n in vars(GenerationBackend) if not n.startswith("_") and callable(vars(GenerationBackend)[n])]
+    assert set(methods) == {"generate", "another_round", "sync_weights"}
+    for cls in (TransformersBackend, VLLMServerClient, ScriptedPolicy, ScriptedTransformersBackend, ScriptedServer):
+        assert {cls.external, cls.can_submit} <= {True, False}, cls
+        for name in methods:
+            assert parameters(cls, name) == parameters(GenerationBackend, name), (cls, name)
+    for cls in (VLLMServerClient, ScriptedServer):
+        assert cls.can_submit and parameters(cls, "submit") == parameters(VLLMServerClient, "submit")
+    assert "max_concurrent_requests" in parameters(ScriptedServer, "__init__")
+    assert "prompts_per_request" in parameters(ScriptedServer, "__init__")
+    assert not TransformersBackend.can_submit and not hasattr(TransformersBackend, "submit")

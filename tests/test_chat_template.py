@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from helpers import RECIPE, ROOT, changed_parameters, final_metrics, run
-from mt_grpo_trainer import (MultiTurnToolEnv, episode_stats, mt_grpo_advantages, pad_episodes, result_start,
-                             rollout_metrics, token_turn_index)
+from mt_grpo_trainer import MultiTurnToolEnv, mt_grpo_advantages, pad_episodes, result_start, token_turn_index
 from protocol import ChatTemplateProtocol, XMLProtocol
+from reporting import episode_stats, rollout_metrics
 from scripted_policy import ScriptedPolicy
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from mt_grpo_trainer import MultiTurnToolEnv, ToolResult, pad_episodes, run_tool_calls
+from mt_grpo_trainer import MultiTurnToolEnv, pad_episodes
+from tools import ToolResult, run_tool_calls
 from protocol import ToolCall, XMLProtocol
 from scripted_policy import ScriptedPolicy
 
@@ -222,23 +223,22 @@ def test_model_text_is_never_evaluated():
     assert not calls & {"eval", "exec", "compile"}
 
 
-class OneSample:
+class OneSample(ScriptedPolicy):
     """A backend that answers every conversation with the same sample."""
 
     external = False
 
     def __init__(self, sample):
+        super().__init__(None, {})
         self.sample = sample
-
-    def another_round(self, has_work):
-        return has_work
 
     def generate(self, prompts, max_tokens, n=1, params=None):
         return [self.sample] * (len(prompts) * n)
 
 
 def test_a_sample_vllm_cut_for_repetition_ends_the_episode_as_truncated(smollm2_tokenizer):
-    from mt_grpo_trainer import Sample, episode_stats, rollout_metrics
+    from mt_grpo_trainer import Sample
+    from reporting import episode_stats, rollout_metrics
 
     env = make_env(smollm2_tokenizer)
     ids = smollm2_tokenizer.encode("<reasoning>again again again", add_special_tokens=False)

@@ -40,6 +40,8 @@ CASES = [
     ("", ["--max_prompt_length", "5"], ValueError, "Every prompt is longer than `max_prompt_length` (5)"),
     ("bogus_key: 3\n", [], SystemExit, "bogus_key"),
     ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError, "`use_peft` with `generation_backend: vllm_server`"),
+    ("", ["--async_rollout", "true"], ValueError, "`async_rollout` overlaps a server's sampling with training"),
+    ("", ["--rollout_scheduler", "per_episode"], ValueError, "`rollout_scheduler: per_episode` needs a server"),
     ("", ["--tool_format", "json"], ValueError, "`tool_format` is 'json'; choose one of"),
     ("", ["--metric_for_best_model", "reward"], ValueError, "`metric_for_best_model` is 'reward', which evaluation does not log"),
     ("", ["--load_best_model_at_end", "true", "--eval_strategy", "steps", "--save_strategy", "steps"], ValueError,

@@ -10,7 +10,8 @@ import torch
 from accelerate import Accelerator
 
 from helpers import SAMPLER_GRID, on_policy_weights, sampler_id
-from mt_grpo_trainer import SamplingParams, TransformersBackend, sampler_logprobs, sampler_probe_verdict, seen_tokens
+from mt_grpo_trainer import SamplingParams, TransformersBackend, sampler_logprobs, seen_tokens
+from weight_sync import sampler_probe_verdict
 
 
 

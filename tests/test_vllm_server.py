@@ -286,7 +286,7 @@ def test_the_sampling_probe_catches_raw_logprobs_where_server_info_cannot(raw_se
     model, tokenizer, _ = agent
     client = probe_client(raw_server.port, tokenizer, SamplingParams(temperature=0.7, top_p=0.8, top_k=20), NoServerInfo)
     with pytest.raises(RuntimeError, match="restart the server with `--logprobs-mode processed_logprobs`"):
-        client._check_sampler(model, Accelerator(cpu=True))
+        client.weights.check_sampler(model, Accelerator(cpu=True))
 
 
 def test_the_sampling_probe_passes_a_processed_server(untied_server, tiny_agent_dir, agent):
@@ -296,7 +296,7 @@ def test_the_sampling_probe_passes_a_processed_server(untied_server, tiny_agent_
     params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2)
     client = probe_client(untied_server.port, tokenizer, params)
     client.reload_weights_from_disk(tiny_agent_dir)  # the trainer's weights: earlier tests synced others
-    metrics = client._check_sampler(model, Accelerator(cpu=True))
+    metrics = client.weights.check_sampler(model, Accelerator(cpu=True))
     assert metrics["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
 
 

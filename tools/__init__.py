@@ -32,8 +32,12 @@ returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at st
         return list_titles
 """
 
+import threading
+import time
+from dataclasses import dataclass
 from typing import Callable
 
+from protocol import ToolCall, error_text
 from registry import resolve
 
 # name in the recipe -> `module:function`. The name is the one the model calls (the tool's __name__), and a
@@ -82,3 +86,55 @@ def build_tool(name: str, corpus: list[dict] | None) -> Callable:
                          "in the recipe to a .jsonl of {title, text} documents, or use the fictional_kb task "
                          "(dataset_name: fictional_kb), or use a tool that needs no corpus, such as `wiki_search`.")
     return entry(corpus)
+
+
+@dataclass
+class ToolResult:
+    output: str
+    ok: bool
+    seconds: float = 0.0
+
+
+def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float,
+                   max_workers: int) -> list[ToolResult]:
+    """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds. A
+    failure becomes an `Error: ...` output the model sees. Calls run on daemon threads, so a tool that
+    never returns is abandoned after its timeout and can neither stall later calls nor keep the
+    process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run."""
+    results: list[ToolResult] = [ToolResult("", False)] * len(calls)
+    timed_out: set[int] = set()
+
+    def call(i: int, fn: Callable, args: dict):
+        start = time.monotonic()
+        try:
+            results[i] = ToolResult(str(fn(**args)), True, time.monotonic() - start)
+        except TypeError as e:
+            results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
+                                    time.monotonic() - start)
+        except Exception as e:  # the model sees the error and the turn reward counts a failure
+            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"),
+                                    False, time.monotonic() - start)
+
+    for start in range(0, len(calls), max_workers):
+        wave, deadline = [], time.monotonic() + timeout
+        for i in range(start, min(start + max_workers, len(calls))):
+            if calls[i].error:
+                results[i] = ToolResult(error_text(calls[i].error), False)
+            elif calls[i].name not in tools:
+                results[i] = ToolResult(
+                    error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
+            else:
+                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments),
+                                          daemon=True)
+                thread.start()
+                wave.append((i, thread))
+        for i, thread in wave:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                timed_out.add(i)
+    # A timed-out thread may still finish and write its slot later: answer from a snapshot.
+    final = list(results)
+    for i in timed_out:
+        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False,
+                              timeout)
+    return final

