@@ -322,8 +322,9 @@ class TransformersBackend:
     def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         # No sampling field of transformers' own: SamplerProcessing applies them all, in vLLM's order
         # (transformers applies min_p after top-k / top-p, vLLM before), as the trainer recomputes them.
-        return GenerationConfig(
-            do_sample=params.temperature != 0, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+        sample = params.temperature != 0
+        return GenerationConfig(  # top_k unset when greedy: transformers warns that greedy ignores it
+            do_sample=sample, temperature=1.0, top_p=1.0, top_k=0 if sample else None, repetition_penalty=1.0,
             max_new_tokens=max_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,

@@ -45,3 +45,15 @@ def test_two_processes(tiny_agent_dir, tmp_path):
     # episodes ended after different numbers of turns (a mean that is not a whole number)
     assert any(h["rollout/turns_per_episode"] % 1 for h in steps), [h["rollout/turns_per_episode"] for h in steps]
     assert changed_parameters(tiny_agent_dir, out)
+
+
+def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):
+    """A run with greedy evaluation and the progress bars on prints progress, one line per step and our INFO
+    lines: no warning that our code or recipe causes (transformers' generation-flag warning, TRL's
+    gradient_checkpointing deprecation, dill's pickling warning, bm25s' DEBUG lines were all seen once)."""
+    _, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--max_steps", "1", "--eval_strategy", "steps",
+                              "--eval_steps", "1", "--eval_max_samples", "4", "--disable_tqdm", "false")
+    assert len(steps) == 1
+    noisy = [line for line in log.splitlines()
+             if any(word in line for word in ("Warning", "warn(", "[transformers]", "DEBUG", "deprecated"))]
+    assert not noisy, noisy
