@@ -25,7 +25,7 @@ Where this departs from the paper's code:
 - Rollouts are token-in/token-out: the completion holds the exact token ids the sampler drew; model
   text is never decoded and re-encoded. Split points come from recorded turn spans, not string search.
 - Beyond the paper: `advantage_mode: per_turn` credits every tool turn with its own A_T(k) from
-  per-turn rewards (the paper credits the first turn only); see README "Per-turn credit".
+  per-turn rewards (the paper credits the first turn only); see docs/guide.md "Per-turn credit".
 
 Commands:
     python mt_grpo_trainer.py --config hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml   # CPU demo
@@ -33,13 +33,15 @@ Commands:
     ./launch.sh hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml   # vLLM on GPU 7, training on 0-6
     python scripts/evaluate.py --config RECIPE --model_name_or_path CHECKPOINT   # evaluate a saved model
 
-Sections, in pipeline order: config -> generation backends (and their weight sync) -> multi-turn
-env (rounds or per-episode scheduling) -> rewards and advantages -> loss -> trainer (the step as
-named stages; evaluation) -> main. The algorithm lives in the pure functions of sections 4-5
-(`mt_grpo_advantages`, `sampler_logprobs`, `importance_weights`, `zero_signal_scale`); sections 2, 6 and
-7 are plumbing. Beside this file: `protocol.py` (the tool protocols: tags, stop strings, parsing, shared
-with the rewards), `checks.py` (every config rule and the TRL check), `reporting.py` (metrics, rollout
-records, console, SIGTERM) and `async_rollout.py` (the overlapped rollout of the next batch).
+Sections, in pipeline order: config -> generation backends -> multi-turn env (rounds or per-episode
+scheduling) -> rewards and advantages -> loss -> trainer (the step as named stages; evaluation) -> main.
+The algorithm is marked `ALGO LOGIC`: the pure functions of sections 4-5 (`mt_grpo_advantages`,
+`importance_weights`, `zero_signal_scale`), the sampled distribution (`sampler_logprobs`) and the trainer's
+stages. The rest is plumbing, and most of it lives beside this file: `protocol.py` (the tool protocols:
+tags, stop strings, parsing, shared with the rewards), `checks.py` (every config rule and the TRL check),
+`weight_sync.py` (the vLLM server's weight sync and its probes), `reporting.py` (metrics, rollout records,
+console, SIGTERM), `async_rollout.py` (the overlapped rollout of the next batch), `tools/` (the tools and
+how calls run), `tasks/` (datasets, held-out splits, eval metrics) and `rewards/`.
 """
 
 import concurrent.futures
@@ -66,7 +68,7 @@ from trl.trainer.utils import pad, use_adapter
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
-from protocol import Protocol, ToolCall, get_protocol, tool_call_message
+from protocol import Protocol, StopStringMatcher, ToolCall, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TrainerReports, _nanmean,
                        episode_records, eval_metrics)
 from tools import ToolResult, run_tool_calls
@@ -92,7 +94,7 @@ class MTGRPOScriptArguments:
     """Arguments of the multi-turn environment and of MT-GRPO. Training arguments are TRL's
     GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature, ...)
     and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
-    every rule across fields; docs/reference.md says more of each field."""
+    every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
     # Task and tools
     dataset_name: str = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa (hub) | a .jsonl/.json/"
@@ -242,6 +244,7 @@ class GenerationBackend(typing.Protocol):
     def sync_weights(self, model, accelerator) -> dict: ...  # the sampler gets the policy; `sync/...` metrics
 
 
+# ALGO LOGIC: the distribution the sampler draws from, which the trainer scores samples under
 def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(L,) token ids -> (L, V) bool: which tokens occur before each position (what a repetition penalty
     acts on: the prompt and everything sampled or written since)."""
@@ -282,6 +285,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
             ordered = ordered.masked_fill(below, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, ordered)
     return x
+
+
+# ALGO LOGIC ends
 
 
 class TransformersBackend:
@@ -421,24 +427,6 @@ class SamplerProcessing(LogitsProcessor):
             seen.scatter_(1, torch.where(real, input_ids, V), True)  # padding goes to the spare column V
             seen = seen[:, :V]
         return process_logits(scores, self.params, seen)
-
-
-class StopStringMatcher:
-    """Whether token i completes one of `stop_strings`. Only tokens that contain a stop string's last
-    character can (found once over the vocabulary); a short window is decoded just for those."""
-
-    def __init__(self, tokenizer, stop_strings: list[str]):
-        self.tokenizer = tokenizer
-        self.stop_strings = list(stop_strings)
-        last_chars = {s[-1] for s in stop_strings}
-        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))]) if stop_strings else []
-        self.candidates = {i for i, piece in enumerate(pieces) if any(c in piece for c in last_chars)}
-        # tokens: a stop string is never longer
-        self.window = max((len(s) for s in stop_strings), default=0) + 4
-
-    def completes(self, ids: list[int], i: int) -> bool:
-        return ids[i] in self.candidates and any(
-            s in self.tokenizer.decode(ids[max(0, i - self.window + 1) : i + 1]) for s in self.stop_strings)
 
 
 class StopAtStrings(StoppingCriteria):
@@ -1066,6 +1054,7 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
 # ------------------------------------------------------------------------------------------------
 # 4. Rewards and advantages (pure functions; tests import them)
 # ------------------------------------------------------------------------------------------------
+# ALGO LOGIC: sections 4 and 5, to the trainer
 def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
                              tool_turns: list[int] | None = None, max_turns: int = 1) -> torch.Tensor:
     """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
@@ -1314,6 +1303,7 @@ def zero_signal_scale(loss_type: str, loss_mask: torch.Tensor, informative: torc
 # ------------------------------------------------------------------------------------------------
 # 6. Trainer
 # ------------------------------------------------------------------------------------------------
+# ALGO LOGIC ends (the trainer's stages below call it, in order)
 @dataclass
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""

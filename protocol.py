@@ -427,3 +427,21 @@ def get_protocol(name: str, tokenizer=None) -> Protocol:
     if name not in PROTOCOLS:
         raise ValueError(f"Unknown tool_format {name!r}; choose one of {sorted(PROTOCOLS)}.")
     return PROTOCOLS[name](tokenizer)
+
+
+class StopStringMatcher:
+    """Whether token i completes one of `stop_strings`. Only tokens that contain a stop string's last
+    character can (found once over the vocabulary); a short window is decoded just for those."""
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = list(stop_strings)
+        last_chars = {s[-1] for s in stop_strings}
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))]) if stop_strings else []
+        self.candidates = {i for i, piece in enumerate(pieces) if any(c in piece for c in last_chars)}
+        # tokens: a stop string is never longer
+        self.window = max((len(s) for s in stop_strings), default=0) + 4
+
+    def completes(self, ids: list[int], i: int) -> bool:
+        return ids[i] in self.candidates and any(
+            s in self.tokenizer.decode(ids[max(0, i - self.window + 1) : i + 1]) for s in self.stop_strings)

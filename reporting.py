@@ -96,8 +96,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
                     first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
                     token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
                     policy_version=None) -> list[dict]:
-    """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (README: "Looking at
-    rollouts"): the turns, every completion token with its mask and per-token values, rewards,
+    """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (docs/guide.md: "Looking
+    at rollouts and runs"): the turns, every completion token with its mask and per-token values, rewards,
     advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
     records = []
     for i, (ep, row) in enumerate(zip(episodes, inputs)):
@@ -286,7 +286,7 @@ class TrainerReports:
             rewards=self._rewards_by_name(scores, local, episodes),
             R_T=scores.R_T[local], R_O=scores.R_O[local],
             A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
-            token_values={"advantage": batch["advantages"],
+            token_values={"advantage": adv.tokens,  # before the importance weight (is_weight)
                           "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},
         )

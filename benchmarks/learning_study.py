@@ -3,7 +3,7 @@ GRPO-MR (`merged`), and the per-turn mode, on the same model, data, seeds, step 
 hyperparameters (hf_recipes/SmolLM2-135M-Instruct/study.yaml), each evaluated on the fictional
 knowledge base's held-out test split before the first step and every `eval_steps`.
 
-    .venv/bin/python benchmarks/learning_study.py                   # the CPU study in the README
+    .venv/bin/python benchmarks/learning_study.py                   # the CPU study in docs/results.md
     .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1
     python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
         --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
