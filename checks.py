@@ -25,6 +25,7 @@ from reporting import eval_metric_names
 #   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
 #   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
 #       num_iterations) == 0): async_rollout's batch index follows it
+#   trl.trainer.utils._use_triton(device) -> bool   the fused LM head's switch to score labelled positions only
 #   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
@@ -164,11 +165,13 @@ def check_trl() -> None:
     """The installed TRL must be the tested range: this file overrides and reads TRL's private names
     (listed above). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway."""
     import trl
+    import trl.trainer.utils
     from packaging.specifiers import SpecifierSet
 
     missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
+    missing += [] if hasattr(trl.trainer.utils, "_use_triton") else ["trl.trainer.utils._use_triton"]
     if missing:
-        raise RuntimeError(f"TRL {trl.__version__}'s GRPOTrainer lacks {missing}, which this trainer relies "
+        raise RuntimeError(f"TRL {trl.__version__} lacks {missing}, which this trainer relies "
                            f"on; install trl{TRL_TESTED_RANGE} (see requirements.txt).")
     if (trl.__version__ not in SpecifierSet(TRL_TESTED_RANGE)
             and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1"):

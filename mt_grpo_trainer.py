@@ -1315,6 +1315,19 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
+def score_labelled_tokens_only() -> None:
+    """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
+    Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
+    a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
+    left padding): there too, score the labelled ones only (TRL's own compact path). Same values."""
+    import trl.trainer.utils as trl_utils
+
+    compact = trl_utils._use_triton
+    if not getattr(compact, "cpu_too", False):
+        trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
+        trl_utils._use_triton.cpu_too = True
+
+
 class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
     recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports, in reporting.py."""
@@ -1323,6 +1336,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
                  train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None,
                  callbacks=None, eval_metric_funcs: dict[str, Callable] | None = None):
+        score_labelled_tokens_only()
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
                          train_dataset=train_dataset, eval_dataset=eval_dataset,
