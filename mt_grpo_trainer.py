@@ -1749,8 +1749,8 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         eval_task = load_eval_task(script_args)
         check_reward_columns(turn_funcs + outcome_funcs, eval_task.dataset.column_names)
         eval_dataset = build_dataset(script_args, env, eval_task)
-        # every curve starts at the untrained model
-        training_args.eval_on_start = training_args.eval_strategy != "no"
+        # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
+        training_args.eval_on_start = training_args.eval_strategy != "no" and not training_args.resume_from_checkpoint
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}),
                                        "dtype": model_args.dtype or "auto",
                                        "attn_implementation": model_args.attn_implementation,

@@ -12,17 +12,19 @@ Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<m
 run `--parallel` at a time (default 1: a SmolLM2 study run peaked at about 16 GiB of memory on
 CPU, and held 61-69 GiB of an H100's memory, so four runs on one GPU ran out of it) with the cores
 shared between them; a run that already finished is reused (delete its folder, or pass --fresh, to redo
-it). Writes OUT.csv (one row per run and evaluation), OUT.png (eval exact match, tool success,
-first-search hit and tool calls per episode against step: a line per mode, the mean over seeds, with
-a band from the lowest to the highest seed) and prints the table of the first and last evaluation
-per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
+it), and a run stopped by --deadline resumes from the checkpoint it saved. Writes OUT.csv (one row per
+run and evaluation), OUT.png (eval exact match, tool success, first-search hit and tool calls per
+episode against step: a line per mode, the mean over seeds, with a band from the lowest to the highest
+seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
 study lands from the committed one (the reproducibility check).
 """
 
 import argparse
 import csv
+import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +33,7 @@ import time
 from common import ROOT, print_table
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from plot_runs import load_log_history, series  # noqa: E402
+from plot_runs import load_log_history  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 MODE_FLAGS = {
@@ -50,16 +52,29 @@ def run_dir(out_root: str, mode: str, seed: int) -> str:
 
 
 def finished(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "trainer_state.json"))
+    """Whether the run trained all its steps (a run stopped by --deadline saved its state and a checkpoint
+    at an earlier step: it resumes from that checkpoint when the study is run again)."""
+    state = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(state):
+        return False
+    with open(state) as f:
+        state = json.load(f)
+    return state["global_step"] >= state["max_steps"]
+
+
+def stopped_early(path: str) -> bool:
+    return any(name.startswith("checkpoint-") for name in os.listdir(path)) if os.path.isdir(path) else False
 
 
 def launch(mode: str, seed: int, path: str, flags: list[str], threads: int) -> subprocess.Popen:
+    resume = stopped_early(path)
     os.makedirs(path, exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", RECIPE, "--advantage_mode", mode,
-           "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags]
+           "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags,
+           *(["--resume_from_checkpoint", "last"] if resume else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    log = open(os.path.join(path, "log.txt"), "w")
+    log = open(os.path.join(path, "log.txt"), "a" if resume else "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -217,6 +232,9 @@ def main():
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     jobs = [(mode, seed, run_dir(args.runs, mode, seed)) for seed in args.seeds for mode in args.modes]
     todo = [j for j in jobs if args.fresh or not finished(j[2])]
+    if args.fresh:
+        for _, _, path in todo:
+            shutil.rmtree(path, ignore_errors=True)
     start = time.monotonic()
     failed = run_all(todo, flags, args.parallel, args.deadline, args.stagger)
     rows = collect([j for j in jobs if finished(j[2])])
