@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, smoke_run
+from helpers import ROOT, chat_template, smoke_run
 
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -49,9 +49,16 @@ def qwen_style_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with open(os.path.join(ROOT, "tests", "fixtures", "qwen2.5_chat_template.jinja")) as f:
-        tokenizer.chat_template = f.read()
+    tokenizer.chat_template = chat_template("qwen2.5")
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def kb():
+    """The fictional knowledge base, (documents, question rows), of seed 0."""
+    from tasks.fictional_kb import build_fictional_kb
+
+    return build_fictional_kb(seed=0)
 
 
 @pytest.fixture(scope="module")

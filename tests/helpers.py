@@ -1,11 +1,15 @@
-"""What test modules share for running the trainer as a user does: in a subprocess, from the
-repository root, on the tiny recipe. conftest.py puts the repository root on sys.path and holds the
-fixtures (`smoke_metrics` among them); test modules import these names with `from helpers import ...`."""
+"""What test modules share: running the trainer as a user does (in a subprocess, from the repository root,
+on the tiny recipe) and reading what the run recorded; scripted episodes (model turns of either protocol, a
+fake `search` tool, the environment); the Qwen-style tokenizers and the tiny agent taught the chat_template
+protocol. conftest.py puts the repository root on sys.path and holds the fixtures (`smoke_metrics` among
+them); test modules import these names with `from helpers import ...`. conftest imports this module for every
+test: the trainer, torch and transformers are imported inside the functions that need them."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "tests", "recipes", "tiny.yaml")
@@ -47,6 +51,160 @@ def smoke_run(model_dir, tmp_path, *flags):
     log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
                "--output_dir", out, "--save_strategy", "no", *flags], tmp_path)
     return out, log, [h for h in final_metrics(out) if "loss" in h]
+
+
+def rollout_records(output_dir, name: str = "step-000001.jsonl") -> list[dict]:
+    """The episodes a run recorded (`--save_rollouts_steps`) in <output_dir>/rollouts/<name>, one dict each."""
+    with open(os.path.join(output_dir, "rollouts", name)) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------------
+# scripted episodes: model turns, a fake `search` tool, the environment
+# ------------------------------------------------------------------------------------------------
+VELTRIA = "Veltria: Veltria is a country. Its capital is Morvane."  # what a search for Veltria finds
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 pre-writes before a turn with enable_thinking=False
+
+
+def xml_call(query: str, tool: str = "search", why: str = "Look it up.") -> str:
+    """A model turn of the xml protocol with one call. The JSON is written by hand, not dumped: a query with
+    a quote in it makes a call that does not parse."""
+    return f'<reasoning>{why}</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
+
+
+def xml_answer(text: str, why: str = "So.") -> str:
+    """A model turn of the xml protocol that answers."""
+    return f"<reasoning>{why}</reasoning>\n<answer>{text}</answer>"
+
+
+def template_call(query: str = "capital of Veltria", name: str = "search") -> str:
+    """One call as the chat_template protocol writes it (a `<tool_call>` block, as Qwen's templates render one)."""
+    from protocol import ChatTemplateProtocol
+
+    return ChatTemplateProtocol().format_call(name, {"query": query})
+
+
+def fake_search(reply, slow: dict | None = None, log: list | None = None):
+    """A `search` tool as the model sees one (name, signature and docstring: the xml protocol shows the first
+    line, the chat_template protocol the whole schema) that answers `query` with `reply(query)`. It first
+    sleeps `slow[query]` seconds where `slow` names the query, and appends (query, start, end) to `log`, if
+    given, for every call it runs."""
+
+    def search(query: str) -> str:
+        """Search the knowledge base.
+
+        Args:
+            query: words to look up, e.g. "capital of Veltria".
+        """
+        start = time.monotonic()
+        if slow and query in slow:
+            time.sleep(slow[query])
+        if log is not None:
+            log.append((query, start, time.monotonic()))
+        return reply(query)
+
+    return search
+
+
+def make_env(tokenizer, tools: list, protocol=None, **overrides):
+    """A MultiTurnToolEnv for scripted episodes: the xml protocol unless `protocol` is given, 2 environment
+    steps, 64 tokens a turn and a tool response, 400 in all, the strict tokenization check; `overrides`
+    replace any of these or add other settings."""
+    from mt_grpo_trainer import MultiTurnToolEnv
+    from protocol import XMLProtocol
+
+    kwargs = dict(max_env_steps=2, max_tokens_per_turn=64, max_completion_length=400, max_tool_response_tokens=64,
+                  tokenization_check="strict")
+    kwargs.update(overrides)
+    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=protocol or XMLProtocol(), tools=tools, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Qwen-style tokenizers, and the tiny agent taught the chat_template protocol
+# ------------------------------------------------------------------------------------------------
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+TEMPLATE_FILES = {"qwen2.5": os.path.join(FIXTURES, "qwen2.5_chat_template.jinja"),
+                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja")}
+# The non-special added tokens of the real tokenizers (Qwen2.5-7B-Instruct: ids 151657-151658; Qwen3-8B:
+# 151657-151658 and 151665-151668).
+ADDED_TOKENS = {"qwen2.5": ["<tool_call>", "</tool_call>"],
+                "qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]}
+# the flags that train with the chat_template protocol and its format reward
+CHAT_TEMPLATE_FLAGS = ["--tool_format", "chat_template", "--outcome_reward_funcs", "exact_match_reward_func",
+                       "exist_answer_reward_func", "chat_format_reward_func"]
+
+
+def chat_template(template: str) -> str:
+    """The text of a chat template fixture: "qwen2.5" or "qwen3" (TEMPLATE_FILES)."""
+    with open(TEMPLATE_FILES[template]) as f:
+        return f.read()
+
+
+def qwen_tokenizer(model_dir: str, template: str):
+    """The tiny tokenizer of `model_dir` with a Qwen template and that Qwen's added tokens."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS[template]])
+    tokenizer.chat_template = chat_template(template)
+    return tokenizer
+
+
+def make_chat_template_agent(src_dir: str, out_dir: str, steps: int = 100) -> str:
+    """A copy of the tiny agent model (`src_dir`) whose tokenizer is Qwen2.5-style: the Qwen2.5 template fixture
+    and the <tool_call> tokens (embeddings resized), taught for a few seconds to answer a question, or a tool
+    response, with one of two turns: a hermes call to `search` or an <answer>, then <|im_end|>. It learns
+    the tags and the end of turn, rarely the JSON: its episodes mix answers, malformed calls answered with an
+    error, and long turns cut at the token limit. It learns from the last 48 tokens of the prompts the trainer
+    renders (with the repo's `search` tool): the question and what follows it, which is what it must react to,
+    at a fraction of the cost of the whole prompt. Train it with CHAT_TEMPLATE_FLAGS."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from protocol import ChatTemplateProtocol
+    from tools.search import make_search_tool
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
+    protocol = ChatTemplateProtocol()
+    turns_taught = [template_call("capital of Veltria") + "<|im_end|>", "<answer>Morvane</answer><|im_end|>"]
+    tokenizer = qwen_tokenizer(src_dir, "qwen2.5")
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer))
+    tools = protocol.template_tools([make_search_tool([{"title": "Veltria", "text": VELTRIA}])])
+    prompts, turns = [], []
+    for question in ["What is the capital of Veltria?", "In which year was Quorvath founded?"]:
+        for history in ([], [{"role": "assistant", "content": turns_taught[0][: -len("<|im_end|>")]},
+                             {"role": "tool", "name": "search", "content": VELTRIA}]):
+            messages = [{"role": "system", "content": protocol.system_prompt([])},
+                        {"role": "user", "content": question}, *history]
+            prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            for text in turns_taught:
+                prompts.append(tokenizer.encode(prompt)[-48:])  # the question and what follows it
+                turns.append(tokenizer.encode(text))
+    # one padded batch (B, T) per step; the loss is on the turn's tokens only
+    T = max(len(p) + len(t) for p, t in zip(prompts, turns))
+    ids = torch.tensor([p + t + [tokenizer.pad_token_id] * (T - len(p) - len(t)) for p, t in zip(prompts, turns)])
+    labels = torch.tensor([[-100] * len(p) + t + [-100] * (T - len(p) - len(t)) for p, t in zip(prompts, turns)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small: 4 s on one thread, minutes on two when another process holds a core
+    try:
+        for _ in range(steps):
+            model(input_ids=ids, labels=labels).loss.backward()  # right padding: causal attention never sees it
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 # temperature in {0.7, 1.0} x (top_p, top_k, min_p, repetition_penalty) each at its default and at a truncating value:

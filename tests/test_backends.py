@@ -2,14 +2,13 @@
 (the model's generation_config.json must not change the distribution), the PEFT reference model,
 and chat_template_kwargs on every render."""
 
-import os
 import shutil
 
 import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import RECIPE, ROOT
+from helpers import RECIPE, chat_template
 from mt_grpo_trainer import SamplingParams, TransformersBackend, build_trainer
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
@@ -68,8 +67,7 @@ def test_chat_template_kwargs_reach_every_render(tiny_agent_dir, tmp_path):
     model_dir = str(tmp_path / "qwen3-style")
     shutil.copytree(tiny_agent_dir, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with open(os.path.join(ROOT, "tests", "fixtures", "qwen3_chat_template.jinja")) as f:
-        tokenizer.chat_template = f.read()
+    tokenizer.chat_template = chat_template("qwen3")
     tokenizer.save_pretrained(model_dir)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(open(RECIPE).read() + "chat_template_kwargs: {enable_thinking: false}\ntool_format: chat_template\n"

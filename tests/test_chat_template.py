@@ -9,45 +9,22 @@ and is kept by `decode(skip_special_tokens=True)`, as with the real ones. Every 
 `<|im_end|>`, as a Qwen model ends its turns (the chat_template protocol has no stop string).
 """
 
-import logging
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from helpers import RECIPE, ROOT, changed_parameters, final_metrics, run
-from mt_grpo_trainer import MultiTurnToolEnv, mt_grpo_advantages, pad_episodes, result_start, token_turn_index
+from helpers import (CHAT_TEMPLATE_FLAGS, EMPTY_THINK, RECIPE, ROOT, TEMPLATE_FILES, VELTRIA, changed_parameters,
+                     fake_search, final_metrics, make_chat_template_agent, make_env, qwen_tokenizer, rollout_records,
+                     run, template_call)
+from mt_grpo_trainer import mt_grpo_advantages, pad_episodes, result_start, token_turn_index
 from protocol import ChatTemplateProtocol, XMLProtocol
 from reporting import episode_stats, rollout_metrics
 from scripted_policy import ScriptedPolicy
-
-FIXTURES = os.path.join(ROOT, "tests", "fixtures")
-TEMPLATE_FILES = {"qwen2.5": os.path.join(FIXTURES, "qwen2.5_chat_template.jinja"),
-                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja")}
-# The non-special added tokens of the real tokenizers (Qwen2.5-7B-Instruct: ids 151657-151658; Qwen3-8B:
-# 151657-151658 and 151665-151668).
-ADDED_TOKENS = {"qwen2.5": ["<tool_call>", "</tool_call>"],
-                "qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]}
-EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 pre-writes before every turn with enable_thinking=False
-CT = ChatTemplateProtocol()
-
-
-def qwen_tokenizer(model_dir: str, template: str):
-    """The tiny tokenizer of `model_dir` with a Qwen template and that Qwen's added tokens."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS[template]])
-    with open(TEMPLATE_FILES[template]) as f:
-        tokenizer.chat_template = f.read()
-    return tokenizer
 
 
 @dataclass
@@ -75,41 +52,26 @@ def tokenizers(tiny_model_dir):
 # ------------------------------------------------------------------------------------------------
 # the tool and the script
 # ------------------------------------------------------------------------------------------------
-FACTS = {"capital of Veltria": "Veltria: Veltria is a country. Its capital is Morvane.",
-         "Quorvath founded": "Quorvath: Quorvath is a city founded in 1740."}
+FACTS = {"capital of Veltria": VELTRIA, "Quorvath founded": "Quorvath: Quorvath is a city founded in 1740."}
 SLOW = {"Quorvath founded": 0.5}  # seconds; this call comes first in its turn and finishes last
 
 
 def make_search(log: list):
-    """A search tool that appends (query, start, end) to `log` for every call it runs."""
-
-    def search(query: str) -> str:
-        """Search the knowledge base.
-
-        Args:
-            query: words to look up, e.g. "capital of Veltria".
-        """
-        start = time.monotonic()
-        time.sleep(SLOW.get(query, 0.0))
-        log.append((query, start, time.monotonic()))
-        return FACTS.get(query, f"No documents match the query {query!r}.")
-
-    return search
+    """The search tool of these episodes: it answers from FACTS, and appends (query, start, end) to `log` for
+    every call it runs."""
+    return fake_search(lambda query: FACTS.get(query, f"No documents match the query {query!r}."), SLOW, log)
 
 
-def call(query: str, name: str = "search") -> str:
-    return CT.format_call(name, {"query": query})
-
-
-ONE = call("capital of Veltria")
-TWO = call("Quorvath founded") + "\n" + call("capital of Veltria")
+ONE = template_call("capital of Veltria")
+TWO = template_call("Quorvath founded") + "\n" + template_call("capital of Veltria")
 BAD_JSON = '<tool_call>\n{"name": "search", "arguments": {"query": }}\n</tool_call>'
 # question -> (thought, visible text) of each model turn
 PLAN = {
     "Q-one": [("I look it up.", "Let me search.\n" + ONE), ("Found it.", "<answer>Morvane</answer>")],
     "Q-two": [("I need two facts.", "I look up both.\n" + TWO),
               ("Both found.", "Founded in 1740; the capital is Morvane.\n<answer>1740, Morvane</answer>")],
-    "Q-malformed": [("I try three calls.", BAD_JSON + "\n" + call("Quorvath founded", name="lookup") + "\n" + ONE),
+    "Q-malformed": [("I try three calls.",
+                     BAD_JSON + "\n" + template_call("Quorvath founded", name="lookup") + "\n" + ONE),
                     ("One worked.", "<answer>Morvane</answer>")],
     "Q-silent": [("Hmm.", "I am not sure.")],
     # max_env_steps=2: the third turn's call is sampled but not run
@@ -146,17 +108,18 @@ def script(setup: Setup, plan: dict = PLAN) -> dict[str, list[str]]:
     return {q: [turn(setup, thought, text) for thought, text in turns] for q, turns in plan.items()}
 
 
-def make_env(tokenizer, setup: Setup, tools: list, **overrides):
-    kwargs = dict(max_env_steps=2, max_tokens_per_turn=200, max_completion_length=800, max_tool_response_tokens=64,
-                  tokenization_check="strict", few_shot=True, chat_template_kwargs=setup.chat_template_kwargs)
+def setup_env(tokenizer, setup: Setup, tools: list, **overrides):
+    """The chat_template environment of `setup`: helpers.make_env with longer turns, and few-shot turns."""
+    kwargs = dict(max_tokens_per_turn=200, max_completion_length=800, few_shot=True,
+                  chat_template_kwargs=setup.chat_template_kwargs)
     kwargs.update(overrides)
-    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=ChatTemplateProtocol(tokenizer), tools=tools, **kwargs)
+    return make_env(tokenizer, tools, ChatTemplateProtocol(tokenizer), **kwargs)
 
 
 def roll_out(tokenizers, setup: Setup, plan: dict = PLAN, **overrides):
     """(tokenizer, env, questions, episodes, tool call log) of one batch with every question of `plan`."""
     tokenizer, log = tokenizers[setup.template], []
-    env = make_env(tokenizer, setup, [make_search(log)], **overrides)
+    env = setup_env(tokenizer, setup, [make_search(log)], **overrides)
     questions = list(plan)
     episodes = env.rollout([env.prompt(q) for q in questions], ScriptedPolicy(tokenizer, script(setup, plan)))
     return tokenizer, env, questions, episodes, log
@@ -230,16 +193,20 @@ def test_tokenization_check_reports_what_the_protocol_docstring_says(rollout):
     assert ratio == pytest.approx(4 / 5 if setup.thinking_off else 0.0)
 
 
-def test_qwen3_thinking_turn_not_in_the_template_layout_is_reported(tokenizers, caplog):
+def test_qwen3_thinking_turn_not_in_the_template_layout_is_reported(tokenizers):
     """Thinking on: a last turn without a thought re-renders with an empty think block it did not sample."""
     setup, tokenizer = SETUPS["qwen3-thinking"], tokenizers["qwen3"]
-    env = make_env(tokenizer, setup, [make_search([])])
+    env = setup_env(tokenizer, setup, [make_search([])])
     sampled = {**script(setup, {"Q-one": PLAN["Q-one"]}), "Q-plain": ["I am not sure.<|im_end|>"]}
-    with caplog.at_level(logging.WARNING, logger="mt_grpo"):
-        one, plain = env.rollout([env.prompt(q) for q in sampled], ScriptedPolicy(tokenizer, sampled))
+    questions = list(sampled)
+    one, plain = env.rollout([env.prompt(q) for q in questions], ScriptedPolicy(tokenizer, sampled))
     assert not one.tokenization_mismatch and plain.tokenization_mismatch
-    assert "Tokenization check (strict): 1 of 2 rollouts differ" in caplog.text
-    assert "<think>" in caplog.text.split("a re-render", 1)[1]
+    assert rollout_metrics(episode_stats([one, plain]))["rollout/tokenization_mismatch_ratio"] == 0.5
+    # the re-render differs by the empty think block before the turn
+    rollout_text = tokenizer.decode(plain.prompt_ids + plain.completion_ids)
+    rendered = tokenizer.decode(env.render_ids(env.prompt(questions[1]) + plain.messages))
+    assert "<think>" not in rollout_text.split("Q-plain", 1)[1]
+    assert rendered.split("Q-plain", 1)[1].count("<think>") == 1
 
 
 def test_two_calls_in_a_turn_run_concurrently_and_come_back_in_order(tokenizers):
@@ -301,9 +268,7 @@ def test_rewards_see_the_same_messages_in_both_formats(qwen_style_tokenizer, tok
     episodes = {}
     for fmt, tokenizer in (("xml", qwen_style_tokenizer), ("chat_template", tokenizers["qwen2.5"])):
         protocol = XMLProtocol() if fmt == "xml" else ChatTemplateProtocol(tokenizer)
-        env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=protocol, tools=[make_search(log)], max_env_steps=2,
-                               max_tokens_per_turn=100, max_completion_length=400, max_tool_response_tokens=64,
-                               tokenization_check="strict")
+        env = make_env(tokenizer, [make_search(log)], protocol, max_tokens_per_turn=100)
         policy = ScriptedPolicy(tokenizer, {"Q-capital": EQUIVALENT[fmt]})
         (episodes[fmt],) = env.rollout([env.prompt("Q-capital")], policy)
         assert episodes[fmt].stop_reason == "answer" and not episodes[fmt].tokenization_mismatch
@@ -376,63 +341,6 @@ def test_mt_grpo_split_is_at_the_first_tool_result(tokenizers):
 # ------------------------------------------------------------------------------------------------
 # training on CPU, and the 7B recipe's launch command
 # ------------------------------------------------------------------------------------------------
-CHAT_AGENT_TURNS = [ONE + "<|im_end|>", "<answer>Morvane</answer><|im_end|>"]
-
-
-def make_chat_template_agent(src_dir: str, out_dir: str, steps: int = 100) -> str:
-    """A copy of the tiny agent model (`src_dir`) whose tokenizer is Qwen2.5-style: the Qwen2.5 template fixture
-    and the <tool_call> tokens (embeddings resized), taught for a few seconds to answer a question, or a tool
-    response, with one of CHAT_AGENT_TURNS: a hermes call to `search` or an <answer>, then <|im_end|>. It learns
-    the tags and the end of turn, rarely the JSON: its episodes mix answers, malformed calls answered with an
-    error, and long turns cut at the token limit. It learns from the last 48 tokens of the prompts the trainer
-    renders (with the repo's `search` tool): the question and what follows it, which is what it must react to,
-    at a fraction of the cost of the whole prompt."""
-    from transformers import AutoModelForCausalLM
-
-    from tools.search import make_search_tool
-
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        return out_dir
-    shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
-    tokenizer = qwen_tokenizer(src_dir, "qwen2.5")
-    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
-    model.resize_token_embeddings(len(tokenizer))
-    tools = CT.template_tools([make_search_tool([{"title": "Veltria", "text": FACTS["capital of Veltria"]}])])
-    prompts, turns = [], []
-    for question in ["What is the capital of Veltria?", "In which year was Quorvath founded?"]:
-        for history in ([], [{"role": "assistant", "content": CHAT_AGENT_TURNS[0][: -len("<|im_end|>")]},
-                             {"role": "tool", "name": "search", "content": FACTS["capital of Veltria"]}]):
-            messages = [{"role": "system", "content": CT.system_prompt([])}, {"role": "user", "content": question},
-                        *history]
-            prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-            for text in CHAT_AGENT_TURNS:
-                prompts.append(tokenizer.encode(prompt)[-48:])  # the question and what follows it
-                turns.append(tokenizer.encode(text))
-    # one padded batch (B, T) per step; the loss is on the turn's tokens only
-    T = max(len(p) + len(t) for p, t in zip(prompts, turns))
-    ids = torch.tensor([p + t + [tokenizer.pad_token_id] * (T - len(p) - len(t)) for p, t in zip(prompts, turns)])
-    labels = torch.tensor([[-100] * len(p) + t + [-100] * (T - len(p) - len(t)) for p, t in zip(prompts, turns)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    model.train()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ops this small: 4 s on one thread, minutes on two when another process holds a core
-    try:
-        for _ in range(steps):
-            model(input_ids=ids, labels=labels).loss.backward()  # right padding: causal attention never sees it
-            optimizer.step()
-            optimizer.zero_grad()
-    finally:
-        torch.set_num_threads(threads)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
-CHAT_TEMPLATE_FLAGS = ["--tool_format", "chat_template", "--outcome_reward_funcs", "exact_match_reward_func",
-                       "exist_answer_reward_func", "chat_format_reward_func"]
-
-
 @pytest.fixture(scope="module")
 def chat_template_agent_dir(tiny_agent_dir, tmp_path_factory):
     return make_chat_template_agent(tiny_agent_dir, str(tmp_path_factory.mktemp("tiny-agent-chat-template")))
@@ -440,9 +348,10 @@ def chat_template_agent_dir(tiny_agent_dir, tmp_path_factory):
 
 def test_two_steps_train_with_chat_template_tool_calls(chat_template_agent_dir, tmp_path):
     out = str(tmp_path / "out")
-    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path",
-               chat_template_agent_dir, "--output_dir", out, "--save_strategy", "no", *CHAT_TEMPLATE_FLAGS], tmp_path)
-    assert "tool format: chat_template" in log and "step    2 |" in log
+    run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", chat_template_agent_dir,
+         "--output_dir", out, "--save_strategy", "no", "--save_rollouts_steps", "1", *CHAT_TEMPLATE_FLAGS], tmp_path)
+    # the prompts carry the tools as the template renders them (the xml protocol lists them in its system prompt)
+    assert all("<tools>" in r["prompt_text"] for r in rollout_records(out))
     steps = [h for h in final_metrics(out) if "loss" in h]
     assert len(steps) == 2
     for key in ["rewards/turn/mean", "rewards/outcome/mean", "rewards/turn/tool_execution_reward_func",

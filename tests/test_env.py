@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from mt_grpo_trainer import MultiTurnToolEnv, pad_episodes
+from helpers import fake_search, make_env
+from mt_grpo_trainer import pad_episodes
 from tools import ToolResult, run_tool_calls
 from protocol import ToolCall, XMLProtocol
 from scripted_policy import ScriptedPolicy
@@ -21,16 +22,7 @@ SCRIPT = {
 }
 
 
-def search(query: str) -> str:
-    """Search the knowledge base."""
-    return f"Veltria is a country. Its capital is Morvane. (query: {query})"
-
-
-def make_env(tokenizer, **overrides):
-    kwargs = dict(max_env_steps=2, max_tokens_per_turn=64, max_completion_length=400, max_tool_response_tokens=64,
-                  tokenization_check="strict")
-    kwargs.update(overrides)
-    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], **kwargs)
+search = fake_search(lambda query: f"Veltria is a country. Its capital is Morvane. (query: {query})")
 
 
 @pytest.fixture(params=["smollm2", "qwen2.5"])
@@ -39,7 +31,7 @@ def tokenizer(request, smollm2_tokenizer, qwen_style_tokenizer):
 
 
 def test_masks_spans_and_texts_on_real_templates(tokenizer):
-    env = make_env(tokenizer)
+    env = make_env(tokenizer, [search])
     questions = list(SCRIPT)
     episodes = env.rollout([env.prompt(q) for q in questions], ScriptedPolicy(tokenizer, SCRIPT))
     expected_stop = {"Q-search": "answer", "Q-direct": "answer", "Q-broken": "max_env_steps", "Q-silent": "no_action"}
@@ -72,7 +64,7 @@ def test_masks_spans_and_texts_on_real_templates(tokenizer):
 
 
 def test_tool_results_and_errors_reach_the_model(tokenizer):
-    env = make_env(tokenizer)
+    env = make_env(tokenizer, [search])
     search_ep, _, broken_ep, _ = env.rollout([env.prompt(q) for q in SCRIPT], ScriptedPolicy(tokenizer, SCRIPT))
     assert search_ep.messages[1] == {"role": "tool", "name": "search",
                                      "content": search(query="capital of Veltria")}
@@ -91,7 +83,7 @@ def test_tool_results_and_errors_reach_the_model(tokenizer):
 
 
 def test_live_conversations_advance_together_one_call_per_step(smollm2_tokenizer):
-    env = make_env(smollm2_tokenizer)
+    env = make_env(smollm2_tokenizer, [search])
     policy = ScriptedPolicy(smollm2_tokenizer, SCRIPT)
     # a group of 4 identical prompts, as GRPO sends them: the first step asks for n=4 of one prompt
     env.rollout([env.prompt("Q-search")] * 4, policy)
@@ -102,21 +94,21 @@ def test_live_conversations_advance_together_one_call_per_step(smollm2_tokenizer
 
 
 def test_turn_token_limit_truncates_the_episode(smollm2_tokenizer):
-    env = make_env(smollm2_tokenizer, max_tokens_per_turn=5)
+    env = make_env(smollm2_tokenizer, [search], max_tokens_per_turn=5)
     (ep,) = env.rollout([env.prompt("Q-direct")], ScriptedPolicy(smollm2_tokenizer, SCRIPT))
     assert ep.stop_reason == "turn_length" and ep.truncated and len(ep.completion_ids) == 5
 
 
 def test_env_reply_that_does_not_fit_the_budget_ends_the_episode_without_a_partial_message(smollm2_tokenizer):
     first_turn = len(smollm2_tokenizer.encode(SCRIPT["Q-search"][0], add_special_tokens=False))
-    env = make_env(smollm2_tokenizer, max_completion_length=first_turn + 10)
+    env = make_env(smollm2_tokenizer, [search], max_completion_length=first_turn + 10)
     (ep,) = env.rollout([env.prompt("Q-search")], ScriptedPolicy(smollm2_tokenizer, SCRIPT))
     assert ep.stop_reason == "budget" and ep.truncated
     assert [s.role for s in ep.spans] == ["model"] and all(ep.env_mask)
 
 
 def test_long_tool_output_is_cut_with_a_marker(smollm2_tokenizer):
-    env = make_env(smollm2_tokenizer, max_tool_response_tokens=8)
+    env = make_env(smollm2_tokenizer, [search], max_tool_response_tokens=8)
     text = env.truncate_tool_output(" ".join(["word"] * 100))  # 100 tokens
     assert text.endswith("[truncated: 8 of 100 tokens shown]")
     assert env.truncate_tool_output("short") == "short"
@@ -180,7 +172,7 @@ def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_padding_and_the_truncated_episode_setting(smollm2_tokenizer, mask_truncated):
-    env = make_env(smollm2_tokenizer, max_tokens_per_turn=5)
+    env = make_env(smollm2_tokenizer, [search], max_tokens_per_turn=5)
     policy = ScriptedPolicy(smollm2_tokenizer, SCRIPT)
     truncated, done = env.rollout([env.prompt("Q-search"), env.prompt("Q-silent")], policy)
     assert truncated.truncated and not done.truncated
@@ -194,7 +186,7 @@ def test_padding_and_the_truncated_episode_setting(smollm2_tokenizer, mask_trunc
 
 def test_each_turn_asks_for_at_most_what_is_left_of_the_budget(smollm2_tokenizer):
     first = len(smollm2_tokenizer.encode(SCRIPT["Q-search"][0], add_special_tokens=False))
-    env = make_env(smollm2_tokenizer, max_tokens_per_turn=64, max_completion_length=first + 60)
+    env = make_env(smollm2_tokenizer, [search], max_tokens_per_turn=64, max_completion_length=first + 60)
     seen = []
 
     class Recording(ScriptedPolicy):
@@ -240,7 +232,7 @@ def test_a_sample_vllm_cut_for_repetition_ends_the_episode_as_truncated(smollm2_
     from mt_grpo_trainer import Sample
     from reporting import episode_stats, rollout_metrics
 
-    env = make_env(smollm2_tokenizer)
+    env = make_env(smollm2_tokenizer, [search])
     ids = smollm2_tokenizer.encode("<reasoning>again again again", add_special_tokens=False)
     (ep,) = env.rollout([env.prompt("Q-direct")], OneSample(Sample(ids, [-0.1] * len(ids), "repetition")))
     assert ep.stop_reason == "repetition" and ep.truncated
@@ -258,7 +250,7 @@ def test_end_of_turn_ids_of_the_generation_config_are_not_doubled(qwen_style_tok
     tokenizer = copy.deepcopy(qwen_style_tokenizer)  # a session fixture: change a copy
     tokenizer.eos_token = "<|endoftext|>"
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    env = make_env(tokenizer, eos_token_ids=eos_ids)
+    env = make_env(tokenizer, [search], eos_token_ids=eos_ids)
     script = {"Q-search": [SCRIPT["Q-search"][0] + end_of_turn, SCRIPT["Q-search"][1]]}
     (ep,) = env.rollout([env.prompt("Q-search")], ScriptedPolicy(tokenizer, script))
     model_turn, reply = ep.spans[0], ep.spans[1]

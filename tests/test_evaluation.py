@@ -9,24 +9,16 @@ import sys
 
 import pytest
 
-from helpers import RECIPE, ROOT, final_metrics, launch, run
+from helpers import RECIPE, ROOT, final_metrics, launch, rollout_records, run, xml_answer, xml_call
 
 E1, E2, E3 = "What is the capital of Veltria?", "Who founded the city of Morvane?", "What is the main river of Veltria?"
 
 
-def call(tool, query):
-    return f'<reasoning>Look it up.</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
-
-
-def answer(text):
-    return f"<reasoning>So.</reasoning>\n<answer>{text}</answer>"
-
-
 # Variant 0 is what a greedy evaluation (one episode per question) plays; pass@2 plays both.
 SCRIPT = {
-    E1: [[call("search", "Veltria"), answer("Morvane")], [answer("Paris")]],
-    E2: [[answer("Bob")], [answer("Bob")]],
-    E3: [[call("lookup", "river"), "I am not sure."], [call("search", "Veltria river"), answer("Tifex")]],
+    E1: [[xml_call("Veltria"), xml_answer("Morvane")], [xml_answer("Paris")]],
+    E2: [[xml_answer("Bob")], [xml_answer("Bob")]],
+    E3: [[xml_call("river", "lookup"), "I am not sure."], [xml_call("Veltria river"), xml_answer("Tifex")]],
 }
 # greedy: E1 searched (answer in the result) and is right; E2 answered wrong without a call; E3's one
 # call failed (unknown tool) and it never answered.
@@ -105,7 +97,7 @@ def test_eval_strategy_logs_from_step_zero_and_rollouts_are_recorded(tiny_agent_
     files = sorted(os.listdir(out / "rollouts"))
     assert files == ["eval-step-000000.jsonl", "eval-step-000001.jsonl", "eval-step-000002.jsonl",
                      "step-000001.jsonl", "step-000002.jsonl"]
-    records = [json.loads(line) for line in (out / "rollouts" / "step-000001.jsonl").read_text().splitlines()]
+    records = rollout_records(out)
     assert len(records) == 8 and {r["group"] for r in records} == {0, 1}
     for r in records:
         tokens = r["tokens"]
@@ -122,13 +114,12 @@ def test_eval_strategy_logs_from_step_zero_and_rollouts_are_recorded(tiny_agent_
 
 def test_evaluation_command_on_a_saved_model(tiny_agent_dir, tmp_path):
     out = tmp_path / "eval"
-    log = run([sys.executable, "scripts/evaluate.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-               "--output_dir", str(out), "--eval_max_samples", "3"], tmp_path)
+    run([sys.executable, "scripts/evaluate.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--output_dir", str(out), "--eval_max_samples", "3"], tmp_path)
     summary = json.loads((out / "eval_summary.json").read_text())
-    assert summary["metrics"]["eval/episodes"] == 3
+    assert summary["metrics"]["eval/episodes"] == 3 and "eval/exact_match" in summary["metrics"]
     episodes = [json.loads(line) for line in (out / "eval_episodes.jsonl").read_text().splitlines()]
     assert len(episodes) == 3 and all(e["mode"] == "eval" and e["answer"] for e in episodes)
-    assert "eval/exact_match" in log and "eval_summary.json" in log
 
 
 def test_best_model_by_an_eval_metric_with_an_eval_batch_not_divisible_by_the_group(tiny_agent_dir, tmp_path):

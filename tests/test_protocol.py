@@ -6,29 +6,16 @@ turn's text, and after a tool turn the reply rendered from a fixed base conversa
 `[system, user, assistant SENTINEL] + tool messages` (the text after the SENTINEL).
 """
 
-import os
-
 import pytest
 
+from helpers import EMPTY_THINK, chat_template, template_call
 from protocol import (ChatTemplateProtocol, Turn, XMLProtocol, get_protocol, tool_call_message,
                       tool_schemas)
-
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-# Qwen3's chat template: the `chat_template` of Qwen/Qwen3-8B's tokenizer_config.json, copied byte for byte
-# from trl 1.16.0's trl/chat_templates/qwen3.jinja, TRL's copy of the original Qwen3 template, which it
-# compares for identity with a loaded tokenizer's template to recognise Qwen3. (Our Qwen2.5 fixture is
-# likewise identical to TRL's qwen2_5.jinja.)
-QWEN3_TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
 
 CT = ChatTemplateProtocol()
 CORPUS = [{"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."},
           {"title": "Quorvath", "text": "Quorvath is a city founded in 1740."}]
 SENTINEL = "<<SENTINEL>>"
-EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 pre-writes with enable_thinking=False
-
-
-def call(name="search", query="capital of Veltria") -> str:
-    return CT.format_call(name, {"query": query})
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +24,11 @@ def qwen3_style_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with open(QWEN3_TEMPLATE) as f:
-        tokenizer.chat_template = f.read()
+    # the `chat_template` of Qwen/Qwen3-8B's tokenizer_config.json, copied byte for byte from trl 1.16.0's
+    # trl/chat_templates/qwen3.jinja, TRL's copy of the original Qwen3 template, which it compares for identity
+    # with a loaded tokenizer's template to recognise Qwen3. (Our Qwen2.5 fixture is likewise identical to TRL's
+    # qwen2_5.jinja.)
+    tokenizer.chat_template = chat_template("qwen3")
     return tokenizer
 
 
@@ -54,14 +44,14 @@ def search():
 # ------------------------------------------------------------------------------------------------
 # (id, text, answer, [(name, arguments, malformed)])
 PARSE_CASES = [
-    ("one call", "I look it up.\n" + call(), None, [("search", {"query": "capital of Veltria"}, False)]),
-    ("two calls", call() + "\n" + call(query="Quorvath founded"), None,
+    ("one call", "I look it up.\n" + template_call(), None, [("search", {"query": "capital of Veltria"}, False)]),
+    ("two calls", template_call() + "\n" + template_call("Quorvath founded"), None,
      [("search", {"query": "capital of Veltria"}, False), ("search", {"query": "Quorvath founded"}, False)]),
     ("arguments as a JSON string", '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"Veltria\\"}"}\n'
      "</tool_call>", None, [("search", {"query": "Veltria"}, False)]),
     ("no arguments", '<tool_call>{"name": "search"}</tool_call>', None, [("search", {}, False)]),
     ("bad JSON", '<tool_call>\n{"name": "search", "arguments": {"query": }}\n</tool_call>', None, [("", {}, True)]),
-    ("bad JSON after a good call", call() + '\n<tool_call>{"name": "search", </tool_call>', None,
+    ("bad JSON after a good call", template_call() + '\n<tool_call>{"name": "search", </tool_call>', None,
      [("search", {"query": "capital of Veltria"}, False), ("", {}, True)]),
     ("missing name", '<tool_call>\n{"arguments": {"query": "Veltria"}}\n</tool_call>', None, [("", {}, True)]),
     ("arguments not an object", '<tool_call>{"name": "search", "arguments": ["Veltria"]}</tool_call>', None,
@@ -70,16 +60,16 @@ PARSE_CASES = [
      [("search", {}, True)]),
     ("unclosed block", '<tool_call>\n{"name": "search", "arguments": {"query": "Veltria"}}', None,
      [("search", {}, True)]),
-    ("unclosed block, then a call", '<tool_call>\n{"name": "sea' + call(), None,
+    ("unclosed block, then a call", '<tool_call>\n{"name": "sea' + template_call(), None,
      [("", {}, True), ("search", {"query": "capital of Veltria"}, False)]),
     ("closing tag alone", '{"name": "search", "arguments": {}}\n</tool_call>', None, [("", {}, True)]),
     ("answer", "The result says Morvane.\n<answer>Morvane</answer>", "Morvane", []),
-    ("answer with calls", call() + "\n<answer>Morvane</answer>", "Morvane", []),
+    ("answer with calls", template_call() + "\n<answer>Morvane</answer>", "Morvane", []),
     ("unclosed answer", "<answer>Morvane", None, [("", {}, True)]),
     ("plain text", "I do not know.", None, []),
-    ("reasoning, then a call", "<think>\nI look it up; the <answer> comes later.\n</think>\n\n" + call(), None,
+    ("reasoning, then a call", "<think>\nI look it up; the <answer> comes later.\n</think>\n\n" + template_call(), None,
      [("search", {"query": "capital of Veltria"}, False)]),
-    ("a call inside the reasoning only", "<think>\nMaybe " + call() + "\n</think>\n\nI know it.", None, []),
+    ("a call inside the reasoning only", "<think>\nMaybe " + template_call() + "\n</think>\n\nI know it.", None, []),
 ]
 # transformers' response parsing differs on these: it takes an unclosed block at the end as a call, fails the
 # whole turn on one block that is not JSON, and leaves a closing tag alone as plain text.
@@ -243,7 +233,7 @@ def episode(tools, tool_turn: str, answer_turn: str | None):
     return prompt, completion if answer_turn is not None else completion[:1]
 
 
-TOOL_TURN = "I look up both.\n" + call(query="Quorvath founded") + "\n" + call()
+TOOL_TURN = "I look up both.\n" + template_call("Quorvath founded") + "\n" + template_call()
 ANSWER_TURN = "Quorvath was founded in 1740; the capital of Veltria is Morvane.\n<answer>1740, Morvane</answer>"
 
 

@@ -4,7 +4,7 @@
 import os
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 
 
 def tracked() -> list[tuple[str, str]]:

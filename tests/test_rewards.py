@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from helpers import xml_answer, xml_call
 from protocol import error_text, tool_call_message
 from rewards import REWARD_FUNCS, count_tool_turns, get_reward_func, is_per_turn, per_turn, tool_turns
 from rewards.triviaqa_reward import (
@@ -36,8 +37,7 @@ def assistant(text, calls=()):
 
 def search(query="Veltria capital", name="search"):
     """An xml turn with one call that parsed."""
-    call = json.dumps({"name": name, "args": {"query": query}})
-    return assistant(f"<reasoning>I should look it up.</reasoning>\n<tool>{call}</tool>", [(name, query)])
+    return assistant(xml_call(query, name, why="I should look it up."), [(name, query)])
 
 
 def chat_calls(*queries):
@@ -56,7 +56,7 @@ def malformed_reply(why="the tool call is not valid JSON (Expecting property nam
 
 
 def answer_turn(text):
-    return assistant(f"<reasoning>The result says so.</reasoning>\n<answer>{text}</answer>")
+    return assistant(xml_answer(text, why="The result says so."))
 
 
 SEARCH = search()

@@ -1,44 +1,31 @@
 """The per-episode scheduler (no round barriers) against lock-step rounds: identical episodes, token
 for token, from the same scripted policy; a slow tool holds up only its own conversation."""
 
-import time
-
 import pytest
 
+from helpers import fake_search, make_env, xml_answer, xml_call
 from mt_grpo_trainer import MultiTurnToolEnv
 from protocol import XMLProtocol
 from scripted_policy import ScriptedPolicy, ScriptedServer
 
 
-def call(query, tool="search"):
-    return f'<reasoning>Look it up.</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
-
-
-def answer(text):
-    return f"<reasoning>So.</reasoning>\n<answer>{text}</answer>"
-
-
 # Groups of four with episodes of one to four turns, failed calls, a call past max_env_steps, no action.
 SCRIPT = {
-    "Q-mixed": [[answer("A")], [call("a"), answer("B")], [call("a"), call("b"), answer("C")],
-                [call("a"), call("x", "nope"), call("c"), answer("D")]],
-    "Q-long": [[call("1"), call("2"), call("3"), answer("E")], [call("one"), call("2"), call("3"), call("4")],
-               ["thinking aloud"], [call('"bad json')]],
-    "Q-one": [[answer("F")]] * 4,
+    "Q-mixed": [[xml_answer("A")], [xml_call("a"), xml_answer("B")], [xml_call("a"), xml_call("b"), xml_answer("C")],
+                [xml_call("a"), xml_call("x", "nope"), xml_call("c"), xml_answer("D")]],
+    "Q-long": [[xml_call("1"), xml_call("2"), xml_call("3"), xml_answer("E")],
+               [xml_call("one"), xml_call("2"), xml_call("3"), xml_call("4")],
+               ["thinking aloud"], [xml_call('"bad json')]],
+    "Q-one": [[xml_answer("F")]] * 4,
 }
 
 
-def search(query: str) -> str:
-    """Search the knowledge base."""
-    if query == "slow":
-        time.sleep(1.0)
-    return f"Result for {query}."
+search = fake_search(lambda query: f"Result for {query}.", slow={"slow": 1.0})
+LIMITS = dict(max_env_steps=3, max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32)
 
 
-def make_env(tokenizer, scheduler):
-    return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=3,
-                            max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32,
-                            tokenization_check="strict", scheduler=scheduler)
+def scheduler_env(tokenizer, scheduler):
+    return make_env(tokenizer, [search], scheduler=scheduler, **LIMITS)
 
 
 def as_record(ep):
@@ -48,10 +35,10 @@ def as_record(ep):
 
 @pytest.mark.parametrize("per_request, concurrency", [(1, 1), (2, 3), (64, 8)])
 def test_both_schedulers_give_identical_episodes(smollm2_tokenizer, per_request, concurrency):
-    prompts = [make_env(smollm2_tokenizer, "rounds").prompt(q) for q in SCRIPT for _ in range(4)]
-    rounds = make_env(smollm2_tokenizer, "rounds").rollout(prompts, ScriptedPolicy(smollm2_tokenizer, SCRIPT))
+    prompts = [scheduler_env(smollm2_tokenizer, "rounds").prompt(q) for q in SCRIPT for _ in range(4)]
+    rounds = scheduler_env(smollm2_tokenizer, "rounds").rollout(prompts, ScriptedPolicy(smollm2_tokenizer, SCRIPT))
     server = ScriptedServer(smollm2_tokenizer, SCRIPT, max_concurrent_requests=concurrency, prompts_per_request=per_request)
-    per_episode = make_env(smollm2_tokenizer, "per_episode").rollout(prompts, server)
+    per_episode = scheduler_env(smollm2_tokenizer, "per_episode").rollout(prompts, server)
     assert [as_record(ep) for ep in per_episode] == [as_record(ep) for ep in rounds]
     assert {ep.stop_reason for ep in rounds} == {"answer", "max_env_steps", "no_action"}
     assert server.most_in_flight <= concurrency
@@ -60,7 +47,7 @@ def test_both_schedulers_give_identical_episodes(smollm2_tokenizer, per_request,
 
 
 def test_auto_picks_per_episode_for_a_backend_that_submits_requests(smollm2_tokenizer):
-    env = make_env(smollm2_tokenizer, "auto")
+    env = scheduler_env(smollm2_tokenizer, "auto")
     server = ScriptedServer(smollm2_tokenizer, SCRIPT)
     env.rollout([env.prompt("Q-one")] * 4, server)
     assert server.calls == [(1, 4)] and server.rounds == 0  # submit, never the rounds' another_round
@@ -69,7 +56,7 @@ def test_auto_picks_per_episode_for_a_backend_that_submits_requests(smollm2_toke
 def test_a_slow_tool_holds_up_only_its_own_conversation(smollm2_tokenizer):
     """With rounds, a fast three-turn conversation waits for a slow tool call in every round; per
     episode, it finishes while the slow call is still running."""
-    script = {"Q-slow": [call("slow"), answer("S")], "Q-fast": [call("1"), call("2"), answer("F")]}
+    script = {"Q-slow": [xml_call("slow"), xml_answer("S")], "Q-fast": [xml_call("1"), xml_call("2"), xml_answer("F")]}
     finished = []
 
     class Recording(MultiTurnToolEnv):
@@ -81,9 +68,8 @@ def test_a_slow_tool_holds_up_only_its_own_conversation(smollm2_tokenizer):
 
     for scheduler, expected in (("rounds", [0, 1]), ("per_episode", [1, 0])):
         finished.clear()
-        env = Recording(tokenizer=smollm2_tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=3,
-                        max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32,
-                        scheduler=scheduler)
+        env = Recording(tokenizer=smollm2_tokenizer, protocol=XMLProtocol(), tools=[search], scheduler=scheduler,
+                        **LIMITS)
         backend = ScriptedPolicy(smollm2_tokenizer, script) if scheduler == "rounds" else ScriptedServer(smollm2_tokenizer, script)
         env.rollout([env.prompt("Q-slow"), env.prompt("Q-fast")], backend)
         assert finished == expected, scheduler  # 1 = the fast conversation finished

@@ -8,26 +8,19 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import RECIPE, launch, run
+from helpers import RECIPE, launch, run, xml_answer, xml_call
 
 QA, QB = "What is the capital of Veltria?", "Who founded the city of Morvane?"
 
 
-def call(tool, query, why):
-    return f'<reasoning>{why}</reasoning>\n<tool>{{"name": "{tool}", "args": {{"query": "{query}"}}}}</tool>'
-
-
-def answer(text, why="done"):
-    return f"<reasoning>{why}</reasoning>\n<answer>{text}</answer>"
-
-
 # QA: four one-turn answers, two right. QB: two env steps then an answer (three rounds).
 SCRIPT = {
-    QA: [[answer("Morvane", "a")], [answer("Paris", "b")], [answer("Morvane", "c")], [answer("Lyon", "d")]],
-    QB: [[call("search", "Morvane", "a"), call("search", "founder Morvane", "a2"), answer("Ada Lovelace")],
-         [call("search", "Morvane", "b"), call("lookup", "Morvane", "b2"), answer("Bob")],
-         [call("lookup", "Morvane", "c"), call("lookup", "founder", "c2"), answer("Ada Lovelace")],
-         [call("search", "Morvane", "d"), call("search", "Morvane city", "d2"), answer("Grace")]],
+    QA: [[xml_answer("Morvane", "a")], [xml_answer("Paris", "b")], [xml_answer("Morvane", "c")],
+         [xml_answer("Lyon", "d")]],
+    QB: [[xml_call("Morvane", why="a"), xml_call("founder Morvane", why="a2"), xml_answer("Ada Lovelace", "done")],
+         [xml_call("Morvane", why="b"), xml_call("Morvane", "lookup", "b2"), xml_answer("Bob", "done")],
+         [xml_call("Morvane", "lookup", "c"), xml_call("founder", "lookup", "c2"), xml_answer("Ada Lovelace", "done")],
+         [xml_call("Morvane", why="d"), xml_call("Morvane city", why="d2"), xml_answer("Grace", "done")]],
 }
 # Rewards: turn = tool_execution_reward_func (0.2 x successful / calls), outcome = exact match.
 #   QA: R_T = 0 0 0 0 (no call)             R_O = 1 0 1 0
@@ -93,8 +86,8 @@ def test_two_processes_score_their_local_slice_and_run_the_same_rounds(tiny_agen
 
 
 QC = "What is the currency of Veltria?"
-SIGNAL_SCRIPT = {QA: [[answer("Morvane")], [answer("Paris, a city far away")], [answer("Morvane")], [answer("Lyon")]],
-                 QC: [[answer("gold")]] * 4}  # all four equally wrong: no signal
+SIGNAL_SCRIPT = {QA: [[xml_answer(a, "done")] for a in ("Morvane", "Paris, a city far away", "Morvane", "Lyon")],
+                 QC: [[xml_answer("gold", "done")]] * 4}  # all four equally wrong: no signal
 
 
 def signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags):

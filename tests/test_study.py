@@ -6,7 +6,8 @@ import math
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from learning_study import METRICS, collect, compare, csv_difference, read_csv, with_earlier_runs, write_csv  # noqa: E402

@@ -14,17 +14,11 @@ import time
 import datasets
 import pytest
 
+from helpers import ROOT
 from tasks import FEATURES, load_task
 from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
 from tasks.triviaqa import to_question_answer
 from tools.search import make_search_tool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def kb():
-    return build_fictional_kb(seed=0)
 
 
 def entity_document(question: str, documents: list[dict]) -> dict:

@@ -13,7 +13,6 @@ import pytest
 
 import tools.wiki_search
 from helpers import ROOT
-from tasks.fictional_kb import build_fictional_kb
 from tools import TOOLS, build_tools
 from tools.search import make_search_tool
 
@@ -24,11 +23,6 @@ CORPUS = [
     {"title": "Kalosh", "text": "Kalosh is a city on the Dun River."},
     {"title": "Pella Rusk", "text": "Pella Rusk built the first sky loom in Kalosh."},
 ]
-
-
-@pytest.fixture(scope="module")
-def kb():
-    return build_fictional_kb(seed=0)
 
 
 def test_search_top1_is_the_questions_entity_for_every_fictional_kb_question(kb):

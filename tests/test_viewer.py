@@ -15,11 +15,11 @@ from html.parser import HTMLParser
 
 import pytest
 
+from helpers import ROOT
 from plot_runs import plot_runs
 from rollout_records import write_run
 from view_rollouts import build_page, compact
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

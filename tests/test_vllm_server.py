@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, fake_search, final_metrics, launch,
+                     make_chat_template_agent, on_policy_weights, rollout_records, run, sampler_id)
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
-from helpers import RECIPE, ROOT, SAMPLER_GRID, final_metrics, launch, on_policy_weights, run, sampler_id
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
@@ -63,9 +64,7 @@ class RecordingClient(VLLMServerClient):
         return future
 
 
-def search(query: str) -> str:
-    """Search the knowledge base."""
-    return "Veltria: Veltria is a country. Its capital is Morvane."
+search = fake_search(lambda query: VELTRIA)
 
 
 @pytest.mark.parametrize("scheduler", ["rounds", "per_episode"])
@@ -109,11 +108,11 @@ def model_generation_config(model_dir):
 
 def train_against(port, model_dir, tmp_path, *flags, timeout=600, processes=1):
     out = str(tmp_path / "out")
-    log = run([*launch(processes), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
-               "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
-               "--vllm_server_port", str(port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
-               "--vllm_server_timeout", "60", *flags], tmp_path, timeout=timeout)
-    return log, [h for h in final_metrics(out) if "loss" in h]
+    run([*launch(processes), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
+         "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+         "--vllm_server_port", str(port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
+         "--vllm_server_timeout", "60", *flags], tmp_path, timeout=timeout)
+    return [h for h in final_metrics(out) if "loss" in h]
 
 
 def assert_synced_each_step(steps):
@@ -125,8 +124,8 @@ def assert_synced_each_step(steps):
 
 def test_two_steps_with_disk_sync_untied_and_evaluation(untied_server, tiny_agent_dir, tmp_path):
     """...with eval_strategy: the server evaluates the synced weights before step 1 and after each step."""
-    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--eval_strategy", "steps",
-                             "--eval_steps", "1", "--eval_max_samples", "4")
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--eval_strategy", "steps",
+                          "--eval_steps", "1", "--eval_max_samples", "4")
     assert_synced_each_step(steps)
     evals = [h for h in final_metrics(str(tmp_path / "out")) if "eval/exact_match" in h]
     assert [h["step"] for h in evals] == [0, 1, 2] and all(h["eval/episodes"] == 4 for h in evals)
@@ -134,7 +133,7 @@ def test_two_steps_with_disk_sync_untied_and_evaluation(untied_server, tiny_agen
 
 def test_two_steps_with_disk_sync_tied(tied_server, tied_agent_dir, tmp_path):
     # vLLM on CPU leaves a tied lm_head stale on reload; the trainer writes lm_head.weight explicitly.
-    _, steps = train_against(tied_server.port, tied_agent_dir, tmp_path)
+    steps = train_against(tied_server.port, tied_agent_dir, tmp_path)
     assert_synced_each_step(steps)
 
 
@@ -159,22 +158,21 @@ def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
 def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
     """tool_format chat_template against a server of its own, serving a copy of the tiny agent whose tokenizer
     has Qwen2.5's template and <tool_call> tokens, taught a little to call tools through them
-    (test_chat_template.make_chat_template_agent): the weights stay in sync and the tool calls are answered."""
-    from test_chat_template import CHAT_TEMPLATE_FLAGS, make_chat_template_agent
-
+    (helpers.make_chat_template_agent): the weights stay in sync and the tool calls are answered."""
     model_dir = make_chat_template_agent(tiny_agent_dir, str(tmp_path / "model"))
     with VLLMCPUServer(model_dir, tmp_path / "server.log", max_model_len=2048) as server:
-        log, steps = train_against(server.port, model_dir, tmp_path, *CHAT_TEMPLATE_FLAGS)
-    assert "tool format: chat_template" in log
+        steps = train_against(server.port, model_dir, tmp_path, "--save_rollouts_steps", "1", *CHAT_TEMPLATE_FLAGS)
+    # the prompts carry the tools as the template renders them (the xml protocol lists them in its system prompt)
+    assert all("<tools>" in r["prompt_text"] for r in rollout_records(tmp_path / "out"))
     assert_synced_each_step(steps)
     assert all("rewards/outcome/chat_format_reward_func" in h for h in steps)
     assert any(h["rollout/tool_calls_per_episode"] > 0 and h["rollout/env_tokens"] > 0 for h in steps), steps
 
 
 def test_per_turn_credit_against_the_server(untied_server, tiny_agent_dir, tmp_path):
-    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--advantage_mode", "per_turn",
-                             "--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
-                             "--max_env_steps", "3")
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--advantage_mode", "per_turn",
+                          "--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
+                          "--max_env_steps", "3")
     assert_synced_each_step(steps)
     assert all("rewards/turn/tool_execution_per_turn" in h for h in steps)
 
@@ -182,16 +180,16 @@ def test_per_turn_credit_against_the_server(untied_server, tiny_agent_dir, tmp_p
 def test_async_rollout_samples_one_batch_ahead(untied_server, tiny_agent_dir, tmp_path):
     """Batch 1 is sampled while step 1 trains, with the weights of step 0: staleness 1 from the second
     step on; every sync still passes the probe, and the sampler correction is applied."""
-    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true", "--max_steps", "3")
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true", "--max_steps", "3")
     assert [h["rollout/staleness"] for h in steps] == [0.0, 1.0, 1.0]
     assert all(h["sync/probe_max_abs_logprob_diff"] <= 1e-3 for h in steps)
     assert all("sampling/importance_weight_mean" in h for h in steps)
 
 
 def test_async_rollout_on_two_processes(untied_server, tiny_agent_dir, tmp_path):
-    log, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true",
-                               "--per_device_train_batch_size", "4", processes=2)
-    assert "Training on 2 processes" in log
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--async_rollout", "true",
+                          "--per_device_train_batch_size", "4", "--save_rollouts_steps", "1", processes=2)
+    assert len(rollout_records(tmp_path / "out")) == 8  # 4 episodes from each of the 2 processes
     assert [h["rollout/staleness"] for h in steps] == [0.0, 1.0]
 
 
@@ -242,8 +240,8 @@ def test_server_importance_weights_are_one_on_policy(untied_server, tiny_agent_d
 def test_qwen3_sampler_settings_train_with_weights_of_one(untied_server, tiny_agent_dir, tmp_path):
     """The Qwen3 recipe's sampling (temperature 0.7, top_p 0.8, top_k 20) against the server: the first step
     is on-policy, so its importance weights are 1 and the gradient is not erased."""
-    _, steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--temperature", "0.7", "--top_p", "0.8",
-                             "--top_k", "20", "--max_steps", "1")
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--temperature", "0.7", "--top_p", "0.8",
+                          "--top_k", "20", "--max_steps", "1")
     assert steps[0]["sampling/importance_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert steps[0]["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
     assert steps[0]["grad_norm"] > 0
