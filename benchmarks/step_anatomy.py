@@ -11,7 +11,8 @@ every 5 ms (RSS on CPU; torch.cuda.max_memory_allocated / reserved on GPU). Then
 and on the last step's tokens, the limits:
   - raw `model.generate`: each of the rollout's generate calls again, with the same prompts, number of
     samples and new tokens (min_new_tokens = max_new_tokens), nothing but sampling at the temperature;
-  - a raw forward + backward + AdamW step on the same padded batch (full logits, log_softmax, masked mean).
+  - a raw forward + backward + AdamW step on the same padded batch (the completion positions' full-vocabulary
+    logits, log_softmax, masked mean).
 It prints per phase its seconds per step, its peak memory and its ratio to the limit, the padding
 share of the batch (padded tokens / real tokens), and the whole run's peak RSS. Steps after the first
 are averaged (the first pays for warm-up)."""
@@ -159,7 +160,8 @@ def raw_train_step(model, batch, phases: Phases) -> None:
     model.train()
 
     def forward_backward():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, -T - 1 : -1].float()
+        # logits of the completion positions only (logits_to_keep), as a plain PyTorch user would ask
+        logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=T + 1).logits[:, :-1].float()
         logps = logits.log_softmax(-1).gather(2, batch["completion_ids"][:, :, None]).squeeze(2)
         loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         loss.backward()
