@@ -66,12 +66,17 @@ def stopped_early(path: str) -> bool:
     return any(name.startswith("checkpoint-") for name in os.listdir(path)) if os.path.isdir(path) else False
 
 
+def command(mode: str, seed: int, path: str, flags: list[str]) -> list[str]:
+    """The trainer command of one run; a run stopped early resumes from its last checkpoint."""
+    return [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", RECIPE, "--advantage_mode", mode,
+            "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags,
+            *(["--resume_from_checkpoint", "last"] if stopped_early(path) else [])]
+
+
 def launch(mode: str, seed: int, path: str, flags: list[str], threads: int) -> subprocess.Popen:
     resume = stopped_early(path)
+    cmd = command(mode, seed, path, flags)
     os.makedirs(path, exist_ok=True)
-    cmd = [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", RECIPE, "--advantage_mode", mode,
-           "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags,
-           *(["--resume_from_checkpoint", "last"] if resume else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     log = open(os.path.join(path, "log.txt"), "a" if resume else "w")

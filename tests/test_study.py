@@ -84,3 +84,19 @@ def test_an_earlier_csv_keeps_the_runs_this_study_did_not_make(tmp_path):
     rows = with_earlier_runs(collect(new), read_csv(earlier))
     assert [(r["mode"], r["step"]) for r in rows] == [("mt_grpo", 0), ("mt_grpo", 10), ("per_turn", 0), ("per_turn", 10)]
     assert rows[1]["eval/exact_match"] == 0.125 and rows[3]["eval/exact_match"] == 0.25
+
+
+def test_a_run_stopped_at_the_deadline_resumes_and_a_finished_one_is_reused(tmp_path):
+    from learning_study import command, finished
+
+    path = str(tmp_path / "mt_grpo-s1")
+    assert not finished(path) and "--resume_from_checkpoint" not in command("mt_grpo", 1, path, [])
+    os.makedirs(os.path.join(path, "checkpoint-12"))  # SIGTERM at step 12 of 30: GracefulStop saved it
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 12, "max_steps": 30, "log_history": []}, f)
+    assert not finished(path)
+    assert command("mt_grpo", 1, path, ["--kb_multi_hop", "0.5"])[-4:] == [
+        "--kb_multi_hop", "0.5", "--resume_from_checkpoint", "last"]
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 30, "max_steps": 30, "log_history": []}, f)
+    assert finished(path)
