@@ -137,6 +137,7 @@ def raw_generate(model, tokenizer, calls, temperature: float, phases: Phases) ->
     from trl.trainer.utils import pad
 
     device = next(model.parameters()).device
+    model.eval()  # as the trainer generates: no dropout, and a KV cache despite activation checkpointing
     for prompts, n, new_tokens in calls:
         if not new_tokens:
             continue
