@@ -9,10 +9,10 @@ knowledge base's held-out test split before the first step and every `eval_steps
         --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
 
 Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<mode>-s<seed>/ and
-run `--parallel` at a time (default 1: a SmolLM2 study run peaked at about 16 GiB of memory on
-CPU, and held 61-69 GiB of an H100's memory, so four runs on one GPU ran out of it) with the cores
-shared between them; a run that already finished is reused (delete its folder, or pass --fresh, to redo
-it), and a run stopped by --deadline resumes from the checkpoint it saved. Writes OUT.csv (one row per
+run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB, so two fit on a
+24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
+A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
+stopped by --deadline resumes from the checkpoint it saved. Writes OUT.csv (one row per
 run and evaluation), OUT.png (eval exact match, tool success, first-search hit and tool calls per
 episode against step: a line per mode, the mean over seeds, with a band from the lowest to the highest
 seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
@@ -223,7 +223,7 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only", "merged"], choices=sorted(MODE_FLAGS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--parallel", type=int, default=1,
-                    help="runs at a time (a SmolLM2 study run peaked at 16 GiB before activation checkpointing, 8.4 GiB with it: two fit on a 24 GiB machine, but share its cores)")
+                    help="runs at a time (a CPU study run peaks at about 3.3 GiB; runs share the cores)")
     ap.add_argument("--runs", default=os.path.join(ROOT, "outputs", "study"), help="folder of the runs")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "learning_study"), help="OUT.csv and OUT.png")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
