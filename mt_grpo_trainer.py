@@ -68,11 +68,11 @@ from trl.trainer.utils import pad, use_adapter
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
-from protocol import Protocol, StopStringMatcher, ToolCall, get_protocol, tool_call_message
+from protocol import Protocol, StopStringMatcher, ToolCall, end_of_turn_ids, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TrainerReports, _nanmean,
                        episode_records, eval_metrics)
 from tools import ToolResult, run_tool_calls
-from weight_sync import WeightSync, WeightSyncConfig, policy_prompt_logprobs
+from weight_sync import PROBE, WeightSync, WeightSyncConfig, policy_prompt_logprobs
 
 logger = logging.getLogger("mt_grpo")
 
@@ -1634,22 +1634,6 @@ def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, tas
     return dataset
 
 
-def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
-    """Every id that ends a model turn: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct
-    lists <|im_end|> and <|endoftext|>), as TRL collects them."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path, revision=revision).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
-
-
-PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
-         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
-          "tool_calls": []}]
-
-
 BACKENDS = {"transformers": TransformersBackend, "vllm_server": VLLMServerClient}  # generation_backend -> class
 
 
@@ -1662,21 +1646,13 @@ def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: Mult
                                    stop_strings=stop_strings,
                                    gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
-    method = script_args.weight_sync
-    if method == "auto":
-        method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
-    sync = WeightSyncConfig(
-        method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
-        timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
-        nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance,
-    )
     return VLLMServerClient(
         base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}",
         params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
         startup_timeout=args.vllm_server_timeout, request_timeout=script_args.vllm_request_timeout,
         max_concurrent_requests=script_args.vllm_max_concurrent_requests,
         max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
-        weight_sync=sync, probe_ids=env.render_ids(PROBE),
+        weight_sync=WeightSyncConfig.from_args(script_args, args), probe_ids=env.render_ids(PROBE),
     )
 
 

@@ -445,3 +445,16 @@ class StopStringMatcher:
     def completes(self, ids: list[int], i: int) -> bool:
         return ids[i] in self.candidates and any(
             s in self.tokenizer.decode(ids[max(0, i - self.window + 1) : i + 1]) for s in self.stop_strings)
+
+
+def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
+    """Every id that ends a model turn: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct
+    lists <|im_end|> and <|endoftext|>), as TRL collects them."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path, revision=revision).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]

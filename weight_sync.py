@@ -26,6 +26,22 @@ class WeightSyncConfig:
     nccl_master_port: int = 51216
     probe_tolerance: float = 0.1
 
+    @classmethod
+    def from_args(cls, script_args, args) -> "WeightSyncConfig":
+        """From the recipe (MTGRPOScriptArguments, GRPOConfig); `weight_sync: auto` is nccl on CUDA, else disk."""
+        method = script_args.weight_sync
+        if method == "auto":
+            method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
+        return cls(method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
+                   timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
+                   nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance)
+
+
+# The probe conversation: the server must score it like the trainer after every sync
+PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
+         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
+          "tool_calls": []}]
+
 
 class WeightSync:
     """The weight sync of one server `client` (a VLLMServerClient). `probe_ids`: the probe sequence (None:
