@@ -4,13 +4,15 @@ CPU too, with the values and gradients of scoring every position."""
 import torch
 import trl.trainer.utils as trl_utils
 from transformers import AutoModelForCausalLM
+from trl.kernels.chunked_logprob import _use_triton as trl_use_triton
 from trl.trainer.utils import add_fused_lm_head
 
 from mt_grpo_trainer import score_labelled_tokens_only
 
 
 def test_cpu_scores_the_labelled_positions_only_with_the_same_values_and_gradients(tiny_agent_dir, monkeypatch):
-    monkeypatch.setattr(trl_utils, "_use_triton", trl_utils._use_triton)  # restored after the test
+    # TRL's own switch (a trainer built earlier in this process patched it), restored after the test
+    monkeypatch.setattr(trl_utils, "_use_triton", trl_use_triton)
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ids = torch.randint(3, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
