@@ -184,7 +184,7 @@ def check_trl() -> None:
 
 
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],
-                      task_metrics: list[str] = ("exact_match", "first_search_hit")) -> None:
+                      task_metrics: list[str]) -> None:
     """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
     (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
     name = args.metric_for_best_model

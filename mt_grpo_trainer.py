@@ -1051,6 +1051,12 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
     return batch
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """(B, T) 1 where a token is in the loss: a model token (not padding, not the environment's),
+    of an episode the loss keeps. TRL builds the same product inside its `_compute_loss`."""
+    return batch["completion_mask"] * batch["tool_mask"]
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. Rewards and advantages (pure functions; tests import them)
 # ------------------------------------------------------------------------------------------------
@@ -1098,6 +1104,12 @@ def _reward_value(name: str, i: int, v) -> float:
         raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
                          "numbers, or None for 'not applicable'.")
     return float(v)
+
+
+def reward_columns(inputs: list[dict]) -> dict[str, list]:
+    """The dataset's columns, as the keyword arguments every reward function receives (TRL's convention):
+    each column's values over the batch. `prompt` goes positionally; `row` is ours (the eval question's index)."""
+    return {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}
 
 
 def _failing_sample(fn, prompts, completions, columns) -> str:
@@ -1461,7 +1473,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         device = self.accelerator.device
         collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
-        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}
+        columns = reward_columns(inputs)
         tool_turns = [ep.tool_turns for ep in episodes]
         K = turns or (self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
@@ -1490,9 +1502,9 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
                                  local=local, turn_normalization=sa.turn_normalization,
                                  turn_credit_discount=sa.turn_credit_discount)
         batch["advantages"] = adv.tokens
-        loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        informative = adv.informative[local].to(loss_mask.dtype)  # (B_local,)
-        counts = self.accelerator.gather(torch.stack([loss_mask.sum(), (loss_mask * informative[:, None]).sum()])
+        mask = loss_mask(batch)
+        informative = adv.informative[local].to(mask.dtype)  # (B_local,)
+        counts = self.accelerator.gather(torch.stack([mask.sum(), (mask * informative[:, None]).sum()])
                                          .view(1, 2)).sum(dim=0)
         batch["num_items_in_batch"] = counts[0]
         if sa.mask_zero_advantage_groups:  # read by _compute_loss (zero_signal_scale), per micro-batch
@@ -1506,8 +1518,8 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         if not self._corrects_sampler():
             return None
         old, sampler = batch.pop("trainer_sampler_logps"), batch["sampling_per_token_logps"]
-        loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        weights = importance_weights(old, sampler, loss_mask, self.args.vllm_importance_sampling_mode,
+        mask = loss_mask(batch)
+        weights = importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_mode,
                                      self.args.vllm_importance_sampling_clip_min,
                                      self.args.vllm_importance_sampling_clip_max)
         if self.loss_type == "vespo":  # VESPO takes the weights into its sequence weight phi(w), not as a factor
@@ -1515,11 +1527,11 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
             batch["advantages"] = batch["advantages"] * weights
         m = self._metrics[mode]
-        m["sampling/importance_weight_mean"].append(self._masked_mean(weights, loss_mask))
+        m["sampling/importance_weight_mean"].append(self._masked_mean(weights, mask))
         gap = torch.nan_to_num((old - sampler).abs(), nan=0.0)
         first = (batch["token_turns"] == 0).long()
-        m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, loss_mask * first))
-        m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, loss_mask * (1 - first)))
+        m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, mask * first))
+        m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, mask * (1 - first)))
         return weights
 
     def _compute_loss(self, model, inputs):
@@ -1527,7 +1539,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         the batch is split into micro-batches after scoring, so the factor is taken here, per micro-batch."""
         if "informative" in inputs:
             inputs = dict(inputs)
-            scale = zero_signal_scale(self.loss_type, inputs["completion_mask"] * inputs["tool_mask"],
+            scale = zero_signal_scale(self.loss_type, loss_mask(inputs),
                                       inputs.pop("informative"), inputs["num_items_in_batch"],
                                       inputs.pop("num_informative_items"))
             inputs["advantages"] = inputs["advantages"] * scale.to(inputs["advantages"].device)
@@ -1570,7 +1582,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         finally:
             self.model.train(was_training)
         prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
-        columns = {key: [x[key] for x in inputs] for key in inputs[0] if key not in ("prompt", "row")} if inputs else {}
+        columns = reward_columns(inputs)
         scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
         task = {name: fn(prompts, completions, **columns) if inputs else []
                 for name, fn in self.eval_metric_funcs.items()}

@@ -159,7 +159,7 @@ def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
 
 
 def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Callable],
-                      task_metrics: list[str] = ("exact_match", "first_search_hit")) -> list[str]:
+                      task_metrics: list[str]) -> list[str]:
     """Every eval metric name (without `eval/`) that eval_metrics logs; `task_metrics`: the task's own
     (tasks.QA_EVAL_METRICS)."""
     names = [*task_metrics, "answered_ratio", "tool_calls_per_episode", "tool_success_rate", "episodes"] + \

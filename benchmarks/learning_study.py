@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from common import ROOT, print_table
 
@@ -73,9 +74,10 @@ def command(mode: str, seed: int, path: str, flags: list[str]) -> list[str]:
             *(["--resume_from_checkpoint", "last"] if stopped_early(path) else [])]
 
 
-def launch(mode: str, seed: int, path: str, flags: list[str], threads: int) -> subprocess.Popen:
-    resume = stopped_early(path)
-    cmd = command(mode, seed, path, flags)
+def launch(mode: str, seed: int, path: str, flags: list[str], threads: int,
+           command_fn: Callable = command) -> subprocess.Popen:
+    cmd = command_fn(mode, seed, path, flags)
+    resume = "--resume_from_checkpoint" in cmd  # then the log goes on where the stopped run's ended
     os.makedirs(path, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -84,11 +86,12 @@ def launch(mode: str, seed: int, path: str, flags: list[str], threads: int) -> s
 
 
 def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, deadline: float | None,
-            stagger: float = 0.0) -> list[str]:
+            stagger: float = 0.0, command_fn: Callable = command) -> list[str]:
     """Keep `parallel` runs going; the machine's cores are split between them (OpenMP threads that
     outnumber the cores spin and slow everything down). At `deadline` (seconds from now) the runs in
     flight get SIGTERM: each finishes its step, saves its state and stops; no new run starts. Starts
-    are `stagger` seconds apart (GPU contexts created at once can fail). Returns the failed runs."""
+    are `stagger` seconds apart (GPU contexts created at once can fail). `command_fn(mode, seed, path, flags)`
+    makes a run's command (benchmarks/peer_trl.py runs its own workers). Returns the failed runs."""
     threads = max(1, (os.cpu_count() or 1) // parallel)
     pending, running, failed = list(jobs), [], []
     stop_at = time.monotonic() + deadline if deadline else math.inf
@@ -102,7 +105,7 @@ def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, d
         while pending and len(running) < parallel:
             mode, seed, path = pending.pop(0)
             print(f"start {mode} seed {seed} -> {path}", flush=True)
-            running.append((mode, seed, path, time.monotonic(), launch(mode, seed, path, flags, threads)))
+            running.append((mode, seed, path, time.monotonic(), launch(mode, seed, path, flags, threads, command_fn)))
             time.sleep(stagger)
         time.sleep(5)
         for job in [j for j in running if j[4].poll() is not None]:
