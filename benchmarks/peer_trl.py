@@ -1,0 +1,380 @@
+"""Side by side with TRL's own multi-turn tool training: TRL 1.16's `GRPOTrainer(tools=[search])`
+against ours (`mt_grpo`, and `outcome_only`, the closest to what TRL computes), on the same model,
+task, tool, prompts, rewards, seeds and step budget, each evaluated by our evaluation code on the
+same test questions from step 0.
+
+    .venv/bin/python benchmarks/peer_trl.py                        # 3 trainers x 2 seeds -> docs/peer_trl.*
+    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo --seeds 1 -- --max_steps 2
+
+What is shared, and how:
+- the recipe: hf_recipes/SmolLM2-135M-Instruct/study.yaml (learning rate, loss type, episodes per step,
+  temperature, lengths, seeds, step budget), plus the flags after `--`; both trainers get the same parsed
+  GRPOConfig. TRL's tool loop runs up to `max_env_steps` tool rounds (`max_tool_calling_iterations`).
+- the model: SmolLM2-135M-Instruct with Qwen2.5's tool-capable chat template (the one TRL ships and can
+  parse; the special tokens are the same <|im_start|> / <|im_end|>), written once to outputs/peer_trl/model.
+  Ours runs with `tool_format: chat_template`.
+- the prompts: the same system prompt and few-shot exchange, in the same rendering (checked: TRL's
+  prompt token ids equal our env's, or the run stops).
+- the task and tool: the fictional KB's training split (the same question order: both trainers use
+  TRL's sampler with the same seed) and its `search`.
+- the rewards: TRL's one reward is the weighted sum of our turn and outcome reward functions (the same
+  functions, on TRL's completions, which are the same message format).
+- evaluation: our `run_evaluation` on the trained weights (TRL's model object is our evaluator's model).
+
+What it measures, per trainer and seed, into outputs/peer_trl/<trainer>-s<seed>/peer.jsonl: eval metrics
+at step 0 and every `eval_steps`; each optimizer step's seconds, split into rollout (generation, tools,
+rewards and advantages: `_generate_and_score_completions`) and training (the rest); peak RSS during
+training steps (sampled every 0.1 s) and over the run; and the mask check: every trained row's loss mask
+is split into runs, and each environment run (mask 0) must decode to exactly one template tool-reply
+block, and each model run (mask 1) that precedes one must end at <|im_end|>. Writes OUT.csv (one row per
+run and evaluation, with minutes of training so far), OUT_steps.csv (one row per run: mean step, rollout
+and training seconds, peak RSS, rows checked, mask problems) and OUT.png, and prints both tables.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import sys
+import threading
+import time
+
+from common import ROOT, SMOLLM2, print_table
+from learning_study import finished, run_all, stopped_early
+
+RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
+TRAINERS = ("trl", "mt_grpo", "outcome_only")
+EVAL_METRICS = ["exact_match", "first_search_hit", "tool_calls_per_episode", "tool_success_rate", "answered_ratio"]
+# One template tool-reply block of Qwen2.5's template (what follows a model turn that ended at <|im_end|>):
+# the tool messages in one user turn, then the next generation prompt. A turn cut at a token limit gets
+# its <|im_end|> from the environment, so that may lead the block.
+TOOL_BLOCK = re.compile(r"(<\|im_end\|>)?\n<\|im_start\|>user(\n<tool_response>\n.*?\n</tool_response>)+"
+                        r"<\|im_end\|>\n<\|im_start\|>assistant\n", re.DOTALL)
+
+
+# -- the shared model --------------------------------------------------------------------------------
+def peer_model_dir(out: str, source: str = SMOLLM2) -> str:
+    """`source` with Qwen2.5's chat template (TRL's copy), once."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        if not os.path.isfile(os.path.join(source, "model.safetensors")):
+            raise SystemExit(f"No model at {source}: run `bash scripts/setup.sh` first (it converts SmolLM2).")
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(source):
+            if os.path.isfile(os.path.join(source, name)) and name != "chat_template.jinja":
+                shutil.copy(os.path.join(source, name), out)
+        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+            f.write(qwen2_5_chat_template)
+    return out
+
+
+# -- the checks --------------------------------------------------------------------------------------
+def mask_problems(tokenizer, ids: list[int], loss_mask: list[int], eos_id: int) -> list[str]:
+    """What is wrong with one row's loss mask (1 = trained), [] if nothing: the row is split into runs of
+    equal mask, and
+    - every environment run (0) must be exactly one tool-reply block of the template;
+    - a model run (1) holds <|im_end|> only as its last token (both trainers end a turn there; anything
+      after it in the same run was not sampled in that turn);
+    - a model run followed by the environment ended its turn at <|im_end|>, or the block starts with the
+      <|im_end|> that closes a turn cut at a token limit (so a model's own <|im_end|> counted as the
+      environment's is the one leak this check cannot tell apart)."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or loss_mask[i] != loss_mask[start]:
+            runs.append((loss_mask[start], ids[start:i]))
+            start = i
+    problems = []
+    for k, (trained, run) in enumerate(runs):
+        if not trained:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            if not TOOL_BLOCK.fullmatch(text):
+                problems.append(f"environment run {k} is not one tool-reply block: {text[:120]!r}")
+            continue
+        if eos_id in run[:-1]:
+            problems.append(f"model run {k} goes on past its end of turn: "
+                            f"{tokenizer.decode(run[run.index(eos_id):], skip_special_tokens=False)[:120]!r}")
+        if k + 1 < len(runs) and run[-1] != eos_id and runs[k + 1][1][0] != eos_id:
+            problems.append(f"model run {k} is followed by the environment but did not end its turn")
+    return problems
+
+
+class MaskCheck:
+    """Wraps a trainer's `_compute_loss`: every row it trains goes through `mask_problems`."""
+
+    def __init__(self, trainer):
+        self.trainer, self.rows, self.env_runs, self.problems = trainer, 0, 0, []
+        inner = trainer._compute_loss
+
+        def checked(model, inputs):
+            mask = (inputs["completion_mask"] * inputs.get("tool_mask", inputs["completion_mask"])).tolist()
+            for ids, row, length in zip(inputs["completion_ids"].tolist(), mask,
+                                        inputs["completion_mask"].sum(dim=1).tolist()):
+                self.rows += 1
+                self.env_runs += sum(1 for a, b in zip([1] + row[:length], row[:length]) if a == 1 and b == 0)
+                self.problems += mask_problems(trainer.processing_class, ids[:length], row[:length],
+                                               trainer.processing_class.eos_token_id)[:2]
+            return inner(model, inputs)
+
+        trainer._compute_loss = checked
+
+
+class PeakRSS:
+    """Peak resident memory per window ('train' inside optimizer steps, 'eval' otherwise), sampled by a
+    thread every 0.1 s from /proc (ru_maxrss cannot be reset between windows)."""
+
+    def __init__(self):
+        self.window, self.peak = "eval", {"train": 0, "eval": 0}
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while True:
+            self.peak[self.window] = max(self.peak[self.window], self.rss())
+            time.sleep(0.1)
+
+
+def timed(fn, into: list):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+    return wrapper
+
+
+# -- one run: a worker process -------------------------------------------------------------------------
+def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, flags: list[str]) -> None:
+    """Train one trainer for the recipe's steps, writing peer.jsonl in `out`."""
+    from transformers import TrainerCallback
+
+    from mt_grpo_trainer import GracefulStop, build_trainer, get_last_checkpoint
+
+    argv = ["--config", recipe, "--tool_format", "chat_template", "--model_name_or_path", model,
+            "--seed", str(seed), "--output_dir", out, "--save_strategy", "steps", "--save_total_limit", "1",
+            "--advantage_mode", "outcome_only" if trainer_name == "trl" else trainer_name,
+            # the study's outcome rewards, with the format reward of the chat_template protocol (the xml one
+            # would score every call as malformed)
+            "--outcome_reward_funcs", "exact_match_reward_func", "exist_answer_reward_func", "chat_format_reward_func",
+            *flags,
+            "--eval_strategy", "no"]  # evaluation is ours, called below, for both trainers
+    ours = build_trainer(argv, evaluation=True)
+    eval_steps = int(ours.args.eval_steps or 10)
+    ours.args.save_steps = eval_steps
+    trainer = ours if trainer_name != "trl" else trl_trainer(ours, argv)
+    record_path = os.path.join(out, "peer.jsonl")
+    resume = get_last_checkpoint(out) if stopped_early(out) else None
+    done = set()
+    if resume and os.path.isfile(record_path):
+        with open(record_path) as f:
+            done = {r["step"] for r in map(json.loads, f) if r["kind"] == "eval"}
+    rss, mask = PeakRSS(), MaskCheck(trainer)
+    rollout: list[float] = []
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, rollout)
+
+    def write(record: dict) -> None:
+        with open(record_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def evaluate(step: int) -> None:
+        if step in done:
+            return
+        rss.window = "eval"
+        metrics, records = ours.run_evaluation()
+        ours._write_records(f"eval-step-{step:06d}.jsonl", records, folder=out)  # scripts/view_rollouts.py reads them
+        write({"kind": "eval", "step": step, "metrics": metrics})
+        done.add(step)
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            evaluate(state.global_step if resume else 0)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0, rss.window = time.perf_counter(), "train"
+            rollout.clear()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.t0
+            write({"kind": "step", "step": state.global_step, "seconds": seconds, "rollout_seconds": sum(rollout),
+                   "peak_rss_train": rss.peak["train"], "mask_rows": mask.rows, "mask_env_runs": mask.env_runs,
+                   "mask_problems": mask.problems[:5]})
+            rss.window = "eval"
+            if state.global_step % eval_steps == 0 or state.global_step == args.max_steps:
+                evaluate(state.global_step)
+
+    trainer.add_callback(Recorder())
+    if trainer is not ours:
+        trainer.add_callback(GracefulStop(trainer))
+    trainer.train(resume_from_checkpoint=resume)
+    write({"kind": "end", "peak_rss_train": rss.peak["train"], "peak_rss_eval": rss.peak["eval"],
+           "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "mask_rows": mask.rows,
+           "mask_env_runs": mask.env_runs,
+           "mask_problems": mask.problems[:20]})
+    trainer.save_state()  # trainer_state.json at max_steps: `finished`
+
+
+def trl_trainer(ours, argv: list[str]):
+    """TRL's GRPOTrainer on our evaluator's model object, with the recipe's GRPOConfig, our tools, our
+    reward functions as one weighted sum, and our prompts as TRL renders them."""
+    from trl import GRPOTrainer
+
+    from mt_grpo_trainer import parse_args
+
+    script_args, args, _ = parse_args(argv)  # a config of its own: TRL reads and sets fields on it
+    args.max_tool_calling_iterations = script_args.max_env_steps
+    args.reward_weights = [*ours.turn_weights.tolist(), *ours.outcome_weights.tolist()]
+    env = ours.env
+    dataset = ours.train_dataset
+    dataset = dataset.remove_columns("prompt").add_column(
+        "prompt", [env.protocol.template_messages(p) for p in dataset["prompt"]])
+    trainer = GRPOTrainer(model=ours.model, reward_funcs=[*ours.turn_reward_funcs, *ours.outcome_reward_funcs],
+                          args=args, train_dataset=dataset, processing_class=env.tokenizer,
+                          tools=list(env.tools.values()))
+    if trainer.model is not ours.model:
+        raise SystemExit("TRL wrapped the model: our evaluation would not see its weights.")
+    # The same prompt tokens as ours, or the comparison is not of the same task.
+    theirs = trainer._tokenize_prompts([dataset[0]["prompt"]])[0][0]
+    mine = env.render_ids(ours.train_dataset[0]["prompt"], add_generation_prompt=True)
+    if list(theirs) != list(mine):
+        raise SystemExit(f"TRL renders the prompt differently from our env ({len(theirs)} vs {len(mine)} tokens):\n"
+                         f"TRL:  {env.tokenizer.decode(theirs)[-400:]!r}\nours: {env.tokenizer.decode(mine)[-400:]!r}")
+    return trainer
+
+
+# -- the study ---------------------------------------------------------------------------------------
+def command(trainer_name: str, seed: int, path: str, flags: list[str], model: str, recipe: str = RECIPE) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", trainer_name, "--seed", str(seed),
+            "--output_dir", path, "--model", model, "--recipe", recipe, "--", *flags]
+
+
+def read_run(path: str) -> list[dict]:
+    with open(os.path.join(path, "peer.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
+    """(one row per run and evaluation, one row per run)."""
+    evals, runs = [], []
+    for name, seed, path in jobs:
+        records = read_run(path)
+        steps = [r for r in records if r["kind"] == "step"]
+        minutes = {0: 0.0}
+        for r in steps:
+            minutes[r["step"]] = minutes[max(minutes)] + r["seconds"] / 60
+        for r in records:
+            if r["kind"] == "eval":
+                evals.append({"trainer": name, "seed": seed, "step": r["step"], "minutes": minutes.get(r["step"], math.nan),
+                              **{m: r["metrics"].get(f"eval/{m}", math.nan) for m in EVAL_METRICS}})
+        ends = [r for r in records if r["kind"] == "end"]
+        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+        runs.append({"trainer": name, "seed": seed, "steps": len(steps),
+                     "step_s": mean([r["seconds"] for r in steps]),
+                     "rollout_s": mean([r["rollout_seconds"] for r in steps]),
+                     "train_s": mean([r["seconds"] - r["rollout_seconds"] for r in steps]),
+                     "peak_rss_train_gib": max([r["peak_rss_train"] for r in steps], default=0) / 2**30,
+                     "max_rss_gib": max([e["max_rss"] for e in ends], default=math.nan) / 2**30,
+                     "mask_rows": steps[-1]["mask_rows"] if steps else 0,
+                     "mask_env_runs": steps[-1]["mask_env_runs"] if steps else 0,
+                     "mask_problems": len([p for r in steps for p in r["mask_problems"]])})
+    return evals, runs
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def plot(evals: list[dict], path: str, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 8))
+    panels = [("exact_match", "step"), ("first_search_hit", "step"), ("tool_calls_per_episode", "step"),
+              ("exact_match", "minutes")]
+    for ax, (metric, x) in zip(fig.subplots(2, 2).flat, panels):
+        for name in dict.fromkeys(r["trainer"] for r in evals):
+            rows = [r for r in evals if r["trainer"] == name and not math.isnan(r[metric])]
+            by_step: dict[int, list[dict]] = {}
+            for r in rows:
+                by_step.setdefault(r["step"], []).append(r)
+            steps = sorted(by_step)
+            xs = [sum(r[x] for r in by_step[s]) / len(by_step[s]) for s in steps]
+            ys = [[r[metric] for r in by_step[s]] for s in steps]
+            line, = ax.plot(xs, [sum(v) / len(v) for v in ys], marker="o", label=name)
+            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.18,
+                            linewidth=0)
+        ax.set_title(f"eval/{metric}")
+        ax.set_xlabel("optimizer step" if x == "step" else "minutes of training (evaluation excluded)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--parallel", type=int, default=1, help="runs at a time (they share the cores)")
+    ap.add_argument("--runs", default=os.path.join(ROOT, "outputs", "peer_trl"), help="folder of the runs")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "peer_trl"), help="OUT.csv, OUT_steps.csv, OUT.png")
+    ap.add_argument("--model", default=None, help="model folder (default: SmolLM2 with Qwen2.5's template, "
+                    "made in --runs/model)")
+    ap.add_argument("--recipe", default=RECIPE, help="the shared recipe (default: the learning study's)")
+    ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
+    ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
+    ap.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--output_dir", help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    model = args.model or peer_model_dir(os.path.join(args.runs, "model"))
+    if args.worker:
+        return run_one(args.worker, args.seed, args.output_dir, model, args.recipe, flags)
+    jobs = [(name, seed, os.path.join(args.runs, f"{name}-s{seed}")) for seed in args.seeds for name in args.trainers]
+    todo = [j for j in jobs if args.fresh or not finished(j[2])]
+    for _, _, path in todo if args.fresh else []:
+        shutil.rmtree(path, ignore_errors=True)
+    start = time.monotonic()
+    failed = run_all(todo, flags, args.parallel, args.deadline,
+                     command_fn=lambda name, seed, path, f: command(name, seed, path, f, model, args.recipe))
+    evals, runs = collect([j for j in jobs if finished(j[2])])
+    if evals:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        write_csv(evals, args.out + ".csv")
+        write_csv(runs, args.out + "_steps.csv")
+        plot(evals, args.out + ".png", "SmolLM2-135M-Instruct (Qwen2.5 template) on the fictional KB: TRL's tool "
+                                       "loop and ours, mean over seeds")
+        print_table("Evaluation on the test split (mean over seeds)", ["trainer", "step", "minutes", *EVAL_METRICS],
+                    [[t, s, *(sum(r[k] for r in rs) / len(rs) for k in ["minutes", *EVAL_METRICS])]
+                     for (t, s), rs in group(evals, ("trainer", "step")).items()])
+        print_table("Cost per optimizer step (mean over steps)", list(runs[0]), [list(r.values()) for r in runs])
+    print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv, "
+          f"{args.out}_steps.csv and {args.out}.png")
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed; their logs: {[f + '/log.txt' for f in failed]}")
+
+
+def group(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+if __name__ == "__main__":
+    main()
