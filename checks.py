@@ -80,6 +80,12 @@ def check_script_args(args) -> None:
         raise ValueError(f"`max_staleness` is {args.max_staleness}; only 1 is supported: the weights are "
                          "synced between generation batches and never during a request, so one batch "
                          "runs ahead at most.")
+    if args.dynamic_sampling and args.dynamic_sampling_max_rounds < 1:
+        raise ValueError(f"`dynamic_sampling_max_rounds` must be at least 1 with `dynamic_sampling`, got "
+                         f"{args.dynamic_sampling_max_rounds}.")
+    if args.dynamic_sampling and args.async_rollout:
+        raise ValueError("`dynamic_sampling` with `async_rollout`: the replacement groups would be rolled out after "
+                         "the background batch, on other weights; set one of them to false.")
     if not 0.0 <= args.kb_multi_hop <= 1.0:
         raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {args.kb_multi_hop}.")
     if args.save_rollouts_steps < 0:

@@ -129,6 +129,10 @@ class MTGRPOScriptArguments:
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
+    dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
+                                 "questions' groups, up to dynamic_sampling_max_rounds times.")
+    dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
+                                           "groups still without signal then stay (and are masked).")
     # Episode limits
     max_env_steps: int = arg(2, "Environment replies per episode; a tool call after that ends it. Recommended 2-5.")
     max_tokens_per_turn: int = arg(256, "Sampled tokens per model turn, at most (or what the budget leaves).")
@@ -1245,6 +1249,26 @@ def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.
     return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
 
 
+def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, group_size: int, mode: str, turn_advantage_coef: float,
+                       scale_rewards: str = "group", turn_normalization: str = "pooled",
+                       turn_credit_discount: float = 0.0) -> torch.Tensor:
+    """(B // group_size,) True where a group gives some token a non-zero advantage under `mode`: what DAPO's
+    dynamic sampling keeps. The same definition as the loss's masking (`Advantages.informative`)."""
+    no_tokens = torch.zeros(0, 1, dtype=torch.long, device=R_O.device)
+    adv = mt_grpo_advantages(R_T, R_O, no_tokens, group_size, mode, turn_advantage_coef, scale_rewards,
+                             local=slice(0, 0), turn_normalization=turn_normalization,
+                             turn_credit_discount=turn_credit_discount)
+    return adv.informative[::group_size]
+
+
+def resample_questions(num_rows: int, count: int, seed: int, step: int, round_: int) -> list[int]:
+    """Dataset rows of `count` new questions for dynamic sampling: drawn uniformly from a generator seeded by
+    (seed, step, round), so every process draws the same ones without talking (a group may span processes)
+    and a resumed run draws what the uninterrupted run would have."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + round_)
+    return torch.randint(num_rows, (count,), generator=generator).tolist()
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. Loss. TRL's GRPOTrainer._compute_loss is the PPO-clipped objective (with `loss_type`, `beta`,
 # `epsilon`, `num_iterations`), and it accepts (B, T) advantages; its mask is
@@ -1376,15 +1400,51 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         mode = "train" if self.model.training else "eval"
         inputs, episodes, seconds = self._roll_out(inputs, mode)  # 1-2. sync the sampler; multi-turn episodes
+        scores = self._score([x["prompt"] for x in inputs], episodes, inputs)  # 3. rewards of all processes
+        if mode == "train" and self.script_args.dynamic_sampling:  # groups without signal: new questions
+            inputs, episodes, scores, seconds = self._resample_groups(inputs, episodes, scores, seconds)
         prompts = [x["prompt"] for x in inputs]
-        batch = self._tensors(episodes)  # 3. padded ids and masks, old and reference logprobs
-        scores = self._score(prompts, episodes, inputs)  # 4. turn and outcome rewards of all processes
+        batch = self._tensors(episodes)  # 4. padded ids and masks, old and reference logprobs
         adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages; groups without signal masked
         weights = self._correct_for_sampler(batch, mode)  # 6. importance weights of an external sampler
         self._log(mode, prompts, episodes, scores, adv, seconds)  # 7. metrics and the completions table
         self._record_rollout(inputs, episodes, scores, adv, batch, weights)  # 8. rollouts/step-N.jsonl
         batch.pop("token_turns")
         return batch
+
+    def _resample_groups(self, inputs: list[dict], episodes: list[Episode], scores: Scores,
+                         seconds: float) -> tuple[list[dict], list[Episode], Scores, float]:
+        """DAPO's dynamic sampling: each group whose advantages would all be 0 is rolled out again on a new
+        question (the same one on every process that holds part of the group), and the batch is scored again,
+        until every group has signal or `dynamic_sampling_max_rounds` rounds ran. The batch keeps its size, so
+        the step's cost grows by the rounds' rollouts and nothing else changes downstream."""
+        sa, G = self.script_args, self.num_generations
+        B, rank = len(episodes), self.accelerator.process_index
+        replaced = rounds = 0
+        for round_ in range(sa.dynamic_sampling_max_rounds):
+            signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
+                                        self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
+            empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
+            if not empty:
+                break
+            new_rows = dict(zip(empty, resample_questions(len(self.train_dataset), len(empty), self.args.seed,
+                                                          self.state.global_step, round_)))
+            mine = [i for i in range(B) if (rank * B + i) // G in new_rows]
+            new_inputs = [dict(self.train_dataset[new_rows[(rank * B + i) // G]]) for i in mine]
+            # every process rolls out, even with no rows: lock-step generation rounds are collective
+            _, new_episodes, more = self._roll_out(new_inputs, "train")
+            for i, x, ep in zip(mine, new_inputs, new_episodes):
+                inputs[i], episodes[i] = x, ep
+            seconds += more
+            scores = self._score([x["prompt"] for x in inputs], episodes, inputs)
+            replaced, rounds = replaced + len(empty), rounds + 1
+        signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
+                                    self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
+        m = self._metrics["train"]
+        m["dynamic_sampling/groups_replaced"].append(float(replaced))
+        m["dynamic_sampling/rounds"].append(float(rounds))
+        m["dynamic_sampling/groups_with_signal"].append(signal.float().mean().item())
+        return inputs, episodes, scores, seconds
 
     def _progress(self) -> bool:
         return not self.args.disable_tqdm and self.accelerator.is_main_process

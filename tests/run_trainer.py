@@ -38,7 +38,9 @@ def score(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
     with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump({"advantages": batch["advantages"].tolist(), "loss_mask": (batch["completion_mask"] * batch["tool_mask"]).tolist(),
                    "completion_ids": batch["completion_ids"].tolist(), "rounds": backend.rounds,
-                   "generate_calls": backend.policy.calls}, f)
+                   "generate_calls": backend.policy.calls,
+                   "metrics": {k: v for k, v in trainer._metrics["train"].items() if k.startswith("dynamic_sampling/")}},
+                  f)
     return trainer
 
 

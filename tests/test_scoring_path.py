@@ -90,12 +90,15 @@ SIGNAL_SCRIPT = {QA: [[xml_answer(a, "done")] for a in ("Morvane", "Paris, a cit
                  QC: [[xml_answer("gold", "done")]] * 4}  # all four equally wrong: no signal
 
 
-def signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags):
+def signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags, extra_rows: int = 0):
+    """The trainer on QA (a group with signal) and QC (none), with `extra_rows` more copies of QC in the dataset;
+    returns it and the batch of one generation batch: QA's group, then QC's."""
     from mt_grpo_trainer import build_trainer
     from scripted_policy import ScriptedTransformersBackend
 
     data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n" + json.dumps({"question": QC, "answer": "veltrian mark"}) + "\n")
+    data.write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n"
+                    + (json.dumps({"question": QC, "answer": "veltrian mark"}) + "\n") * (1 + extra_rows))
     trainer = build_trainer(
         ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
          "--dataset_name", str(data), "--corpus_path", str(task_files / "corpus.jsonl"),
@@ -161,3 +164,59 @@ def test_the_kl_and_the_metrics_act_on_every_group_whatever_the_masking(tiny_age
     assert m_on == m_off and m_on["kl"] > 0
     assert on - on0 == pytest.approx(off - off0, rel=1e-5) and on - on0 > 0  # the same KL term either way
     assert on0 != pytest.approx(off0)  # the policy term does change with masking
+
+
+# seed 0, step 0: the draws are [0, ...] with 2 rows (found in round 1), [4, 0, 3] with 5 (round 2), [4, 5, 8] with 10
+# (never: the group stays without signal after the rounds allowed)
+@pytest.mark.parametrize("extra_rows", [0, 3, 8])
+def test_dynamic_sampling_replaces_groups_without_signal_by_new_questions(tiny_agent_dir, task_files, tmp_path,
+                                                                       extra_rows):
+    """QC's group has no signal, so each round rolls it out again on a new question drawn from the dataset
+    (resample_questions); it stops at the first draw of QA (row 0) or after the rounds allowed. Computed from the
+    draws themselves, the metrics and the batch then say exactly that."""
+    from mt_grpo_trainer import resample_questions
+
+    rounds_allowed = 3
+    trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--dynamic_sampling", "true",
+                                    "--dynamic_sampling_max_rounds", str(rounds_allowed), extra_rows=extra_rows)
+    draws = [resample_questions(2 + extra_rows, 1, trainer.args.seed, 0, r)[0] for r in range(rounds_allowed)]
+    rounds = next((r + 1 for r, row in enumerate(draws) if row == 0), rounds_allowed)
+    found = 0 in draws
+    m = trainer._metrics["train"]
+    assert m["dynamic_sampling/rounds"] == [rounds] and m["dynamic_sampling/groups_replaced"] == [rounds]
+    assert m["dynamic_sampling/groups_with_signal"] == [1.0 if found else 0.5]
+    # QA's group keeps its advantages; the second group has signal iff it became QA
+    assert batch["advantages"][:4].abs().sum() > 0
+    assert (batch["advantages"][4:].abs().sum() > 0) == found
+    assert batch["informative"].tolist() == [1] * 4 + [int(found)] * 4
+
+
+def test_dynamic_sampling_draws_the_same_questions_everywhere_and_on_resume():
+    from mt_grpo_trainer import resample_questions
+
+    assert resample_questions(100, 5, 1, 7, 0) == resample_questions(100, 5, 1, 7, 0)
+    assert resample_questions(100, 5, 1, 7, 0) != resample_questions(100, 5, 1, 7, 1)
+    assert resample_questions(100, 5, 1, 7, 0) != resample_questions(100, 5, 1, 8, 0)
+    assert all(0 <= r < 100 for r in resample_questions(100, 50, 2, 3, 1))
+
+
+def test_dynamic_sampling_on_two_processes_joins_every_round_and_replaces_only_the_empty_group(
+        tiny_agent_dir, task_files, tmp_path):
+    """Rank 0 holds QA's group (signal), rank 1 a group of QB made to have none: rank 1 rolls out again, rank 0
+    joins the rounds with nothing to roll out, and both see the same rounds (no hang)."""
+    spec = tmp_path / "spec.json"
+    script = {QA: SCRIPT[QA], QB: [[xml_answer("Bob", "same")]] * 4}
+    spec.write_text(json.dumps({"script": script, "rows": [[0], [1]]}))
+    out = tmp_path / "dump"
+    flags = ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
+             "--dataset_name", str(task_files / "data.jsonl"), "--corpus_path", str(task_files / "corpus.jsonl"),
+             "--turn_reward_funcs", "tool_execution_reward_func", "--outcome_reward_funcs", "exact_match_reward_func",
+             "--max_completion_length", "256", "--per_device_train_batch_size", "4",
+             "--dynamic_sampling", "true", "--dynamic_sampling_max_rounds", "2"]
+    run([*launch(2), "tests/run_trainer.py", "score", str(spec), str(out), *flags], tmp_path)
+    rank0, rank1 = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert rank0["metrics"] == rank1["metrics"]
+    rounds = rank0["metrics"]["dynamic_sampling/rounds"][0]
+    assert rank0["metrics"]["dynamic_sampling/groups_replaced"][0] == rounds >= 1
+    # rank 0 generated once (its own group); rank 1 once more per round
+    assert len(rank0["generate_calls"]) == 1 and len(rank1["generate_calls"]) == 1 + rounds

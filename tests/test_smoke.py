@@ -12,6 +12,7 @@ from helpers import RECIPE, changed_parameters, final_metrics, launch, rollout_r
     ("mt_grpo", []),
     ("outcome_only", []),
     ("merged", ["--num_iterations", "2", "--beta", "0.02"]),  # old logprobs, the reference model and KL
+    ("mt_grpo", ["--dynamic_sampling", "true"]),  # DAPO's dynamic sampling: empty groups rolled out again
     ("per_turn", ["--turn_reward_funcs", "tool_execution_per_turn", "answer_in_result_per_turn",
                   "repeated_query_penalty_per_turn", "--max_env_steps", "3", "--turn_credit_discount", "0.5",
                   "--kb_multi_hop", "0.3"]),
@@ -29,6 +30,11 @@ def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, fla
     assert all("clip_ratio/region_mean" in h for h in steps)
     if "--beta" in flags:
         assert all(h["kl"] >= 0 for h in steps)
+    if "--dynamic_sampling" in flags:
+        for h in steps:
+            assert 0 <= h["dynamic_sampling/rounds"] <= 2 and h["dynamic_sampling/groups_replaced"] >= h["dynamic_sampling/rounds"]
+            # the rounds stop early only when every group has signal
+            assert h["dynamic_sampling/rounds"] == 2 or h["dynamic_sampling/groups_with_signal"] == 1.0, h
     assert changed_parameters(tiny_agent_dir, out), "no parameter changed after 2 optimizer steps"
 
 
