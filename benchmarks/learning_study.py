@@ -13,9 +13,10 @@ run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB, s
 24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
 A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
 stopped by --deadline resumes from the checkpoint it saved. Writes OUT.csv (one row per
-run and evaluation), OUT.png (eval exact match, tool success, first-search hit and tool calls per
-episode against step: a line per mode, the mean over seeds, with a band from the lowest to the highest
-seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
+run and evaluation, with the minutes the run had trained by then), OUT.png (eval exact match, tool
+success, first-search hit and tool calls per episode against step, and exact match and first-search hit
+against minutes of training: a line per mode, the mean over seeds, with a band from the lowest to the
+highest seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
 study lands from the committed one (the reproducibility check).
 """
 
@@ -118,6 +119,13 @@ def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, d
     return failed
 
 
+def training_minutes(history: list[dict], step: int) -> float:
+    """Minutes the run trained up to `step`: the sum of TRL's `step_time` (each optimizer step's rollout,
+    forward and backward; the optimizer update, ~1 s here, and evaluation are not in it). NaN without it."""
+    seconds = {h["step"]: h["step_time"] for h in history if "step_time" in h}
+    return sum(v for k, v in seconds.items() if k <= step) / 60 if seconds else float("nan")
+
+
 def collect(jobs: list[tuple[str, int, str]]) -> list[dict]:
     """One row per run and evaluation."""
     rows = []
@@ -125,14 +133,14 @@ def collect(jobs: list[tuple[str, int, str]]) -> list[dict]:
         history = load_log_history(path)
         for step in sorted({h["step"] for h in history if "eval/exact_match" in h}):
             entry = next(h for h in history if h.get("step") == step and "eval/exact_match" in h)
-            rows.append({"mode": mode, "seed": seed, "step": step,
+            rows.append({"mode": mode, "seed": seed, "step": step, "minutes": training_minutes(history, step),
                          **{m: entry.get(m, float("nan")) for m in METRICS}})
     return rows
 
 
 def write_csv(rows: list[dict], path: str) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", *METRICS])
+        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", "minutes", *METRICS])
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
@@ -152,18 +160,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     # tool_success_rate is undefined (left out) at an eval with no tool call: calls per episode and
     # first_search_hit show what the policy does there
-    fig = Figure(figsize=(11, 8))
-    panels = ["eval/exact_match", "eval/tool_success_rate", "eval/first_search_hit", "eval/tool_calls_per_episode"]
-    for ax, metric in zip(fig.subplots(2, 2).flat, panels):
+    fig = Figure(figsize=(11, 12))
+    panels = [(m, "step") for m in ("eval/exact_match", "eval/tool_success_rate", "eval/first_search_hit",
+                                    "eval/tool_calls_per_episode")]
+    panels += [("eval/exact_match", "minutes"), ("eval/first_search_hit", "minutes")]
+    for ax, (metric, x_axis) in zip(fig.subplots(3, 2).flat, panels):
         data = by_mode(rows, metric)
         for mode, steps in data.items():
             xs = sorted(steps)
             mean = [sum(steps[x]) / len(steps[x]) for x in xs]
-            line, = ax.plot(xs, mean, marker="o", label=mode)
-            ax.fill_between(xs, [min(steps[x]) for x in xs], [max(steps[x]) for x in xs], color=line.get_color(),
+            # against time: each evaluation at the mean over seeds of the minutes trained so far
+            at = xs if x_axis == "step" else [mean_minutes(rows, mode, x) for x in xs]
+            line, = ax.plot(at, mean, marker="o", label=mode)
+            ax.fill_between(at, [min(steps[x]) for x in xs], [max(steps[x]) for x in xs], color=line.get_color(),
                             alpha=0.18, linewidth=0)
-        ax.set_title(metric)
-        ax.set_xlabel("optimizer step")
+        ax.set_title(metric + ("" if x_axis == "step" else " against time"))
+        ax.set_xlabel("optimizer step" if x_axis == "step" else "minutes of training steps (evaluation excluded)")
         # rates fit [0, 1]; calls per episode may exceed 1
         top = max([1.0, *(v for steps in data.values() for vs in steps.values() for v in vs)])
         ax.set_ylim(-0.02, top + 0.02)
@@ -175,21 +187,28 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def mean_minutes(rows: list[dict], mode: str, step: int) -> float:
+    values = [r["minutes"] for r in rows if r["mode"] == mode and r["step"] == step and not math.isnan(r["minutes"])]
+    return sum(values) / len(values) if values else float("nan")
+
+
 def summary(rows: list[dict]) -> None:
     table = []
     for metric in METRICS:
         for mode, steps in by_mode(rows, metric).items():
             first, last = 0, max(r["step"] for r in rows if r["mode"] == mode)
             cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "n/a"  # noqa: E731
-            table.append([metric, mode, cell(steps.get(first, [])), f"step {last}: {cell(steps.get(last, []))}"])
+            table.append([metric, mode, cell(steps.get(first, [])), f"step {last}, {mean_minutes(rows, mode, last):.1f} "
+                          f"min: {cell(steps.get(last, []))}"])
     print_table("Evaluation on the test split: mean over seeds (lowest-highest); tool success over seeds that made a call, n/a if none did",
-                ["metric", "mode", "step 0", "last"], table)
+                ["metric", "mode", "step 0", "last (minutes of training: mean over seeds)"], table)
 
 
 def read_csv(path: str) -> list[dict]:
     """Rows as `collect` makes them, from a CSV that `write_csv` wrote."""
     with open(path, newline="") as f:
         return [{"mode": r["mode"], "seed": int(r["seed"]), "step": int(r["step"]),
+                 "minutes": float(r.get("minutes") or "nan"),  # CSVs before the time axis have none
                  **{m: float(r[m]) for m in METRICS}} for r in csv.DictReader(f)]
 
 

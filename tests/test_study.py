@@ -100,3 +100,29 @@ def test_a_run_stopped_at_the_deadline_resumes_and_a_finished_one_is_reused(tmp_
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         json.dump({"global_step": 30, "max_steps": 30, "log_history": []}, f)
     assert finished(path)
+
+
+def test_each_evaluation_carries_the_minutes_trained_before_it(tmp_path):
+    """The time axis: TRL's step_time of every step up to the evaluation's, summed; evaluation time is not in it."""
+    from learning_study import plot
+
+    path = str(tmp_path / "mt_grpo-s1")
+    os.makedirs(path)
+    history = [{"step": 0, **{f"eval/{k}": v for k, v in evaluation(0.0, 0.375).items()}}]
+    history += [{"step": s, "loss": 0.1, "step_time": 60.0 + s} for s in range(1, 11)]
+    history += [{"step": 10, **{f"eval/{k}": v for k, v in evaluation(0.125, 1.0).items()}}]
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"log_history": history}, f)
+    rows = collect([("mt_grpo", 1, path)])
+    assert [r["minutes"] for r in rows] == [0.0, (600 + 55) / 60]
+    write_csv(rows, str(tmp_path / "s.csv"))
+    assert read_csv(str(tmp_path / "s.csv"))[1]["minutes"] == round((600 + 55) / 60, 4)
+    plot(rows, str(tmp_path / "s.png"), "t")
+    assert os.path.getsize(tmp_path / "s.png") > 0
+
+
+def test_a_csv_from_before_the_time_axis_still_reads(tmp_path):
+    path = tmp_path / "old.csv"
+    path.write_text("mode,seed,step," + ",".join(METRICS) + "\nmt_grpo,1,0,0.0,1.0,0.375,0.625,0.375\n")
+    (row,) = read_csv(str(path))
+    assert math.isnan(row["minutes"]) and row["eval/first_search_hit"] == 0.375
