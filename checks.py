@@ -51,6 +51,7 @@ def check_script_args(args) -> None:
     check_choice("weight_sync", WEIGHT_SYNCS)
     check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
     check_choice("tool_format", sorted(PROTOCOLS))
+    check_choice("lora_sync", ("adapter", "merged"))
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
         if weights is not None and len(weights) != len(funcs):
@@ -205,8 +206,15 @@ def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_func
     args.metric_for_best_model = f"eval_{bare}"
 
 
-def check_backend(script_args, model_args, backend: type) -> None:
+def check_backend(script_args, model_args, backend: type, args: GRPOConfig | None = None) -> None:
     """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe."""
+    if model_args.use_peft and backend.external and model_args.lora_dropout > 0 and args is not None \
+            and not args.disable_dropout:
+        # the server samples without dropout; a trainer forward with it scores another policy
+        raise ValueError(f"`lora_dropout` is {model_args.lora_dropout} with `generation_backend: vllm_server`: the "
+                         "trainer's logprobs would carry dropout noise that the server's sampling has not, so on-policy "
+                         "importance weights would not be 1 and the weight-sync probe would fail. Set `lora_dropout: 0` "
+                         "or `disable_dropout: true`.")
     if script_args.async_rollout and not backend.can_submit:
         raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
                          "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
@@ -215,11 +223,11 @@ def check_backend(script_args, model_args, backend: type) -> None:
         raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
                          "come (`generation_backend: vllm_server`); in-process generation runs in "
                          "rounds.")
-    if model_args.use_peft and backend.external:
-        # The weight sync would push adapter-named tensors, which vLLM cannot load (and a failed reload kills it).
-        raise ValueError("`use_peft` with `generation_backend: vllm_server` is not supported yet: the weight "
-                         "sync does not merge adapters. Train full weights, or use `generation_backend: "
-                         "transformers`.")
+    if model_args.use_peft and backend.external and script_args.lora_sync == "merged" \
+            and script_args.weight_sync == "nccl":
+        # the NCCL source walks the PEFT model's parameters, whose names and shapes are not the served model's
+        raise ValueError("`lora_sync: merged` goes through the disk sync: set `weight_sync: disk` (or `auto`), "
+                         "or `lora_sync: adapter`.")
 
 
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:

@@ -129,6 +129,8 @@ class MTGRPOScriptArguments:
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
+    lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
+                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).")
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
                                  "questions' groups, up to dynamic_sampling_max_rounds times.")
     dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
@@ -502,7 +504,8 @@ class VLLMServerClient:
                                                           thread_name_prefix="vllm-http")
         self.wait_for_health(startup_timeout)
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
-        self.model_name = model["id"]
+        self.model_name = model["id"]  # what requests sample; with LoRA adapter sync, the newest adapter's name
+        self.base_model_name = model["id"]
         self.max_model_len = model.get("max_model_len")
         self.check_logprobs_mode()
         score = lambda model, *ids, processed: policy_sampler_logprobs(  # noqa: E731
@@ -527,17 +530,18 @@ class VLLMServerClient:
             "it is still loading."
         )
 
-    def post(self, path: str, body: dict, parse: Callable[[dict], object] = lambda r: r):
+    def post(self, path: str, body: dict, parse: Callable[[dict], object] | None = lambda r: r):
         """POST with bounded retries on connection errors, 5xx, and responses `parse` rejects as
-        retryable (RetryableResponse); 4xx are the caller's bug and raise at once."""
+        retryable (RetryableResponse); 4xx are the caller's bug and raise at once. `parse` None: the
+        response is text (vLLM's LoRA endpoints answer in plain text), returned as is."""
         for attempt in range(self.max_retries + 1):
             try:
                 response = self.http.post(path, json=body)
                 if 400 <= response.status_code < 500:
-                    raise RuntimeError(f"vLLM server rejected {path} ({response.status_code}): "
-                                       f"{response.text[:500]}")
+                    raise ServerRejected(response.status_code, f"vLLM server rejected {path} ({response.status_code}): "
+                                         f"{response.text[:500]}")
                 if response.status_code < 400:
-                    return parse(response.json())
+                    return parse(response.json()) if parse is not None else response.text
                 error = f"status {response.status_code}: {response.text[:300]}"
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 error = f"{type(e).__name__}: {e}"
@@ -657,6 +661,22 @@ class VLLMServerClient:
     def reset_prefix_cache(self) -> None:
         # Cached KV blocks were computed with the old weights; a reload does not drop them.
         self.post("/reset_prefix_cache", {})
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        """Serve the PEFT adapter in `folder` under `name` (vLLM started with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it must see the same filesystem)."""
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(folder)}, parse=None)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.post("/v1/unload_lora_adapter", {"lora_name": name}, parse=None)
+
+
+class ServerRejected(RuntimeError):
+    """A 4xx answer: the request is wrong for this server (not retried). `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class RetryableResponse(Exception):
@@ -1759,7 +1779,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     check_trl()
     check_training_args(script_args, training_args,
                         SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)
-    check_backend(script_args, model_args, BACKENDS[script_args.generation_backend])
+    check_backend(script_args, model_args, BACKENDS[script_args.generation_backend], training_args)
     # Project imports here, not at the top, so that importing this file for its functions stays light.
     from rewards import get_reward_func
     from tasks import load_eval_task, load_task

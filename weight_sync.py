@@ -6,15 +6,22 @@ under the recipe's sampling processing (`sampler_probe_verdict`). A failed check
 `VLLMServerClient` (mt_grpo_trainer.py) owns one `WeightSync` and calls it before each rollout that follows
 an optimizer step; the HTTP calls stay on the client."""
 
+import contextlib
+import logging
 import math
 import os
+import re
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from accelerate.utils import broadcast_object_list
+
+logger = logging.getLogger("mt_grpo")
 
 
 @dataclass
@@ -25,6 +32,8 @@ class WeightSyncConfig:
     nccl_master_address: str = "127.0.0.1"
     nccl_master_port: int = 51216
     probe_tolerance: float = 0.1
+    lora_sync: str = "adapter"  # a PEFT policy: adapter (load it by name) | merged (push merged weights)
+    max_adapters: int = 2  # adapter versions kept loaded on the server (the newest; older ones are unloaded)
 
     @classmethod
     def from_args(cls, script_args, args) -> "WeightSyncConfig":
@@ -34,7 +43,9 @@ class WeightSyncConfig:
             method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
         return cls(method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
                    timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
-                   nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance)
+                   nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance,
+                   lora_sync=script_args.lora_sync,
+                   max_adapters=script_args.max_staleness + 1 if script_args.async_rollout else 1)
 
 
 # The probe conversation: the server must score it like the trainer after every sync
@@ -59,6 +70,8 @@ class WeightSync:
         self._nccl = None
         self._probe_reference: torch.Tensor | None = None  # trainer's probe logprobs at the last verified sync
         self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
+        self.adapters: list[tuple[str, str]] = []  # (name, folder) of the adapter versions loaded, oldest first
+        self._run_tag: str | None = None  # in adapter names: unique to this run
 
     def __call__(self, model, accelerator) -> dict:
         """Give the server the current policy (every rank calls this), then check on a probe sequence
@@ -66,20 +79,74 @@ class WeightSync:
         stops every rank. Returns `sync/...` metrics."""
         t0, cfg = time.perf_counter(), self.config
         unwrapped = accelerator.unwrap_model(model)
-        if cfg.method == "disk":
-            state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
-            if accelerator.is_main_process:
-                save_weights_for_vllm(state_dict, cfg.folder, tied_embedding_name(unwrapped))
-                self.client.reload_weights_from_disk(cfg.folder)
-        else:
+        peft = is_peft_model(unwrapped)
+        metrics = self._sync_adapter(model, unwrapped, accelerator) if peft and cfg.lora_sync == "adapter" else None
+        if metrics is None and cfg.method == "nccl" and not peft:
             self._sync_nccl(unwrapped, accelerator)
+        elif metrics is None:  # disk: full weights, or a LoRA policy merged (by choice, or the adapter path's fallback;
+            # always through disk: the NCCL source walks parameters, and a PEFT model's are not the served model's)
+            # merged: the adapter folded into the base weights while they are saved, then taken out again
+            with merged_adapter(unwrapped) if peft else contextlib.nullcontext():
+                state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
+                state_dict = merged_state_dict(state_dict) if peft else state_dict
+                if accelerator.is_main_process:
+                    save_weights_for_vllm(state_dict, cfg.folder,
+                                          tied_embedding_name(unwrapped.get_base_model() if peft else unwrapped))
+                    self.client.reload_weights_from_disk(cfg.folder)
         accelerator.wait_for_everyone()
         self.syncs += 1
-        metrics = self._check_probe(unwrapped, accelerator)
+        metrics = {**(metrics or {}), **self._check_probe(unwrapped, accelerator)}
         if self.syncs == 1 and self.probe_ids is not None:
             metrics.update(self.check_sampler(unwrapped, accelerator))
         metrics["sync/seconds"] = time.perf_counter() - t0
         return metrics
+
+    def _sync_adapter(self, model, unwrapped, accelerator) -> dict:
+        """LoRA: save only the adapter (safetensors), load it into the server under a new name
+        (`<served model>-lora-v<N>`), and send every later request to that name (on every rank). Versions
+        beyond `max_adapters` are unloaded and their folders removed. The probe then checks that the name
+        serves the trainer's policy with its adapter on."""
+        cfg, version = self.config, self.syncs + 1
+        if self._run_tag is None:  # names unique to this run: a resumed or second run must not collide with
+            # adapters an earlier one left loaded (vLLM refuses a name already loaded)
+            tag = [uuid.uuid4().hex[:8]]
+            self._run_tag = (broadcast_object_list(tag) if accelerator.num_processes > 1 else tag)[0]
+        name = f"{self.client.base_model_name}-lora-{self._run_tag}-v{version}"
+        folder = os.path.join(cfg.folder, f"adapter-v{version}")
+        state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0
+        size = 0
+        error = [None]
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(folder, state_dict=state_dict, selected_adapters=["default"])
+            size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+            try:
+                self.client.load_lora_adapter(name, folder)
+            except (RuntimeError, ConnectionError) as e:
+                # 404: no LoRA routes (runtime updating off); 5xx: LoRA not enabled; other 4xx: this adapter refused
+                unsupported = getattr(e, "status", 500) == 404 or isinstance(e, ConnectionError)
+                error[0] = (str(e), unsupported)
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                self.adapters.append((name, folder))
+                while len(self.adapters) > cfg.max_adapters:
+                    old_name, old_folder = self.adapters.pop(0)
+                    self.client.unload_lora_adapter(old_name)
+                    shutil.rmtree(old_folder, ignore_errors=True)
+        error = broadcast_object_list(error) if accelerator.num_processes > 1 else error
+        if error[0]:
+            message, unsupported = error[0]
+            fix = ("Start vLLM with --enable-lora --max-lora-rank R (at least the recipe's lora_r) --max-loras 2 and "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (launch.sh with LORA=1 does), or set `lora_sync: merged`.")
+            if self.syncs == 0 and unsupported:
+                logger.warning("The vLLM server did not load the LoRA adapter (%s): syncing merged weights instead "
+                               "(lora_sync: merged) for this run. %s", message, fix)
+                cfg.lora_sync = "merged"
+                return None
+            raise RuntimeError(f"Weight sync #{self.syncs + 1} (lora_sync: adapter): the vLLM server did not load "
+                               f"the adapter {name}: {message} {fix} Adapters left loaded by earlier runs take slots: "
+                               f"restart the server, or POST /v1/unload_lora_adapter for each.")
+        self.client.model_name = name  # the same name on every rank: the version count is the same everywhere
+        return {"sync/adapter_mb": size / 2**20}
 
     def _sync_nccl(self, model, accelerator) -> None:
         cfg = self.config
@@ -202,6 +269,38 @@ def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: to
             f"{metrics['sync/sampler_probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
             "server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or serves another "
             "model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."), metrics
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+class merged_adapter:
+    """`with merged_adapter(peft_model):` the active adapter folded into the base weights, and taken out
+    again on exit, so the trainer keeps training unmerged weights."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.merge_adapter()
+
+    def __exit__(self, *exc):
+        self.model.unmerge_adapter()
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A merged PEFT model's state dict in the base model's checkpoint naming, for vLLM: the PeftModel
+    prefix and `.base_layer` go, the LoRA factors (already merged) are dropped, and a `modules_to_save`
+    copy replaces its original."""
+    out = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        key = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
+        out[key] = value
+    return out
 
 
 def tied_embedding_name(model: torch.nn.Module) -> str | None:

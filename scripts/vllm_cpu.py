@@ -19,10 +19,11 @@ VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 class VLLMCPUServer:
     """Dev mode (weight reload, /reset_prefix_cache, /server_info), float32, processed logprobs (those of the
-    distribution it samples from; `logprobs_mode` other than that only for the test that it is refused)."""
+    distribution it samples from; `logprobs_mode` other than that only for the test that it is refused);
+    with `lora_rank`, LoRA adapters of up to that rank loaded at run time."""
 
     def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
-                 logprobs_mode: str = "processed_logprobs"):
+                 logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None):
         if not os.path.exists(VLLM_PYTHON):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
@@ -36,8 +37,12 @@ class VLLMCPUServer:
                "--generation-config", "vllm"]
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        if lora_rank:  # serves LoRA adapters loaded at run time (the trainer's lora_sync: adapter)
+            cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
 
     def __enter__(self) -> "VLLMCPUServer":
         deadline = time.monotonic() + self.startup_timeout

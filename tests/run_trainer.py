@@ -11,6 +11,8 @@ launch` can start it on several processes:
     python tests/run_trainer.py stale <trainer flags>
         trains against the recipe's vLLM server with the weight reload skipped on purpose after the
         first sync (the server keeps the weights it had at the start)
+    python tests/run_trainer.py stale_adapter base|first <trainer flags>
+        LoRA adapter sync whose requests keep naming the base model, or the first adapter version
 """
 
 import json
@@ -77,6 +79,25 @@ def stale(flags: list[str]) -> MTGRPOEnvTrainer:
     return trainer
 
 
+def stale_adapter(kind: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    """LoRA adapter sync whose requests silently keep sampling the base model (`base`, verl #7495) or the
+    first adapter version (`first`, kept loaded on purpose): the probe must stop the run."""
+    trainer = build_trainer(flags)
+    sync = trainer.backend.weights
+    sync.config.max_adapters = 10  # the old versions stay loaded, so that nothing fails loudly
+    inner, names = sync._sync_adapter, []
+
+    def buggy(*args):
+        metrics = inner(*args)
+        names.append(sync.client.model_name)
+        sync.client.model_name = sync.client.base_model_name if kind == "base" else names[0]
+        return metrics
+
+    sync._sync_adapter = buggy
+    trainer.train()
+    return trainer
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "score":
         trainer = score(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -84,6 +105,8 @@ if __name__ == "__main__":
         trainer = evaluate(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "stale":
         trainer = stale(sys.argv[2:])
+    elif sys.argv[1] == "stale_adapter":
+        trainer = stale_adapter(sys.argv[2], sys.argv[3:])
     else:
         raise SystemExit(__doc__)
     end_processes(trainer)  # without it a rank can abort at exit (see end_processes)

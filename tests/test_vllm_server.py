@@ -306,3 +306,64 @@ def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_age
 def test_server_killed_during_a_background_rollout_is_a_clear_error(untied_server, tiny_agent_dir, tmp_path):
     """Runs last in this module: it kills the untied server."""
     kill_server_mid_run(untied_server, tiny_agent_dir, tmp_path, "--async_rollout", "true")
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA: the adapter synced by name, or merged; the probe catches a server serving the base or an old adapter
+# ------------------------------------------------------------------------------------------------
+LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "q_proj", "v_proj",
+        "--lora_dropout", "0", "--learning_rate", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_agent_dir, tmp_path_factory):
+    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm-lora") / "server.log", max_model_len=2048,
+                       lora_rank=8) as server:
+        yield server
+
+
+def served_models(port) -> list[str]:
+    import httpx
+
+    return [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
+
+
+def test_lora_adapter_sync_trains_on_the_served_adapter(lora_server, tiny_agent_dir, tmp_path):
+    """Each sync loads only the adapter under a new name and the rollouts sample it: the probe finds the server's
+    logprobs under that name equal to the trainer's policy with its adapter on, and old versions are unloaded."""
+    steps = train_against(lora_server.port, tiny_agent_dir, tmp_path, *LORA)
+    assert_synced_each_step(steps)
+    assert all(0 < h["sync/adapter_mb"] < 1 for h in steps)
+    served = served_models(lora_server.port)
+    assert served[0] == tiny_agent_dir and len(served) == 2 and served[1].startswith(f"{tiny_agent_dir}-lora-")
+    assert served[1].endswith("-v2")
+    assert not os.path.exists(str(tmp_path / "out" / "weight_sync" / "adapter-v1"))  # unloaded and removed
+
+
+@pytest.mark.parametrize("kind", ["base", "first"])
+def test_a_server_sampling_the_base_or_an_old_adapter_is_caught(lora_server, tiny_agent_dir, tmp_path, kind):
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "tests/run_trainer.py", "stale_adapter", kind, "--config", RECIPE, "--model_name_or_path",
+           tiny_agent_dir, "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+           "--vllm_server_port", str(lora_server.port), "--weight_sync", "disk", "--sync_probe_tolerance", "10",
+           "--max_steps", "4", *LORA]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "stale weights" in log and "RuntimeError: After weight sync #" in log, log[-4000:]
+
+
+def test_lora_merged_sync_and_the_fallback_on_a_server_without_lora(untied_server, tiny_agent_dir, tmp_path):
+    """`lora_sync: merged` pushes the merged weights through the disk sync and keeps the trainer's unmerged; with
+    `adapter` (the default) against a server started without --enable-lora, the run warns and merges instead."""
+    (tmp_path / "merged").mkdir()
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path / "merged", *LORA, "--lora_sync", "merged")
+    assert_synced_each_step(steps)
+    out = str(tmp_path / "fallback" / "out")
+    os.makedirs(os.path.dirname(out))
+    log = run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+               "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+               "--vllm_server_port", str(untied_server.port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
+               *LORA], tmp_path)
+    assert "did not load the LoRA adapter" in log and "syncing merged weights instead" in log
+    assert_synced_each_step([h for h in final_metrics(out) if "loss" in h])
