@@ -13,6 +13,7 @@
 #   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
 #   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml)
 #   PYTHON=python              interpreter with vllm, trl and accelerate installed
+# A LoRA recipe (use_peft: true) also gets the server's LoRA flags (--enable-lora, --max-lora-rank, ...).
 # The server is stopped when training ends, fails, or is interrupted (Ctrl-C).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,11 +45,30 @@ VLLM_DEVICES=$(seq -s, "$TRAIN_GPUS" $((NUM_GPUS - 1)))
 MODEL=$(awk -F': *' '/^model_name_or_path:/ {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//')
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
 
-VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1
+# LoRA (use_peft: true in the recipe, or --use_peft true among the flags): the server loads each synced
+# adapter at run time (lora_sync: adapter), of rank up to lora_r (TRL's default 16) rounded up to a rank
+# vLLM accepts; two versions loaded at once (async_rollout keeps the previous one until its batch ends).
+recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
+flag_value() { local key=$1; shift; local prev=""; for a in "$@"; do [ "$prev" = "--$key" ] && echo "$a"; prev=$a; done; }
+USE_PEFT=$(flag_value use_peft "$@"); USE_PEFT=${USE_PEFT:-$(recipe_value use_peft)}
+LORA_ENV=() LORA_ARGS=()
+if [ "$USE_PEFT" = "true" ]; then
+  LORA_R=$(flag_value lora_r "$@"); LORA_R=${LORA_R:-$(recipe_value lora_r)}; LORA_R=${LORA_R:-16}
+  MAX_LORA_RANK=""
+  for r in 1 8 16 32 64 128 256 320 512; do
+    if [ "$r" -ge "$LORA_R" ]; then MAX_LORA_RANK=$r; break; fi
+  done
+  [ -n "$MAX_LORA_RANK" ] || { echo "launch.sh: lora_r $LORA_R is above 512, the largest rank vLLM serves" >&2; exit 2; }
+  LORA_ENV=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
+  LORA_ARGS=(--enable-lora --max-lora-rank "$MAX_LORA_RANK" --max-loras 2)
+fi
+
+VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
   "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
   --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
   --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
-  --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}')
+  --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
+  "${LORA_ARGS[@]}")
 TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_processes "$TRAIN_GPUS"
   mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server

@@ -136,7 +136,7 @@ class WeightSync:
         if error[0]:
             message, unsupported = error[0]
             fix = ("Start vLLM with --enable-lora --max-lora-rank R (at least the recipe's lora_r) --max-loras 2 and "
-                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (launch.sh with LORA=1 does), or set `lora_sync: merged`.")
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (launch.sh does for a recipe with use_peft: true), or set `lora_sync: merged`.")
             if self.syncs == 0 and unsupported:
                 logger.warning("The vLLM server did not load the LoRA adapter (%s): syncing merged weights instead "
                                "(lora_sync: merged) for this run. %s", message, fix)

@@ -366,6 +366,7 @@ def test_two_steps_train_with_chat_template_tool_calls(chat_template_agent_dir, 
 
 @pytest.mark.parametrize("recipe, chat_template_kwargs", [
     ("hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml", None),
+    ("hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml", None),
     ("hf_recipes/Qwen/Qwen3-8B/mt_grpo.yaml", {"enable_thinking": False}),
 ])
 def test_launch_dry_run_trains_the_recipe_with_chat_template(recipe, chat_template_kwargs):

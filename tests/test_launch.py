@@ -46,3 +46,29 @@ def test_default_is_eight_gpus_and_zero3():
 def test_bad_settings_fail_clearly(args, env, message):
     out = dry_run(*args, **env)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_a_lora_recipe_gets_the_servers_lora_flags():
+    """use_peft in the recipe (or among the flags): vLLM loads adapters at run time, of rank up to lora_r rounded
+    up to one vLLM serves; a full-weight recipe gets none of it."""
+    lora = dry_run("hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml")
+    assert lora.returncode == 0, lora.stderr
+    server = lora.stdout.splitlines()[0]
+    assert " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True " in server
+    assert server.endswith("--enable-lora --max-lora-rank 64 --max-loras 2 &")
+    flags = dry_run(RECIPE, "--use_peft", "true", "--lora_r", "40").stdout.splitlines()[0]
+    assert "--max-lora-rank 64" in flags  # 40 rounded up
+    plain = dry_run(RECIPE).stdout.splitlines()[0]
+    assert "lora" not in plain.lower()
+    assert dry_run(RECIPE, "--use_peft", "true", "--lora_r", "1024").returncode == 2
+
+
+def test_the_lora_recipe_parses_to_an_adapter_without_dropout():
+    from trl import ModelConfig, TrlParser
+
+    from mt_grpo_trainer import MTGRPOScriptArguments
+
+    script_args, model_args, rest = TrlParser((MTGRPOScriptArguments, ModelConfig)).parse_args_and_config(
+        ["--config", "hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml"], return_remaining_strings=True)
+    assert model_args.use_peft and model_args.lora_r == 64 and model_args.lora_dropout == 0.0
+    assert script_args.lora_sync == "adapter" and script_args.generation_backend == "vllm_server"
