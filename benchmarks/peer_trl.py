@@ -26,9 +26,10 @@ at step 0 and every `eval_steps`; each optimizer step's seconds, split into roll
 rewards and advantages: `_generate_and_score_completions`) and training (the rest); peak RSS during
 training steps (sampled every 0.1 s) and over the run; and the mask check: every trained row's loss mask
 is split into runs, and each environment run (mask 0) must decode to exactly one template tool-reply
-block, and each model run (mask 1) that precedes one must end at <|im_end|>. Writes OUT.csv (one row per
-run and evaluation, with minutes of training so far), OUT_steps.csv (one row per run: mean step, rollout
-and training seconds, peak RSS, rows checked, mask problems) and OUT.png, and prints both tables.
+block, and each model run (mask 1) that precedes one must end at <|im_end|>. Writes OUT.csv and OUT.png as
+the learning study does (the trainer in the `mode` column; the plot against steps and against minutes of
+training), OUT_steps.csv (one row per run: mean step, rollout and training seconds, peak RSS, rows checked,
+mask problems), and prints both tables.
 """
 
 import argparse
@@ -43,12 +44,12 @@ import sys
 import threading
 import time
 
+import learning_study as study
 from common import ROOT, SMOLLM2, print_table
 from learning_study import finished, run_all, stopped_early
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 TRAINERS = ("trl", "mt_grpo", "outcome_only")
-EVAL_METRICS = ["exact_match", "first_search_hit", "tool_calls_per_episode", "tool_success_rate", "answered_ratio"]
 # One template tool-reply block of Qwen2.5's template (what follows a model turn that ended at <|im_end|>):
 # the tool messages in one user turn, then the next generation prompt. A turn cut at a token limit gets
 # its <|im_end|> from the environment, so that may lead the block.
@@ -270,10 +271,10 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
         minutes = {0: 0.0}
         for r in steps:
             minutes[r["step"]] = minutes[max(minutes)] + r["seconds"] / 60
-        for r in records:
+        for r in records:  # rows as the learning study writes them, with the trainer as the mode
             if r["kind"] == "eval":
-                evals.append({"trainer": name, "seed": seed, "step": r["step"], "minutes": minutes.get(r["step"], math.nan),
-                              **{m: r["metrics"].get(f"eval/{m}", math.nan) for m in EVAL_METRICS}})
+                evals.append({"mode": name, "seed": seed, "step": r["step"], "minutes": minutes.get(r["step"], math.nan),
+                              **{m: r["metrics"].get(m, math.nan) for m in study.METRICS}})
         ends = [r for r in records if r["kind"] == "end"]
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
         runs.append({"trainer": name, "seed": seed, "steps": len(steps),
@@ -288,40 +289,12 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
     return evals, runs
 
 
-def write_csv(rows: list[dict], path: str) -> None:
+def write_steps_csv(rows: list[dict], path: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
-
-
-def plot(evals: list[dict], path: str, title: str) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 8))
-    panels = [("exact_match", "step"), ("first_search_hit", "step"), ("tool_calls_per_episode", "step"),
-              ("exact_match", "minutes")]
-    for ax, (metric, x) in zip(fig.subplots(2, 2).flat, panels):
-        for name in dict.fromkeys(r["trainer"] for r in evals):
-            rows = [r for r in evals if r["trainer"] == name and not math.isnan(r[metric])]
-            by_step: dict[int, list[dict]] = {}
-            for r in rows:
-                by_step.setdefault(r["step"], []).append(r)
-            steps = sorted(by_step)
-            xs = [sum(r[x] for r in by_step[s]) / len(by_step[s]) for s in steps]
-            ys = [[r[metric] for r in by_step[s]] for s in steps]
-            line, = ax.plot(xs, [sum(v) / len(v) for v in ys], marker="o", label=name)
-            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.18,
-                            linewidth=0)
-        ax.set_title(f"eval/{metric}")
-        ax.set_xlabel("optimizer step" if x == "step" else "minutes of training (evaluation excluded)")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main():
@@ -355,25 +328,17 @@ def main():
     evals, runs = collect([j for j in jobs if finished(j[2])])
     if evals:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        write_csv(evals, args.out + ".csv")
-        write_csv(runs, args.out + "_steps.csv")
-        plot(evals, args.out + ".png", "SmolLM2-135M-Instruct (Qwen2.5 template) on the fictional KB: TRL's tool "
-                                       "loop and ours, mean over seeds")
-        print_table("Evaluation on the test split (mean over seeds)", ["trainer", "step", "minutes", *EVAL_METRICS],
-                    [[t, s, *(sum(r[k] for r in rs) / len(rs) for k in ["minutes", *EVAL_METRICS])]
-                     for (t, s), rs in group(evals, ("trainer", "step")).items()])
+        study.write_csv(evals, args.out + ".csv")
+        write_steps_csv(runs, args.out + "_steps.csv")
+        study.plot(evals, args.out + ".png", "SmolLM2-135M-Instruct (Qwen2.5 template) on the fictional KB: TRL's "
+                                             "tool loop and ours, mean over seeds")
+        study.summary(evals)
         print_table("Cost per optimizer step (mean over steps)", list(runs[0]), [list(r.values()) for r in runs])
     print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv, "
           f"{args.out}_steps.csv and {args.out}.png")
     if failed:
         raise SystemExit(f"{len(failed)} runs failed; their logs: {[f + '/log.txt' for f in failed]}")
 
-
-def group(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
-    out: dict[tuple, list[dict]] = {}
-    for r in rows:
-        out.setdefault(tuple(r[k] for k in keys), []).append(r)
-    return out
 
 
 if __name__ == "__main__":

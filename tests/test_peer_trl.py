@@ -72,6 +72,7 @@ def test_one_step_of_each_trainer_is_measured_and_its_masks_checked(trainer, cha
     assert records[-1]["peak_rss_train"] > 0 and os.path.isfile(os.path.join(out, "eval-step-000001.jsonl"))
     evals, runs = collect([(trainer, 1, out)])
     assert [e["step"] for e in evals] == [0, 1] and evals[0]["minutes"] == 0 < evals[1]["minutes"]
+    assert evals[0]["mode"] == trainer and "eval/exact_match" in evals[0]
     assert runs[0]["steps"] == 1 and runs[0]["mask_problems"] == 0
 
 
