@@ -85,6 +85,10 @@ class WeightSync:
             self._sync_nccl(unwrapped, accelerator)
         elif metrics is None:  # disk: full weights, or a LoRA policy merged (by choice, or the adapter path's fallback;
             # always through disk: the NCCL source walks parameters, and a PEFT model's are not the served model's)
+            if peft and any(hasattr(p, "ds_id") for p in unwrapped.parameters()):
+                raise RuntimeError("lora_sync: merged under ZeRO-3: the adapter cannot be merged into sharded base "
+                                   "weights. Use `lora_sync: adapter` with a server started with --enable-lora "
+                                   "(launch.sh does for a recipe with use_peft: true), or ZeRO-2.")
             # merged: the adapter folded into the base weights while they are saved, then taken out again
             with merged_adapter(unwrapped) if peft else contextlib.nullcontext():
                 state_dict = accelerator.get_state_dict(model)  # every rank: under ZeRO-3 this gathers to rank 0

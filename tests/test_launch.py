@@ -63,12 +63,14 @@ def test_a_lora_recipe_gets_the_servers_lora_flags():
     assert dry_run(RECIPE, "--use_peft", "true", "--lora_r", "1024").returncode == 2
 
 
-def test_the_lora_recipe_parses_to_an_adapter_without_dropout():
+@pytest.mark.parametrize("recipe", ["hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml",
+                                    "hf_recipes/Qwen/Qwen3-8B/mt_grpo_lora.yaml"])
+def test_the_lora_recipes_parse_to_an_adapter_without_dropout(recipe):
     from trl import ModelConfig, TrlParser
 
     from mt_grpo_trainer import MTGRPOScriptArguments
 
     script_args, model_args, rest = TrlParser((MTGRPOScriptArguments, ModelConfig)).parse_args_and_config(
-        ["--config", "hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml"], return_remaining_strings=True)
+        ["--config", recipe], return_remaining_strings=True)
     assert model_args.use_peft and model_args.lora_r == 64 and model_args.lora_dropout == 0.0
     assert script_args.lora_sync == "adapter" and script_args.generation_backend == "vllm_server"

@@ -340,6 +340,17 @@ def test_lora_adapter_sync_trains_on_the_served_adapter(lora_server, tiny_agent_
     assert not os.path.exists(str(tmp_path / "out" / "weight_sync" / "adapter-v1"))  # unloaded and removed
 
 
+def test_lora_with_async_rollout_samples_each_batch_on_one_adapter_version(lora_server, tiny_agent_dir, tmp_path):
+    """async_rollout: batch b+1 is sampled on the adapter synced before it while step b trains; syncs happen only
+    between batches, so no batch spans two versions, and the probe passes at every sync. Two versions stay loaded."""
+    steps = train_against(lora_server.port, tiny_agent_dir, tmp_path, *LORA, "--async_rollout", "true", "--max_steps", "3")
+    assert [h["rollout/staleness"] for h in steps] == [0.0, 1.0, 1.0]
+    assert all(h["sync/probe_max_abs_logprob_diff"] <= 1e-3 and h["sync/adapter_mb"] > 0 for h in steps)
+    ours = [m for m in served_models(lora_server.port) if "-lora-" in m]
+    run_tag = ours[-1].rsplit("-v", 1)[0]
+    assert sorted(m.rsplit("-v", 1)[1] for m in ours if m.startswith(run_tag)) == ["2", "3"]
+
+
 @pytest.mark.parametrize("kind", ["base", "first"])
 def test_a_server_sampling_the_base_or_an_old_adapter_is_caught(lora_server, tiny_agent_dir, tmp_path, kind):
     out = str(tmp_path / "out")
