@@ -197,7 +197,8 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
 
     class Recorder(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            evaluate(state.global_step if resume else 0)
+            if not resume:  # a resumed run evaluated step 0 before it stopped
+                evaluate(0)
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0, rss.window = time.perf_counter(), "train"
@@ -232,6 +233,7 @@ def trl_trainer(ours, argv: list[str]):
 
     script_args, args, _ = parse_args(argv)  # a config of its own: TRL reads and sets fields on it
     args.max_tool_calling_iterations = script_args.max_env_steps
+    args.save_steps = ours.args.save_steps  # a checkpoint at each evaluation, to resume from, as ours
     args.reward_weights = [*ours.turn_weights.tolist(), *ours.outcome_weights.tolist()]
     env = ours.env
     dataset = ours.train_dataset
