@@ -298,16 +298,6 @@ def test_the_sampling_probe_passes_a_processed_server(untied_server, tiny_agent_
     assert metrics["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
 
 
-def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
-    """Runs after every test of the tied server: it kills it."""
-    kill_server_mid_run(tied_server, tied_agent_dir, tmp_path)
-
-
-def test_server_killed_during_a_background_rollout_is_a_clear_error(untied_server, tiny_agent_dir, tmp_path):
-    """Runs last in this module: it kills the untied server."""
-    kill_server_mid_run(untied_server, tiny_agent_dir, tmp_path, "--async_rollout", "true")
-
-
 # ------------------------------------------------------------------------------------------------
 # LoRA: the adapter synced by name, or merged; the probe catches a server serving the base or an old adapter
 # ------------------------------------------------------------------------------------------------
@@ -378,3 +368,14 @@ def test_lora_merged_sync_and_the_fallback_on_a_server_without_lora(untied_serve
                *LORA], tmp_path)
     assert "did not load the LoRA adapter" in log and "syncing merged weights instead" in log
     assert_synced_each_step([h for h in final_metrics(out) if "loss" in h])
+
+
+# the last tests of the module: each kills its server
+def test_server_killed_mid_run_is_a_clear_error_not_a_hang(tied_server, tied_agent_dir, tmp_path):
+    """Runs after every test of the tied server: it kills it."""
+    kill_server_mid_run(tied_server, tied_agent_dir, tmp_path)
+
+
+def test_server_killed_during_a_background_rollout_is_a_clear_error(untied_server, tiny_agent_dir, tmp_path):
+    """Runs last in this module: it kills the untied server."""
+    kill_server_mid_run(untied_server, tiny_agent_dir, tmp_path, "--async_rollout", "true")
