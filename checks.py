@@ -206,10 +206,9 @@ def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_func
     args.metric_for_best_model = f"eval_{bare}"
 
 
-def check_backend(script_args, model_args, backend: type, args: GRPOConfig | None = None) -> None:
+def check_backend(script_args, model_args, backend: type, args: GRPOConfig) -> None:
     """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe."""
-    if model_args.use_peft and backend.external and model_args.lora_dropout > 0 and args is not None \
-            and not args.disable_dropout:
+    if model_args.use_peft and backend.external and model_args.lora_dropout > 0 and not args.disable_dropout:
         # the server samples without dropout; a trainer forward with it scores another policy
         raise ValueError(f"`lora_dropout` is {model_args.lora_dropout} with `generation_backend: vllm_server`: the "
                          "trainer's logprobs would carry dropout noise that the server's sampling has not, so on-policy "

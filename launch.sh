@@ -42,13 +42,13 @@ if [ "$TRAIN_GPUS" -lt 1 ]; then
 fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
 VLLM_DEVICES=$(seq -s, "$TRAIN_GPUS" $((NUM_GPUS - 1)))
-MODEL=$(awk -F': *' '/^model_name_or_path:/ {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//')
+recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
+MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
 
 # LoRA (use_peft: true in the recipe, or --use_peft true among the flags): the server loads each synced
 # adapter at run time (lora_sync: adapter), of rank up to lora_r (TRL's default 16) rounded up to a rank
 # vLLM accepts; two versions loaded at once (async_rollout keeps the previous one until its batch ends).
-recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
 flag_value() { local key=$1; shift; local prev=""; for a in "$@"; do [ "$prev" = "--$key" ] && echo "$a"; prev=$a; done; }
 USE_PEFT=$(flag_value use_peft "$@"); USE_PEFT=${USE_PEFT:-$(recipe_value use_peft)}
 LORA_ENV=() LORA_ARGS=()
@@ -82,7 +82,7 @@ show() {  # print a command so that it can be pasted into a shell
   echo "${out[*]}"
 }
 if [ "$DRY_RUN" = 1 ]; then
-  TOOL_FORMAT=$(awk -F': *' '/^tool_format:/ {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//')
+  TOOL_FORMAT=$(recipe_value tool_format)
   echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands
   echo "$(show "${VLLM_CMD[@]}") &"
   echo "# wait for http://127.0.0.1:$VLLM_PORT/health (at most ${VLLM_HEALTH_TIMEOUT}s), then:"

@@ -1440,12 +1440,12 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         the step's cost grows by the rounds' rollouts and nothing else changes downstream."""
         sa, G = self.script_args, self.num_generations
         B, rank = len(episodes), self.accelerator.process_index
-        replaced = rounds = 0
-        for round_ in range(sa.dynamic_sampling_max_rounds):
+        replaced = 0
+        for round_ in range(sa.dynamic_sampling_max_rounds + 1):  # the last pass only judges the final batch
             signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
                                         self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
             empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
-            if not empty:
+            if not empty or round_ == sa.dynamic_sampling_max_rounds:
                 break
             new_rows = dict(zip(empty, resample_questions(len(self.train_dataset), len(empty), self.args.seed,
                                                           self.state.global_step, round_)))
@@ -1457,12 +1457,10 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
                 inputs[i], episodes[i] = x, ep
             seconds += more
             scores = self._score([x["prompt"] for x in inputs], episodes, inputs)
-            replaced, rounds = replaced + len(empty), rounds + 1
-        signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
-                                    self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
+            replaced += len(empty)
         m = self._metrics["train"]
         m["dynamic_sampling/groups_replaced"].append(float(replaced))
-        m["dynamic_sampling/rounds"].append(float(rounds))
+        m["dynamic_sampling/rounds"].append(float(round_))  # rounds that rolled out replacements
         m["dynamic_sampling/groups_with_signal"].append(signal.float().mean().item())
         return inputs, episodes, scores, seconds
 

@@ -107,7 +107,7 @@ class WeightSync:
 
     def _sync_adapter(self, model, unwrapped, accelerator) -> dict:
         """LoRA: save only the adapter (safetensors), load it into the server under a new name
-        (`<served model>-lora-v<N>`), and send every later request to that name (on every rank). Versions
+        (`<served model>-lora-<run tag>-v<N>`), and send every later request to that name (on every rank). Versions
         beyond `max_adapters` are unloaded and their folders removed. The probe then checks that the name
         serves the trainer's policy with its adapter on."""
         cfg, version = self.config, self.syncs + 1
@@ -279,18 +279,15 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-class merged_adapter:
+@contextlib.contextmanager
+def merged_adapter(model):
     """`with merged_adapter(peft_model):` the active adapter folded into the base weights, and taken out
     again on exit, so the trainer keeps training unmerged weights."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.model.merge_adapter()
-
-    def __exit__(self, *exc):
-        self.model.unmerge_adapter()
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
 
 
 def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
