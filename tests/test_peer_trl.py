@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import yaml
 from helpers import RECIPE, ROOT, VELTRIA, make_chat_template_agent, run, template_call
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -113,3 +114,36 @@ def test_trls_tool_loop_leaves_exactly_the_tool_replies_out_of_the_loss_here(cha
         assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"] and "Morvane" in messages[1]["content"]
         assert mask_problems(tok, list(ids), list(mask), tok.eos_token_id) == []
         assert sum(1 for a, b in zip([1] + list(mask), mask) if a == 1 and b == 0) == 1
+
+
+def test_the_warm_start_teaches_only_the_call_turn_and_is_made_once(chat_template_agent_dir, tmp_path):
+    from peer_trl import call_example, warm_start
+    from safetensors.torch import load_file
+
+    from mt_grpo_trainer import build_trainer
+
+    env = build_trainer(["--config", RECIPE, "--tool_format", "chat_template", "--model_name_or_path",
+                         chat_template_agent_dir, "--output_dir", str(tmp_path / "x")]).env
+    prompt = env.prompt("Who founded Veltria?")
+    ids, labels = call_example(env, prompt)
+    taught = [i for i, label in zip(ids, labels) if label != -100]
+    assert ids[: len(ids) - len(taught)] == env.render_ids(prompt, add_generation_prompt=True)
+    assert env.tokenizer.decode(taught) == (
+        '<tool_call>\n{"name": "search", "arguments": {"query": "Who founded Veltria?"}}\n</tool_call><|im_end|>\n')
+
+    out = str(tmp_path / "warm")
+    with open(RECIPE) as f:  # the tiny recipe with short episodes, and the 32 held-out questions and 2 more
+        config = {**yaml.safe_load(f), "max_completion_length": 48, "max_samples": 34}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    assert warm_start(out, chat_template_agent_dir, str(recipe), demos=2) == out
+    with open(os.path.join(out, "warm_start.json")) as f:
+        record = json.load(f)
+    assert record["demos"] == 2 and set(record["after"]) == {
+        "eval/tool_calls_per_episode", "eval/first_search_hit", "eval/exact_match", "eval/answered_ratio"}
+    before, after = load_file(os.path.join(chat_template_agent_dir, "model.safetensors")), load_file(
+        os.path.join(out, "model.safetensors"))
+    assert any(not (before[k] == after[k]).all() for k in before)
+    made = os.path.getmtime(os.path.join(out, "model.safetensors"))
+    warm_start(out, chat_template_agent_dir, str(recipe), demos=2)  # made once
+    assert os.path.getmtime(os.path.join(out, "model.safetensors")) == made
