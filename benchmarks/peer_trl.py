@@ -36,6 +36,7 @@ mask problems), and prints both tables.
 
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -276,6 +277,21 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
     trainer.save_state()  # trainer_state.json at max_steps: `finished`
 
 
+def cut_as_ours(env, tool):
+    """`tool` whose output is cut to the recipe's `max_tool_response_tokens`, as our env cuts it, so that both
+    trainers' models see the same results. TRL passes a tool's whole output on, and drops a result that
+    would pass `max_completion_length` (the episode then ends at the call, unanswered): with the study's
+    3 whole search results that happened to most of TRL's episodes (measured: completions of 36-40 tokens,
+    the call alone, in 2 of each 3 steps). The same name, docstring and signature, so TRL's schema and
+    prompt stay the same (the prompt-equality check below would stop the run otherwise)."""
+
+    @functools.wraps(tool)
+    def cut(*args, **kwargs):
+        return env.truncate_tool_output(str(tool(*args, **kwargs)))
+
+    return cut
+
+
 def trl_trainer(ours, argv: list[str]):
     """TRL's GRPOTrainer on our evaluator's model object, with the recipe's GRPOConfig, our tools, our
     reward functions as one weighted sum, and our prompts as TRL renders them."""
@@ -293,7 +309,7 @@ def trl_trainer(ours, argv: list[str]):
         "prompt", [env.protocol.template_messages(p) for p in dataset["prompt"]])
     trainer = GRPOTrainer(model=ours.model, reward_funcs=[*ours.turn_reward_funcs, *ours.outcome_reward_funcs],
                           args=args, train_dataset=dataset, processing_class=env.tokenizer,
-                          tools=list(env.tools.values()))
+                          tools=[cut_as_ours(env, tool) for tool in env.tools.values()])
     if trainer.model is not ours.model:
         raise SystemExit("TRL wrapped the model: our evaluation would not see its weights.")
     # The same prompt tokens as ours, or the comparison is not of the same task.

@@ -147,3 +147,27 @@ def test_the_warm_start_teaches_only_the_call_turn_and_is_made_once(chat_templat
     made = os.path.getmtime(os.path.join(out, "model.safetensors"))
     warm_start(out, chat_template_agent_dir, str(recipe), demos=2)  # made once
     assert os.path.getmtime(os.path.join(out, "model.safetensors")) == made
+
+
+def test_trl_gets_the_tool_output_cut_as_our_env_cuts_it():
+    """TRL passes a whole output on (and drops a result that overflows the completion), ours cuts it to
+    `max_tool_response_tokens`: the benchmark gives TRL the cut output, with the tool's schema unchanged."""
+    from peer_trl import cut_as_ours
+    from transformers.utils import get_json_schema
+
+    class Env:
+        def truncate_tool_output(self, text: str) -> str:
+            return text[:5] + "[cut]"
+
+    def search(query: str, num_results: int = 3) -> str:
+        """Search the knowledge base.
+
+        Args:
+            query: what to look for
+            num_results: how many documents
+        """
+        return query * num_results
+
+    cut = cut_as_ours(Env(), search)
+    assert cut(query="abcdefgh") == "abcde[cut]" and cut("xy", num_results=1) == "xy[cut]"
+    assert get_json_schema(cut) == get_json_schema(search)
