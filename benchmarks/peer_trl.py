@@ -381,6 +381,7 @@ def main():
                     "call turn of this many training-split episodes (made once in --runs/warm-N); 0: the untrained "
                     "model, which makes no tool call under this template")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
+    ap.add_argument("--report", action="store_true", help="run nothing: write the outputs from the runs that finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
     ap.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -394,7 +395,7 @@ def main():
     if args.worker:
         return run_one(args.worker, args.seed, args.output_dir, model, args.recipe, flags)
     jobs = [(name, seed, os.path.join(args.runs, f"{name}-s{seed}")) for seed in args.seeds for name in args.trainers]
-    todo = [j for j in jobs if args.fresh or not finished(j[2])]
+    todo = [] if args.report else [j for j in jobs if args.fresh or not finished(j[2])]
     for _, _, path in todo if args.fresh else []:
         shutil.rmtree(path, ignore_errors=True)
     start = time.monotonic()
