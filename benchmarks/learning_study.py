@@ -155,7 +155,7 @@ def by_mode(rows: list[dict], metric: str) -> dict[str, dict[int, list[float]]]:
     return out
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str):
     from matplotlib.figure import Figure
 
     # tool_success_rate is undefined (left out) at an eval with no tool call: calls per episode and
@@ -171,6 +171,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             mean = [sum(steps[x]) / len(steps[x]) for x in xs]
             # against time: each evaluation at the mean over seeds of the minutes trained so far
             at = xs if x_axis == "step" else [mean_minutes(rows, mode, x) for x in xs]
+            if all(math.isnan(a) for a in at):  # runs from before the time axis: no minutes to place them at
+                continue
             line, = ax.plot(at, mean, marker="o", label=mode)
             ax.fill_between(at, [min(steps[x]) for x in xs], [max(steps[x]) for x in xs], color=line.get_color(),
                             alpha=0.18, linewidth=0)
@@ -185,6 +187,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def mean_minutes(rows: list[dict], mode: str, step: int) -> float:

@@ -121,6 +121,21 @@ def test_each_evaluation_carries_the_minutes_trained_before_it(tmp_path):
     assert os.path.getsize(tmp_path / "s.png") > 0
 
 
+def test_runs_without_minutes_are_left_out_of_the_time_panels(tmp_path):
+    """An older CSV's runs (minutes NaN) keep their step panels but draw no line against time."""
+    from learning_study import plot
+
+    rows = [{"mode": mode, "seed": 1, "step": step, "minutes": minutes,
+             **{f"eval/{k}": v for k, v in evaluation(0.0, 0.5).items()}}
+            for mode, minutes_at in (("outcome_only", {0: math.nan, 10: math.nan}), ("mt_grpo", {0: 0.0, 10: 11.0}))
+            for step, minutes in minutes_at.items()]
+    axes = plot(rows, str(tmp_path / "s.png"), "t").axes
+    assert [line.get_label() for line in axes[0].lines] == ["outcome_only", "mt_grpo"]  # exact match per step
+    for ax in axes[4:]:  # exact match and first-search hit against minutes
+        assert [line.get_label() for line in ax.lines] == ["mt_grpo"]
+        assert list(ax.lines[0].get_xdata()) == [0.0, 11.0]
+
+
 def test_a_csv_from_before_the_time_axis_still_reads(tmp_path):
     path = tmp_path / "old.csv"
     path.write_text("mode,seed,step," + ",".join(METRICS) + "\nmt_grpo,1,0,0.0,1.0,0.375,0.625,0.375\n")
