@@ -21,6 +21,8 @@ list with one value per tool turn (`[]` for an episode without one), for a turn-
 Outcome rewards judge the final answer and the format of every turn:
     exact_match_reward_func          1.0 if the final answer equals an alias             {0, 1.0}
     exist_answer_reward_func         0.5 if the final answer contains an alias           {0, 0.5}
+    grounded_answer_reward_func      0.25 if the final answer is a short span of a search  {0, 0.25}
+                                     result that the question does not contain (no gold needed)
     format_reward_func               xml protocol: 0.2 * mean per-turn format score      [0, 0.2]
     chat_format_reward_func          chat_template protocol: 0.2 * mean per-turn score   [0, 0.2]
 
@@ -39,7 +41,7 @@ import string
 
 from protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
 from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_turn,
-                                  tool_turns, visible_text)
+                                  role, tool_turns, visible_text)
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -171,6 +173,39 @@ def exist_answer_reward_func(prompts, completions, answer, **kwargs) -> list[flo
     return rewards
 
 
+# A grounded answer is a fact, not a passage: at most this many words (the fictional KB's answers have 1 to 3)
+GROUNDED_MAX_WORDS = 4
+
+
+def _question(prompt, question) -> str:
+    """The question: the dataset's `question` column, else the prompt's last user message."""
+    if question is not None:
+        return str(question)
+    users = [m for m in prompt if role(m) == "user"] if isinstance(prompt, list) else []
+    return content(users[-1]) if users else str(prompt or "")
+
+
+def grounded_answer_reward_func(prompts, completions, question=None, **kwargs) -> list[float]:
+    """0.25 if the final `<answer>` (1 to GROUNDED_MAX_WORDS words after normalisation) appears, whole
+    words, in a successful tool result of the episode and not in the question; else 0.0.
+
+    It needs no gold answer: it pays for copying a fact out of the evidence, the step a small model
+    misses once it has learned to search (docs/results.md, the ablation of issue 22), and leaves it to
+    the exact-match reward to say which fact. Not in the question: every result names the question's
+    entity, and answering with it would otherwise earn the reward. Short: a copied passage is not an
+    answer. Worth a quarter of an exact match, so a wrong fact copied from the result stays far below
+    the right one."""
+    questions = question if question is not None else [None] * len(completions)
+    rewards = []
+    for prompt, completion, q in zip(prompts, completions, questions):
+        final = normalize_answer(completion_answer(completion) or "")
+        results = [normalize_answer(content(t)) for _, tools in tool_turns(completion) for t in tools if not failed(t)]
+        grounded = (0 < len(final.split()) <= GROUNDED_MAX_WORDS and any(_contains(r, final) for r in results)
+                    and not _contains(normalize_answer(_question(prompt, q)), final))
+        rewards.append(0.25 if grounded else 0.0)
+    return rewards
+
+
 def _calls_parsed(message: dict, tools: list[dict]) -> bool:
     """The turn made tool calls and every one of them parsed (none answered as malformed)."""
     return bool(calls(message)) and not any(malformed(t) for t in tools)
@@ -224,4 +259,5 @@ def chat_format_reward_func(prompts, completions, **kwargs) -> list[float]:
 
 TURN_REWARD_FUNCS = [tool_execution_reward_func, exist_answer_in_search_results, tool_execution_per_turn,
                      answer_in_result_per_turn, repeated_query_penalty_per_turn]
-OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, format_reward_func, chat_format_reward_func]
+OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, grounded_answer_reward_func, format_reward_func,
+                        chat_format_reward_func]

@@ -17,6 +17,7 @@ from rewards.triviaqa_reward import (
     exist_answer_in_search_results,
     exist_answer_reward_func,
     format_reward_func,
+    grounded_answer_reward_func,
     normalize_answer,
     repeated_query_penalty_per_turn,
     tool_execution_per_turn,
@@ -185,10 +186,43 @@ def test_whole_table_as_one_batch_gives_the_same_values_and_ignores_unknown_colu
 
 @pytest.mark.parametrize("fn, high", [(tool_execution_reward_func, 0.2), (exist_answer_in_search_results, 0.5),
                                       (exact_match_reward_func, 1.0), (exist_answer_reward_func, 0.5),
+                                      (grounded_answer_reward_func, 0.25),
                                       (format_reward_func, 0.2), (chat_format_reward_func, 0.2)])
 def test_rewards_stay_within_their_documented_range(fn, high):
     got = fn(prompts=[PROMPT] * len(CASES), completions=[c[1] for c in CASES], answer=[c[2] for c in CASES])
     assert all(0.0 <= v <= high for v in got)
+
+
+GROUNDED_CASES = [  # (id, completion, expected) for the question "What is the capital of Veltria?"
+    ("the_right_fact_copied", [SEARCH, tool(FOUND), answer_turn("Morvane")], 0.25),
+    ("a_wrong_fact_copied_still_earns_it", [SEARCH, tool(FOUND), answer_turn("The north.")], 0.25),
+    ("copied_from_the_second_result", [SEARCH, tool(NOT_FOUND), SEARCH, tool(FOUND), answer_turn("morvane")], 0.25),
+    ("invented", [SEARCH, tool(FOUND), answer_turn("Paris")], 0.0),
+    ("the_questions_own_entity", [SEARCH, tool(FOUND), answer_turn("Veltria")], 0.0),
+    ("a_passage_is_not_an_answer", [SEARCH, tool(FOUND), answer_turn("Veltria is a country in the north")], 0.0),
+    ("part_of_a_word", [SEARCH, tool(FOUND), answer_turn("Morv")], 0.0),
+    ("no_search", [answer_turn("Morvane")], 0.0),
+    ("only_in_an_error_message", [search(name="Morvane"), tool(error_text("unknown tool 'Morvane'"), name="Morvane"),
+                                  answer_turn("Morvane")], 0.0),
+    ("no_answer", [SEARCH, tool(FOUND)], 0.0),
+    ("empty_answer", [SEARCH, tool(FOUND), answer_turn("  ")], 0.0),
+    ("empty_completion", [], 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, expected", [c[1:] for c in GROUNDED_CASES], ids=[c[0] for c in GROUNDED_CASES])
+def test_grounded_answer_pays_for_a_short_fact_copied_from_a_result_that_the_question_does_not_name(completion,
+                                                                                                    expected):
+    question = PROMPT[-1]["content"]
+    assert grounded_answer_reward_func(prompts=[PROMPT], completions=[completion], question=[question]) == [expected]
+    # without the dataset's question column, the prompt's last user message is the question
+    assert grounded_answer_reward_func(prompts=[PROMPT], completions=[completion], answer=["x"]) == [expected]
+
+
+def test_grounded_answer_needs_no_gold_and_is_registered_for_recipes():
+    completions = [c[1] for c in GROUNDED_CASES]
+    got = get_reward_func("grounded_answer_reward_func")(prompts=[PROMPT] * len(completions), completions=completions)
+    assert got == [c[2] for c in GROUNDED_CASES] and all(type(v) is float for v in got)
 
 
 @pytest.mark.parametrize("fn, perfect", [

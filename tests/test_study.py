@@ -141,3 +141,44 @@ def test_a_csv_from_before_the_time_axis_still_reads(tmp_path):
     path.write_text("mode,seed,step," + ",".join(METRICS) + "\nmt_grpo,1,0,0.0,1.0,0.375,0.625,0.375\n")
     (row,) = read_csv(str(path))
     assert math.isnan(row["minutes"]) and row["eval/first_search_hit"] == 0.375
+
+
+def test_the_ablation_reads_each_levers_run_and_its_training_statistics(tmp_path):
+    """benchmarks/ablation.py: a lever is the study's MT-GRPO command plus its flags, and its row holds the
+    evaluations, the minutes before each, and what the training log says (signal, exact answers, redraws)."""
+    from ablation import LEVERS, lever_command, rows_of, table
+
+    path = str(tmp_path / "dynamic_sampling-s1")
+    cmd = lever_command("dynamic_sampling", 1, path, ["--max_steps", "20"])
+    assert cmd[cmd.index("--advantage_mode") + 1] == "mt_grpo"
+    assert cmd[-4:] == LEVERS["dynamic_sampling"][0] + ["--max_steps", "20"]
+    os.makedirs(path)
+    history = [{"step": 0, **{f"eval/{k}": v for k, v in evaluation(0.0, 0.375).items()}}]
+    history += [{"step": s, "loss": 0.1, "step_time": 60.0, "rewards/frac_zero_signal_groups": float(s == 2),
+                 "rewards/outcome/exact_match_reward_func": 0.125 * (s == 4),
+                 "dynamic_sampling/groups_replaced": float(s == 3)} for s in range(1, 5)]
+    history += [{"step": 4, **{f"eval/{k}": v for k, v in evaluation(0.25, 1.0).items()}}]
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"log_history": history}, f)
+    rows = rows_of("dynamic_sampling", 1, path)
+    assert [(r["step"], r["minutes"], r["eval/exact_match"]) for r in rows] == [(0, 0.0, 0.0), (4, 4.0, 0.25)]
+    assert rows[1]["run/steps"] == 4 and rows[1]["run/seconds_per_step"] == 60.0
+    assert rows[1]["run/zero_signal_share"] == 0.25 and rows[1]["run/train_exact_match"] == 0.125 / 4
+    assert rows[1]["run/groups_replaced"] == 1.0
+    (row,) = table(rows)
+    assert row[:3] == ["dynamic_sampling", "--dynamic_sampling true", 4]
+    assert row[5:8] == ["0/4", "0.000 / 0.250", "0.500 / 0.500"] and row[-1] == 1
+
+
+def test_every_levers_command_is_a_recipe_the_trainer_parses():
+    """A lever's flags are trainer fields with valid values: a typo would cost a 45-minute run its start."""
+    from ablation import LEVERS, lever_command
+
+    from mt_grpo_trainer import parse_args
+
+    for lever, (flags, _) in LEVERS.items():
+        cmd = lever_command(lever, 1, "outputs/x", [])
+        script_args, training_args, _ = parse_args(cmd[2:])
+        assert training_args.max_steps == 30 and script_args.advantage_mode == "mt_grpo", lever
+        if lever == "grounded_answer":
+            assert "grounded_answer_reward_func" in script_args.outcome_reward_funcs
