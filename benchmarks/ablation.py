@@ -119,7 +119,8 @@ def main():
         path = reused.get(lever) or os.path.join(args.runs, f"{lever}-s{args.seed}")
         if lever not in reused and (args.fresh or not (finished(path) or stopped_early(path))):
             shutil.rmtree(path, ignore_errors=True)
-            failed += run_all([(lever, args.seed, path)], flags, 1, args.budget * 60, command_fn=lever_command)
+            failed += run_all([(lever, args.seed, path)], flags, 1, None, command_fn=lever_command,
+                              budget=args.budget * 60)
         if path not in failed:
             rows += rows_of(lever, args.seed, path)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

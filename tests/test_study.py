@@ -87,7 +87,7 @@ def test_an_earlier_csv_keeps_the_runs_this_study_did_not_make(tmp_path):
 
 
 def test_a_run_stopped_at_the_deadline_resumes_and_a_finished_one_is_reused(tmp_path):
-    from learning_study import command, finished
+    from learning_study import command, done, finished
 
     path = str(tmp_path / "mt_grpo-s1")
     assert not finished(path) and "--resume_from_checkpoint" not in command("mt_grpo", 1, path, [])
@@ -95,6 +95,7 @@ def test_a_run_stopped_at_the_deadline_resumes_and_a_finished_one_is_reused(tmp_
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         json.dump({"global_step": 12, "max_steps": 30, "log_history": []}, f)
     assert not finished(path)
+    assert not done(path, budgeted=False) and done(path, budgeted=True)  # under --budget it stopped at its budget
     assert command("mt_grpo", 1, path, ["--kb_multi_hop", "0.5"])[-4:] == [
         "--kb_multi_hop", "0.5", "--resume_from_checkpoint", "last"]
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
@@ -182,3 +183,23 @@ def test_every_levers_command_is_a_recipe_the_trainer_parses():
         assert training_args.max_steps == 30 and script_args.advantage_mode == "mt_grpo", lever
         if lever == "grounded_answer":
             assert "grounded_answer_reward_func" in script_args.outcome_reward_funcs
+
+
+def test_a_budget_stops_each_run_at_its_own_time_and_the_next_one_starts(tmp_path):
+    """`--budget`: every run gets SIGTERM once it is older than the budget, and the next run then starts
+    (a study-wide --deadline would start no new run). Each fake run records that it started and that the
+    signal stopped it; the driver reads a clean exit as done."""
+    from learning_study import run_all
+
+    fake = ("import os, signal, sys, time\n"
+            "open(os.path.join(sys.argv[1], 'started'), 'w').close()\n"
+            "def stop(*_):\n"
+            "    open(os.path.join(sys.argv[1], 'stopped'), 'w').close(); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "time.sleep(120)\n")
+    jobs = [("mt_grpo", seed, str(tmp_path / f"mt_grpo-s{seed}")) for seed in (1, 2)]
+    failed = run_all(jobs, [], 1, None, command_fn=lambda mode, seed, path, flags: [sys.executable, "-c", fake, path],
+                     budget=1.0)
+    assert failed == []
+    for _, _, path in jobs:
+        assert os.path.exists(os.path.join(path, "started")) and os.path.exists(os.path.join(path, "stopped"))
