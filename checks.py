@@ -62,6 +62,8 @@ def check_script_args(args) -> None:
     if (args.advantage_mode != "outcome_only" and not args.outcome_reward_funcs
             and not args.turn_reward_funcs):
         raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
+    if args.max_train_minutes is not None and not args.max_train_minutes > 0:
+        raise ValueError(f"`max_train_minutes` must be > 0 (or unset for no limit), got {args.max_train_minutes}.")
     if not 0.0 <= args.turn_credit_discount <= 1.0:
         raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {args.turn_credit_discount}.")
     if (not args.turn_reward_funcs and args.advantage_mode in ("mt_grpo", "per_turn")

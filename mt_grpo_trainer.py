@@ -69,7 +69,7 @@ from async_rollout import AsyncRollouts, PromptStream, first_generation, generat
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
 from protocol import Protocol, StopStringMatcher, ToolCall, end_of_turn_ids, get_protocol, tool_call_message
-from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TrainerReports, _nanmean,
+from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TimeBudget, TrainerReports, _nanmean,
                        episode_records, eval_metrics)
 from tools import ToolResult, run_tool_calls
 from weight_sync import PROBE, WeightSync, WeightSyncConfig, policy_prompt_logprobs
@@ -109,6 +109,8 @@ class MTGRPOScriptArguments:
     eval_dataset_split: str | None = arg(None, "Split to evaluate on (None: the task's held-out one); never the "
                                          "training split.")
     eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).")
+    max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
+                                          "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
     save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
                                    "for scripts/view_rollouts.py (0: off).")
     tools: list[str] = arg(["search"], "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn`.")
@@ -1832,6 +1834,8 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
         eval_metric_funcs={n: get_reward_func(f) for n, f in (eval_task or task).eval_metrics.items()},
     )
     trainer.add_callback(GracefulStop(trainer))
+    if script_args.max_train_minutes is not None:
+        trainer.add_callback(TimeBudget(trainer, script_args.max_train_minutes))
     # the console gets StepPrinter's one line per step, not transformers' dump of every metric
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:

@@ -1,5 +1,5 @@
 """What a run reports: rollout and eval metrics, episode records (scripts/view_rollouts.py reads them),
-the console (a progress bar of the rollout, one line per step) and the SIGTERM stop. Episodes are read by
+the console (a progress bar of the rollout, one line per step), the SIGTERM stop and the time budget. Episodes are read by
 their attributes (mt_grpo_trainer.Episode); nothing here changes what is trained."""
 
 import dataclasses
@@ -9,10 +9,11 @@ import math
 import os
 import signal
 import sys
+import time
 from typing import Callable
 
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
@@ -186,6 +187,29 @@ class GracefulStop(TrainerCallback):
         flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
         if self.trainer.accelerator.reduce(flag, reduction="max").item() > 0:
             logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class TimeBudget(TrainerCallback):
+    """`max_train_minutes`: after the first optimizer step that ends past the budget (wall time from the
+    start of training, the first evaluation included), evaluate there if evaluation is on, save a
+    checkpoint and stop. Time-to-accuracy comparisons then have a measured point at the budget rather
+    than at the last `eval_steps` before it. Rank 0's clock decides for every rank (a broadcast scalar),
+    so all stop at the same step. A resumed run gets the whole budget again."""
+
+    def __init__(self, trainer, minutes: float):
+        self.trainer, self.seconds, self.start = trainer, minutes * 60, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = torch.tensor([float(time.monotonic() - self.start > self.seconds)], device=self.trainer.accelerator.device)
+        if broadcast(over, from_process=0).item() > 0:
+            logger.warning("max_train_minutes=%g reached: evaluating, saving a checkpoint at step %d and stopping.",
+                           self.seconds / 60, state.global_step)
+            control.should_evaluate = args.eval_strategy != "no"
             control.should_save = True
             control.should_training_stop = True
 

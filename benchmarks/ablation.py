@@ -2,8 +2,10 @@
 
 Every lever is the study recipe (hf_recipes/SmolLM2-135M-Instruct/study.yaml, `advantage_mode: mt_grpo`)
 plus the few flags in LEVERS, run one at a time with the same wall-clock budget (`--budget` minutes,
-evaluations included): a run still going then finishes its step, saves a checkpoint and stops, so a
-lever that makes steps dearer shows it as fewer steps. Compare levers at the same evaluation step (what
+evaluations included; the trainer's `max_train_minutes`): a run still going then finishes its step,
+is evaluated there, saves a checkpoint and stops, so a lever that makes steps dearer shows it as fewer
+steps. (The first five levers' runs in docs/ablation_runs were stopped by SIGTERM at the budget, before
+this: their last evaluation is the last multiple of 10 steps they reached.) Compare levers at the same evaluation step (what
 the lever does to learning) and at the budget (what it buys per minute).
 
     .venv/bin/python benchmarks/ablation.py --levers dynamic_sampling lr_5e-5       # 45 min each
@@ -24,7 +26,7 @@ import shutil
 import sys
 
 from common import print_table
-from learning_study import METRICS, command, finished, run_all, stopped_early, training_minutes
+from learning_study import METRICS, budget_flags, command, finished, run_all, stopped_early, training_minutes
 
 from plot_runs import load_log_history
 
@@ -102,7 +104,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--budget", type=float, default=45.0, help="minutes of wall time per run, evaluations included")
+    ap.add_argument("--budget", type=float, default=45.0, help="minutes of wall time per run, evaluations "
+                    "included (the trainer's max_train_minutes: it evaluates where it stops)")
     ap.add_argument("--runs", default="outputs/ablation", help="folder of the runs")
     ap.add_argument("--out", default="outputs/ablation/ablation", help="OUT.csv")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished or stopped at the budget")
@@ -119,8 +122,8 @@ def main():
         path = reused.get(lever) or os.path.join(args.runs, f"{lever}-s{args.seed}")
         if lever not in reused and (args.fresh or not (finished(path) or stopped_early(path))):
             shutil.rmtree(path, ignore_errors=True)
-            failed += run_all([(lever, args.seed, path)], flags, 1, None, command_fn=lever_command,
-                              budget=args.budget * 60)
+            failed += run_all([(lever, args.seed, path)], flags + budget_flags(args.budget), 1, None,
+                              command_fn=lever_command)
         if path not in failed:
             rows += rows_of(lever, args.seed, path)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -13,7 +13,8 @@ run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB, s
 24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
 A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
 stopped by --deadline resumes from the checkpoint it saved. `--budget MIN` gives every run the same wall
-time (time to accuracy, issue 22): a run then stops after its step, and is done, not resumed. Writes OUT.csv (one row per
+time (time to accuracy, issue 22) through the trainer's `max_train_minutes`: a run evaluates at the step
+that passes it, saves and stops, and is then done, not resumed. Writes OUT.csv (one row per
 run and evaluation, with the minutes the run had trained by then), OUT.png (eval exact match, tool
 success, first-search hit and tool calls per episode against step, and exact match and first-search hit
 against minutes of training: a line per mode, the mean over seeds, with a band from the lowest to the
@@ -69,6 +70,12 @@ def stopped_early(path: str) -> bool:
     return any(name.startswith("checkpoint-") for name in os.listdir(path)) if os.path.isdir(path) else False
 
 
+def budget_flags(minutes: float | None) -> list[str]:
+    """The trainer's own time budget (`max_train_minutes`): it evaluates at the step that passes it, saves
+    and stops, so every run gets the same wall time and a measured point at its end."""
+    return [] if minutes is None else ["--max_train_minutes", f"{minutes:g}"]
+
+
 def done(path: str, budgeted: bool) -> bool:
     """Whether a run needs no more training: it finished, or, under a per-run budget, it stopped at it."""
     return finished(path) or (budgeted and stopped_early(path))
@@ -93,16 +100,14 @@ def launch(mode: str, seed: int, path: str, flags: list[str], threads: int,
 
 
 def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, deadline: float | None,
-            stagger: float = 0.0, command_fn: Callable = command, budget: float | None = None) -> list[str]:
+            stagger: float = 0.0, command_fn: Callable = command) -> list[str]:
     """Keep `parallel` runs going; the machine's cores are split between them (OpenMP threads that
     outnumber the cores spin and slow everything down). At `deadline` (seconds from now) the runs in
-    flight get SIGTERM: each finishes its step, saves its state and stops; no new run starts. A run
-    older than `budget` seconds gets the same SIGTERM, and the next run starts: every run gets the same
-    wall time. Starts are `stagger` seconds apart (GPU contexts created at once can fail).
-    `command_fn(mode, seed, path, flags)` makes a run's command (benchmarks/peer_trl.py runs its own
-    workers). Returns the failed runs."""
+    flight get SIGTERM: each finishes its step, saves its state and stops; no new run starts. Starts
+    are `stagger` seconds apart (GPU contexts created at once can fail). `command_fn(mode, seed, path, flags)`
+    makes a run's command (benchmarks/peer_trl.py runs its own workers). Returns the failed runs."""
     threads = max(1, (os.cpu_count() or 1) // parallel)
-    pending, running, failed, stopped = list(jobs), [], [], set()
+    pending, running, failed = list(jobs), [], []
     stop_at = time.monotonic() + deadline if deadline else math.inf
     while pending or running:
         if time.monotonic() > stop_at:
@@ -111,10 +116,6 @@ def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, d
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             stop_at = math.inf
-        for *_, start, proc in running:
-            if budget and time.monotonic() - start > budget and proc.pid not in stopped and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # once: a second SIGTERM would not stop it sooner
-                stopped.add(proc.pid)
         while pending and len(running) < parallel:
             mode, seed, path = pending.pop(0)
             print(f"start {mode} seed {seed} -> {path}", flush=True)
@@ -265,8 +266,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "learning_study"), help="OUT.csv and OUT.png")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
-    ap.add_argument("--budget", type=float, help="minutes of wall time per run, evaluations included; then the run "
-                    "stops after its step, and it counts as done (it is not resumed when the study runs again)")
+    ap.add_argument("--budget", type=float, help="minutes of wall time per run (max_train_minutes): the run then "
+                    "evaluates, saves and stops after its step, and counts as done (it is not resumed)")
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between run starts")
     ap.add_argument("--compare", metavar="CSV", help="an earlier study's CSV: print the differences, row by row")
     ap.add_argument("--include", metavar="CSV", help="an earlier study's CSV: its runs (mode and seed) that are not "
@@ -281,8 +282,7 @@ def main():
         for _, _, path in todo:
             shutil.rmtree(path, ignore_errors=True)
     start = time.monotonic()
-    failed = run_all(todo, flags, args.parallel, args.deadline, args.stagger,
-                     budget=args.budget * 60 if args.budget is not None else None)
+    failed = run_all(todo, flags + budget_flags(args.budget), args.parallel, args.deadline, args.stagger)
     rows = collect([j for j in jobs if done(j[2], budgeted) and j[2] not in failed])
     if args.include:
         rows = with_earlier_runs(rows, read_csv(args.include))

@@ -49,6 +49,7 @@ CASES = [
     ("", ["--dynamic_sampling", "true", "--dynamic_sampling_max_rounds", "0"], ValueError,
      "`dynamic_sampling_max_rounds` must be at least 1"),
     ("", ["--dynamic_sampling", "true", "--async_rollout", "true"], ValueError, "`dynamic_sampling` with `async_rollout`"),
+    ("", ["--max_train_minutes", "0"], ValueError, "`max_train_minutes` must be > 0 (or unset for no limit), got 0.0"),
     ("", ["--rollout_scheduler", "per_episode"], ValueError, "`rollout_scheduler: per_episode` needs a server"),
     ("", ["--tool_format", "json"], ValueError, "`tool_format` is 'json'; choose one of"),
     ("", ["--metric_for_best_model", "reward"], ValueError, "`metric_for_best_model` is 'reward', which evaluation does not log"),
@@ -139,3 +140,17 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(tiny_agent_dir,
         assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], abs=1e-5)
     a, b = load_file(os.path.join(ref, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_time_budget_evaluates_saves_and_stops_at_the_step_that_passes_it(tiny_agent_dir, tmp_path):
+    """`max_train_minutes`: the run stops after the first step past the budget (here the first step, the
+    budget being 0.6 s), with an evaluation at that step, not only at step 0, and a checkpoint there."""
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--max_steps", "4", "--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "10",
+         "--eval_max_samples", "2", "--max_train_minutes", "0.01", "--output_dir", out], tmp_path)
+    history = final_metrics(out)
+    trained = [h["step"] for h in history if "loss" in h]
+    evaluated = [h["step"] for h in history if "eval/exact_match" in h]
+    assert trained == [1] and evaluated == [0, 1]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-1"]

@@ -3,6 +3,8 @@ Also the same on 2 CPU processes (torchrun, gloo), where ranks' episodes take di
 turns. (`accelerate launch --cpu --num_processes 2` starts a single process: torchrun is the launcher
 that really starts two.)"""
 
+import os
+
 import pytest
 
 from helpers import RECIPE, changed_parameters, final_metrics, launch, rollout_records, run, smoke_run
@@ -50,6 +52,17 @@ def test_two_processes(tiny_agent_dir, tmp_path):
     # episodes ended after different numbers of turns (a mean that is not a whole number)
     assert any(h["rollout/turns_per_episode"] % 1 for h in steps), [h["rollout/turns_per_episode"] for h in steps]
     assert changed_parameters(tiny_agent_dir, out)
+
+
+def test_two_processes_stop_together_at_the_time_budget(tiny_agent_dir, tmp_path):
+    """`max_train_minutes` on 2 ranks: rank 0's clock decides, so both stop after the same step (a rank
+    that went on alone would hang in the next collective) and the run exits 0 with one checkpoint."""
+    out = str(tmp_path / "out")
+    run([*launch(2), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--output_dir", out, "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_strategy", "no",
+         "--max_train_minutes", "0.001"], tmp_path)
+    assert [h["step"] for h in final_metrics(out) if "loss" in h] == [1]
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-1"]
 
 
 def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):

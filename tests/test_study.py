@@ -185,21 +185,17 @@ def test_every_levers_command_is_a_recipe_the_trainer_parses():
             assert "grounded_answer_reward_func" in script_args.outcome_reward_funcs
 
 
-def test_a_budget_stops_each_run_at_its_own_time_and_the_next_one_starts(tmp_path):
-    """`--budget`: every run gets SIGTERM once it is older than the budget, and the next run then starts
-    (a study-wide --deadline would start no new run). Each fake run records that it started and that the
-    signal stopped it; the driver reads a clean exit as done."""
-    from learning_study import run_all
 
-    fake = ("import os, signal, sys, time\n"
-            "open(os.path.join(sys.argv[1], 'started'), 'w').close()\n"
-            "def stop(*_):\n"
-            "    open(os.path.join(sys.argv[1], 'stopped'), 'w').close(); sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, stop)\n"
-            "time.sleep(120)\n")
-    jobs = [("mt_grpo", seed, str(tmp_path / f"mt_grpo-s{seed}")) for seed in (1, 2)]
-    failed = run_all(jobs, [], 1, None, command_fn=lambda mode, seed, path, flags: [sys.executable, "-c", fake, path],
-                     budget=1.0)
-    assert failed == []
-    for _, _, path in jobs:
-        assert os.path.exists(os.path.join(path, "started")) and os.path.exists(os.path.join(path, "stopped"))
+def test_a_budget_is_the_trainers_own_time_budget_in_every_run():
+    """`--budget MIN` (the study and the ablation) becomes the trainer's `max_train_minutes` in each run's
+    command; tests/test_reliability.py checks that the trainer then evaluates, saves and stops."""
+    from ablation import lever_command
+    from learning_study import budget_flags, command
+
+    from mt_grpo_trainer import parse_args
+
+    assert budget_flags(None) == []
+    for cmd in (command("outcome_only", 2, "outputs/x", budget_flags(45)),
+                lever_command("grounded_answer", 1, "outputs/x", budget_flags(45))):
+        script_args, _, _ = parse_args(cmd[2:])
+        assert script_args.max_train_minutes == 45.0
