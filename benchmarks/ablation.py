@@ -44,6 +44,9 @@ LEVERS = {
                         "0.25 for an answer copied from the result: a signal for copying in every group, "
                         "not only the rare one with an exact answer"),
 }
+LEVERS["one_document"] = (["--tools", "tools.search:make_search_top1_tool"],
+                          "`search` returns one document unless asked for more: the model copied the next "
+                          "document's facts (docs/results.md)")
 # the two levers that helped alone in seed 1 (docs/results.md), together: the copy signal, at half the rollouts
 LEVERS["grounded_ni2"] = (LEVERS["grounded_answer"][0] + LEVERS["num_iterations_2"][0],
                           "grounded_answer and num_iterations_2 together")

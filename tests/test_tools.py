@@ -63,6 +63,16 @@ def test_search_is_a_function_named_search_with_a_documented_signature():
     assert "Args:" in doc and "query:" in doc and "num_results:" in doc
 
 
+def test_search_top1_is_search_with_one_document_by_default():
+    """`tools: [tools.search:make_search_top1_tool]`: the model sees and calls the same `search`, whose
+    default is one document; it can still ask for more."""
+    (search,) = build_tools(["tools.search:make_search_top1_tool"], CORPUS)
+    assert search.__name__ == "search"
+    assert str(inspect.signature(search)) == "(query: str, num_results: int = 1) -> str"
+    assert search("Kalosh") == KALOSH and search("Kalosh", num_results=3) == f"{KALOSH}\n\n{RUSK}"
+    assert make_search_tool(CORPUS)("Kalosh") == f"{KALOSH}\n\n{RUSK}"  # `search` keeps its default of 3
+
+
 @pytest.mark.parametrize("query, num_results, message", [
     ("", 3, "search: the query is empty"),
     ("   ", 3, "search: the query is empty"),

@@ -56,9 +56,21 @@ class BM25Search:
 def make_search_tool(corpus: list[dict]) -> Callable[..., str]:
     """The `search` tool over `corpus`: a function named `search` whose signature and docstring the
     trainer renders into the system prompt. A corpus tool: `build_tools` passes the task's corpus."""
+    return _search_tool(corpus, default_results=3)
+
+
+@corpus_tool
+def make_search_top1_tool(corpus: list[dict]) -> Callable[..., str]:
+    """The same `search`, returning one document unless the call asks for more (`tools:
+    [tools.search:make_search_top1_tool]`). A 135M model copies facts out of the document after the right
+    one (docs/results.md, the ablation): a lone document leaves it only the right facts to pick from."""
+    return _search_tool(corpus, default_results=1)
+
+
+def _search_tool(corpus: list[dict], default_results: int) -> Callable[..., str]:
     index = BM25Search(corpus)
 
-    def search(query: str, num_results: int = 3) -> str:
+    def search(query: str, num_results: int = default_results) -> str:
         """Search the knowledge base and return the best-matching documents.
 
         Args:
