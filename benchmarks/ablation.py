@@ -19,13 +19,12 @@ and evaluation, with the columns of the learning study's CSV plus the lever's tr
 """
 
 import argparse
-import csv
 import math
 import os
 import shutil
 import sys
 
-from common import print_table
+from common import print_table, write_rows_csv
 from learning_study import METRICS, budget_flags, command, finished, run_all, stopped_early, training_minutes
 
 from plot_runs import load_log_history
@@ -81,14 +80,6 @@ def rows_of(lever: str, seed: int, path: str) -> list[dict]:
              **{f"run/{k}": v for k, v in stats.items()}} for step in evals]
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
-
-
 def table(rows: list[dict]) -> list[list]:
     out = []
     for lever in dict.fromkeys(r["lever"] for r in rows):
@@ -130,7 +121,7 @@ def main():
         if path not in failed:
             rows += rows_of(lever, args.seed, path)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_csv(rows, args.out + ".csv")
+    write_rows_csv(rows, args.out + ".csv")
     print_table(f"MT-GRPO, seed {args.seed}, {args.budget:.0f} min per run: evaluations on the test split at the steps "
                 "given; training statistics over the run's steps",
                 ["lever", "flags", "steps", "min of steps", "s/step", "eval steps", "exact match", "first-search hit",

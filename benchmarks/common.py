@@ -1,5 +1,6 @@
-"""Shared by the benchmark scripts: paths, the demo model, table printing."""
+"""Shared by the benchmark scripts: paths, the demo model, table printing, CSV writing."""
 
+import csv
 import os
 import sys
 
@@ -23,3 +24,12 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
         if k == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def write_rows_csv(rows: list[dict], path: str) -> None:
+    """One CSV row per dict, the columns of the first; floats to 4 decimals."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})

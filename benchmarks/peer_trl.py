@@ -35,7 +35,6 @@ mask problems), and prints both tables.
 """
 
 import argparse
-import csv
 import functools
 import json
 import math
@@ -48,7 +47,7 @@ import threading
 import time
 
 import learning_study as study
-from common import ROOT, SMOLLM2, print_table
+from common import ROOT, SMOLLM2, print_table, write_rows_csv
 from learning_study import finished, run_all, stopped_early
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
@@ -359,14 +358,6 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
     return evals, runs
 
 
-def write_steps_csv(rows: list[dict], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
@@ -405,7 +396,7 @@ def main():
     if evals:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         study.write_csv(evals, args.out + ".csv")
-        write_steps_csv(runs, args.out + "_steps.csv")
+        write_rows_csv(runs, args.out + "_steps.csv")
         study.plot(evals, args.out + ".png", "SmolLM2-135M-Instruct (Qwen2.5 template) on the fictional KB: TRL's "
                                              "tool loop and ours, mean over seeds")
         study.summary(evals)
