@@ -49,6 +49,11 @@ LEVERS["one_document"] = (["--tools", "tools.search:make_search_top1_tool"],
 # the two levers that helped alone in seed 1 (docs/results.md), together: the copy signal, at half the rollouts
 LEVERS["grounded_ni2"] = (LEVERS["grounded_answer"][0] + LEVERS["num_iterations_2"][0],
                           "grounded_answer and num_iterations_2 together")
+# the two levers aimed at the copying step, together: one document to copy from, and a reward for copying a
+# span of it that is not in the question (the one_document model wrote the right fact in its reasoning and
+# answered with the question's own entity: docs/results.md)
+LEVERS["grounded_one_doc"] = (LEVERS["grounded_answer"][0] + LEVERS["one_document"][0],
+                              "grounded_answer and one_document together")
 
 
 def lever_command(lever: str, seed: int, path: str, flags: list[str]) -> list[str]:

@@ -276,3 +276,54 @@ def test_page_in_chromium(run, browser, tmp_path):
     browser.wait_for("Page.loadEventFired")
     assert f"id {records[0]['tokens']['ids'][4]}" in browser.js("$('tip').textContent")
     assert browser.errors() == []
+
+
+# ------------------------------------------------------------------------------------------------
+# scripts/answer_errors.py: where a run's wrong answers come from
+# ------------------------------------------------------------------------------------------------
+def qa_episode(question: str, gold: list[str], result: str | None, last: str) -> dict:
+    """A recorded episode: an optional search whose <result> holds `result`, then the model's last turn."""
+    turns = []
+    if result is not None:
+        turns += [{"role": "model", "text": "<reasoning>Look it up.</reasoning>\n<tool>{}</tool>"},
+                  {"role": "env", "text": f"<|im_end|>\n<|im_start|>user\n<result>\n{result}\n</result><|im_end|>\n"}]
+    return {"question": question, "answer": gold, "turns": turns + [{"role": "model", "text": last}]}
+
+
+def test_answer_errors_classes():
+    from answer_errors import classify
+
+    q, gold = "What is the best-known landmark of Stakragard?", ["Trarfath Gate"]
+    docs = ("Stakragard: Stakragard is a city. Its best-known landmark is the Trarfath Gate.\n"
+            "Hurtrewick: Hurtrewick is a city. It was founded by Fasthath Zurkun.")
+    said = "<reasoning>The result says the best-known landmark of Stakragard is the Trarfath Gate.</reasoning>\n"
+    assert classify(qa_episode(q, gold, docs, said + "<answer>the Trarfath gate</answer>")) == ("exact", False, True)
+    # the fact written in the reasoning, then the question's entity as the answer
+    assert classify(qa_episode(q, gold, docs, said + "<answer>Stakragard</answer>")) == ("from the question", True, True)
+    assert classify(qa_episode(q, gold, docs, "<reasoning>Next one.</reasoning>\n<answer>Fasthath Zurkun</answer>")) \
+        == ("result document 1", False, True)
+    assert classify(qa_episode(q, gold, docs, "<answer>It is the Trarfath Gate.</answer>"))[0] == "holds the gold"
+    assert classify(qa_episode(q, gold, None, "<answer>Eiffel Tower</answer>")) == ("in no result", False, False)
+    assert classify(qa_episode(q, gold, docs, "<reasoning>Now I")) == ("no answer", False, True)
+
+
+def test_answer_errors_cli(tmp_path):
+    """On the fixture run (tests/rollout_records.py), per step: 3 searches then the exact answer, 4 answers of
+    "Paris" found in no result, 1 episode out of turns; 4 episodes saw the gold in a result."""
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir, train_steps=(1, 2), eval_steps=(2,))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), run_dir, "--steps", "1-2"],
+                         capture_output=True, text=True, check=True).stdout
+    train, evals = out.split("eval:")
+    assert train.startswith("train: 16 episodes of 2 steps") and evals.startswith(" 8 episodes of 1 steps")
+
+    def count(section: str, kind: str) -> int:
+        return int(next(line.split()[-2] for line in section.splitlines() if line.strip().startswith(kind)))
+
+    assert (count(train, "exact"), count(train, "in no result"), count(train, "no answer")) == (6, 8, 2)
+    assert count(train, "gold in a result it saw") == 8 and count(evals, "exact") == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    failed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), str(empty)],
+                            capture_output=True, text=True)
+    assert failed.returncode != 0 and "--save_rollouts_steps" in failed.stderr

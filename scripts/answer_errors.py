@@ -1,0 +1,105 @@
+"""Where do a run's wrong answers come from? Sorts the recorded episodes of a run (RUN_DIR/rollouts/*.jsonl,
+written with `save_rollouts_steps`) by what their final answer is, for the question-answering tasks:
+
+    python scripts/answer_errors.py outputs/study/mt_grpo-s1                  # training and eval episodes
+    python scripts/answer_errors.py outputs/study/mt_grpo-s1 --steps 20-30
+
+Each episode falls in one class, the first that holds:
+  no answer            the episode ended without an <answer> (out of turns or tokens)
+  exact                the answer is a gold alias (normalised as the exact-match reward does)
+  holds the gold       the answer contains a gold alias among other words
+  from the question    the answer is words of the question (the model names the question's entity)
+  result document K    the answer is words of the K-th document (0 = first) of a result the episode saw
+  in no result         none of the above: words the model made up
+and two counts cut across them: wrong answers whose own <reasoning> holds a gold alias (the model wrote
+the fact and answered something else), and episodes that saw a gold alias in a result. This is how
+docs/results.md's ablation reads its runs' training episodes: which step of search-then-copy fails.
+Matching is whole words of SQuAD-normalised text (`rewards.triviaqa_reward.normalize_answer`). The
+`<result>` blocks are read as the model saw them (cut to `max_tool_response_tokens`), one document a
+line, as `tools.search` writes them; the XML protocol's tags are assumed.
+"""
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for rewards/
+
+from rewards.triviaqa_reward import _contains as contains  # noqa: E402
+from rewards.triviaqa_reward import normalize_answer  # noqa: E402
+from view_rollouts import load_rollouts, parse_steps  # noqa: E402  (scripts/, beside this file)
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+RESULT = re.compile(r"<result>(.*?)</result>", re.S)
+TAG = re.compile(r"<[^>]*>")  # removed before normalising: it drops punctuation, so "Gate.</reasoning>" would fuse
+
+
+def words(text: str) -> str:
+    return normalize_answer(TAG.sub(" ", text))
+
+
+def result_documents(episode: dict) -> list[str]:
+    """The documents of every result the episode saw, in order, normalised: one a line of a <result>."""
+    docs = []
+    for turn in episode["turns"]:
+        if turn["role"] == "env":
+            for body in RESULT.findall(turn["text"]):
+                docs += [words(line) for line in body.splitlines() if line.strip()]
+    return docs
+
+
+def classify(episode: dict) -> tuple[str, bool, bool]:
+    """(class, gold in the reasoning of a wrong answer, gold seen in a result) for one recorded episode."""
+    gold = [a for a in (normalize_answer(str(g)) for g in episode["answer"]) if a]
+    docs = result_documents(episode)
+    seen = any(contains(d, g) for d in docs for g in gold)
+    last = episode["turns"][-1] if episode["turns"] else {"role": "env", "text": ""}
+    match = ANSWER.search(last["text"]) if last["role"] == "model" else None
+    if match is None:
+        return "no answer", False, seen
+    answer = words(match.group(1))
+    if answer in gold:
+        return "exact", False, seen
+    reasoned = any(contains(words(last["text"][: match.start()]), g) for g in gold)
+    if any(contains(answer, g) for g in gold):
+        kind = "holds the gold"
+    elif answer and contains(normalize_answer(episode["question"]), answer):
+        kind = "from the question"
+    else:
+        where = next((k for k, d in enumerate(docs) if answer and contains(d, answer)), None)
+        kind = "in no result" if where is None else f"result document {where}"
+    return kind, reasoned, seen
+
+
+def tally(episodes: list[dict]) -> Counter:
+    counts = Counter()
+    for episode in episodes:
+        kind, reasoned, seen = classify(episode)
+        counts[kind] += 1
+        counts["wrong answer, gold in its reasoning"] += reasoned
+        counts["gold in a result it saw"] += seen
+    return counts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="a run's output_dir, holding rollouts/")
+    ap.add_argument("--steps", type=parse_steps, help="only these steps, e.g. 20-30")
+    args = ap.parse_args()
+    rollouts = load_rollouts(args.run_dir, args.steps)
+    if not rollouts:
+        raise SystemExit(f"No recorded episodes in {args.run_dir}/rollouts: run with --save_rollouts_steps N.")
+    for mode in ("train", "eval"):
+        episodes = [e for key, records in sorted(rollouts.items()) if key.startswith(mode) for e in records]
+        if not episodes:
+            continue
+        counts = tally(episodes)
+        print(f"{mode}: {len(episodes)} episodes of {sum(k.startswith(mode) for k in rollouts)} steps")
+        for kind, n in sorted(counts.items(), key=lambda kv: (kv[0].startswith(("wrong", "gold")), -kv[1])):
+            print(f"  {kind:<36} {n:>5}  {n / len(episodes):.2f}")
+
+
+if __name__ == "__main__":
+    main()
