@@ -27,12 +27,13 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for rewards/
 
+from protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
+from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
 from rewards.triviaqa_reward import _contains as contains  # noqa: E402
 from rewards.triviaqa_reward import normalize_answer  # noqa: E402
 from view_rollouts import load_rollouts, parse_steps  # noqa: E402  (scripts/, beside this file)
 
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-RESULT = re.compile(r"<result>(.*?)</result>", re.S)
+RESULT = re.compile(re.escape(XMLProtocol.RESULT_OPEN) + "(.*?)" + re.escape(XMLProtocol.RESULT_CLOSE), re.S)
 TAG = re.compile(r"<[^>]*>")  # removed before normalising: it drops punctuation, so "Gate.</reasoning>" would fuse
 
 
@@ -52,11 +53,11 @@ def result_documents(episode: dict) -> list[str]:
 
 def classify(episode: dict) -> tuple[str, bool, bool]:
     """(class, gold in the reasoning of a wrong answer, gold seen in a result) for one recorded episode."""
-    gold = [a for a in (normalize_answer(str(g)) for g in episode["answer"]) if a]
+    gold = aliases(episode["answer"])
     docs = result_documents(episode)
     seen = any(contains(d, g) for d in docs for g in gold)
     last = episode["turns"][-1] if episode["turns"] else {"role": "env", "text": ""}
-    match = ANSWER.search(last["text"]) if last["role"] == "model" else None
+    match = ANSWER_PATTERN.search(last["text"]) if last["role"] == "model" else None
     if match is None:
         return "no answer", False, seen
     answer = words(match.group(1))
@@ -73,14 +74,18 @@ def classify(episode: dict) -> tuple[str, bool, bool]:
     return kind, reasoned, seen
 
 
-def tally(episodes: list[dict]) -> Counter:
-    counts = Counter()
+CROSS_COUNTS = ("wrong answer, gold in its reasoning", "gold in a result it saw")
+
+
+def tally(episodes: list[dict]) -> list[tuple[str, int]]:
+    """The classes, most frequent first, then the two counts that cut across them."""
+    classes, reasoned, seen = Counter(), 0, 0
     for episode in episodes:
-        kind, reasoned, seen = classify(episode)
-        counts[kind] += 1
-        counts["wrong answer, gold in its reasoning"] += reasoned
-        counts["gold in a result it saw"] += seen
-    return counts
+        kind, in_reasoning, in_result = classify(episode)
+        classes[kind] += 1
+        reasoned += in_reasoning
+        seen += in_result
+    return classes.most_common() + list(zip(CROSS_COUNTS, (reasoned, seen)))
 
 
 def main():
@@ -95,9 +100,8 @@ def main():
         episodes = [e for key, records in sorted(rollouts.items()) if key.startswith(mode) for e in records]
         if not episodes:
             continue
-        counts = tally(episodes)
         print(f"{mode}: {len(episodes)} episodes of {sum(k.startswith(mode) for k in rollouts)} steps")
-        for kind, n in sorted(counts.items(), key=lambda kv: (kv[0].startswith(("wrong", "gold")), -kv[1])):
+        for kind, n in tally(episodes):
             print(f"  {kind:<36} {n:>5}  {n / len(episodes):.2f}")
 
 
