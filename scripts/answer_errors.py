@@ -3,6 +3,7 @@ written with `save_rollouts_steps`) by what their final answer is, for the quest
 
     python scripts/answer_errors.py outputs/study/mt_grpo-s1                  # training and eval episodes
     python scripts/answer_errors.py outputs/study/mt_grpo-s1 --steps 20-30
+    python scripts/answer_errors.py outputs/final/mt_grpo-s2 --strip docs/learning_study_final_runs/mt_grpo-s2
 
 Each episode falls in one class, the first that holds:
   no answer            the episode ended without an <answer> (out of turns or tokens)
@@ -17,10 +18,16 @@ docs/results.md's ablation reads its runs' training episodes: which step of sear
 Matching is whole words of SQuAD-normalised text (`rewards.triviaqa_reward.normalize_answer`). The
 `<result>` blocks are read as the model saw them (cut to `max_tool_response_tokens`), one document a
 line, as `tools.search` writes them; the XML protocol's tags are assumed.
+
+`--strip OUT` keeps a run small enough to commit for this reading: it writes the training episodes
+(RUN_DIR/rollouts/step-*.jsonl) to OUT/rollouts/ without their token arrays and prompt text (about a
+sixth of the size), and copies RUN_DIR/trainer_state.json; docs/*_runs/ were made so.
 """
 
 import argparse
+import json
 import os
+import shutil
 import re
 import sys
 from collections import Counter
@@ -88,11 +95,33 @@ def tally(episodes: list[dict]) -> list[tuple[str, int]]:
     return classes.most_common() + list(zip(CROSS_COUNTS, (reasoned, seen)))
 
 
+def strip_run(run_dir: str, out: str, steps: tuple[int, int] | None = None) -> int:
+    """Copy the run's training episodes without `tokens` and `prompt_text`, and its trainer_state.json, to
+    `out`; returns the number of episodes written. The viewer needs the tokens; this script does not."""
+    rollouts = {key: records for key, records in load_rollouts(run_dir, steps).items() if key.startswith("train")}
+    if not rollouts:
+        raise SystemExit(f"No recorded training episodes in {run_dir}/rollouts: run with --save_rollouts_steps N.")
+    os.makedirs(os.path.join(out, "rollouts"), exist_ok=True)
+    for key, records in rollouts.items():
+        with open(os.path.join(out, "rollouts", f"step-{int(key.split('-')[1]):06d}.jsonl"), "w") as f:
+            for record in records:
+                f.write(json.dumps({k: v for k, v in record.items() if k not in ("tokens", "prompt_text")}) + "\n")
+    state = os.path.join(run_dir, "trainer_state.json")
+    if os.path.exists(state):
+        shutil.copy(state, out)
+    return sum(len(records) for records in rollouts.values())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="a run's output_dir, holding rollouts/")
     ap.add_argument("--steps", type=parse_steps, help="only these steps, e.g. 20-30")
+    ap.add_argument("--strip", metavar="OUT", help="write the training episodes, without token arrays and prompt "
+                    "text, and trainer_state.json to OUT (to commit a run's episodes), then report on OUT")
     args = ap.parse_args()
+    if args.strip:
+        print(f"{strip_run(args.run_dir, args.strip, args.steps)} training episodes written to {args.strip}")
+        args.run_dir = args.strip
     rollouts = load_rollouts(args.run_dir, args.steps)
     if not rollouts:
         raise SystemExit(f"No recorded episodes in {args.run_dir}/rollouts: run with --save_rollouts_steps N.")

@@ -322,6 +322,17 @@ def test_answer_errors_cli(tmp_path):
 
     assert (count(train, "exact"), count(train, "in no result"), count(train, "no answer")) == (6, 8, 2)
     assert count(train, "gold in a result it saw") == 8 and count(evals, "exact") == 3
+    # --strip: the training episodes without token arrays or prompt text read the same, and the eval ones are left
+    small = str(tmp_path / "small")
+    stripped = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), run_dir,
+                               "--strip", small], capture_output=True, text=True, check=True).stdout
+    assert stripped.startswith("16 training episodes written") and "eval:" not in stripped
+    assert stripped.split("\n", 1)[1] == train
+    assert sorted(os.listdir(os.path.join(small, "rollouts"))) == ["step-000001.jsonl", "step-000002.jsonl"]
+    with open(os.path.join(small, "rollouts", "step-000001.jsonl")) as f:
+        record = json.loads(f.readline())
+    assert "tokens" not in record and "prompt_text" not in record and record["turns"]
+    assert os.path.exists(os.path.join(small, "trainer_state.json"))
     empty = tmp_path / "empty"
     empty.mkdir()
     failed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), str(empty)],
