@@ -159,13 +159,31 @@ def write_csv(rows: list[dict], path: str) -> None:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def by_mode(rows: list[dict], metric: str) -> dict[str, dict[int, list[float]]]:
-    """mode -> step -> the metric's values over seeds (NaN left out: no tool call, no success rate)."""
-    out: dict[str, dict[int, list[float]]] = {}
+def curve(rows: list[dict], mode: str, metric: str) -> list[tuple[float, float, list[float]]]:
+    """A mode's points for one metric, as (step, minutes, values over seeds): each step that every seed
+    evaluated, then, when the seeds stopped at different steps (a time budget stops each where its own
+    steps run out), one point for where they stopped: each seed's last evaluation, at the mean of their
+    steps and of their minutes. A mean over only the seeds that reached a step would show one seed's
+    value as the mode's. Minutes are the mean over seeds (NaN for runs from before the time axis);
+    NaN values (no tool call, so no success rate) are left out, and a point with none is dropped."""
+    runs: dict[int, dict[int, dict]] = {}
     for row in rows:
-        if not math.isnan(row[metric]):
-            out.setdefault(row["mode"], {}).setdefault(row["step"], []).append(row[metric])
-    return out
+        if row["mode"] == mode:
+            runs.setdefault(row["seed"], {})[row["step"]] = row
+    if not runs:
+        return []
+    shared = sorted(set.intersection(*(set(run) for run in runs.values())))
+    groups = [(float(step), [run[step] for run in runs.values()]) for step in shared]
+    lasts = [run[max(run)] for run in runs.values()]
+    if not shared or any(row["step"] != shared[-1] for row in lasts):
+        groups.append((sum(row["step"] for row in lasts) / len(lasts), lasts))
+    points = []
+    for step, group in groups:
+        minutes = [row["minutes"] for row in group if not math.isnan(row["minutes"])]
+        values = [row[metric] for row in group if not math.isnan(row[metric])]
+        if values:
+            points.append((step, sum(minutes) / len(minutes) if minutes else math.nan, values))
+    return points
 
 
 def plot(rows: list[dict], path: str, title: str):
@@ -178,21 +196,20 @@ def plot(rows: list[dict], path: str, title: str):
                                     "eval/tool_calls_per_episode")]
     panels += [("eval/exact_match", "minutes"), ("eval/first_search_hit", "minutes")]
     for ax, (metric, x_axis) in zip(fig.subplots(3, 2).flat, panels):
-        data = by_mode(rows, metric)
-        for mode, steps in data.items():
-            xs = sorted(steps)
-            mean = [sum(steps[x]) / len(steps[x]) for x in xs]
-            # against time: each evaluation at the mean over seeds of the minutes trained so far
-            at = xs if x_axis == "step" else [mean_minutes(rows, mode, x) for x in xs]
+        data = {mode: curve(rows, mode, metric) for mode in dict.fromkeys(r["mode"] for r in rows)}
+        for mode, points in data.items():
+            if not points:
+                continue
+            at = [p[0] if x_axis == "step" else p[1] for p in points]
             if all(math.isnan(a) for a in at):  # runs from before the time axis: no minutes to place them at
                 continue
-            line, = ax.plot(at, mean, marker="o", label=mode)
-            ax.fill_between(at, [min(steps[x]) for x in xs], [max(steps[x]) for x in xs], color=line.get_color(),
+            line, = ax.plot(at, [sum(p[2]) / len(p[2]) for p in points], marker="o", label=mode)
+            ax.fill_between(at, [min(p[2]) for p in points], [max(p[2]) for p in points], color=line.get_color(),
                             alpha=0.18, linewidth=0)
         ax.set_title(metric + ("" if x_axis == "step" else " against time"))
         ax.set_xlabel("optimizer step" if x_axis == "step" else "minutes of training steps (evaluation excluded)")
         # rates fit [0, 1]; calls per episode may exceed 1
-        top = max([1.0, *(v for steps in data.values() for vs in steps.values() for v in vs)])
+        top = max([1.0, *(v for points in data.values() for p in points for v in p[2])])
         ax.set_ylim(-0.02, top + 0.02)
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -203,21 +220,20 @@ def plot(rows: list[dict], path: str, title: str):
     return fig
 
 
-def mean_minutes(rows: list[dict], mode: str, step: int) -> float:
-    values = [r["minutes"] for r in rows if r["mode"] == mode and r["step"] == step and not math.isnan(r["minutes"])]
-    return sum(values) / len(values) if values else float("nan")
-
-
 def summary(rows: list[dict]) -> None:
     table = []
+    cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
     for metric in METRICS:
-        for mode, steps in by_mode(rows, metric).items():
-            first, last = 0, max(r["step"] for r in rows if r["mode"] == mode)
-            cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "n/a"  # noqa: E731
-            table.append([metric, mode, cell(steps.get(first, [])), f"step {last}, {mean_minutes(rows, mode, last):.1f} "
-                          f"min: {cell(steps.get(last, []))}"])
-    print_table("Evaluation on the test split: mean over seeds (lowest-highest); tool success over seeds that made a call, n/a if none did",
-                ["metric", "mode", "step 0", "last (minutes of training: mean over seeds)"], table)
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            stops = [max(r["step"] for r in rows if (r["mode"], r["seed"]) == (mode, seed))
+                     for seed in dict.fromkeys(r["seed"] for r in rows if r["mode"] == mode)]
+            points = {step: (minutes, values) for step, minutes, values in curve(rows, mode, metric)}
+            start, end = points.get(0.0), points.get(sum(stops) / len(stops))
+            table.append([metric, mode, cell(start[1]) if start else "n/a",
+                          f"step {'/'.join(map(str, stops))}, " + (f"{end[0]:.1f} min: {cell(end[1])}" if end else "n/a")])
+    print_table("Evaluation on the test split: mean over seeds (lowest-highest) at step 0 and at each seed's last "
+                "evaluation; tool success over seeds that made a call, n/a if none did",
+                ["metric", "mode", "step 0", "last (each seed's step; minutes of training: mean over seeds)"], table)
 
 
 def read_csv(path: str) -> list[dict]:

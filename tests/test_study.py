@@ -199,3 +199,24 @@ def test_a_budget_is_the_trainers_own_time_budget_in_every_run():
                 lever_command("grounded_answer", 1, "outputs/x", budget_flags(45))):
         script_args, _, _ = parse_args(cmd[2:])
         assert script_args.max_train_minutes == 45.0
+
+
+def test_seeds_stopped_at_different_steps_meet_at_their_budget_stop(capsys):
+    """A time budget stops seed 1 at step 26 and seed 2 at step 27: the curve averages both seeds at each
+    step both evaluated and at their stops (x = mean step and minutes), never one seed alone."""
+    from learning_study import curve, summary
+
+    def row(seed, step, minutes, em):
+        return {"mode": "mt_grpo", "seed": seed, "step": step, "minutes": minutes,
+                **{f"eval/{k}": v for k, v in evaluation(em, 1.0).items()}}
+
+    rows = [row(1, 0, 0.0, 0.0), row(1, 10, 14.0, 0.25), row(1, 26, 38.0, 0.5),
+            row(2, 0, 0.0, 0.0), row(2, 10, 16.0, 0.75), row(2, 27, 40.0, 1.0)]
+    assert curve(rows, "mt_grpo", "eval/exact_match") == [(0.0, 0.0, [0.0, 0.0]), (10.0, 15.0, [0.25, 0.75]),
+                                                         (26.5, 39.0, [0.5, 1.0])]
+    summary(rows)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "eval/exact_match" in line)
+    assert "step 26/27, 39.0 min: 0.750 (0.500-1.000)" in line
+    # seeds that all stop at one step end there, with no extra point
+    same = rows[:3] + [row(2, 0, 0.0, 0.0), row(2, 10, 16.0, 0.75), row(2, 26, 40.0, 1.0)]
+    assert [p[0] for p in curve(same, "mt_grpo", "eval/exact_match")] == [0.0, 10.0, 26.0]
