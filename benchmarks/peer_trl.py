@@ -1,9 +1,10 @@
 """Side by side with TRL's own multi-turn tool training: TRL 1.16's `GRPOTrainer(tools=[search])`
-against ours (`mt_grpo`, and `outcome_only`, the closest to what TRL computes), on the same model,
-task, tool, prompts, rewards, seeds and step budget, each evaluated by our evaluation code on the
-same test questions from step 0.
+against ours (`mt_grpo`; `outcome_only`, plain GRPO on the outcome reward; and `merged`, which is what TRL
+computes here: one group-normalised advantage of the summed turn and outcome rewards on every model token),
+on the same model, task, tool, prompts, rewards, seeds and step budget, each evaluated by our evaluation code
+on the same test questions from step 0.
 
-    .venv/bin/python benchmarks/peer_trl.py --parallel 2 -- --max_steps 10   # 3 trainers x 2 seeds -> docs/peer_trl.*
+    .venv/bin/python benchmarks/peer_trl.py -- --max_steps 10 --eval_steps 5   # 4 trainers x 2 seeds -> docs/peer_trl.*
     .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo --seeds 1 -- --max_steps 2
 
 What is shared, and how:
@@ -15,6 +16,9 @@ What is shared, and how:
   Ours runs with `tool_format: chat_template`. Untrained, it makes no tool call under that template, so
   both trainers start from one warm start (`--warm_start N`, made once in outputs/peer_trl/warm-N): the
   model taught the call turn (a search for the question) of N training-split episodes, not the answer.
+  The default, 4, leaves the first turn varied (it searches in about 2 of 3 held-out training questions and
+  hits in 2 of 5), so that the turn reward differs within a group; 8 or more demonstrations make every
+  first turn a hit, which leaves MT-GRPO's turn advantage nothing to act on (docs/results.md).
 - the prompts: the same system prompt and few-shot exchange, in the same rendering (checked: TRL's
   prompt token ids equal our env's, or the run stops).
 - the task and tool: the fictional KB's training split (the same question order: both trainers use
@@ -23,15 +27,18 @@ What is shared, and how:
   functions, on TRL's completions, which are the same message format).
 - evaluation: our `run_evaluation` on the trained weights (TRL's model object is our evaluator's model).
 
-What it measures, per trainer and seed, into outputs/peer_trl/<trainer>-s<seed>/peer.jsonl: eval metrics
+What it measures, per trainer and seed, into outputs/peer_trl/w<N>/<trainer>-s<seed>/peer.jsonl (N: the warm
+start, so that runs from different starting models are never reported together): eval metrics
 at step 0 and every `eval_steps`; each optimizer step's seconds, split into rollout (generation, tools,
 rewards and advantages: `_generate_and_score_completions`) and training (the rest); peak RSS during
 training steps (sampled every 0.1 s) and over the run; and the mask check: every trained row's loss mask
 is split into runs, and each environment run (mask 0) must decode to exactly one template tool-reply
 block, and each model run (mask 1) that precedes one must end at <|im_end|>. Writes OUT.csv and OUT.png as
 the learning study does (the trainer in the `mode` column; the plot against steps and against minutes of
-training), OUT_steps.csv (one row per run: mean step, rollout and training seconds, peak RSS, rows checked,
-mask problems), and prints both tables.
+training), OUT_steps.csv (one row per run: mean step, rollout and training seconds, model tokens per episode
+(both trainers log them as `completions/mean_length`: a step's cost follows what the policy writes, so read
+the seconds beside it), peak RSS, rows checked, mask problems), and prints both tables. Run it alone on the
+machine (`--parallel 1`, the default) for seconds that compare the trainers rather than the contention.
 """
 
 import argparse
@@ -51,7 +58,9 @@ from common import ROOT, SMOLLM2, print_table, write_rows_csv
 from learning_study import finished, run_all, stopped_early
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
-TRAINERS = ("trl", "mt_grpo", "outcome_only")
+# TRL's one reward is the sum of ours, so its advantage is our `merged` one (GRPO-MR): that pair compares
+# two implementations of one algorithm, and `mt_grpo` against both what the turn-level credit adds.
+TRAINERS = ("trl", "mt_grpo", "outcome_only", "merged")
 # One template tool-reply block of Qwen2.5's template (what follows a model turn that ended at <|im_end|>):
 # the tool messages in one user turn, then the next generation prompt. A turn cut at a token limit gets
 # its <|im_end|> from the environment, so that may lead the block.
@@ -346,10 +355,16 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
                               **{m: r["metrics"].get(m, math.nan) for m in study.METRICS}})
         ends = [r for r in records if r["kind"] == "end"]
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+        logged = []  # both trainers log model tokens per episode under TRL's name (ours: reporting.py)
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                logged = [h["completions/mean_length"] for h in json.load(f)["log_history"]
+                          if "completions/mean_length" in h]
         runs.append({"trainer": name, "seed": seed, "steps": len(steps),
                      "step_s": mean([r["seconds"] for r in steps]),
                      "rollout_s": mean([r["rollout_seconds"] for r in steps]),
                      "train_s": mean([r["seconds"] - r["rollout_seconds"] for r in steps]),
+                     "model_tokens_per_episode": mean(logged),
                      "peak_rss_train_gib": max([r["peak_rss_train"] for r in steps], default=0) / 2**30,
                      "max_rss_gib": max([e["max_rss"] for e in ends], default=math.nan) / 2**30,
                      "mask_rows": steps[-1]["mask_rows"] if steps else 0,
@@ -368,9 +383,10 @@ def main():
     ap.add_argument("--model", default=None, help="model folder (default: SmolLM2 with Qwen2.5's template, "
                     "made in --runs/model)")
     ap.add_argument("--recipe", default=RECIPE, help="the shared recipe (default: the learning study's)")
-    ap.add_argument("--warm_start", type=int, default=32, help="both trainers start from the model taught the "
-                    "call turn of this many training-split episodes (made once in --runs/warm-N); 0: the untrained "
-                    "model, which makes no tool call under this template")
+    ap.add_argument("--warm_start", type=int, default=4, help="both trainers start from the model taught the "
+                    "call turn of this many training-split episodes (made once in --runs/warm-N; the runs go to "
+                    "--runs/wN); 0: the untrained model, which makes no tool call under this template; 8 or more: "
+                    "every first turn searches and hits, so turn credit has nothing to act on")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     ap.add_argument("--report", action="store_true", help="run nothing: write the outputs from the runs that finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
@@ -385,7 +401,8 @@ def main():
         model = warm_start(os.path.join(args.runs, f"warm-{args.warm_start}"), model, args.recipe, args.warm_start)
     if args.worker:
         return run_one(args.worker, args.seed, args.output_dir, model, args.recipe, flags)
-    jobs = [(name, seed, os.path.join(args.runs, f"{name}-s{seed}")) for seed in args.seeds for name in args.trainers]
+    jobs = [(name, seed, os.path.join(args.runs, f"w{args.warm_start}", f"{name}-s{seed}"))
+            for seed in args.seeds for name in args.trainers]
     todo = [] if args.report else [j for j in jobs if args.fresh or not finished(j[2])]
     for _, _, path in todo if args.fresh else []:
         shutil.rmtree(path, ignore_errors=True)

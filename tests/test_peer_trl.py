@@ -75,6 +75,8 @@ def test_one_step_of_each_trainer_is_measured_and_its_masks_checked(trainer, cha
     assert [e["step"] for e in evals] == [0, 1] and evals[0]["minutes"] == 0 < evals[1]["minutes"]
     assert evals[0]["mode"] == trainer and "eval/exact_match" in evals[0]
     assert runs[0]["steps"] == 1 and runs[0]["mask_problems"] == 0
+    # model tokens per episode, read from the trainer's own log, where both trainers put them under one name
+    assert runs[0]["model_tokens_per_episode"] > 0
 
 
 def test_trls_tool_loop_leaves_exactly_the_tool_replies_out_of_the_loss_here(chat_template_agent_dir, tmp_path):
