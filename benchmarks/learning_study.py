@@ -223,10 +223,11 @@ def plot(rows: list[dict], path: str, title: str):
 def summary(rows: list[dict]) -> None:
     table = []
     cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
+    stops_of = {mode: [max(r["step"] for r in rows if (r["mode"], r["seed"]) == (mode, seed))  # each seed's last step
+                       for seed in dict.fromkeys(r["seed"] for r in rows if r["mode"] == mode)]
+                for mode in dict.fromkeys(r["mode"] for r in rows)}
     for metric in METRICS:
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            stops = [max(r["step"] for r in rows if (r["mode"], r["seed"]) == (mode, seed))
-                     for seed in dict.fromkeys(r["seed"] for r in rows if r["mode"] == mode)]
+        for mode, stops in stops_of.items():
             points = {step: (minutes, values) for step, minutes, values in curve(rows, mode, metric)}
             start, end = points.get(0.0), points.get(sum(stops) / len(stops))
             table.append([metric, mode, cell(start[1]) if start else "n/a",

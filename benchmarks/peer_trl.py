@@ -56,6 +56,7 @@ import time
 import learning_study as study
 from common import ROOT, SMOLLM2, print_table, write_rows_csv
 from learning_study import finished, run_all, stopped_early
+from plot_runs import load_log_history  # scripts/, put on the path by learning_study
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 # TRL's one reward is the sum of ours, so its advantage is our `merged` one (GRPO-MR): that pair compares
@@ -355,11 +356,8 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
                               **{m: r["metrics"].get(m, math.nan) for m in study.METRICS}})
         ends = [r for r in records if r["kind"] == "end"]
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
-        logged = []  # both trainers log model tokens per episode under TRL's name (ours: reporting.py)
-        if os.path.isfile(os.path.join(path, "trainer_state.json")):
-            with open(os.path.join(path, "trainer_state.json")) as f:
-                logged = [h["completions/mean_length"] for h in json.load(f)["log_history"]
-                          if "completions/mean_length" in h]
+        # both trainers log model tokens per episode under TRL's name (ours: reporting.py)
+        logged = [h["completions/mean_length"] for h in load_log_history(path) if "completions/mean_length" in h]
         runs.append({"trainer": name, "seed": seed, "steps": len(steps),
                      "step_s": mean([r["seconds"] for r in steps]),
                      "rollout_s": mean([r["rollout_seconds"] for r in steps]),
