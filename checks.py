@@ -127,7 +127,7 @@ REPLACED_GRPO_FIELDS = {
 
 def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
     """Cross-checks between our arguments and TRL's, with errors that name the field to change.
-    `normalised_loss_types`: the loss types whose normaliser zero_signal_scale knows."""
+    `normalised_loss_types`: the loss types whose normaliser zero_signal_scale makes exact."""
     if args.use_vllm:
         raise ValueError(
             "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn "
@@ -155,6 +155,11 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
                          "importance-sampling correction is what corrects for that: set "
                          "`vllm_importance_sampling_correction: true`.")
     known = normalised_loss_types
+    if script_args.mask_zero_advantage_groups and args.loss_type == "bnpo":
+        raise ValueError("`loss_type: bnpo` divides each micro-batch by its own token count, so with "
+                         "`mask_zero_advantage_groups: true` a row's weight would depend on which rows TRL's shuffle "
+                         "puts in its micro-batch: use `loss_type: dapo` (bnpo's normaliser taken over the whole "
+                         "generation batch), or set `mask_zero_advantage_groups: false`.")
     if script_args.mask_zero_advantage_groups and args.loss_type not in known:
         raise ValueError(f"`loss_type: {args.loss_type}` has no known normaliser for `mask_zero_advantage_groups`; "
                          f"set `mask_zero_advantage_groups: false`, or use one of {list(known)}.")

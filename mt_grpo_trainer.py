@@ -40,7 +40,7 @@ The algorithm is marked `ALGO LOGIC`: the pure functions of sections 4-5 (`mt_gr
 stages. The rest is plumbing, and most of it lives beside this file: `protocol.py` (the tool protocols:
 tags, stop strings, parsing, shared with the rewards), `checks.py` (every config rule and the TRL check),
 `weight_sync.py` (the vLLM server's weight sync and its probes), `reporting.py` (metrics, rollout records,
-console, SIGTERM), `async_rollout.py` (the overlapped rollout of the next batch), `tools/` (the tools and
+console, SIGTERM), `evaluation.py` (the eval loop over the trainer's stages), `async_rollout.py` (the overlapped rollout of the next batch), `tools/` (the tools and
 how calls run), `tasks/` (datasets, held-out splits, eval metrics) and `rewards/`.
 """
 
@@ -57,7 +57,7 @@ from typing import Callable
 
 import httpx
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import gather
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
@@ -69,10 +69,12 @@ from async_rollout import AsyncRollouts, PromptStream, first_generation, generat
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
 from protocol import Protocol, StopStringMatcher, ToolCall, end_of_turn_ids, get_protocol, tool_call_message
-from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TimeBudget, TrainerReports, _nanmean,
-                       episode_records, eval_metrics)
+from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TimeBudget, TrainerReports,  # noqa: F401
+                       end_processes)  # end_processes: scripts import it from here
+from evaluation import TrainerEvaluation
+from rewards import reward_columns
 from tools import ToolResult, run_tool_calls
-from weight_sync import PROBE, WeightSync, WeightSyncConfig, policy_prompt_logprobs
+from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs
 
 logger = logging.getLogger("mt_grpo")
 
@@ -261,23 +263,27 @@ def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return first[None, :] < torch.arange(ids.numel(), device=ids.device)[:, None]
 
 
-def sampler_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def sampler_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
     """(N, V) logprobs of the distribution a sampler with `params` draws from (see process_logits)."""
-    return process_logits(logits, params, seen).log_softmax(-1)
+    return process_logits(logits, params, seen, keep).log_softmax(-1)
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
     """(N, V) logits -> (N, V) the logits a sampler with `params` draws from (softmax), in vLLM's
     order (v1 Sampler, the processed_logprobs it returns): repetition penalty on the tokens `seen` (N, V)
     so far (positive logits divided, others multiplied), temperature, min_p (drop p < min_p * max p),
     top-k (ties with the k-th kept), top-p (drop a token when the mass strictly above it reaches top_p;
     the most likely is always kept). Greedy (temperature 0) is temperature 1. The in-process
     backend samples through this same function, and the trainer scores samples with it, so on-policy
-    importance weights are exactly 1 whatever the settings; dropped tokens get -inf."""
+    importance weights are exactly 1 whatever the settings; dropped tokens get -inf. `keep` (N,): the
+    token the sampler drew at each row, which is never dropped (docs/guide.md, "A token at the boundary")."""
     x = logits.float()
     if params.repetition_penalty != 1.0 and seen is not None:
         x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
     x = x / (params.temperature or 1.0)
+    drawn = None if keep is None else (keep[:, None], x.gather(1, keep[:, None]))
     if params.min_p > 0.0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
@@ -292,7 +298,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
             below[:, -1] = False
             ordered = ordered.masked_fill(below, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, ordered)
-    return x
+    # A sampler with other numerics (vLLM's bf16 kernels) draws tokens at the edge of the kept set that this
+    # one may drop: -inf would zero the episode's sequence weight. Kept, such a token is scored against the
+    # kept set plus itself: within the numerics gap of the sampler's own logprob, which is what the ratio needs.
+    return x if drawn is None else x.scatter(1, *drawn)
 
 
 # ALGO LOGIC ends
@@ -470,9 +479,9 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
         ids = torch.cat([prompt, completion_ids[r, :n]])
         logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (n, V)
         seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
-        out[r, :n] = sampler_logprobs(logits, params, seen).gather(1, ids[len(prompt):, None]).squeeze(1)
-    # a token the sampler drew that this processing drops: -inf, floored as vLLM's API floors it (weight 0)
-    return out.clamp(min=-9999.0)
+        drawn = ids[len(prompt):]
+        out[r, :n] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
+    return out
 
 
 class VLLMServerClient:
@@ -490,7 +499,7 @@ class VLLMServerClient:
                  stop_strings: list[str] | None = None, startup_timeout: float = 240.0,
                  request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
                  prompts_per_request: int = 64, weight_sync: WeightSyncConfig | None = None,
-                 probe_ids: list[int] | None = None):
+                 probes: Probes | None = None):
         self.base_url = base_url.rstrip("/")
         self.params = params
         self.eos_token_ids = list(eos_token_ids or [])
@@ -512,7 +521,7 @@ class VLLMServerClient:
         self.check_logprobs_mode()
         score = lambda model, *ids, processed: policy_sampler_logprobs(  # noqa: E731
             model, *ids, self.params if processed else SamplingParams())
-        self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probe_ids, score_sampled=score)
+        self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
 
     # -- HTTP --------------------------------------------------------------------------------------
     def wait_for_health(self, timeout: float) -> None:
@@ -626,7 +635,7 @@ class VLLMServerClient:
         return body
 
     def _complete(self, prompts: list[list[int]], max_tokens: int, n: int,
-                  p: SamplingParams) -> list[list[Sample]]:
+                  p: SamplingParams, **body) -> list[list[Sample]]:  # body: request fields over completion_body's
         def parse(response):
             try:
                 return parse_completions_response(response, len(prompts), n)
@@ -634,7 +643,7 @@ class VLLMServerClient:
                 self.aborted_requests += 1
                 raise
 
-        return self.post("/v1/completions", self.completion_body(prompts, max_tokens, n, p), parse)
+        return self.post("/v1/completions", {**self.completion_body(prompts, max_tokens, n, p), **body}, parse)
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given the ones before it (raw logits, no
@@ -1132,12 +1141,6 @@ def _reward_value(name: str, i: int, v) -> float:
     return float(v)
 
 
-def reward_columns(inputs: list[dict]) -> dict[str, list]:
-    """The dataset's columns, as the keyword arguments every reward function receives (TRL's convention):
-    each column's values over the batch. `prompt` goes positionally; `row` is ours (the eval question's index)."""
-    return {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}
-
-
 def _failing_sample(fn, prompts, completions, columns) -> str:
     """Find which sample makes a batch reward function raise, by calling it on one sample at a time."""
     for i in range(len(prompts)):
@@ -1160,14 +1163,14 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
 
 def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
                           per_turn_funcs: list[bool]) -> torch.Tensor:
-    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T for `advantage_mode: per_turn`.
-    Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool still has
-    a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from each
-    per-turn function (a turn that called nothing did no tool work) and its own value from each per-sample
-    one. Without that column the episode would get no turn credit at all, so a group's searching
-    samples would be compared only with each other and the pressure to search, which `mt_grpo` gives
-    through A_T of a no-tool episode (usually below its group's mean), would vanish. Columns past an
-    episode's turns are NaN (no such turn)."""
+    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1: the first turn's, every mode
+    but per_turn). Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool
+    still has a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from
+    each per-turn function (a turn that called nothing did no tool work) and its own value from each
+    per-sample one. Without it a `@per_turn` reward would leave the episode NaN, hence without turn credit
+    (A_T = 0): a group's searching samples would be compared only with each other and the pressure to
+    search, A_T of a no-tool episode below its group's mean, would vanish. Columns past an episode's turns
+    are NaN (no such turn)."""
     no_tool = (tool_turns == 0)[:, None]  # (B, 1)
     flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
     table = turn_per_func.clone()
@@ -1322,40 +1325,37 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
     return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
 
 
-# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so what
-# "leave the normaliser" means for groups without signal (mask_zero_advantage_groups):
-#   per-row mean, then the mean over rows     grpo, sapo        -> count informative rows only
-#   per-row sum, then the mean over rows      luspo             -> likewise
-#   b x max_completion_length                 dr_grpo           -> likewise
-#   loss tokens of the micro-batch            bnpo              -> count informative tokens only
-#   loss tokens of the generation batch       dapo, cispo, vespo -> likewise, over all processes
+# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so the one factor
+# on a generation batch's advantages that takes groups without signal out of that normaliser
+# (mask_zero_advantage_groups); counts over the whole generation batch, all processes:
+#   per-row mean, then the mean over rows, / accumulation   grpo, sapo         -> rows / informative rows
+#   per-row sum, then the mean over rows, / accumulation    luspo              -> likewise
+#   b x max_completion_length x accumulation                dr_grpo            -> likewise
+#   the generation batch's loss tokens, per window          dapo, cispo, vespo -> tokens / informative tokens
+#   the micro-batch's own loss tokens                       bnpo               -> refused (checks.py)
 SEQUENCE_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")
-TOKEN_NORMALISED = ("bnpo",)
 BATCH_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
 
-def zero_signal_scale(loss_type: str, loss_mask: torch.Tensor, informative: torch.Tensor,
-                      num_items: torch.Tensor, num_informative_items: torch.Tensor) -> torch.Tensor:
-    """(b, 1) factor on the advantages of one micro-batch that takes groups without signal out of the
-    policy-gradient term's normaliser, while every other term (KL, entropy bonus, metrics) keeps TRL's
-    normaliser over all model tokens. Exact: those groups' advantages are 0, so their policy-gradient
-    terms are 0, and every loss type's policy term is linear in a positively scaled advantage (PPO's
-    min(r A, clip(r) A), CISPO, SAPO and VESPO all pick their branch by the sign of A). A micro-batch
-    without signal has zero advantages: factor 1. `informative`: (b,) 0/1 per row; `num_items` and
-    `num_informative_items`: model tokens of the whole generation batch, all and informative."""
-    loss_mask, informative = loss_mask.float(), informative.float()
-    if loss_type in SEQUENCE_NORMALISED:
-        total, kept = loss_mask.new_tensor(float(len(informative))), informative.sum()
-    elif loss_type in TOKEN_NORMALISED:
-        total, kept = loss_mask.sum(), (loss_mask * informative[:, None]).sum()
-    elif loss_type in BATCH_TOKEN_NORMALISED:
-        total, kept = num_items.float(), num_informative_items.float()
-    else:
-        raise ValueError(f"loss_type {loss_type!r} has no known normaliser; set "
-                         "`mask_zero_advantage_groups: false` or use one of "
-                         f"{list(SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
-    scale = torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
-    return scale.expand(len(informative), 1).to(torch.float32)
+def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: torch.Tensor,
+                      rows: torch.Tensor, informative_rows: torch.Tensor) -> torch.Tensor:
+    """() factor on every advantage of one generation batch that takes groups without signal out of the
+    policy-gradient term's normaliser; every other term (KL, entropy bonus, metrics) keeps TRL's. Arguments:
+    loss tokens and rows of the generation batch (all processes), all and informative. One constant, so the
+    layout of rows into micro-batches does not matter. Rows: TRL divides each micro-batch of b rows by g
+    accumulation steps and DDP averages P processes, so a step sums its P g b row terms / (P g b); times
+    R / R_inf (R = P S b rows, S = steps_per_generation) that is its informative row terms / (R_inf g / S):
+    with S = g (TRL's default) the mean over the informative rows, as if the others were absent; else over
+    the step's expected share of them, as TRL's dapo treats tokens. Exact: the other rows' advantages are 0, and
+    every policy term is linear in a positively scaled advantage (PPO's min(r A, clip(r) A); CISPO, SAPO and
+    VESPO pick their branch by the sign of A). No signal at all: factor 1."""
+    if loss_type not in SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED:
+        raise ValueError(f"`loss_type: {loss_type}` has no normaliser that `mask_zero_advantage_groups` makes "
+                         "exact; set `mask_zero_advantage_groups: false`, or use one of "
+                         f"{list(SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
+    total, kept = (rows, informative_rows) if loss_type in SEQUENCE_NORMALISED else (items, informative_items)
+    total, kept = total.float(), kept.float()
+    return torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1386,9 +1386,10 @@ def score_labelled_tokens_only() -> None:
         trl_utils._use_triton.cpu_too = True
 
 
-class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
+class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
-    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports, in reporting.py."""
+    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
+    (`evaluate`, `run_evaluation`) by TrainerEvaluation (evaluation.py) from `_eval_episodes` and `_score`."""
 
     def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
                  outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
@@ -1442,10 +1443,11 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         the step's cost grows by the rounds' rollouts and nothing else changes downstream."""
         sa, G = self.script_args, self.num_generations
         B, rank = len(episodes), self.accelerator.process_index
-        replaced = 0
+        passes, rolled = [], list(range(len(scores.R_O) // G))  # per pass: its scores, signal, groups rolled out
         for round_ in range(sa.dynamic_sampling_max_rounds + 1):  # the last pass only judges the final batch
             signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
                                         self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
+            passes.append((scores, signal, rolled))
             empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
             if not empty or round_ == sa.dynamic_sampling_max_rounds:
                 break
@@ -1458,12 +1460,8 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
             for i, x, ep in zip(mine, new_inputs, new_episodes):
                 inputs[i], episodes[i] = x, ep
             seconds += more
-            scores = self._score([x["prompt"] for x in inputs], episodes, inputs)
-            replaced += len(empty)
-        m = self._metrics["train"]
-        m["dynamic_sampling/groups_replaced"].append(float(replaced))
-        m["dynamic_sampling/rounds"].append(float(round_))  # rounds that rolled out replacements
-        m["dynamic_sampling/groups_with_signal"].append(signal.float().mean().item())
+            scores, rolled = self._score([x["prompt"] for x in inputs], episodes, inputs), empty
+        self._log_dynamic_sampling(passes)  # the first draw and the replacements, apart (reporting.py)
         return inputs, episodes, scores, seconds
 
     def _progress(self) -> bool:
@@ -1562,12 +1560,10 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
                                                   columns).to(device))
         if not self.turn_reward_funcs:
             R_T = torch.zeros(len(turn), K, device=device)
-        elif self.script_args.advantage_mode == "per_turn":  # a column per tool turn, and turn 0 for everyone
+        else:  # per_turn: a column per tool turn; every mode: turn 0 for everyone, with or without a tool call
             R_T = per_turn_reward_table(turn, self.turn_weights.to(device),
                                         collect(torch.tensor(tool_turns, device=device)),
                                         [getattr(fn, "per_turn", False) is True for fn in self.turn_reward_funcs])
-        else:
-            R_T = weighted_reward(turn, self.turn_weights.to(device))
         R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else \
             torch.zeros(len(R_T), device=device)
         return Scores(turn_per_func=turn, outcome_per_func=outcome, R_T=R_T, R_O=R_O)
@@ -1584,11 +1580,11 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         batch["advantages"] = adv.tokens
         mask = loss_mask(batch)
         informative = adv.informative[local].to(mask.dtype)  # (B_local,)
-        counts = self.accelerator.gather(torch.stack([mask.sum(), (mask * informative[:, None]).sum()])
-                                         .view(1, 2)).sum(dim=0)
-        batch["num_items_in_batch"] = counts[0]
-        if sa.mask_zero_advantage_groups:  # read by _compute_loss (zero_signal_scale), per micro-batch
-            batch["informative"], batch["num_informative_items"] = informative, counts[1]
+        counts = self.accelerator.gather(torch.stack([mask.sum(), (mask * informative[:, None]).sum(),
+                                                      mask.new_tensor(B), informative.sum()]).view(1, 4)).sum(dim=0)
+        batch["num_items_in_batch"] = counts[0]  # tokens, informative tokens, rows, informative rows
+        if sa.mask_zero_advantage_groups:  # one factor for the generation batch, read by _compute_loss
+            batch["zero_signal_scale"] = zero_signal_scale(self.loss_type, *counts)
         return adv
 
     def _correct_for_sampler(self, batch: dict, mode: str) -> torch.Tensor | None:
@@ -1602,6 +1598,10 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         weights = importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_mode,
                                      self.args.vllm_importance_sampling_clip_min,
                                      self.args.vllm_importance_sampling_clip_max)
+        if self.backend.params.truncates and self.args.off_policy_mask_threshold is not None:
+            # TRL's off-policy mask compares these with the untruncated policy: truncation alone would read as
+            # a positive gap on every token, so move them to that frame (the mismatch itself is kept)
+            batch["sampling_per_token_logps"] = sampler - old + batch["old_per_token_logps"]
         if self.loss_type == "vespo":  # VESPO takes the weights into its sequence weight phi(w), not as a factor
             batch["importance_sampling_ratio"] = weights
         else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
@@ -1615,73 +1615,16 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         return weights
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss, with groups without signal out of the policy term's normaliser (zero_signal_scale):
-        the batch is split into micro-batches after scoring, so the factor is taken here, per micro-batch."""
-        if "informative" in inputs:
+        """TRL's loss, with groups without signal out of the policy term's normaliser: the advantages times
+        the generation batch's factor (zero_signal_scale); the recorded advantages stay unscaled."""
+        if "zero_signal_scale" in inputs:
             inputs = dict(inputs)
-            scale = zero_signal_scale(self.loss_type, loss_mask(inputs),
-                                      inputs.pop("informative"), inputs["num_items_in_batch"],
-                                      inputs.pop("num_informative_items"))
-            inputs["advantages"] = inputs["advantages"] * scale.to(inputs["advantages"].device)
+            inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
         return super()._compute_loss(model, inputs)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1)).item()
-
-    # -- evaluation --------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict[str, float]:
-        """Multi-turn episodes on the eval set with no gradient, logged as `eval/...` metrics; what
-        `eval_strategy` runs. Replaces TRL's evaluation loop, which scores single-turn completions."""
-        metrics, records = self.run_evaluation(eval_dataset)
-        if self.script_args.save_rollouts_steps:
-            self._write_records(f"eval-step-{self.state.global_step:06d}.jsonl", records)
-        # transformers' log, not TRL's: TRL's would merge (and clear) the training metrics gathered so far
-        super(GRPOTrainer, self).log(dict(metrics))
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        # also under transformers' `eval_` names, which metric_for_best_model (check_best_metric) looks up
-        return {**metrics, **{f"eval_{k.removeprefix('eval/')}": v for k, v in metrics.items()}}
-
-    def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
-        """(metrics, per-episode records) on `dataset` (default: the eval set). Greedy decoding, one
-        episode per question, unless `num_generations_eval` k > 1: then k episodes sampled as in
-        training, and pass@k. Questions are spread over the processes; every process gets the metrics.
-        Rewards as in training (`_score`, on this process's episodes), and the task's own metrics."""
-        dataset = self.eval_dataset if dataset is None else dataset
-        if dataset is None:
-            raise ValueError("No evaluation set: set `eval_strategy: steps` (with `eval_steps`) so that the "
-                             "trainer loads one, or pass a dataset.")
-        k = self.args.num_generations_eval or 1
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            if self._async is not None:
-                self._async.wait()  # no weight sync while a background request is in flight
-            self._sync_weights()  # the vLLM server evaluates the current policy
-            inputs, episodes = self._eval_episodes(dataset, k)
-        finally:
-            self.model.train(was_training)
-        prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
-        columns = reward_columns(inputs)
-        scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
-        task = {name: fn(prompts, completions, **columns) if inputs else []
-                for name, fn in self.eval_metric_funcs.items()}
-        rows = slice(0, len(episodes))
-        rewards = self._rewards_by_name(scores, rows, episodes)
-        results = [{"question": x["row"], "metrics": {name: values[i] > 0 for name, values in task.items()},
-                    "answered": ep.stop_reason == "answer", "tool_calls": len(ep.calls),
-                    "tool_failures": ep.tool_failures,
-                    "rewards": {**{f"turn/{fn.__name__}": _nanmean(scores.turn_per_func[i, f])
-                                   for f, fn in enumerate(self.turn_reward_funcs)},
-                                **{f"outcome/{fn.__name__}": scores.outcome_per_func[i, f].item()
-                                   for f, fn in enumerate(self.outcome_reward_funcs)}}}
-                   for i, (x, ep) in enumerate(zip(inputs, episodes))]
-        all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
-        records = episode_records(self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
-                                  first_index=0, group_size=k, rewards=rewards, token_values={})
-        for record, result in zip(records, results):
-            record["group"] = result["question"]  # the question's row in the eval set
-        return eval_metrics(all_results, k), records
 
     def _eval_episodes(self, dataset, k: int) -> tuple[list[dict], list[Episode]]:
         """This process's questions (every world_size-th row), k episodes each, in rollouts of at most
@@ -1709,23 +1652,6 @@ def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.
 # ------------------------------------------------------------------------------------------------
 # 7. Main
 # ------------------------------------------------------------------------------------------------
-def build_dataset(script_args: MTGRPOScriptArguments, env: MultiTurnToolEnv, task):
-    """Questions -> chat prompts; prompts longer than max_prompt_length are dropped, with a count."""
-    # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
-    # pickled (dill warned at every start, and the cache never worked)
-    dataset = task.dataset.add_column("prompt", [env.prompt(q) for q in task.dataset["question"]])
-    lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
-    keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
-    if len(keep) < len(dataset):
-        logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.",
-                       len(dataset) - len(keep), len(dataset), script_args.max_prompt_length)
-        if not keep:
-            raise ValueError(f"Every prompt is longer than `max_prompt_length` "
-                             f"({script_args.max_prompt_length}); raise it.")
-        dataset = dataset.select(keep)
-    return dataset
-
-
 BACKENDS = {"transformers": TransformersBackend, "vllm_server": VLLMServerClient}  # generation_backend -> class
 
 
@@ -1744,7 +1670,7 @@ def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: Mult
         startup_timeout=args.vllm_server_timeout, request_timeout=script_args.vllm_request_timeout,
         max_concurrent_requests=script_args.vllm_max_concurrent_requests,
         max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
-        weight_sync=WeightSyncConfig.from_args(script_args, args), probe_ids=env.render_ids(PROBE),
+        weight_sync=WeightSyncConfig.from_args(script_args, args), probes=Probes.render(env.render_ids),
     )
 
 
@@ -1777,12 +1703,11 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
                             category=FutureWarning)
     check_trl()
-    check_training_args(script_args, training_args,
-                        SEQUENCE_NORMALISED + TOKEN_NORMALISED + BATCH_TOKEN_NORMALISED)
+    check_training_args(script_args, training_args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
     check_backend(script_args, model_args, BACKENDS[script_args.generation_backend], training_args)
     # Project imports here, not at the top, so that importing this file for its functions stays light.
     from rewards import get_reward_func
-    from tasks import load_eval_task, load_task
+    from tasks import build_dataset, load_eval_task, load_task
     from tools import build_tools
 
     turn_funcs = [get_reward_func(n) for n in script_args.turn_reward_funcs]
@@ -1859,14 +1784,6 @@ def main(argv: list[str] | None = None):
     trainer.save_model(trainer.args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step
     end_processes(trainer)
-
-
-def end_processes(trainer: MTGRPOEnvTrainer) -> None:
-    """Wait for every rank, then destroy the process group. Without it, a rank that reaches interpreter
-    shutdown while gloo's worker threads still hold tensors dies with SIGABRT ("terminate called without
-    an active exception") after a run that succeeded, and the launcher reports the whole job failed."""
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

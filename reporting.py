@@ -93,6 +93,32 @@ def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
     return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:tool_turns]]
 
 
+def reward_metrics(scores, signal: torch.Tensor, turn_funcs: list[Callable], outcome_funcs: list[Callable],
+                   prefix: str = "") -> dict[str, float]:
+    """`rewards/...` metrics of scored rows (the trainer's Scores): each function's mean, the means of R_T and
+    R_O, and the share of groups without signal; `signal`: (groups,) bool, True where a group gives some token
+    a non-zero advantage. `prefix` names rows other than the trained batch's; no rows give NaN."""
+    out = {}
+    for kind, funcs, per_func, R in (("turn", turn_funcs, scores.turn_per_func, scores.R_T),
+                                     ("outcome", outcome_funcs, scores.outcome_per_func, scores.R_O)):
+        for i, fn in enumerate(funcs):
+            out[f"{prefix}rewards/{kind}/{fn.__name__}"] = _nanmean(per_func[:, i])
+        out[f"{prefix}rewards/{kind}/mean"] = _nanmean(R)
+    out[f"{prefix}rewards/frac_zero_signal_groups"] = 1 - signal.float().mean().item() if len(signal) else math.nan
+    return out
+
+
+def rolled_out_rows(passes: list, group_size: int) -> tuple:
+    """(Scores, (groups,) signal) of the groups each scoring pass rolled out, stacked in pass order. `passes`:
+    (the trainer's Scores of the whole batch, its (groups,) signal, the groups that pass rolled out) each."""
+    first = passes[0][0]
+    rows = [(torch.tensor(groups, dtype=torch.long)[:, None] * group_size + torch.arange(group_size)).flatten()
+            .to(first.R_O.device) for _, _, groups in passes]  # each pass's rows: its groups', group-major
+    stacked = {f.name: torch.cat([getattr(scores, f.name)[r] for (scores, _, _), r in zip(passes, rows)])
+               for f in dataclasses.fields(first)}
+    return type(first)(**stacked), torch.cat([signal[groups] for _, signal, groups in passes])
+
+
 def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int, mode: str,
                     first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
                     token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
@@ -258,16 +284,12 @@ class TrainerReports:
     def _log_rollout(self, mode: str, episodes: list, scores, adv,
                      seconds: float) -> None:
         m, G = self._metrics[mode], self._group_size(mode)
-        for kind, funcs, rpf in (("turn", self.turn_reward_funcs, scores.turn_per_func),
-                                 ("outcome", self.outcome_reward_funcs, scores.outcome_per_func)):
-            for i, fn in enumerate(funcs):
-                m[f"rewards/{kind}/{fn.__name__}"].append(torch.nanmean(rpf[:, i]).item())
-        for kind, R, A in (("turn", scores.R_T, adv.turn), ("outcome", scores.R_O, adv.outcome)):
-            m[f"rewards/{kind}/mean"].append(torch.nanmean(R).item())
+        for name, value in reward_metrics(scores, adv.informative.view(-1, G)[:, 0], self.turn_reward_funcs,
+                                          self.outcome_reward_funcs).items():
+            m[name].append(value)
+        for kind, A in (("turn", adv.turn), ("outcome", adv.outcome)):
             groups = A.reshape(A.shape[0] // G, -1)  # (groups, G * K): rows are group-major
             m[f"rewards/{kind}/frac_zero_std_groups"].append((groups == 0).all(dim=1).float().mean().item())
-        m["rewards/frac_zero_signal_groups"].append(
-            1 - adv.informative.view(-1, G)[:, 0].float().mean().item())
         # one gather, never one per episode
         stats = gather(episode_stats(episodes).to(self.accelerator.device))
         for name, value in rollout_metrics(stats).items():
@@ -283,6 +305,23 @@ class TrainerReports:
             self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
                                                     + stats[:, EPISODE_STATS.index("env_tokens")].sum())
         m["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _log_dynamic_sampling(self, passes: list) -> None:
+        """`dynamic_sampling/...` of one generation batch. `passes`: one (Scores, (groups,) signal, groups rolled
+        out) per scoring pass of `_resample_groups`: the first rolled out every group (the policy's own draw), each
+        later one the groups replaced after the pass before. `rewards/...` describe the batch trained on, after
+        replacement; `first_draw/` the first pass (what the policy scored on the questions it was given), and
+        `replacements/` the replaced groups of the later passes (NaN when there were none)."""
+        m, G = self._metrics["train"], self.num_generations
+        m["dynamic_sampling/rounds"].append(float(len(passes) - 1))  # rounds that rolled out replacements
+        m["dynamic_sampling/groups_replaced"].append(float(sum(len(groups) for _, _, groups in passes[1:])))
+        m["dynamic_sampling/groups_with_signal"].append(passes[-1][1].float().mean().item())
+        none = [(passes[0][0], passes[0][1], [])]  # a pass that picks no group: no replacements stack to no rows
+        for name, picked in (("first_draw", passes[:1]), ("replacements", none + passes[1:])):
+            scores, signal = rolled_out_rows(picked, G)
+            for key, value in reward_metrics(scores, signal, self.turn_reward_funcs, self.outcome_reward_funcs,
+                                             prefix=f"dynamic_sampling/{name}/").items():
+                m[key].append(value)
 
     def _log_completions(self, prompts: list, episodes: list, scores,
                          adv) -> None:
@@ -337,3 +376,11 @@ class TrainerReports:
                 for record in records:
                     f.write(json.dumps(record) + "\n")
         return path
+
+
+def end_processes(trainer) -> None:
+    """Wait for every rank, then destroy the process group. Without it, a rank that reaches interpreter
+    shutdown while gloo's worker threads still hold tensors dies with SIGABRT ("terminate called without
+    an active exception") after a run that succeeded, and the launcher reports the whole job failed."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()

@@ -1,8 +1,9 @@
 """Keeping the vLLM server's weights equal to the policy's, and checking that they are: the disk sync
 (safetensors + the server's reload_weights), vLLM's NCCL weight transfer, and two probes. After every sync
-the server must score a fixed probe sequence like the trainer does now, not like the policy it held before
-(`probe_verdict`); after the first, the logprobs it reports for tokens it samples must be the trainer's
-under the recipe's sampling processing (`sampler_probe_verdict`). A failed check stops every rank.
+the server must score a fixed closed conversation (`WEIGHTS_PROBE`) like the trainer does now, not like the policy
+it held before (`probe_verdict`); after the first, the logprobs it reports for 128 tokens it samples in answer to an
+open question (`SAMPLING_PROBE`) must add up to the trainer's under the recipe's sampling processing, not to the raw
+model's (`sampler_probe_verdict`). A failed check stops every rank.
 `VLLMServerClient` (mt_grpo_trainer.py) owns one `WeightSync` and calls it before each rollout that follows
 an optimizer step; the HTTP calls stay on the client."""
 
@@ -48,23 +49,46 @@ class WeightSyncConfig:
                    max_adapters=script_args.max_staleness + 1 if script_args.async_rollout else 1)
 
 
-# The probe conversation: the server must score it like the trainer after every sync
-PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
-         {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
-          "tool_calls": []}]
+# The weights probe: a closed conversation the server must score like the trainer after every sync (prompt
+# logprobs; nothing is sampled)
+WEIGHTS_PROBE = [{"role": "user", "content": "What is the capital of Veltria?"},
+                 {"role": "assistant", "content": "<reasoning>I look it up.</reasoning>\n<answer>Morvane</answer>",
+                  "tool_calls": []}]
+# The sampling probe: an open question, rendered with the generation prompt, that the server answers once after the
+# first sync. Open, so that most of the answer's tokens are uncertain: after the closed conversation above the server
+# would sample one near-certain token (the end of turn), on which raw and processed logprobs hardly differ.
+SAMPLING_PROBE = [{"role": "user", "content": "Describe a walk through a city you like: the streets, the people, "
+                                              "the food."}]
+# Sampled past any end of turn. A raw server's gap grows as n, numerics noise as sqrt(n): the probe tells the two
+# apart when the raw gap per token exceeds 6 x sync_probe_tolerance / sqrt(n), 0.053 at bf16's 0.1 (raw_sum_gap_needed)
+SAMPLING_PROBE_TOKENS = 128
+
+
+@dataclass
+class Probes:
+    """Token ids of the two probes in the run's chat template: `weights` (WEIGHTS_PROBE, closed) and `sampling`
+    (SAMPLING_PROBE, ending in the generation prompt)."""
+
+    weights: list[int]
+    sampling: list[int]
+
+    @classmethod
+    def render(cls, render_ids: Callable) -> "Probes":
+        """`render_ids(messages, add_generation_prompt)`: MultiTurnToolEnv.render_ids."""
+        return cls(render_ids(WEIGHTS_PROBE), render_ids(SAMPLING_PROBE, add_generation_prompt=True))
 
 
 class WeightSync:
-    """The weight sync of one server `client` (a VLLMServerClient). `probe_ids`: the probe sequence (None:
+    """The weight sync of one server `client` (a VLLMServerClient). `probes`: the probes' token ids (None:
     no probe). `score_sampled(model, prompt_ids, prompt_mask, completion_ids, completion_mask, processed=)`:
     the trainer's (1, n) logprobs of sampled tokens under the client's sampling processing (processed=True)
     or under none, for the sampling probe."""
 
-    def __init__(self, client, config: WeightSyncConfig, probe_ids: list[int] | None,
+    def __init__(self, client, config: WeightSyncConfig, probes: Probes | None,
                  score_sampled: Callable | None = None):
         self.client = client
         self.config = config
-        self.probe_ids = probe_ids
+        self.probes = probes
         self.score_sampled = score_sampled
         self.syncs = 0
         self._nccl = None
@@ -100,7 +124,7 @@ class WeightSync:
         accelerator.wait_for_everyone()
         self.syncs += 1
         metrics = {**(metrics or {}), **self._check_probe(unwrapped, accelerator)}
-        if self.syncs == 1 and self.probe_ids is not None:
+        if self.syncs == 1 and self.probes is not None:
             metrics.update(self.check_sampler(unwrapped, accelerator))
         metrics["sync/seconds"] = time.perf_counter() - t0
         return metrics
@@ -169,13 +193,13 @@ class WeightSync:
     def _check_probe(self, model, accelerator) -> dict:
         """Every rank runs the trainer-side forward (ZeRO-3 needs all); rank 0 asks the server and judges;
         the verdict is broadcast so that every rank stops on a failure, not only rank 0."""
-        if self.probe_ids is None:
+        if self.probes is None:
             return {}
         with torch.no_grad():
-            ours = policy_prompt_logprobs(model, self.probe_ids)
+            ours = policy_prompt_logprobs(model, self.probes.weights)
         verdict = [None, {}]
         if accelerator.is_main_process:
-            theirs = torch.tensor(self.client.prompt_logprobs(self.probe_ids))
+            theirs = torch.tensor(self.client.prompt_logprobs(self.probes.weights))
             reference = self._probe_reference if self._probe_reference is not None else ours
             error, metrics, verified = probe_verdict(ours, reference, theirs, self._probe_noise,
                                                      self.config.probe_tolerance)
@@ -190,20 +214,22 @@ class WeightSync:
             raise RuntimeError(verdict[0])
         return verdict[1]
 
-    def check_sampler(self, model, accelerator, tokens: int = 32) -> dict:
-        """Once, after the first sync: the server samples `tokens` tokens after the probe sequence with the
-        recipe's parameters, and the logprobs it reports must be the trainer's under the same processing
-        (policy_sampler_logprobs), not the raw model's. Catches a server started without
-        `--logprobs-mode processed_logprobs` that /server_info could not tell, and any processing the two
-        sides do differently. Every rank runs the trainer forward; rank 0 judges; every rank stops on failure."""
+    def check_sampler(self, model, accelerator, tokens: int = SAMPLING_PROBE_TOKENS) -> dict:
+        """Once, after the first sync: the server answers the sampling probe with the recipe's parameters, exactly
+        `tokens` tokens (ignore_eos and no stops; not min_tokens, which masks the end-of-turn tokens and so changes
+        the distribution whose logprobs the server reports), and the sum of the logprobs it reports must be the
+        trainer's under the same processing (policy_sampler_logprobs), not the raw model's (sampler_probe_verdict).
+        Catches a server started without `--logprobs-mode processed_logprobs` that /server_info could not tell, and
+        processing the two sides do differently. Every rank runs the trainer forward; every rank judges and stops."""
         sample = [None]
         if accelerator.is_main_process:
-            (sample[0],) = self.client._complete([self.probe_ids], tokens, 1, self.client.params)[0]
+            (sample[0],) = self.client._complete([self.probes.sampling], tokens, 1, self.client.params, stop=[],
+                                                 stop_token_ids=[], ignore_eos=True)[0]
         sample = broadcast_object_list(sample) if accelerator.num_processes > 1 else sample
         ids, theirs = sample[0].token_ids, torch.tensor(sample[0].logprobs)
         if not ids:
             return {}
-        prompt, completion = torch.tensor([self.probe_ids]), torch.tensor([ids])
+        prompt, completion = torch.tensor([self.probes.sampling]), torch.tensor([ids])
         device = next(model.parameters()).device
         with torch.no_grad(), accelerator.autocast():
             args = [t.to(device) for t in (prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))]
@@ -212,6 +238,13 @@ class WeightSync:
         error, metrics = sampler_probe_verdict(theirs, processed, raw, self.config.probe_tolerance)
         if error:
             raise RuntimeError(f"Sampling probe against the vLLM server at {self.client.base_url}: {error}")
+        gap, n = metrics["sync/sampler_probe_raw_sum_gap"], len(ids)
+        if gap != 0 and abs(gap) <= raw_sum_gap_needed(self.config.probe_tolerance, n) and accelerator.is_main_process:
+            logger.warning("The sampling probe cannot tell whether the vLLM server reports processed or raw logprobs: "
+                           "under these sampling parameters the two sums over its %d tokens differ by %.3g, less than "
+                           "the %.3g it needs at sync_probe_tolerance=%g. Only /server_info (dev mode) says which: "
+                           "make sure the server runs with `--logprobs-mode processed_logprobs` (launch.sh does).",
+                           n, gap, raw_sum_gap_needed(self.config.probe_tolerance, n), self.config.probe_tolerance)
         return metrics
 
 
@@ -256,23 +289,46 @@ def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Ten
     return "", metrics, measurable or reference is ours
 
 
+def raw_sum_gap_needed(tolerance: float, n: int) -> float:
+    """How far apart the raw and the processed sums over `n` sampled tokens must be for the sampling probe to tell
+    which one a server reports: 6 x tolerance x sqrt(n). Numerics noise of either sign adds up as sqrt(n), and it
+    misjudges a correct server only past the midpoint, 3 x tolerance x sqrt(n). Measured (SmolLM2, 64 tokens, T 0.7):
+    bf16 against float32 moved the sum by 0.65 RMS (0.8 x 0.1 x sqrt(64)), so the midpoint is 4 standard deviations
+    away, while the gap a raw server leaves was 8 to 12 there."""
+    return 6 * tolerance * math.sqrt(n)
+
+
 def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor,
                           tolerance: float) -> tuple[str, dict]:
-    """Judge the logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under
-    the recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation).
-    Returns (error or "", metrics). NaN (vLLM's null for -inf) counts as a mismatch."""
-    gap = lambda x: torch.nan_to_num((theirs - x).abs(), nan=math.inf)  # noqa: E731
-    metrics = {"sync/sampler_probe_max_abs_logprob_diff": gap(processed).max().item()}
-    if metrics["sync/sampler_probe_max_abs_logprob_diff"] <= tolerance:
-        return "", metrics
-    if gap(raw).max().item() <= tolerance or gap(raw).mean() < gap(processed).mean():
-        return ("its sampled tokens' logprobs are the raw model's (no temperature, top-p, top-k, min_p or "
-                "repetition penalty), not those of the distribution it sampled from, so every importance weight "
-                "would be off: restart the server with `--logprobs-mode processed_logprobs` (launch.sh does)."), metrics
-    return (f"its sampled tokens' logprobs differ from the trainer's under the same sampling parameters by up to "
-            f"{metrics['sync/sampler_probe_max_abs_logprob_diff']:.4g} (> sync_probe_tolerance={tolerance}): the "
-            "server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or serves another "
-            "model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."), metrics
+    """Judge the (n,) logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under the
+    recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation), by their sums
+    over the tokens: a difference in kind adds up as n, numerics noise of either sign as sqrt(n).
+    Returns (error or "", metrics).
+    - Raw logprobs: the server sampled from the processed distribution q, so on average the trainer's processed sum
+      exceeds the raw one by n x KL(q || raw): the temperature sharpens, truncation renormalises. A server whose sum
+      is nearer the raw sum than the processed one is refused, once the two are `raw_sum_gap_needed` apart. At
+      temperature 1 with no truncation or penalty they are equal: the probe cannot tell, and a raw server is right.
+    - Other processing: the sums differ by more than `tolerance` per token.
+    NaN (vLLM's null for -inf) counts as a mismatch."""
+    n = len(theirs)
+    theirs_sum = torch.nan_to_num(theirs.double(), nan=-math.inf).sum().item()
+    processed_sum, raw_sum = processed.double().sum().item(), raw.double().sum().item()
+    off_processed, off_raw = abs(theirs_sum - processed_sum), abs(theirs_sum - raw_sum)
+    metrics = {"sync/sampler_probe_logprob_sum_diff": theirs_sum - processed_sum,
+               "sync/sampler_probe_raw_sum_gap": processed_sum - raw_sum}
+    if abs(processed_sum - raw_sum) > raw_sum_gap_needed(tolerance, n) and off_raw < off_processed:
+        return (f"it reports the raw model's logprobs, not those of the distribution it samples from: over {n} tokens "
+                f"it sampled, their sum is {theirs_sum:.4g}, the raw model's {raw_sum:.4g}, where the trainer's under "
+                f"the recipe's temperature, top-p, top-k, min_p and repetition penalty is {processed_sum:.4g}. Every "
+                "importance weight would be off: restart the server with `--logprobs-mode processed_logprobs` "
+                "(launch.sh does)."), metrics
+    if off_processed > tolerance * n:
+        return (f"the logprobs it reported for {n} tokens it sampled differ from the trainer's under the same sampling "
+                f"parameters: their sum by {theirs_sum - processed_sum:.4g} (allowed: sync_probe_tolerance={tolerance} "
+                "per token). The server processes logits otherwise than `sampler_logprobs` (another vLLM version?) or "
+                "serves another model or dtype. Check --logprobs-mode processed_logprobs, --model and --dtype."
+                ), metrics
+    return "", metrics
 
 
 def is_peft_model(model) -> bool:

@@ -66,11 +66,15 @@ def lever_stats(history: list[dict]) -> dict:
     step_times = [h["step_time"] for h in train if "step_time" in h]
     last = max((h["step"] for h in train), default=0)
     mean = lambda key: (sum(v) / len(v) if (v := [h[key] for h in train if key in h]) else math.nan)  # noqa: E731
+    # dynamic sampling: what the policy scored on its own draws, not the batch after replacement (0 signal-free
+    # groups by construction); runs logged before `dynamic_sampling/first_draw/` give the trained batch's
+    drawn = "dynamic_sampling/first_draw/" if any("dynamic_sampling/first_draw/rewards/outcome/mean" in h
+                                                  for h in train) else ""
     return {"steps": last, "minutes": training_minutes(history, last),
             "seconds_per_step": sum(step_times) / len(step_times) if step_times else math.nan,
-            # with one group per step, the share of steps that trained on nothing
-            "zero_signal_share": mean("rewards/frac_zero_signal_groups"),
-            "train_exact_match": mean("rewards/outcome/exact_match_reward_func"),
+            # with one group per step, the share of steps whose group had no signal
+            "zero_signal_share": mean(drawn + "rewards/frac_zero_signal_groups"),
+            "train_exact_match": mean(drawn + "rewards/outcome/exact_match_reward_func"),
             "groups_replaced": sum(h.get("dynamic_sampling/groups_replaced", 0.0) for h in train)}
 
 

@@ -29,7 +29,7 @@ def sync_seconds(model, model_dir: str, mode: str, rank: int, repeats: int) -> t
                        lora_rank=rank if mode == "adapter" else None) as server:
         client = VLLMServerClient(base_url=f"http://127.0.0.1:{server.port}", params=SamplingParams(),
                                   startup_timeout=30)
-        sync = WeightSync(client, WeightSyncConfig(folder=os.path.join(folder, "sync"), lora_sync=mode), probe_ids=None)
+        sync = WeightSync(client, WeightSyncConfig(folder=os.path.join(folder, "sync"), lora_sync=mode), probes=None)
         accelerator = Accelerator(cpu=True)
         times, sizes = [], []
         for _ in range(repeats + 1):

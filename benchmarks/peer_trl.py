@@ -4,8 +4,14 @@ computes here: one group-normalised advantage of the summed turn and outcome rew
 on the same model, task, tool, prompts, rewards, seeds and step budget, each evaluated by our evaluation code
 on the same test questions from step 0.
 
-    .venv/bin/python benchmarks/peer_trl.py -- --max_steps 10 --eval_steps 5   # 4 trainers x 2 seeds -> docs/peer_trl.*
-    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo --seeds 1 -- --max_steps 2
+    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo -- --max_steps 10 --eval_steps 10  # docs/peer_trl.*
+    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo --seeds 1 --turn_caps 64 -- --max_steps 2
+
+The per-turn cap is matched (`--turn_caps`, default 64 and none): TRL's tool loop takes one through
+`generation_kwargs={"max_new_tokens": cap}`, which it applies to every turn, as ours takes `max_tokens_per_turn`;
+without a cap ours may spend the whole completion budget in one turn, as TRL's default does. Each cap is its own
+comparison: a trainer is named `<trainer> cap64` or `<trainer> nocap` in the outputs, and is evaluated with the
+same cap.
 
 What is shared, and how:
 - the recipe: hf_recipes/SmolLM2-135M-Instruct/study.yaml (learning rate, loss type, episodes per step,
@@ -27,9 +33,9 @@ What is shared, and how:
   functions, on TRL's completions, which are the same message format).
 - evaluation: our `run_evaluation` on the trained weights (TRL's model object is our evaluator's model).
 
-What it measures, per trainer and seed, into outputs/peer_trl/w<N>/<trainer>-s<seed>/peer.jsonl (N: the warm
-start, so that runs from different starting models are never reported together): eval metrics
-at step 0 and every `eval_steps`; each optimizer step's seconds, split into rollout (generation, tools,
+What it measures, per trainer and seed, into outputs/peer_trl/w<N>/<cap>/<trainer>-s<seed>/peer.jsonl (N: the
+warm start, so that runs from different starting models are never reported together): eval metrics
+at step 0 (the warm start, greedy: evaluated once per cap and shared by its runs) and every `eval_steps`; each optimizer step's seconds, split into rollout (generation, tools,
 rewards and advantages: `_generate_and_score_completions`) and training (the rest); peak RSS during
 training steps (sampled every 0.1 s) and over the run; and the mask check: every trained row's loss mask
 is split into runs, and each environment run (mask 0) must decode to exactly one template tool-reply
@@ -37,8 +43,10 @@ block, and each model run (mask 1) that precedes one must end at <|im_end|>. Wri
 the learning study does (the trainer in the `mode` column; the plot against steps and against minutes of
 training), OUT_steps.csv (one row per run: mean step, rollout and training seconds, model tokens per episode
 (both trainers log them as `completions/mean_length`: a step's cost follows what the policy writes, so read
-the seconds beside it), peak RSS, rows checked, mask problems), and prints both tables. Run it alone on the
-machine (`--parallel 1`, the default) for seconds that compare the trainers rather than the contention.
+the seconds beside it), peak RSS, rows checked, mask problems, the machine's mean 1-minute load during the
+steps), and prints both tables. Run it alone on the machine (`--parallel 1`, the default) for seconds that
+compare the trainers rather than the contention: the load column shows whether a run had it alone (about 2
+on 2 cores).
 """
 
 import argparse
@@ -216,12 +224,25 @@ def timed(fn, into: list):
 
 
 # -- one run: a worker process -------------------------------------------------------------------------
-def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, flags: list[str]) -> None:
-    """Train one trainer for the recipe's steps, writing peer.jsonl in `out`."""
+def cap_flags(recipe: str, flags: list[str], turn_cap: int) -> list[str]:
+    """`flags` with our per-turn cap set: `turn_cap` tokens, or the whole completion budget when 0 (no cap)."""
+    from mt_grpo_trainer import parse_args
+
+    budget = parse_args(["--config", recipe, *flags])[1].max_completion_length
+    return [*flags, "--max_tokens_per_turn", str(turn_cap or budget)]
+
+
+def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, flags: list[str],
+            turn_cap: int = 0) -> None:
+    """Train one trainer for the recipe's steps, writing peer.jsonl in `out`. `turn_cap`: tokens per model
+    turn for both trainers (ours: `max_tokens_per_turn`; TRL: `generation_kwargs={"max_new_tokens": cap}`,
+    which its tool loop applies to every turn); 0: no cap (ours: the whole completion budget; TRL: its default).
+    The evaluation runs our env with the same cap, so both trainers of one cap are evaluated alike."""
     from transformers import TrainerCallback
 
     from mt_grpo_trainer import GracefulStop, build_trainer, get_last_checkpoint
 
+    flags = cap_flags(recipe, flags, turn_cap)
     argv = ["--config", recipe, "--tool_format", "chat_template", "--model_name_or_path", model,
             "--seed", str(seed), "--output_dir", out, "--save_strategy", "steps", "--save_total_limit", "1",
             "--advantage_mode", "outcome_only" if trainer_name == "trl" else trainer_name,
@@ -233,7 +254,7 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
     ours = build_trainer(argv, evaluation=True)
     eval_steps = int(ours.args.eval_steps or 10)
     ours.args.save_steps = eval_steps
-    trainer = ours if trainer_name != "trl" else trl_trainer(ours, argv)
+    trainer = ours if trainer_name != "trl" else trl_trainer(ours, argv, turn_cap)
     record_path = os.path.join(out, "peer.jsonl")
     resume = get_last_checkpoint(out) if stopped_early(out) else None
     done = set()
@@ -248,12 +269,23 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
         with open(record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    # Step 0 is the warm start under greedy decoding, the same for every trainer and seed of one cap: evaluated
+    # by the first run of that cap, and read by the others (the file sits in the cap's folder)
+    step0 = os.path.join(os.path.dirname(out), "eval-step-0.json")
+
     def evaluate(step: int) -> None:
         if step in done:
             return
         rss.window = "eval"
-        metrics, records = ours.run_evaluation()
-        ours._write_records(f"eval-step-{step:06d}.jsonl", records, folder=out)  # scripts/view_rollouts.py reads them
+        if step == 0 and os.path.isfile(step0):
+            with open(step0) as f:
+                metrics = json.load(f)
+        else:
+            metrics, records = ours.run_evaluation()
+            ours._write_records(f"eval-step-{step:06d}.jsonl", records, folder=out)  # view_rollouts.py reads them
+            if step == 0:
+                with open(step0, "w") as f:
+                    json.dump(metrics, f)
         write({"kind": "eval", "step": step, "metrics": metrics})
         done.add(step)
 
@@ -269,6 +301,7 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.t0
             write({"kind": "step", "step": state.global_step, "seconds": seconds, "rollout_seconds": sum(rollout),
+                   "load_1min": os.getloadavg()[0],  # the machine's load: what else ran beside this run
                    "peak_rss_train": rss.peak["train"], "mask_rows": mask.rows, "mask_env_runs": mask.env_runs,
                    "mask_problems": mask.problems[:5]})
             rss.window = "eval"
@@ -301,15 +334,20 @@ def cut_as_ours(env, tool):
     return cut
 
 
-def trl_trainer(ours, argv: list[str]):
+def trl_trainer(ours, argv: list[str], turn_cap: int = 0):
     """TRL's GRPOTrainer on our evaluator's model object, with the recipe's GRPOConfig, our tools, our
-    reward functions as one weighted sum, and our prompts as TRL renders them."""
+    reward functions as one weighted sum, and our prompts as TRL renders them. `turn_cap` > 0 caps every
+    turn of TRL's tool loop at that many new tokens: `generation_kwargs` overrides `max_new_tokens` in the
+    GenerationConfig that each of its turns uses (after a tool reply TRL still trims the whole completion
+    to `max_completion_length`)."""
     from trl import GRPOTrainer
 
     from mt_grpo_trainer import parse_args
 
     script_args, args, _ = parse_args(argv)  # a config of its own: TRL reads and sets fields on it
     args.max_tool_calling_iterations = script_args.max_env_steps
+    if turn_cap:
+        args.generation_kwargs = {**(args.generation_kwargs or {}), "max_new_tokens": turn_cap}
     args.save_steps = ours.args.save_steps  # a checkpoint at each evaluation, to resume from, as ours
     args.reward_weights = [*ours.turn_weights.tolist(), *ours.outcome_weights.tolist()]
     env = ours.env
@@ -331,9 +369,14 @@ def trl_trainer(ours, argv: list[str]):
 
 
 # -- the study ---------------------------------------------------------------------------------------
-def command(trainer_name: str, seed: int, path: str, flags: list[str], model: str, recipe: str = RECIPE) -> list[str]:
+def command(trainer_name: str, seed: int, path: str, flags: list[str], model: str, recipe: str = RECIPE,
+            turn_cap: int = 0) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", trainer_name, "--seed", str(seed),
-            "--output_dir", path, "--model", model, "--recipe", recipe, "--", *flags]
+            "--output_dir", path, "--model", model, "--recipe", recipe, "--turn_cap", str(turn_cap), "--", *flags]
+
+
+def cap_folder(turn_cap: int) -> str:
+    return f"cap{turn_cap}" if turn_cap else "nocap"
 
 
 def read_run(path: str) -> list[dict]:
@@ -363,6 +406,8 @@ def collect(jobs: list[tuple[str, int, str]]) -> tuple[list[dict], list[dict]]:
                      "rollout_s": mean([r["rollout_seconds"] for r in steps]),
                      "train_s": mean([r["seconds"] - r["rollout_seconds"] for r in steps]),
                      "model_tokens_per_episode": mean(logged),
+                     # runs alone on 2 cores read about 2; more means other work shared the cores
+                     "load_1min": mean([r.get("load_1min", math.nan) for r in steps]),
                      "peak_rss_train_gib": max([r["peak_rss_train"] for r in steps], default=0) / 2**30,
                      "max_rss_gib": max([e["max_rss"] for e in ends], default=math.nan) / 2**30,
                      "mask_rows": steps[-1]["mask_rows"] if steps else 0,
@@ -385,11 +430,15 @@ def main():
                     "call turn of this many training-split episodes (made once in --runs/warm-N; the runs go to "
                     "--runs/wN); 0: the untrained model, which makes no tool call under this template; 8 or more: "
                     "every first turn searches and hits, so turn credit has nothing to act on")
+    ap.add_argument("--turn_caps", nargs="+", type=int, default=[64, 0], help="tokens per model turn, for both "
+                    "trainers (ours: max_tokens_per_turn; TRL: generation_kwargs max_new_tokens); 0: no cap. Each cap's "
+                    "runs go to --runs/wN/cap<C> (or nocap), its trainers named `<trainer> cap<C>` in the outputs")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     ap.add_argument("--report", action="store_true", help="run nothing: write the outputs from the runs that finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
     ap.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--turn_cap", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--output_dir", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -398,15 +447,19 @@ def main():
     if args.warm_start and not args.worker:
         model = warm_start(os.path.join(args.runs, f"warm-{args.warm_start}"), model, args.recipe, args.warm_start)
     if args.worker:
-        return run_one(args.worker, args.seed, args.output_dir, model, args.recipe, flags)
-    jobs = [(name, seed, os.path.join(args.runs, f"w{args.warm_start}", f"{name}-s{seed}"))
-            for seed in args.seeds for name in args.trainers]
+        return run_one(args.worker, args.seed, args.output_dir, model, args.recipe, flags, args.turn_cap)
+    # seed by seed, each cap's trainers in turn, so that a drift in the machine's speed reaches every trainer
+    runs_of = {os.path.join(args.runs, f"w{args.warm_start}", cap_folder(cap), f"{name}-s{seed}"): (name, cap)
+               for seed in args.seeds for cap in args.turn_caps for name in args.trainers}
+    jobs = [(f"{name} {cap_folder(cap)}", seed, path) for path, (name, cap) in runs_of.items()
+            for seed in [int(path.rpartition("-s")[2])]]
     todo = [] if args.report else [j for j in jobs if args.fresh or not finished(j[2])]
     for _, _, path in todo if args.fresh else []:
         shutil.rmtree(path, ignore_errors=True)
     start = time.monotonic()
     failed = run_all(todo, flags, args.parallel, args.deadline,
-                     command_fn=lambda name, seed, path, f: command(name, seed, path, f, model, args.recipe))
+                     command_fn=lambda _, seed, path, f: command(runs_of[path][0], seed, path, f, model, args.recipe,
+                                                                 runs_of[path][1]))
     evals, runs = collect([j for j in jobs if finished(j[2])])
     if evals:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

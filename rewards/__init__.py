@@ -30,7 +30,8 @@ from registry import resolve
 from rewards.conversation import count_tool_turns, is_per_turn, per_turn, tool_turns
 from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS
 
-__all__ = ["REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns", "count_tool_turns"]
+__all__ = ["REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns", "count_tool_turns",
+           "reward_columns"]
 
 REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS}
 
@@ -40,3 +41,9 @@ def get_reward_func(name: str) -> Callable:
     `package.module.func` (registry.py resolves both, for tools too). Fails with a ValueError that
     says what to change."""
     return resolve(name, REWARD_FUNCS, "reward function")
+
+
+def reward_columns(inputs: list[dict]) -> dict[str, list]:
+    """The dataset's columns, as the keyword arguments every reward function receives (TRL's convention):
+    each column's values over the batch. `prompt` goes positionally; `row` is ours (the eval question's index)."""
+    return {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}

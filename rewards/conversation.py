@@ -13,6 +13,7 @@ Every helper tolerates any content (missing keys, None, non-dict messages, a Non
 a reward function must score odd text, never raise on it.
 """
 
+import ast
 from typing import Callable
 
 from protocol import ERROR_PREFIX, THINK_CLOSE, final_answer
@@ -82,8 +83,23 @@ def calls(message) -> list[tuple[str, object]]:
 
 
 def failed(tool_message) -> bool:
-    """The call did not run or raised: the environment's reply starts with ERROR_PREFIX."""
-    return content(tool_message).strip().startswith(ERROR_PREFIX)
+    """The call did not run or raised: the environment's reply starts with ERROR_PREFIX, or is TRL's
+    failed-call reply, `str({"error": ...})` (its tool loop's, so that a conversation TRL ran scores as ours)."""
+    text = content(tool_message).strip()
+    return text.startswith(ERROR_PREFIX) or _trl_error(text)
+
+
+def _trl_error(text: str) -> bool:
+    """`text` is `str({"error": <message>})`: what TRL's GRPOTrainer puts in the tool message of a call that
+    raised or named no tool (trl/trainer/grpo_trainer.py, the tool loop). A tool may itself return a dict
+    with other keys; only the one-key error dict is TRL's failure."""
+    if not text.startswith("{'error': "):
+        return False
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return isinstance(value, dict) and list(value) == ["error"]
 
 
 def malformed(tool_message) -> bool:

@@ -19,11 +19,12 @@ VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 class VLLMCPUServer:
     """Dev mode (weight reload, /reset_prefix_cache, /server_info), float32, processed logprobs (those of the
-    distribution it samples from; `logprobs_mode` other than that only for the test that it is refused);
-    with `lora_rank`, LoRA adapters of up to that rank loaded at run time."""
+    distribution it samples from; `logprobs_mode` other than that only for the tests that it is refused);
+    with `lora_rank`, LoRA adapters of up to that rank loaded at run time. `dev_mode=False`: none of dev mode's
+    endpoints, as a production server (the sampling probe's test: no /server_info to read the logprobs mode from)."""
 
     def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
-                 logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None):
+                 logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None, dev_mode: bool = True):
         if not os.path.exists(VLLM_PYTHON):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
@@ -37,7 +38,9 @@ class VLLMCPUServer:
                "--generation-config", "vllm"]
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if lora_rank:  # serves LoRA adapters loaded at run time (the trainer's lora_sync: adapter)
             cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2"]
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -19,10 +19,13 @@ so in a .jsonl file without blank lines that is line 18). A dataset with no vali
 
 import csv
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import datasets
+
+logger = logging.getLogger("mt_grpo")
 
 TASK_NAMES = ["fictional_kb", "triviaqa"]
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -198,3 +201,21 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
         return [], f"answer list holds a {type(bad).__name__}, not only strings"
     aliases = list(dict.fromkeys(a.strip() for a in answer if a.strip()))
     return (aliases, "") if aliases else ([], "empty answer")
+
+
+def build_dataset(script_args, env, task):
+    """The task's questions -> chat prompts (`env.prompt`: the trainer's MultiTurnToolEnv); prompts longer than
+    `script_args.max_prompt_length` tokens are dropped, with a count."""
+    # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
+    # pickled (dill warned at every start, and the cache never worked)
+    dataset = task.dataset.add_column("prompt", [env.prompt(q) for q in task.dataset["question"]])
+    lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
+    keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
+    if len(keep) < len(dataset):
+        logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.",
+                       len(dataset) - len(keep), len(dataset), script_args.max_prompt_length)
+        if not keep:
+            raise ValueError(f"Every prompt is longer than `max_prompt_length` "
+                             f"({script_args.max_prompt_length}); raise it.")
+        dataset = dataset.select(keep)
+    return dataset

@@ -322,20 +322,48 @@ def test_per_turn_credit_reaches_an_episode_that_never_searched():
     assert adv.tokens[0, 2].item() == pytest.approx(A_O[0], abs=1e-5)  # its answer turn: A_O
 
 
+# ---- mt_grpo with a @per_turn turn reward: the same turn-0 rule, one column (K = 1)
+def test_mt_grpo_with_a_per_turn_reward_credits_the_first_turn_of_an_episode_that_never_searched():
+    """One group, R_O all 0 (A_O = 0), one per-turn turn reward: s0 (tool turns 0.5 then 0.2) and s1 (0.5) searched,
+    s2 and s3 answered at once. mt_grpo reads the first tool turn: R_T 0.5 0.5, and 0 0 for the turns that called
+    nothing (mean 0.25, sample std sqrt(0.25 / 3)): A_T = +-0.25 / sqrt(1 / 12) = +-sqrt(3) / 2 on each first
+    turn. Left NaN, the no-search answers would leave the group's statistics, the two equal searches would give
+    A_T = 0, and the group would have no signal at all."""
+    from rewards import per_turn
+
+    @per_turn
+    def found(prompts, completions, **kwargs):
+        return [[0.5, 0.2], [0.5], [], []]
+
+    tool_turns = [2, 1, 0, 0]
+    per_func = compute_rewards_per_func([found], ["p"] * 4, [[]] * 4, {}, tool_turns=tool_turns, max_turns=1)
+    R_T = per_turn_reward_table(per_func, torch.tensor([1.0]), torch.tensor(tool_turns), [True])
+    assert R_T.tolist() == [[0.5], [0.5], [0.0], [0.0]]
+    rows = turns([Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3), Span("env", 3, 4), Span("model", 4, 5)],
+                 [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 5)],
+                 [Span("model", 0, 5)], [Span("model", 0, 5)], length=5)
+    adv = mt_grpo_advantages(R_T, torch.zeros(4), rows, 4, "mt_grpo", 1.0)
+    a = math.sqrt(3) / 2
+    assert adv.turn[:, 0].tolist() == pytest.approx([a, a, -a, -a])
+    assert torch.allclose(adv.tokens, torch.tensor([[a, 0, 0, 0, 0], [a, 0, 0, 0, 0], [-a] * 5, [-a] * 5]))
+    assert adv.informative.tolist() == [True] * 4
+    without_the_rule = weighted_reward(per_func, torch.tensor([1.0]))  # (4, 1): 0.5 0.5 NaN NaN
+    without = mt_grpo_advantages(without_the_rule, torch.zeros(4), rows, 4, "mt_grpo", 1.0)
+    assert without.informative.tolist() == [False] * 4 and without.tokens.abs().sum() == 0
+
+
 @pytest.mark.parametrize("loss_type, expected", [
-    # rows 0, 1 informative (mask 3 and 1 tokens), row 2 not (2 tokens); generation batch: 20 tokens, 5 informative
-    ("grpo", 3 / 2), ("dr_grpo", 3 / 2), ("luspo", 3 / 2), ("sapo", 3 / 2),
-    ("bnpo", 6 / 4),
+    # generation batch (all processes): 20 loss tokens, 5 of them informative; 8 rows, 2 of them informative
+    ("grpo", 8 / 2), ("dr_grpo", 8 / 2), ("luspo", 8 / 2), ("sapo", 8 / 2),
     ("dapo", 20 / 5), ("cispo", 20 / 5), ("vespo", 20 / 5),
 ])
 def test_zero_signal_scale_by_loss_type(loss_type, expected):
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    scale = zero_signal_scale(loss_type, mask, torch.tensor([1, 1, 0]), torch.tensor(20), torch.tensor(5))
-    assert scale.shape == (3, 1) and torch.allclose(scale, torch.full((3, 1), expected))
+    scale = zero_signal_scale(loss_type, torch.tensor(20), torch.tensor(5), torch.tensor(8), torch.tensor(2))
+    assert scale.shape == () and scale.item() == pytest.approx(expected)
 
 
-def test_zero_signal_scale_without_signal_is_one_and_an_unknown_loss_is_refused():
-    mask = torch.ones(2, 2)
-    assert torch.equal(zero_signal_scale("bnpo", mask, torch.zeros(2), torch.tensor(4), torch.tensor(0)), torch.ones(2, 1))
-    with pytest.raises(ValueError, match="mask_zero_advantage_groups: false"):
-        zero_signal_scale("new_loss", mask, torch.ones(2), torch.tensor(4), torch.tensor(4))
+def test_zero_signal_scale_without_signal_is_one_and_a_layout_dependent_loss_is_refused():
+    assert zero_signal_scale("grpo", torch.tensor(4), torch.tensor(0), torch.tensor(2), torch.tensor(0)).item() == 1.0
+    for loss_type in ("bnpo", "new_loss"):  # bnpo: each micro-batch's own token count, no one factor fits
+        with pytest.raises(ValueError, match="mask_zero_advantage_groups: false"):
+            zero_signal_scale(loss_type, torch.tensor(4), torch.tensor(4), torch.tensor(2), torch.tensor(2))

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RECIPE, ROOT, final_metrics, run
-from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, build_dataset, main
+from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, main
 from protocol import XMLProtocol
+from tasks import build_dataset
 
 
 def write(tmp_path, text):

@@ -380,3 +380,20 @@ def test_asking_for_more_documents_does_not_raise_the_turn_reward():
     third = [SEARCH, tool("\n\n".join(docs[1:])), answer_turn("Morvane")]
     for fn in (exist_answer_in_search_results, lambda p, c, a: [v[0] for v in answer_in_result_per_turn(p, c, a)]):
         assert fn(None, [fourth, third], [["Morvane"], ["Morvane"]]) == [0.0, 0.5]
+
+
+def test_trls_failed_call_reply_is_a_failed_call():
+    """TRL's tool loop answers a call that raised with `str({"error": ...})`, not our ERROR_PREFIX: the rewards
+    judge TRL's conversations (benchmarks/peer_trl.py) as ours, so such a call earns no execution credit and its
+    message is no search result, while a tool that returns a dict of its own still ran."""
+    from rewards.conversation import failed
+
+    raised = tool(str({"error": "search() got an unexpected keyword argument 'q'"}))
+    quoted = tool(str({"error": "Morvane isn't a query"}))  # repr switches to double quotes
+    assert failed(raised) and failed(quoted)
+    assert not failed(tool(str({"error": "x", "hits": 3}))) and not failed(tool("{'error': broken"))
+    assert not failed(tool(FOUND))
+    found_then_raised = [[SEARCH, tool(FOUND), SEARCH, raised, answer_turn("Morvane")]]
+    assert tool_execution_reward_func(None, found_then_raised) == [pytest.approx(0.1)]
+    assert exist_answer_in_search_results(None, [[SEARCH, tool(str({"error": FOUND})), answer_turn("Morvane")]],
+                                          answer=[["Morvane"]]) == [0.0]

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 
 from helpers import SAMPLER_GRID, on_policy_weights, sampler_id
 from mt_grpo_trainer import SamplingParams, TransformersBackend, sampler_logprobs, seen_tokens
-from weight_sync import sampler_probe_verdict
+from weight_sync import SAMPLING_PROBE_TOKENS, raw_sum_gap_needed, sampler_probe_verdict
 
 
 
@@ -38,6 +38,18 @@ def test_top_p_drops_a_token_once_the_mass_above_it_reaches_top_p():
     assert probs(logits, top_p=0.1) == pytest.approx([1.0, 0.0, 0.0])  # the most likely is always kept
 
 
+def test_the_drawn_token_is_never_dropped_and_is_scored_against_the_kept_set_plus_itself():
+    # probabilities 0.5 0.3 0.2 at top_p 0.8: the 0.2 token is outside the set. Drawn by a sampler whose
+    # numerics kept it, it is scored 0.2 / (0.8 + 0.2), the rest of the set unchanged relative to each other
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]] * 2)
+    got = sampler_logprobs(logits, SamplingParams(top_p=0.8), keep=torch.tensor([2, 0])).exp().tolist()
+    assert got[0] == pytest.approx([0.5, 0.3, 0.2])
+    assert got[1] == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0])  # a drawn token inside the set: nothing changes
+    # top-k and min_p likewise; temperature first, so the kept token's logit is the tempered one
+    assert sampler_logprobs(logits[:1], SamplingParams(temperature=0.5, top_k=1, min_p=0.5),
+                            keep=torch.tensor([1])).exp()[0].tolist() == pytest.approx([0.25 / 0.34, 0.09 / 0.34, 0.0])
+
+
 def test_min_p_is_relative_to_the_most_likely_token_before_top_k():
     logits = [math.log(0.5), math.log(0.3), math.log(0.2)]
     assert probs(logits, min_p=0.5) == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0])  # 0.2 < 0.5 * 0.5
@@ -57,10 +69,34 @@ def test_seen_tokens_are_those_before_each_position():
 
 
 def test_sampler_probe_verdict():
-    processed, raw = torch.tensor([-0.1, -0.5]), torch.tensor([-0.4, -1.2])
-    assert sampler_probe_verdict(processed + 1e-4, processed, raw, 1e-3)[0] == ""
-    assert "--logprobs-mode processed_logprobs" in sampler_probe_verdict(raw, processed, raw, 1e-3)[0]
-    assert "differ from the trainer's" in sampler_probe_verdict(processed - 0.2, processed, processed - 1.0, 1e-3)[0]
+    """Sums over the sampled tokens, at the bf16 tolerance 0.1: a raw server is refused once the raw and processed
+    sums are more than raw_sum_gap_needed apart (6 * 0.1 * sqrt(32) = 3.39 over 32 tokens); numerics noise within
+    the tolerance passes."""
+    assert raw_sum_gap_needed(0.1, 32) == pytest.approx(3.394, abs=1e-3)
+    raw_fix = "reports the raw model's logprobs"
+    processed, raw = torch.full((32,), -0.5), torch.full((32,), -0.8)  # raw sum 9.6 below the processed one
+    noise = torch.tensor([0.1, -0.1] * 16)  # each token off by the whole tolerance, of either sign
+    error, metrics = sampler_probe_verdict(processed + noise, processed, raw, 0.1)
+    assert error == "" and metrics == {"sync/sampler_probe_logprob_sum_diff": pytest.approx(0.0, abs=1e-5),
+                                       "sync/sampler_probe_raw_sum_gap": pytest.approx(9.6)}
+    assert sampler_probe_verdict(processed + 0.05, processed, raw, 0.1)[0] == ""  # a bias of half the tolerance
+    error = sampler_probe_verdict(raw, processed, raw, 0.1)[0]
+    assert raw_fix in error and "restart the server with `--logprobs-mode processed_logprobs`" in error
+    assert raw_fix in sampler_probe_verdict(raw + noise / 2 + 0.05, processed, raw, 0.1)[0]  # a noisy raw server
+    # raw 0.09 below processed per token: one token cannot tell (what the closed-turn probe sampled), nor can 32
+    # (2.88); the probe's SAMPLING_PROBE_TOKENS can
+    one, many = torch.full((1,), -0.8), torch.full((SAMPLING_PROBE_TOKENS,), -0.8)
+    assert sampler_probe_verdict(one, one + 0.09, one, 0.1)[0] == ""
+    assert sampler_probe_verdict(raw, raw + 0.09, raw, 0.1)[0] == ""
+    assert raw_fix in sampler_probe_verdict(many, many + 0.09, many, 0.1)[0]
+    # temperature 1, nothing truncated: raw is processed, and a raw server is right
+    assert sampler_probe_verdict(raw, raw, raw, 0.1) == ("", {"sync/sampler_probe_logprob_sum_diff": 0.0,
+                                                              "sync/sampler_probe_raw_sum_gap": 0.0})
+    # other processing: the sums 6.4 apart, more than 0.1 per token, and nearer the processed sum than the raw
+    assert "differ from the trainer's" in sampler_probe_verdict(processed - 0.2, processed, processed - 1.0, 0.1)[0]
+    theirs = processed.clone()
+    theirs[3] = math.nan  # vLLM's null: -inf for a token it sampled
+    assert "differ from the trainer's" in sampler_probe_verdict(theirs, processed, raw, 0.1)[0]
 
 
 @pytest.mark.parametrize("settings", SAMPLER_GRID, ids=sampler_id)

@@ -111,11 +111,11 @@ def signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags, extra_rows: int
     return trainer, batch
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo"])
-@pytest.mark.parametrize("mask", [True, False])
+@pytest.mark.parametrize("loss_type, mask", [("dapo", True), ("dapo", False), ("bnpo", False), ("dr_grpo", True),
+                                             ("dr_grpo", False)])  # bnpo with masking is refused (below)
 def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir, task_files, tmp_path, mask, loss_type):
     """Policy ratio 1, so each loss is -sum(A over loss tokens) / its normaliser. QA's group has signal
-    (R_O 1 0 1 0); QC's rewards are all equal, so its advantages are 0: with masking its tokens (dapo, bnpo)
+    (R_O 1 0 1 0); QC's rewards are all equal, so its advantages are 0: with masking its tokens (dapo)
     or rows (dr_grpo) leave the normaliser, and nothing else changes (the loss mask keeps every model token)."""
     trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--loss_type", loss_type,
                                     "--mask_zero_advantage_groups", str(mask).lower())
@@ -126,11 +126,54 @@ def test_groups_without_signal_leave_the_loss_and_its_normaliser(tiny_agent_dir,
     n_qc = len(tokenizer.encode(SIGNAL_SCRIPT[QC][0][0], add_special_tokens=False))
     a = 0.5 * math.sqrt(3)  # A_O = +-a in QA's group, A_T = 0 (no tool call)
     numerator = a * (n[0] - n[1] + n[2] - n[3])
-    denominator = {"dapo": sum(n) + (0 if mask else 4 * n_qc), "bnpo": sum(n) + (0 if mask else 4 * n_qc),
+    denominator = {"dapo": sum(n) + (0 if mask else 4 * n_qc), "bnpo": sum(n) + 4 * n_qc,
                    "dr_grpo": (4 if mask else 8) * 256}[loss_type]
     assert batch["num_items_in_batch"].item() == sum(n) + 4 * n_qc  # every model token stays in the loss mask
     assert (batch["completion_mask"] * batch["tool_mask"]).sum().item() == sum(n) + 4 * n_qc
     assert loss == pytest.approx(-numerator / denominator, rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo"])
+def test_masking_gives_one_gradient_whatever_the_micro_batch_layout(tiny_agent_dir, task_files, tmp_path, loss_type):
+    """Two micro-batches of 4 rows accumulated (gradient_accumulation_steps = steps_per_generation = 2), rows
+    0-3 (QA) with signal, 4-7 (QC) without. Laid out {0-3}, {4-7} or {0, 1, 4, 5}, {2, 3, 6, 7}, the same rows
+    give the same gradient, and it is the gradient of a generation batch of QA's group alone: the rows without
+    signal neither dilute the others nor change their weight."""
+    import torch
+
+    flags = ["--loss_type", loss_type, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    if loss_type == "vespo":  # its checked IS mode (the in-process sampler needs no correction)
+        flags += ["--vllm_importance_sampling_mode", "token_truncate"]
+    trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, *flags)
+    alone = trainer._generate_and_score_completions([dict(trainer.train_dataset[0])] * 4)  # QA's group, as in batch
+    trainer.current_gradient_accumulation_steps = 2
+
+    def gradient(batch: dict, layout: list[list[int]]) -> torch.Tensor:
+        """The accumulated gradient of `batch` laid out in the micro-batches `layout` (row indices)."""
+        trainer.model.zero_grad()
+        for rows in layout:
+            micro = {k: v[rows] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in batch.items()}
+            trainer._compute_loss(trainer.model, micro).backward()
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    by_group = gradient(batch, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    mixed = gradient(batch, [[0, 1, 4, 5], [2, 3, 6, 7]])
+    without = gradient(alone, [[0, 1], [2, 3]])
+    largest = by_group.abs().max()
+    assert largest > 1e-3
+    # float32 rounding only (QA's group alone is padded to its own length): 2e-6 of the largest entry seen
+    assert (by_group - mixed).abs().max() <= 1e-5 * largest
+    assert (by_group - without).abs().max() <= 1e-5 * largest
+
+
+def test_bnpo_with_masking_is_refused_with_the_fix(tiny_agent_dir, task_files, tmp_path):
+    """bnpo divides each micro-batch by its own tokens: no one factor makes masking independent of the layout."""
+    with pytest.raises(ValueError) as info:
+        signal_trainer(tiny_agent_dir, task_files, tmp_path, "--loss_type", "bnpo",
+                       "--mask_zero_advantage_groups", "true")
+    for named in ("`loss_type: bnpo`", "`mask_zero_advantage_groups: true`", "`loss_type: dapo`",
+                  "`mask_zero_advantage_groups: false`"):
+        assert named in str(info.value)
 
 
 def test_the_kl_and_the_metrics_act_on_every_group_whatever_the_masking(tiny_agent_dir, task_files, tmp_path):
@@ -153,7 +196,7 @@ def test_the_kl_and_the_metrics_act_on_every_group_whatever_the_masking(tiny_age
         trainer.beta = beta
         b = dict(batch)
         if not masking:
-            b.pop("informative"), b.pop("num_informative_items")
+            b.pop("zero_signal_scale")
         for values in trainer._metrics["train"].values():
             values.clear()
         loss = trainer._compute_loss(trainer.model, b).item()
@@ -185,10 +228,34 @@ def test_dynamic_sampling_replaces_groups_without_signal_by_new_questions(tiny_a
     m = trainer._metrics["train"]
     assert m["dynamic_sampling/rounds"] == [rounds] and m["dynamic_sampling/groups_replaced"] == [rounds]
     assert m["dynamic_sampling/groups_with_signal"] == [1.0 if found else 0.5]
+    # what was logged: QA's group scores exact match 1 0 1 0 (signal), QC's 0 0 0 0 (none); no tool call, so
+    # every turn reward is 0. The trained batch is after replacement; the first draw is QA and QC as sampled;
+    # the replacements are the `rounds` groups rolled out again, all QC but the last when it found QA.
+    exact = "rewards/outcome/exact_match_reward_func"
+    assert m[exact] == [0.5 if found else 0.25] and m["rewards/frac_zero_signal_groups"] == [0.0 if found else 0.5]
+    first, again = "dynamic_sampling/first_draw/", "dynamic_sampling/replacements/"
+    assert m[first + exact] == [0.25] and m[first + "rewards/outcome/mean"] == [0.25]
+    assert m[first + "rewards/frac_zero_signal_groups"] == [0.5] and m[first + "rewards/turn/mean"] == [0.0]
+    assert m[again + exact] == [pytest.approx(0.5 * found / rounds)]
+    assert m[again + "rewards/frac_zero_signal_groups"] == [pytest.approx(1 - found / rounds)]
+    assert m[again + "rewards/turn/tool_execution_reward_func"] == [0.0]
     # QA's group keeps its advantages; the second group has signal iff it became QA
     assert batch["advantages"][:4].abs().sum() > 0
     assert (batch["advantages"][4:].abs().sum() > 0) == found
-    assert batch["informative"].tolist() == [1] * 4 + [int(found)] * 4
+    mask = batch["completion_mask"] * batch["tool_mask"]  # dapo: the factor is tokens / informative tokens
+    assert batch["zero_signal_scale"].item() == pytest.approx(1.0 if found else (mask.sum() / mask[:4].sum()).item())
+
+
+def test_mt_grpo_gives_a_per_turn_turn_reward_of_an_episode_without_a_tool_call_zero(tiny_agent_dir, task_files,
+                                                                                     tmp_path):
+    """`advantage_mode: mt_grpo` with a @per_turn turn reward, on episodes that all answer at once: the function
+    returns [] (no tool turn), and the first turn of each episode earns 0 from it (per_turn_reward_table), as
+    in per_turn mode, not NaN ("not applicable", which would leave it out of its group's A_T)."""
+    trainer, _ = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--advantage_mode", "mt_grpo",
+                                "--turn_reward_funcs", "tool_execution_per_turn")
+    m = trainer._metrics["train"]
+    assert [fn.__name__ for fn in trainer.turn_reward_funcs] == ["tool_execution_per_turn"]
+    assert m["rewards/turn/mean"] == [0.0] and m["rewards/turn/frac_zero_std_groups"] == [1.0]
 
 
 def test_dynamic_sampling_draws_the_same_questions_everywhere_and_on_resume():

@@ -37,6 +37,8 @@ def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, fla
             assert 0 <= h["dynamic_sampling/rounds"] <= 2 and h["dynamic_sampling/groups_replaced"] >= h["dynamic_sampling/rounds"]
             # the rounds stop early only when every group has signal
             assert h["dynamic_sampling/rounds"] == 2 or h["dynamic_sampling/groups_with_signal"] == 1.0, h
+            # replacement only adds signal: the trained batch has no more empty groups than the policy's first draw
+            assert h["rewards/frac_zero_signal_groups"] <= h["dynamic_sampling/first_draw/rewards/frac_zero_signal_groups"]
     assert changed_parameters(tiny_agent_dir, out), "no parameter changed after 2 optimizer steps"
 
 

@@ -171,6 +171,20 @@ def test_the_ablation_reads_each_levers_run_and_its_training_statistics(tmp_path
     assert row[5:8] == ["0/4", "0.000 / 0.250", "0.500 / 0.500"] and row[-1] == 1
 
 
+def test_the_ablation_reads_what_dynamic_sampling_drew_not_what_it_trained_on():
+    """With `dynamic_sampling/first_draw/` logged, the signal and exact-answer columns are the first draw's: the
+    trained batch has its empty groups replaced, so its zero-signal share says nothing of the policy."""
+    from ablation import lever_stats
+
+    first = "dynamic_sampling/first_draw/"
+    history = [{"step": s, "loss": 0.1, "rewards/frac_zero_signal_groups": 0.0,
+                "rewards/outcome/exact_match_reward_func": 0.125, first + "rewards/outcome/mean": 0.2,
+                first + "rewards/frac_zero_signal_groups": float(s == 2),
+                first + "rewards/outcome/exact_match_reward_func": 0.0} for s in range(1, 5)]
+    stats = lever_stats(history)
+    assert stats["zero_signal_share"] == 0.25 and stats["train_exact_match"] == 0.0
+
+
 def test_every_levers_command_is_a_recipe_the_trainer_parses():
     """A lever's flags are trainer fields with valid values: a typo would cost a 45-minute run its start."""
     from ablation import LEVERS, lever_command

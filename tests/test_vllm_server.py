@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,6 +19,7 @@ from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
+from weight_sync import Probes, WeightSyncConfig
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
 
@@ -243,7 +245,7 @@ def test_qwen3_sampler_settings_train_with_weights_of_one(untied_server, tiny_ag
     steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--temperature", "0.7", "--top_p", "0.8",
                           "--top_k", "20", "--max_steps", "1")
     assert steps[0]["sampling/importance_weight_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert steps[0]["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
+    assert abs(steps[0]["sync/sampler_probe_logprob_sum_diff"]) < 1e-3
     assert steps[0]["grad_norm"] > 0
 
 
@@ -266,36 +268,56 @@ def test_a_server_returning_raw_logprobs_is_refused_at_start_up(raw_server, tiny
     assert "returns raw_logprobs" in proc.stderr and "--logprobs-mode processed_logprobs" in proc.stderr, proc.stderr[-3000:]
 
 
-def probe_client(port, tokenizer, params, cls=VLLMServerClient):
-    probe = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Where is Morvane?"}],
-                                                           add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    return cls(base_url=f"http://127.0.0.1:{port}", params=params, eos_token_ids=[tokenizer.eos_token_id],
-               startup_timeout=30, probe_ids=probe)
+# recipe sampling at temperature 0.7: alone, truncated as the Qwen3 recipes, and with every other processing too
+PROBE_SETTINGS = [dict(temperature=0.7), dict(temperature=0.7, top_p=0.8, top_k=20),
+                  dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2)]
 
 
-def test_the_sampling_probe_catches_raw_logprobs_where_server_info_cannot(raw_server, agent):
-    """A server without /server_info (not in dev mode, or another build) is judged by what it samples."""
-    from accelerate import Accelerator
-
-    class NoServerInfo(VLLMServerClient):
-        def check_logprobs_mode(self):
-            pass
-
-    model, tokenizer, _ = agent
-    client = probe_client(raw_server.port, tokenizer, SamplingParams(temperature=0.7, top_p=0.8, top_k=20), NoServerInfo)
-    with pytest.raises(RuntimeError, match="restart the server with `--logprobs-mode processed_logprobs`"):
-        client.weights.check_sampler(model, Accelerator(cpu=True))
+def probe_client(port, tokenizer, settings, **kwargs):
+    """The client as make_backend builds it, with the probes the tiny recipe's env renders (xml protocol)."""
+    env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
+                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40)
+    return VLLMServerClient(base_url=f"http://127.0.0.1:{port}", params=SamplingParams(**settings),
+                            eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30,
+                            probes=Probes.render(env.render_ids), **kwargs)
 
 
-def test_the_sampling_probe_passes_a_processed_server(untied_server, tiny_agent_dir, agent):
+def test_the_sampling_probe_refuses_raw_logprobs_without_server_info(tiny_agent_dir, agent, tmp_path):
+    """A server as vLLM starts by default (raw logprobs) and not in dev mode, so that start-up cannot read its
+    logprobs mode: the sampling probe of the first sync (check_sampler; the rest of a sync, the disk reload, needs dev
+    mode) refuses it under every setting at temperature 0.7, at the float32 tolerance of a float32 trainer and
+    server. At temperature 1 without truncation raw logprobs are the processed ones: it passes."""
     from accelerate import Accelerator
 
     model, tokenizer, _ = agent
-    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2)
-    client = probe_client(untied_server.port, tokenizer, params)
-    client.reload_weights_from_disk(tiny_agent_dir)  # the trainer's weights: earlier tests synced others
-    metrics = client.weights.check_sampler(model, Accelerator(cpu=True))
-    assert metrics["sync/sampler_probe_max_abs_logprob_diff"] <= 1e-3
+    fp32 = WeightSyncConfig(probe_tolerance=1e-3)
+    with VLLMCPUServer(tiny_agent_dir, tmp_path / "server.log", max_model_len=512, logprobs_mode="raw_logprobs",
+                       dev_mode=False) as server:
+        assert httpx.get(f"http://127.0.0.1:{server.port}/server_info").status_code == 404
+        for settings in PROBE_SETTINGS:
+            client = probe_client(server.port, tokenizer, settings, weight_sync=fp32)  # start-up cannot tell
+            with pytest.raises(RuntimeError, match=r"reports the raw model's logprobs.*restart the server with "
+                                                   r"`--logprobs-mode processed_logprobs`"):
+                client.weights.check_sampler(model, Accelerator(cpu=True))
+        client = probe_client(server.port, tokenizer, {}, weight_sync=fp32)
+        metrics = client.weights.check_sampler(model, Accelerator(cpu=True))
+    assert metrics["sync/sampler_probe_raw_sum_gap"] == 0.0
+    assert abs(metrics["sync/sampler_probe_logprob_sum_diff"]) < 1e-3
+
+
+def test_the_first_sync_passes_a_processed_server(untied_server, agent, tmp_path):
+    """The first weight sync (disk, which also gives the server the trainer's weights: earlier tests synced others)
+    against a server with processed logprobs: its sum over the probe's sampled tokens is the trainer's to float32
+    precision, and the raw sum is far from it, under every setting at temperature 0.7."""
+    from accelerate import Accelerator
+
+    model, tokenizer, _ = agent
+    for settings in PROBE_SETTINGS:
+        client = probe_client(untied_server.port, tokenizer, settings,
+                              weight_sync=WeightSyncConfig(folder=str(tmp_path / "sync"), probe_tolerance=1e-3))
+        metrics = client.sync_weights(model, Accelerator(cpu=True))
+        assert abs(metrics["sync/sampler_probe_logprob_sum_diff"]) < 1e-3, (settings, metrics)
+        assert metrics["sync/sampler_probe_raw_sum_gap"] > 1.0, (settings, metrics)
 
 
 # ------------------------------------------------------------------------------------------------
