@@ -36,6 +36,7 @@ TURN_NORMALIZATIONS = ("pooled", "by_turn_index")
 BACKENDS = ("transformers", "vllm_server")
 TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
 WEIGHT_SYNCS = ("auto", "nccl", "disk")
+TIE_RULES = ("auto", "sort", "triton")  # vllm_tie_rule: weight_sync.server_sampler
 
 
 def check_script_args(args) -> None:
@@ -52,6 +53,7 @@ def check_script_args(args) -> None:
     check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
     check_choice("tool_format", sorted(PROTOCOLS))
     check_choice("lora_sync", ("adapter", "merged"))
+    check_choice("vllm_tie_rule", TIE_RULES)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
         if weights is not None and len(weights) != len(funcs):

