@@ -138,7 +138,7 @@ def main():
     results = {(name, ties): measure(model, ids, mask, start, dtype, ties) for name, dtype, ties in columns}
     keys = [("positions", "positions (drawn tokens)"),
             ("tied", "share of positions: the k-th logit ties the (k+1)-th"),
-            ("extra", "tokens the trainer keeps beyond k, when tied (mean)"),
+            ("extra", "tokens tied with the k-th beyond k, when tied (mean)"),
             ("differ", "share of positions: the kept sets differ after top-p"),
             ("outside", "drawn tokens outside the trainer's set (kept by keep=drawn)"),
             ("nonzero_d", "share of drawn tokens with d != 0"),
