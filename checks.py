@@ -37,6 +37,7 @@ BACKENDS = ("transformers", "vllm_server")
 TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
 WEIGHT_SYNCS = ("auto", "nccl", "disk")
 TIE_RULES = ("auto", "sort", "triton")  # vllm_tie_rule: weight_sync.server_sampler
+ANSWER_TYPES = ("auto", "text", "math")  # answer_type: rewards/ compare answers as text or as math
 
 
 def check_script_args(args) -> None:
@@ -54,6 +55,7 @@ def check_script_args(args) -> None:
     check_choice("tool_format", sorted(PROTOCOLS))
     check_choice("lora_sync", ("adapter", "merged"))
     check_choice("vllm_tie_rule", TIE_RULES)
+    check_choice("answer_type", ANSWER_TYPES)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
         if weights is not None and len(weights) != len(funcs):
@@ -215,11 +217,13 @@ def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_func
     args.metric_for_best_model = f"eval_{bare}"
 
 
-def check_backend(script_args, model_args, backend: type, args: GRPOConfig) -> None:
-    """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe."""
-    if model_args.use_peft and backend.external and model_args.lora_dropout > 0 and not args.disable_dropout:
+def check_backend(script_args, peft_config, backend: type, args: GRPOConfig) -> None:
+    """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe. `peft_config`:
+    the LoRA config, or None."""
+    dropout = getattr(peft_config, "lora_dropout", 0) or 0
+    if peft_config is not None and backend.external and dropout > 0 and not args.disable_dropout:
         # the server samples without dropout; a trainer forward with it scores another policy
-        raise ValueError(f"`lora_dropout` is {model_args.lora_dropout} with `generation_backend: vllm_server`: the "
+        raise ValueError(f"`lora_dropout` is {dropout} with `generation_backend: vllm_server`: the "
                          "trainer's logprobs would carry dropout noise that the server's sampling has not, so on-policy "
                          "importance weights would not be 1 and the weight-sync probe would fail. Set `lora_dropout: 0` "
                          "or `disable_dropout: true`.")
@@ -231,7 +235,7 @@ def check_backend(script_args, model_args, backend: type, args: GRPOConfig) -> N
         raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
                          "come (`generation_backend: vllm_server`); in-process generation runs in "
                          "rounds.")
-    if model_args.use_peft and backend.external and script_args.lora_sync == "merged" \
+    if peft_config is not None and backend.external and script_args.lora_sync == "merged" \
             and script_args.weight_sync == "nccl":
         # the NCCL source walks the PEFT model's parameters, whose names and shapes are not the served model's
         raise ValueError("`lora_sync: merged` goes through the disk sync: set `weight_sync: disk` (or `auto`), "

@@ -59,7 +59,6 @@ import httpx
 import torch
 from accelerate.utils import gather
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
@@ -68,9 +67,9 @@ from trl.trainer.utils import pad, use_adapter
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
-from protocol import Protocol, StopStringMatcher, ToolCall, end_of_turn_ids, get_protocol, tool_call_message
-from reporting import (GracefulStop, RolloutProgress, StepBar, StepPrinter, TimeBudget, TrainerReports,  # noqa: F401
-                       end_processes)  # end_processes: scripts import it from here
+from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
+from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
+                       install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from rewards import reward_columns
 from tools import ToolResult, run_tool_calls
@@ -99,8 +98,14 @@ class MTGRPOScriptArguments:
     every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
     # Task and tools
-    dataset_name: str = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa (hub) | a .jsonl/.json/"
-                            ".parquet/.csv file with `question` and `answer` columns.")
+    dataset_name: str = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa | any `datasets.load_dataset` "
+                            "name or local folder | a .jsonl/.json/.parquet/.csv file (see *_column).")
+    dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
+    question_column: str = arg("question", "The dataset's column holding the question.")
+    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
+                             "may be missing when no reward needs it.")
+    prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
+                             "instead of the question when present.")
     dataset_split: str = arg("train", "Split of the dataset to train on.")
     max_samples: int | None = arg(None, "Keep at most this many questions (None: all).")
     kb_seed: int = arg(0, "Seed of the fictional knowledge base, apart from `seed`: every training seed sees one task.")
@@ -118,12 +123,15 @@ class MTGRPOScriptArguments:
     tools: list[str] = arg(["search"], "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn`.")
     tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).")
     # Rewards: names from rewards/ or dotted paths `module:function`
-    turn_reward_funcs: list[str] = arg(["tool_execution_reward_func", "exist_answer_in_search_results"],
+    turn_reward_funcs: list[str] = arg(["tool_execution_reward_func", "answer_in_tool_result"],
                                        "Turn reward functions (R_T).")
     turn_reward_weights: list[float] | None = arg(None, "One weight per turn reward function (None: all 1.0).")
     outcome_reward_funcs: list[str] = arg(
         ["exact_match_reward_func", "exist_answer_reward_func", "format_reward_func"], "Outcome reward functions.")
     outcome_reward_weights: list[float] | None = arg(None, "One weight per outcome reward function (None: all 1.0).")
+    answer_type: str = arg("auto", "How rewards compare answers with the gold: text (SQuAD normalised) | math "
+                           "(numbers, expressions: math-verify) | auto (math when the gold is one); a dataset "
+                           "column `answer_type` overrides it per row.")
     # MT-GRPO
     advantage_mode: str = arg("mt_grpo", "mt_grpo (the paper) | per_turn (credit for every tool turn) | "
                               "outcome_only (GRPO-OR) | merged (GRPO-MR).")
@@ -142,9 +150,15 @@ class MTGRPOScriptArguments:
     # Episode limits
     max_env_steps: int = arg(2, "Environment replies per episode; a tool call after that ends it. Recommended 2-5.")
     max_tokens_per_turn: int = arg(256, "Sampled tokens per model turn, at most (or what the budget leaves).")
-    max_tool_response_tokens: int = arg(256, "Each tool output is cut to this many tokens, with a visible marker.")
+    max_tool_response_tokens: int = arg(128, "Each tool output is cut to this many tokens, with a visible marker.")
     max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.")
-    few_shot: bool = arg(True, "Two worked search-then-answer exchanges before each question (small models need them).")
+    few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
+                         "task's (fictional_kb, triviaqa: two searches); small models need them.")
+    few_shot_examples: list | str | None = arg(None, "Worked examples, inline or a .json/.jsonl/.yaml file: "
+                                               "[{question, steps: [{thought, tool, args, result}], thought, answer}] "
+                                               "(None: the task's).")
+    system_prompt: str | None = arg(None, "The system prompt's task part, inline or a text file; the tool format "
+                                    "follows it (None: the task's, else a neutral one).")
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
@@ -178,10 +192,10 @@ class MTGRPOScriptArguments:
 
 
 @dataclass
-class MTGRPOConfig(GRPOConfig):
-    """TRL's GRPOConfig with two defaults moved. Evaluation is greedy (TRL's None means num_generations
-    episodes per eval question, and its check then wants the eval batch divisible by num_generations,
-    which one greedy episode per question does not need). Activation checkpointing keeps TRL's default,
+class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
+    """TRL's GRPOConfig with the fields above: the `args` of the Python API and the recipe's keys. Two defaults
+    move. Evaluation is greedy (TRL's None means num_generations episodes per eval question, and its check then
+    wants the eval batch divisible by num_generations, which one greedy episode per question does not need). Activation checkpointing keeps TRL's default,
     on, under transformers' new name: TRL sets the deprecated `gradient_checkpointing`, and every run
     printed transformers' deprecation warning; a recipe may still use either name."""
 
@@ -195,6 +209,7 @@ class MTGRPOConfig(GRPOConfig):
                              "they are one setting: keep `activation_checkpointing` only.")
         self.activation_checkpointing = next((v for v in (new, old) if v is not None), True)
         self.gradient_checkpointing = None
+        check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
 
 
@@ -826,7 +841,7 @@ class MultiTurnToolEnv:
                  tool_timeout: float = 10.0, tool_max_workers: int = 16,
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
-                 scheduler: str = "auto"):
+                 scheduler: str = "auto", task_prompt: str | None = None, examples=None):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
@@ -841,15 +856,15 @@ class MultiTurnToolEnv:
         self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.system_prompt = protocol.system_prompt(tools, with_example=not few_shot)
-        self.few_shot = protocol.few_shot(tools) if few_shot else []
+        # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
+        self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot)
         # Every id that ends a model turn (Qwen2.5-Instruct has two); see _record_env_turn.
-        self.eos_token_ids = set(eos_token_ids or []) | {tokenizer.eos_token_id}
+        self.eos_token_ids = list(dict.fromkeys([*(eos_token_ids or []), tokenizer.eos_token_id]))
 
     # -- rendering: the one place the chat template is applied ---------------------------------------
-    def prompt(self, question: str) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt}, *self.few_shot,
-                {"role": "user", "content": question}]
+    def prompt(self, prompt: str | list[dict]) -> list[dict]:
+        """The chat prompt of a question, or of a TRL prompt (text, or messages): system, examples, question."""
+        return build_prompt(self.protocol, prompt=prompt, **self.prompt_parts)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -1391,33 +1406,65 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
     recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
     (`evaluate`, `run_evaluation`) by TrainerEvaluation (evaluation.py) from `_eval_episodes` and `_score`."""
 
-    def __init__(self, *, model, env: MultiTurnToolEnv, backend, turn_reward_funcs: list[Callable],
-                 outcome_reward_funcs: list[Callable], args: GRPOConfig, script_args: MTGRPOScriptArguments,
-                 train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None,
-                 callbacks=None, eval_metric_funcs: dict[str, Callable] | None = None):
+    def __init__(self, model, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, *,
+                 tools: list | None = None, turn_reward_funcs: list | None = None,
+                 outcome_reward_funcs: list | None = None, processing_class=None, peft_config=None, callbacks=None,
+                 env: "MultiTurnToolEnv | None" = None, backend=None, script_args: MTGRPOScriptArguments | None = None,
+                 eval_metric_funcs: dict[str, Callable] | None = None, corpus: list[dict] | None = None):
+        """TRL's GRPOTrainer's arguments; tools and rewards may be functions or names, a dataset holds questions
+        and answers or TRL prompts (builders.py says what each may be). `args`: an MTGRPOConfig (a plain
+        GRPOConfig takes the environment's fields from `script_args`, else their defaults). Without `env`, the
+        env, the tools and the datasets' prompts are built from the config (no dataset: its `dataset_name`);
+        with one, the caller built them. `backend`: a generation backend, a function env -> backend, or None
+        (the config's `generation_backend`). `corpus`: documents for `search` ({title, text}), if the task has none."""
+        args = args if args is not None else MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")
+        sa = script_args or (args if isinstance(args, MTGRPOScriptArguments) else MTGRPOScriptArguments())
         score_labelled_tokens_only()
+        check_trl()
+        # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
+        # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a user to change
+        warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
+                                category=FutureWarning)
+        check_training_args(sa, args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
+        check_backend(sa, peft_config, BACKENDS[sa.generation_backend], args)
+        if env is None:  # the Python API and the recipe: build from the config
+            import builders
+
+            parts = builders.assemble(model, args, sa, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                      tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
+                                      outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class)
+            env, processing_class = make_env(sa, args, parts), parts.tokenizer
+            turn_reward_funcs, outcome_reward_funcs = parts.turn_funcs, parts.outcome_funcs
+            train_dataset, eval_dataset = (builders.prompt_dataset(t, sa, env, parts.turn_funcs + parts.outcome_funcs)
+                                           for t in (parts.train, parts.eval))
+            eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
+            # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
+            args.eval_on_start = eval_dataset is not None and args.eval_strategy != "no" \
+                and not args.resume_from_checkpoint
+        check_best_metric(args, turn_reward_funcs, outcome_reward_funcs, list(eval_metric_funcs or {}))
+        if backend is None or not hasattr(backend, "generate"):
+            backend = backend(env) if backend is not None else make_backend(sa, args, env)
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks)
-        self.env = env
-        self.backend = backend
-        self.script_args = script_args
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                         peft_config=peft_config, callbacks=callbacks)
+        self.env, self.backend, self.script_args = env, backend, sa
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
         self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
-        self.turn_weights = reward_weights(script_args.turn_reward_weights, turn_reward_funcs)
-        self.outcome_weights = reward_weights(script_args.outcome_reward_weights, outcome_reward_funcs)
+        self.turn_weights = reward_weights(sa.turn_reward_weights, turn_reward_funcs)
+        self.outcome_weights = reward_weights(sa.outcome_reward_weights, outcome_reward_funcs)
         self._synced_step = -1
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         self._async = (
             AsyncRollouts(PromptStream(train_dataset, self.num_generations, args, self.accelerator),
                           roll_out=lambda prompts: self.env.rollout(prompts, self.backend),
                           sync=self._sync_weights, version=lambda: self.state.global_step)
-            if script_args.async_rollout else None
+            if sa.async_rollout else None
         )
         self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
         check_distributed_generation(backend, self.accelerator, args)
+        install_console(self, sa.max_train_minutes)  # SIGTERM, time budget, one line per step (reporting.py)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -1655,10 +1702,22 @@ def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.
 BACKENDS = {"transformers": TransformersBackend, "vllm_server": VLLMServerClient}  # generation_backend -> class
 
 
-def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv,
-                 eos_token_ids: list[int]):
+def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> MultiTurnToolEnv:
+    """The env of a config, from what builders.assemble resolved (`parts`: tokenizer, tools, prompt parts)."""
+    sa = script_args
+    return MultiTurnToolEnv(
+        tokenizer=parts.tokenizer, protocol=get_protocol(sa.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
+        max_env_steps=sa.max_env_steps, max_tokens_per_turn=sa.max_tokens_per_turn,
+        max_completion_length=args.max_completion_length, max_tool_response_tokens=sa.max_tool_response_tokens,
+        tool_timeout=sa.tool_timeout, tool_max_workers=sa.tool_max_workers, tokenization_check=sa.tokenization_check,
+        few_shot=sa.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
+        scheduler=sa.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
+    )
+
+
+def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):
     params = SamplingParams.from_config(args)
-    stop_strings = env.protocol.stop_strings
+    stop_strings, eos_token_ids = env.protocol.stop_strings, env.eos_token_ids
     if script_args.generation_backend == "transformers":
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
                                    stop_strings=stop_strings,
@@ -1675,100 +1734,44 @@ def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: Mult
 
 
 def parse_args(argv: list[str] | None = None):
+    """(config, config, model arguments): the MTGRPOConfig twice, as the script arguments and the training ones."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" in argv:
         path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else ""
         if not os.path.isfile(path):
             raise SystemExit(f"Recipe file not found: {path!r}. Pass an existing YAML, e.g. --config "
                              "hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml")
-    parser = TrlParser((MTGRPOScriptArguments, MTGRPOConfig, ModelConfig))
+    parser = TrlParser((MTGRPOConfig, ModelConfig))
     try:
-        return parser.parse_args_and_config(argv)
+        config, model_args = parser.parse_args_and_config(argv)
     except ValueError as e:
         if "Unknown arguments" in str(e):
-            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOScriptArguments, GRPOConfig or "
-                             "ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
+            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOConfig (MTGRPOScriptArguments and "
+                             "GRPOConfig) or ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
         raise
+    return config, config, model_args
 
 
 def build_trainer(argv: list[str] | None = None, backend_factory: Callable | None = None,
                   evaluation: bool = False) -> MTGRPOEnvTrainer:
-    """Everything but training: parse and check the recipe, load task, tools, rewards, tokenizer, env,
-    backend and trainer. `backend_factory(env)` replaces the recipe's generation backend (tests use a
-    scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
-    script_args, training_args, model_args = parse_args(argv)
+    """The recipe's trainer, through the Python API: parse and check the recipe, then MTGRPOEnvTrainer builds the
+    task, tools, rewards, env and backend from it. `backend_factory(env)` replaces the recipe's generation backend
+    (tests use a scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
+    config, _, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
-    # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a recipe to change
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
-                            category=FutureWarning)
-    check_trl()
-    check_training_args(script_args, training_args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
-    check_backend(script_args, model_args, BACKENDS[script_args.generation_backend], training_args)
-    # Project imports here, not at the top, so that importing this file for its functions stays light.
-    from rewards import get_reward_func
-    from tasks import build_dataset, load_eval_task, load_task
-    from tools import build_tools
+    quiet_library_bars()  # no library progress bar where the output is a log, not a terminal (reporting.py)
+    config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
+                                "attn_implementation": model_args.attn_implementation,
+                                "revision": model_args.model_revision}
+    import builders  # here, not at the top: importing this file for its functions stays light
 
-    turn_funcs = [get_reward_func(n) for n in script_args.turn_reward_funcs]
-    outcome_funcs = [get_reward_func(n) for n in script_args.outcome_reward_funcs]
-    task = load_task(script_args.dataset_name, script_args.dataset_split, script_args.max_samples,
-                     script_args.corpus_path, script_args.kb_seed, script_args.kb_multi_hop)
-    if task.num_skipped:
-        logger.warning("Skipped %d malformed dataset rows, e.g. %s", task.num_skipped,
-                       "; ".join(task.skipped))
-    check_reward_columns(turn_funcs + outcome_funcs, task.dataset.column_names)
-    check_best_metric(training_args, turn_funcs, outcome_funcs, list(task.eval_metrics))
-    tools = build_tools(script_args.tools, task.corpus)
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",
-        trust_remote_code=training_args.trust_remote_code,
-    )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    eos_ids = end_of_turn_ids(model_args.model_name_or_path, tokenizer, model_args.model_revision)
-    env = MultiTurnToolEnv(
-        tokenizer=tokenizer, protocol=get_protocol(script_args.tool_format, tokenizer=tokenizer), tools=tools,
-        max_env_steps=script_args.max_env_steps, max_tokens_per_turn=script_args.max_tokens_per_turn,
-        max_completion_length=training_args.max_completion_length,
-        max_tool_response_tokens=script_args.max_tool_response_tokens, tool_timeout=script_args.tool_timeout,
-        tool_max_workers=script_args.tool_max_workers, tokenization_check=script_args.tokenization_check,
-        few_shot=script_args.few_shot, chat_template_kwargs=training_args.chat_template_kwargs,
-        eos_token_ids=eos_ids, scheduler=script_args.rollout_scheduler,
-    )
-    dataset = build_dataset(script_args, env, task)
-    eval_dataset = eval_task = None
-    if evaluation or training_args.eval_strategy != "no":
-        eval_task = load_eval_task(script_args)
-        check_reward_columns(turn_funcs + outcome_funcs, eval_task.dataset.column_names)
-        eval_dataset = build_dataset(script_args, env, eval_task)
-        # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
-        training_args.eval_on_start = training_args.eval_strategy != "no" and not training_args.resume_from_checkpoint
-    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}),
-                                       "dtype": model_args.dtype or "auto",
-                                       "attn_implementation": model_args.attn_implementation,
-                                       "revision": model_args.model_revision}
-    trainer = MTGRPOEnvTrainer(
-        model=model_args.model_name_or_path, env=env,
-        backend=(backend_factory(env) if backend_factory
-                 else make_backend(script_args, training_args, env, eos_ids)),
-        turn_reward_funcs=turn_funcs, outcome_reward_funcs=outcome_funcs, args=training_args,
-        script_args=script_args, train_dataset=dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, peft_config=get_peft_config(model_args),
-        callbacks=[StepPrinter()],
-        eval_metric_funcs={n: get_reward_func(f) for n, f in (eval_task or task).eval_metrics.items()},
-    )
-    trainer.add_callback(GracefulStop(trainer))
-    if script_args.max_train_minutes is not None:
-        trainer.add_callback(TimeBudget(trainer, script_args.max_train_minutes))
-    # the console gets StepPrinter's one line per step, not transformers' dump of every metric
-    trainer.remove_callback(PrinterCallback)
-    if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(StepBar)
+    held_out = builders.load_recipe_task(config, held_out=True) if evaluation and config.eval_strategy == "no" else None
+    trainer = MTGRPOEnvTrainer(model_args.model_name_or_path, args=config, eval_dataset=held_out,
+                               peft_config=get_peft_config(model_args), backend=backend_factory)
     if trainer.accelerator.is_main_process:
         logger.info("Training on %d processes (%s), generation: %s, tool format: %s.",
                     trainer.accelerator.num_processes, trainer.accelerator.distributed_type,
-                    script_args.generation_backend, script_args.tool_format)
+                    config.generation_backend, config.tool_format)
     return trainer
 
 
@@ -1783,6 +1786,7 @@ def main(argv: list[str] | None = None):
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(trainer.args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history of every step
+    report_outputs(trainer)  # the output folder, the saved model, the recorded rollouts and the viewer's command
     end_processes(trainer)
 
 

@@ -25,14 +25,24 @@ messages; per-turn rewards give one value per tool turn.
                     writes <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks, several per
                     turn, and each result comes back as a `tool` message.
 
+The prompt (`build_prompt`) is a system message, the task's worked examples as real turns, then the
+question or the user's TRL prompt. The system message is the task's part (what to do: the task's or the
+recipe's `system_prompt`, else the neutral DEFAULT_TASK_PROMPT) followed by the protocol's part (how to call a
+tool and how to answer). Worked examples are protocol-neutral dicts (`check_examples` gives their shape) that
+each protocol renders in its own format. Nothing here is written for one task: the knowledge base's prompt and
+examples live in tasks/fictional_kb.py.
+
 To add a protocol: subclass Protocol, fill in its methods, and add it to PROTOCOLS.
 """
 
 import inspect
 import json
+import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal, Union
 
 ERROR_PREFIX = "Error:"  # a tool message whose content starts with this is a failed call
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -81,12 +91,7 @@ def describe_tools(tools: list[Callable]) -> str:
     return "\n".join(lines)
 
 
-def example_arguments(tools: list[Callable]) -> tuple[str, dict]:
-    """The example call shown to the model: the first tool with its first argument, e.g. search(query=...)."""
-    if not tools:
-        return "search", {"query": "capital of Veltria"}
-    first_arg = next(iter(inspect.signature(tools[0]).parameters), "query")
-    return tools[0].__name__, {first_arg: "capital of Veltria"}
+DEFAULT_TASK_PROMPT = "You answer questions. You may call tools."  # a task that brings no system prompt of its own
 
 
 class Protocol:
@@ -99,13 +104,34 @@ class Protocol:
         """`tokenizer`: the policy's tokenizer, for a protocol that parses with it (chat_template); others
         ignore it."""
 
-    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
-        """The system prompt. `with_example` False: the few-shot exchange is shown as real turns, so the
-        prompt need not describe one in text (about 100 tokens less in every episode)."""
+    def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
+                      example: dict | None = None) -> str:
+        """The task's part (`task_prompt`, default DEFAULT_TASK_PROMPT), then the protocol's tool part.
+        `with_example`: show one call and its answer in text, from `example` (a worked example, see
+        `check_examples`; its first step) or else a neutral call of the first tool. False when worked examples
+        are shown as real turns: the prompt need not describe one (about 100 tokens less in every episode)."""
         raise NotImplementedError
 
-    def few_shot(self, tools: list[Callable]) -> list[dict]:
-        """Worked search-then-answer exchanges as canonical messages (after the system prompt)."""
+    def few_shot(self, tools: list[Callable], examples: list[dict]) -> list[dict]:
+        """Worked examples (`check_examples`) as canonical messages, to follow the system prompt: per example
+        the question, an assistant turn and a tool message per step, then the answer turn."""
+        messages = []
+        for example in examples:
+            messages.append({"role": "user", "content": example["question"]})
+            for step in example.get("steps", []):
+                args = step.get("args", {})
+                messages += [{"role": "assistant", "content": self.call_text(step),
+                              "tool_calls": [tool_call_message(step["tool"], args)]},
+                             {"role": "tool", "name": step["tool"], "content": step["result"]}]
+            messages.append({"role": "assistant", "content": self.answer_text(example), "tool_calls": []})
+        return messages
+
+    def call_text(self, step: dict) -> str:
+        """The text of a worked example's tool turn: its step's call, as the model would write it."""
+        raise NotImplementedError
+
+    def answer_text(self, example: dict) -> str:
+        """The text of a worked example's answer turn (its `thought`, then <answer>)."""
         raise NotImplementedError
 
     def template_tools(self, tools: list[Callable]) -> list[dict] | None:
@@ -123,24 +149,18 @@ class Protocol:
 # ------------------------------------------------------------------------------------------------
 # xml: the MT-GRPO paper's protocol
 # ------------------------------------------------------------------------------------------------
-XML_SYSTEM_PROMPT = """You answer questions. You may call tools to look things up.
-
-Tools:
+# The system prompt's tool part, after the task's part and a blank line; then, with_example, XML_EXAMPLE.
+XML_TOOL_PROMPT = """Tools:
 {tools}
 
 Always think first inside <reasoning> </reasoning>. Then either call one tool, writing a JSON object
-inside <tool> </tool>, or give the final answer inside <answer> </answer>, in a few words.
+inside <tool> </tool>, or give the final answer inside <answer> </answer>, in a few words."""
 
-Example:
-<reasoning>I do not know the capital of Veltria, so I look it up.</reasoning>
-<tool>{example_call}</tool>
+XML_EXAMPLE = """Example:
+{call}
 
 The tool's output comes back inside <result> </result>. Then:
-<reasoning>The result says the capital of Veltria is Morvane.</reasoning>
-<answer>Morvane</answer>"""
-
-FEW_SHOT_RESULT = "Veltria: Veltria is a country in the north. Its capital is Morvane."
-FEW_SHOT_RESULT_2 = "Brenloom: The Brenloom is an invention. It was invented by Tessa Varn in 1702."
+{answer}"""
 
 
 class XMLProtocol(Protocol):
@@ -153,40 +173,27 @@ class XMLProtocol(Protocol):
     stop_strings = [TOOL_CLOSE, ANSWER_CLOSE]
     _TOOL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 
-    def example_call(self, tools: list[Callable]) -> str:
-        name, arguments = example_arguments(tools)
-        return json.dumps({"name": name, "args": arguments})
+    def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
+                      example: dict | None = None) -> str:
+        parts = [task_text(task_prompt), XML_TOOL_PROMPT.format(tools=describe_tools(tools))]
+        example = example if example and example.get("steps") else neutral_example(tools)
+        if with_example and example is not None:  # no tools: nothing to show a call of
+            parts.append(XML_EXAMPLE.format(call=self.call_text(example["steps"][0]),
+                                            answer=self.answer_text(example)))
+        return "\n\n".join(parts)
 
-    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
-        text = XML_SYSTEM_PROMPT.format(tools=describe_tools(tools), example_call=self.example_call(tools))
-        return text if with_example else text[: text.index("\n\nExample:")]
+    def call_text(self, step: dict) -> str:
+        call = json.dumps({"name": step["tool"], "args": step.get("args", {})})
+        return f"{self.reasoning(step)}<tool>{call}</tool>"
 
-    def few_shot(self, tools: list[Callable]) -> list[dict]:
-        """Two worked exchanges. Measured on SmolLM2-135M (64 sampled episodes of training questions,
-        temperature 0.7): with one exchange 8 episodes called a tool and 2 found the answer; with two,
-        22 called, 17 calls ran and 13 found the answer, in 5 of 8 groups. RL needs that many."""
-        name, arguments = example_arguments(tools)
-        first_arg = next(iter(arguments))
-        shots = [("What is the capital of Veltria?", "the capital of Veltria", arguments, FEW_SHOT_RESULT,
-                  "the capital of Veltria is Morvane", "Morvane"),
-                 ("Who invented the Brenloom?", "who invented the Brenloom",
-                  {first_arg: "Brenloom inventor"}, FEW_SHOT_RESULT_2,
-                  "Tessa Varn invented the Brenloom", "Tessa Varn")]
-        messages = []
-        for question, unknown, args, result, found, answer in shots:
-            call = json.dumps({"name": name, "args": args})
-            messages += [
-                {"role": "user", "content": question},
-                {"role": "assistant",
-                 "content": f"<reasoning>I do not know {unknown}, so I look it up.</reasoning>\n"
-                            f"<tool>{call}</tool>",
-                 "tool_calls": [tool_call_message(name, args)]},
-                {"role": "tool", "name": name, "content": result},
-                {"role": "assistant",
-                 "content": f"<reasoning>The result says {found}.</reasoning>\n<answer>{answer}</answer>",
-                 "tool_calls": []},
-            ]
-        return messages
+    def answer_text(self, example: dict) -> str:
+        return f"{self.reasoning(example)}<answer>{example['answer']}</answer>"
+
+    def reasoning(self, part: dict) -> str:
+        """The <reasoning> block of a step or answer, and a newline; nothing when the example gives no
+        thought (but the system prompt asks for one, and format_reward_func pays for it: give thoughts)."""
+        thought = part.get("thought")
+        return f"{self.REASONING_OPEN}{thought}{self.REASONING_CLOSE}\n" if thought else ""
 
     def parse(self, text: str) -> Turn:
         """Sampling stops at </tool> or </answer>, so a turn holds at most one closing tag, at its end.
@@ -235,9 +242,8 @@ class XMLProtocol(Protocol):
 # ------------------------------------------------------------------------------------------------
 # chat_template: the model's own tool calls (the hermes format of Qwen2.5 and Qwen3)
 # ------------------------------------------------------------------------------------------------
-# The template describes the tools and the call format; the system prompt adds only the task.
-CHAT_TEMPLATE_SYSTEM_PROMPT = ("You answer questions. You may call tools to look things up. "
-                               "Give the final answer inside <answer> </answer>, in a few words.")
+# The template describes the tools and the call format; the system prompt adds only how to answer.
+CHAT_TEMPLATE_TOOL_PROMPT = "Give the final answer inside <answer> </answer>, in a few words."
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _TOOL_CALL_TAG = re.compile(f"({re.escape(TOOL_CALL_OPEN)}|{re.escape(TOOL_CALL_CLOSE)})")
@@ -363,19 +369,24 @@ class ChatTemplateProtocol(Protocol):
         call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
         return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
-    def system_prompt(self, tools: list[Callable], with_example: bool = True) -> str:
-        return CHAT_TEMPLATE_SYSTEM_PROMPT
+    def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
+                      example: dict | None = None) -> str:
+        """The task's part and the answer format. No example in text, whatever `with_example`: the template
+        already tells the model how to write a call."""
+        task = task_text(task_prompt)
+        # a one-line task part takes the answer format on its line (the knowledge base's prompt as it always was);
+        # one of several lines, after a blank line
+        return task + ("\n\n" if "\n" in task else " ") + CHAT_TEMPLATE_TOOL_PROMPT
 
-    def few_shot(self, tools: list[Callable]) -> list[dict]:
-        name, arguments = example_arguments(tools)
-        return [
-            {"role": "user", "content": "What is the capital of Veltria?"},
-            {"role": "assistant", "content": self.format_call(name, arguments),
-             "tool_calls": [tool_call_message(name, arguments)]},
-            {"role": "tool", "name": name, "content": FEW_SHOT_RESULT},
-            {"role": "assistant", "content": "The result says the capital of Veltria is Morvane.\n"
-                                             "<answer>Morvane</answer>", "tool_calls": []},
-        ]
+    def call_text(self, step: dict) -> str:
+        """Only the call, as the template writes it from `tool_calls`: a step's thought is not shown, so the
+        worked turn is the same text whether the template renders its content or its calls (a thinking model's
+        reasoning is the template's <think>, which it drops from earlier turns anyway)."""
+        return self.format_call(step["tool"], step.get("args", {}))
+
+    def answer_text(self, example: dict) -> str:
+        thought = example.get("thought")
+        return (f"{thought}\n" if thought else "") + f"{ANSWER_OPEN}{example['answer']}{ANSWER_CLOSE}"
 
     def template_tools(self, tools: list[Callable]) -> list[dict] | None:
         return tool_schemas(tools)
@@ -458,3 +469,252 @@ def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = N
         eos = None
     ids = [eos] if isinstance(eos, int) else list(eos or [])
     return [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts: the system prompt's parts, worked examples, and the user's prompt (TRL's formats)
+# ------------------------------------------------------------------------------------------------
+EXAMPLE_FIELDS = {"question", "steps", "thought", "answer", "tool_formats"}
+STEP_FIELDS = {"thought", "tool", "args", "result"}
+EXAMPLE_SHAPE = ('{"question": str, "steps": [{"thought": str (optional), "tool": str, "args": {...}, "result": str}'
+                 ', ...], "thought": str (optional), "answer": str}')
+EXAMPLE_FILES = (".json", ".jsonl", ".yaml", ".yml")
+TEXT_FILES = (".txt", ".md")
+PROMPT_ROLES = ("system", "user", "assistant")
+PLACEHOLDERS = {str: "...", int: 1, float: 1.5, bool: True}  # a neutral value of each argument type
+
+
+def task_text(task_prompt: str | None) -> str:
+    return (task_prompt or DEFAULT_TASK_PROMPT).strip()
+
+
+def neutral_example(tools: list[Callable]) -> dict | None:
+    """The call a system prompt shows when the task gives no worked example: the first tool with placeholder
+    arguments, and a placeholder answer, so that no task's wording reaches another. None without tools."""
+    if not tools:
+        return None
+    name = tools[0].__name__
+    return {"question": "...", "steps": [{"thought": f"I call {name} for this.", "tool": name,
+                                          "args": neutral_arguments(tools[0]), "result": "..."}],
+            "thought": "The result gives the answer.", "answer": "..."}
+
+
+def neutral_arguments(fn: Callable) -> dict:
+    """The required arguments of `fn` (else its first), each with a placeholder of its type hint: a string
+    "...", an integer 1, a number 1.5, a boolean true, a list of one placeholder."""
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # a hint that does not resolve: the placeholders fall back to strings
+        hints = {}
+    required = [p for p in params if p.default is p.empty] or params[:1]
+    return {p.name: _placeholder(hints.get(p.name, str)) for p in required}
+
+
+def _placeholder(hint):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return args[0]
+    if origin in (Union, types.UnionType):  # Optional[X], X | None: X
+        return _placeholder(next((a for a in args if a is not type(None)), str))
+    if hint in PLACEHOLDERS:
+        return PLACEHOLDERS[hint]
+    if origin in (list, tuple, set) or hint in (list, tuple, set):
+        return [_placeholder(args[0])] if args else []
+    if origin is dict or hint is dict:
+        return {}
+    return "..."
+
+
+def check_examples(examples, tools: list[Callable] | None = None, source: str = "few_shot_examples") -> list[dict]:
+    """`examples` if they are worked examples of this run's `tools` (None: only their shape is checked), else a
+    ValueError naming the example, the field and the fix. A worked example:
+
+        {"question": "What is 17 * 23?",
+         "steps": [{"thought": "I multiply.", "tool": "calculator", "args": {"expression": "17 * 23"},
+                    "result": "391"}],
+         "thought": "The result is 391.", "answer": "391"}
+
+    `steps` may be empty (an answer without a call); the thoughts are optional (the xml protocol shows them as
+    <reasoning>, chat_template only the answer's). `tool_formats` (optional, a list of protocol names) shows the
+    example only with those protocols."""
+    if not isinstance(examples, list):
+        raise ValueError(f"{source} must be a list of worked examples, each {EXAMPLE_SHAPE}; got a "
+                         f"{type(examples).__name__}.")
+    names = [fn.__name__ for fn in tools] if tools is not None else None
+    for i, example in enumerate(examples):
+        where = f"{source}[{i}]"
+        if not isinstance(example, dict):
+            raise ValueError(f"{where} is a {type(example).__name__}; write each example as {EXAMPLE_SHAPE}.")
+        _check_fields(example, EXAMPLE_FIELDS, where)
+        for key in ("question", "answer"):
+            _check_text(example.get(key), f"{where}.{key}")
+        if "thought" in example:
+            _check_text(example["thought"], f"{where}.thought")
+        formats = example.get("tool_formats", list(PROTOCOLS))
+        if not isinstance(formats, list) or not formats or not set(formats) <= set(PROTOCOLS):
+            raise ValueError(f"{where}.tool_formats is {formats!r}; list some of {sorted(PROTOCOLS)}, or leave it "
+                             "out to show the example with every tool format.")
+        steps = example.get("steps", [])
+        if not isinstance(steps, list):
+            raise ValueError(f"{where}.steps must be a list of tool calls {{tool, args, result}}; got a "
+                             f"{type(steps).__name__}.")
+        for j, step in enumerate(steps):
+            _check_step(step, f"{where}.steps[{j}]", dict(zip(names, tools)) if names is not None else None)
+    return examples
+
+
+def _check_fields(part: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(part) - allowed)
+    if unknown:
+        raise ValueError(f"{where} has the unknown field(s) {unknown}; its fields are {sorted(allowed)}.")
+
+
+def _check_text(value, where: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where} must be a non-empty string; got {value!r}.")
+
+
+def _check_step(step, where: str, tools: dict[str, Callable] | None) -> None:
+    if not isinstance(step, dict):
+        raise ValueError(f"{where} is a {type(step).__name__}; write each step as "
+                         '{"thought": ..., "tool": ..., "args": {...}, "result": ...}.')
+    _check_fields(step, STEP_FIELDS, where)
+    for key in ("tool", "result"):
+        _check_text(step.get(key), f"{where}.{key}")
+    if "thought" in step:
+        _check_text(step["thought"], f"{where}.thought")
+    args = step.get("args", {})
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.args must be an object of keyword arguments; got {args!r}.")
+    if tools is None:
+        return
+    if step["tool"] not in tools:
+        raise ValueError(f"{where}.tool is {step['tool']!r}, not one of this run's tools "
+                         f"({', '.join(tools) or 'none'}). Call one of them in the example, or add it to `tools`.")
+    params = inspect.signature(tools[step["tool"]]).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [a for a in args if a not in params]
+    missing = [n for n, p in params.items() if p.default is p.empty and p.kind != p.VAR_POSITIONAL and n not in args]
+    if unknown or missing:
+        raise ValueError(f"{where}.args {args} do not fit {step['tool']}{inspect.signature(tools[step['tool']])}: "
+                         + "; ".join([f"no argument {a!r}" for a in unknown] + [f"{m!r} is required" for m in missing])
+                         + ". Use the tool's argument names.")
+
+
+def load_examples(value, source: str = "few_shot_examples") -> list[dict] | None:
+    """Worked examples from a recipe: None, a list of them (inline YAML), or the path of a .json (a list),
+    .jsonl (one example per line) or .yaml file (a list). Their shape is checked here, their tools by
+    `build_prompt` (which knows the run's tools)."""
+    if value is None or isinstance(value, list):
+        return None if value is None else check_examples(value, source=source)
+    if not isinstance(value, str):
+        raise ValueError(f"{source} is a {type(value).__name__}; give a list of examples, or the path of a "
+                         f"{'/'.join(EXAMPLE_FILES)} file of them.")
+    extension = os.path.splitext(value)[1].lower()
+    if extension not in EXAMPLE_FILES:
+        raise ValueError(f"{source} {value!r} is not a {'/'.join(EXAMPLE_FILES)} file; give such a file of worked "
+                         "examples, or write them inline in the recipe as a YAML list.")
+    if not os.path.isfile(value):
+        raise FileNotFoundError(f"{source} file {value!r} does not exist (cwd: {os.getcwd()}). Fix the path, or "
+                                "write the examples inline in the recipe as a YAML list.")
+    with open(value, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if extension == ".jsonl":
+            examples = [json.loads(line) for line in text.splitlines() if line.strip()]
+        elif extension == ".json":
+            examples = json.loads(text)
+        else:
+            import yaml  # a dependency of TRL's recipe parser
+
+            examples = yaml.safe_load(text)
+    except ValueError as e:  # json.JSONDecodeError
+        raise ValueError(f"{source} file {value!r} is not valid JSON ({e}).") from None
+    except Exception as e:  # yaml.YAMLError
+        raise ValueError(f"{source} file {value!r} is not valid YAML ({e}).") from None
+    return check_examples(examples, source=value)
+
+
+def load_text(value, source: str = "system_prompt") -> str | None:
+    """Text from a recipe: None, the text inline, or the path of an existing .txt / .md file of it."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{source} is a {type(value).__name__}; give the text, or the path of a "
+                         f"{'/'.join(TEXT_FILES)} file of it.")
+    text = value
+    if value.lower().endswith(TEXT_FILES) and "\n" not in value:
+        if not os.path.isfile(value):
+            raise FileNotFoundError(f"{source} {value!r} names no existing file (cwd: {os.getcwd()}). Fix the path, "
+                                    "or write the text itself.")
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    if not text.strip():
+        raise ValueError(f"{source} {value!r} is empty; write the text, or leave {source} out.")
+    return text.strip()
+
+
+def prompt_problem(prompt) -> str:
+    """What is wrong with a TRL prompt: a string (standard format) or a list of {"role", "content"} messages
+    ending with a user message (conversational format); "" when nothing is."""
+    if isinstance(prompt, str):
+        return "" if prompt.strip() else "empty prompt"
+    if not isinstance(prompt, list):
+        return f"prompt is a {type(prompt).__name__}, not a string or a list of messages"
+    if not prompt:
+        return "prompt has no messages"
+    for k, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            return f"prompt message {k} is a {type(m).__name__}, not a {{\"role\", \"content\"}} object"
+        if m.get("role") not in PROMPT_ROLES:
+            return f"prompt message {k} has the role {m.get('role')!r}, not one of {', '.join(PROMPT_ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"prompt message {k} has no text `content` (a {type(m.get('content')).__name__})"
+        if m["role"] == "system" and k > 0:
+            return f"prompt message {k} is a system message; only the first may be"
+    if prompt[-1]["role"] != "user":
+        return f"prompt ends with a {prompt[-1]['role']} message, not a user one"
+    return ""
+
+
+def prompt_messages(prompt) -> list[dict]:
+    """A TRL prompt as chat messages: a string is one user message. Raises ValueError for a malformed one."""
+    if problem := prompt_problem(prompt):
+        raise ValueError(f"{problem}. A prompt is a string, or a list of {{\"role\", \"content\"}} messages "
+                         "(roles system, user, assistant) that ends with a user message.")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def prompt_question(prompt) -> str:
+    """The question of a TRL prompt: the text, or the last user message's (for rewards that read `question`)."""
+    return prompt if isinstance(prompt, str) else next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+def run_examples(protocol: Protocol, tools: list[Callable], examples) -> list[dict]:
+    """The worked examples this protocol shows for these tools: `examples` is a list, None, or a function of
+    the tools (a task's default examples that adapt to the run's tools)."""
+    examples = examples(tools) if callable(examples) else examples or []
+    check_examples(examples, tools)
+    return [e for e in examples if protocol.name in e.get("tool_formats", [protocol.name])]
+
+
+def build_prompt(protocol: Protocol, tools: list[Callable], prompt: str | list[dict], task_prompt: str | None = None,
+                 examples=None, few_shot: bool = True) -> list[dict]:
+    """The canonical chat prompt of an episode: [system, *worked examples as turns (with `few_shot`), *the
+    user's turns]. `prompt`: a question (TRL's standard format) or chat messages (conversational). A
+    conversational prompt's own system message replaces `task_prompt`, the task's part of the system message;
+    the protocol's tool part follows either, so the model always sees the call format. The system message
+    shows a call in text only when no worked example is shown as turns."""
+    messages = prompt_messages(prompt)
+    if messages[0]["role"] == "system":
+        task_prompt, messages = messages[0]["content"], messages[1:]
+    examples = run_examples(protocol, tools, examples)
+    shots = protocol.few_shot(tools, examples) if few_shot else []
+    example = next((e for e in examples if e.get("steps")), None)
+    system = protocol.system_prompt(tools, task_prompt, with_example=not shots, example=example)
+    return [{"role": "system", "content": system}, *shots, *messages]

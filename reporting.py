@@ -1,12 +1,14 @@
 """What a run reports: rollout and eval metrics, episode records (scripts/view_rollouts.py reads them),
-the console (a progress bar of the rollout, one line per step), the SIGTERM stop and the time budget. Episodes are read by
-their attributes (mt_grpo_trainer.Episode); nothing here changes what is trained."""
+the console (progress bars on a terminal, one line per step, closing lines naming what the run left), the
+SIGTERM stop and the time budget. Episodes are read by their attributes (mt_grpo_trainer.Episode); nothing
+here changes what is trained."""
 
 import dataclasses
 import json
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -20,14 +22,38 @@ from transformers.trainer_callback import ProgressCallback
 logger = logging.getLogger("mt_grpo")
 
 
+def watched() -> bool:
+    """Whether progress bars are seen as bars: stderr is a terminal, or tqdm draws notebook widgets."""
+    from tqdm import auto
+
+    return auto.notebook_tqdm is not auto.std_tqdm or sys.stderr.isatty()
+
+
+def progress_bar(**kwargs):
+    r"""A tqdm bar where someone watches it (`watched`). Where stderr is a file or a pipe (a job's log) it is
+    off: each redraw would leave a `\r` line there, and the nested rollout bar tqdm's cursor-up `\x1b[A`;
+    StepPrinter's one line per step is then the run's progress."""
+    from tqdm import auto
+
+    return auto.tqdm(dynamic_ncols=True, disable=not watched(), **kwargs)
+
+
+def quiet_library_bars() -> None:
+    """Where no one watches (`watched`), the libraries' bars off too: transformers' "Loading weights" and
+    "Writing model shards", the hub's downloads, datasets' map. Process-wide; call it once, before loading."""
+    if not watched():
+        import datasets
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()  # and the hub's
+        datasets.disable_progress_bars()
+
+
 class RolloutProgress:
-    """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off."""
+    """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off or not on a terminal."""
 
     def __init__(self, total: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = (tqdm(total=total, desc="rollout", unit="episode", leave=False, dynamic_ncols=True)
-                    if enabled else None)
+        self.bar = progress_bar(total=total, desc="rollout", unit="episode", leave=False) if enabled else None
 
     def update(self, episodes: list, tool_calls: int) -> None:
         if self.bar is not None:
@@ -121,11 +147,12 @@ def rolled_out_rows(passes: list, group_size: int) -> tuple:
 
 def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int, mode: str,
                     first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
-                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None, A_O=None,
-                    policy_version=None) -> list[dict]:
+                    token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None,
+                    A_O=None) -> list[dict]:
     """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (docs/guide.md: "Looking
-    at rollouts and runs"): the turns, every completion token with its mask and per-token values, rewards,
-    advantages and tool calls. `first_index` is the first episode's index in the generation batch."""
+    at rollouts and runs" lists every field): the turns (an env turn with the calls it answers and their
+    outputs), every completion token with its mask and per-token values, rewards, advantages and the
+    episode's tool calls. `first_index` is the first episode's index in the generation batch."""
     records = []
     for i, (ep, row) in enumerate(zip(episodes, inputs)):
         n = len(ep.completion_ids)
@@ -152,6 +179,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
             "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
             "first_result": ep.first_result, "stop_reason": ep.stop_reason,
+            # without outputs: each is in its env turn's tool_calls, and the token text holds it again
             "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
                            for c in ep.calls],
         })
@@ -265,10 +293,30 @@ class StepPrinter(TrainerCallback):
 
 
 class StepBar(ProgressCallback):
-    """TRL's step progress bar, without printing every metrics dict under it (StepPrinter prints a line)."""
+    """TRL's step progress bar, without printing every metrics dict under it (StepPrinter prints a line), and
+    only on a terminal (progress_bar). No evaluation bar: evaluation.py replaces the loop that would draw it."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = progress_bar(total=state.max_steps)
+        self.current_step = 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
+
+
+def install_console(trainer, max_train_minutes: float | None) -> None:
+    """The trainer's callbacks beside TRL's: SIGTERM and the time budget stop a run cleanly, and the console gets
+    StepPrinter's one line per step (and StepBar on a terminal), not transformers' dump of every metric."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.add_callback(StepPrinter())
+    trainer.add_callback(GracefulStop(trainer))
+    if max_train_minutes is not None:
+        trainer.add_callback(TimeBudget(trainer, max_train_minutes))
+    trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(StepBar)
 
 
 class TrainerReports:
@@ -348,7 +396,7 @@ class TrainerReports:
             first_index=rank * B, group_size=self.num_generations,
             rewards=self._rewards_by_name(scores, local, episodes),
             R_T=scores.R_T[local], R_O=scores.R_O[local],
-            A_T=adv.turn[local], A_O=adv.outcome[local], policy_version=None,
+            A_T=adv.turn[local], A_O=adv.outcome[local],
             token_values={"advantage": adv.tokens,  # before the importance weight (is_weight)
                           "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},
@@ -376,6 +424,36 @@ class TrainerReports:
                 for record in records:
                     f.write(json.dumps(record) + "\n")
         return path
+
+
+# What save_model writes, by transformers' names: safetensors (one file or shards), a PEFT adapter, or torch's pickle.
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin")
+VIEWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "view_rollouts.py")
+
+
+def closing_lines(trainer) -> list[str]:
+    """What a finished run left and how to look at it: the output folder, the saved model, the recorded
+    rollouts (`save_rollouts_steps`) and the viewer's command (paths as given, the viewer's from the cwd)."""
+    out = trainer.args.output_dir
+    saved = any(os.path.isfile(os.path.join(out, name)) for name in MODEL_FILES)
+    lines = [f"Run finished. Output folder: {out}",
+             f"  model: {out} (load it with --model_name_or_path {shlex.quote(out)})" if saved
+             else f"  model: not saved (no weights in {out})"]
+    rollouts = os.path.join(out, "rollouts")
+    if trainer.script_args.save_rollouts_steps and os.path.isdir(rollouts):
+        names = os.listdir(rollouts)
+        train, evals = (sum(n.startswith(prefix) and n.endswith(".jsonl") for n in names)
+                        for prefix in ("step-", "eval-step-"))
+        lines += [f"  rollouts: {rollouts} (training steps: {train}, evaluations: {evals})",
+                  f"  view them: python {shlex.quote(os.path.relpath(VIEWER))} {shlex.quote(out)}"
+                  f"  # writes {os.path.join(out, 'rollouts.html')}"]
+    return lines
+
+
+def report_outputs(trainer) -> None:
+    """closing_lines on the console, from the main process only."""
+    if trainer.accelerator.is_main_process:
+        print("\n".join(closing_lines(trainer)), flush=True)
 
 
 def end_processes(trainer) -> None:

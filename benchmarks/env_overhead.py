@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, Sample
 from protocol import XMLProtocol
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 CALL = '<reasoning>Search again.</reasoning>\n<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
 ANSWER = "<reasoning>Done.</reasoning>\n<answer>Morvane</answer>"
@@ -61,7 +62,8 @@ def main(batch=64, repeats=3):
             env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=turns,
                                    max_tokens_per_turn=64,
                                    max_completion_length=200 * turns, max_tool_response_tokens=128,
-                                   tokenization_check=check, few_shot=False)
+                                   tokenization_check=check, few_shot=False, task_prompt=SEARCH_TASK_PROMPT,
+                                   examples=search_examples)  # the knowledge base's prompt, as measured
             best = float("inf")
             for _ in range(repeats):
                 policy = InstantPolicy(tokenizer, turns)

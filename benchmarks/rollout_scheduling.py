@@ -31,6 +31,7 @@ from vllm_cpu import VLLMCPUServer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from protocol import ToolCall, Turn, XMLProtocol
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 MEDIAN, P99 = 0.2, 4.0
 SIGMA = math.log(P99 / MEDIAN) / 2.326  # the 99th percentile of a standard normal
@@ -121,7 +122,7 @@ def main():
             env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=EveryCallRuns(), tools=[make_search(tool)],
                                    max_env_steps=3, max_tokens_per_turn=48, max_completion_length=512,
                                    max_tool_response_tokens=48, tokenization_check="off", scheduler=scheduler,
-                                   tool_max_workers=256)
+                                   tool_max_workers=256, task_prompt=SEARCH_TASK_PROMPT, examples=search_examples)
             client = VLLMServerClient(base_url=f"http://127.0.0.1:{server.port}",
                                       params=SamplingParams(temperature=args.temperature),
                                       stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id],

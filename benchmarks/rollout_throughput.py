@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from protocol import XMLProtocol
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 
 class Recording(VLLMServerClient):
@@ -62,7 +63,8 @@ def main():
             # rounds: (c) replays the env's rounds, which only the lock-step scheduler has
             return MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
                                     max_tokens_per_turn=48, max_completion_length=256, max_tool_response_tokens=48,
-                                    tokenization_check="off", scheduler=scheduler)
+                                    tokenization_check="off", scheduler=scheduler, task_prompt=SEARCH_TASK_PROMPT,
+                                    examples=search_examples)
 
         e = env()
         prompts = [e.prompt(q) for q in questions for _ in range(args.generations)]

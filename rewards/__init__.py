@@ -18,6 +18,8 @@ and the rewards alike.
 To add a reward: write the function in a module under `rewards/`, then either add it to
 `REWARD_FUNCS` below and use its name in the recipe's `turn_reward_funcs` / `outcome_reward_funcs`
 lists, or put its dotted path there (`rewards.my_module:my_reward`, or any importable module).
+A reward that compares with the gold answer should ask `rewards.answers.matches_answer` / `contains_answer`,
+passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as the shipped ones do.
 
     @per_turn
     def short_calls(prompts, completions, **kwargs):  # 0.1 for each tool turn under 300 characters
@@ -28,12 +30,16 @@ from typing import Callable
 
 from registry import resolve
 from rewards.conversation import count_tool_turns, is_per_turn, per_turn, tool_turns
-from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS
+from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, exist_answer_in_search_results
 
-__all__ = ["REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns", "count_tool_turns",
-           "reward_columns"]
+__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns",
+           "count_tool_turns", "reward_columns"]
 
-REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS}
+# Old names, each its own function that calls the new one: a recipe naming it keeps its logged metric names
+# (`rewards/turn/<fn.__name__>`) and `eval_metrics` entries.
+RENAMED_REWARD_FUNCS = [exist_answer_in_search_results]  # now answer_in_tool_result
+REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn
+                                     for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS}
 
 
 def get_reward_func(name: str) -> Callable:

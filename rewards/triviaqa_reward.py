@@ -12,8 +12,10 @@ MT-GRPO gives their advantage A_T to the model tokens before the first tool resu
 first tool call and the reasoning that led to it. Those marked `@per_turn` return, per sample, a
 list with one value per tool turn (`[]` for an episode without one), for a turn-level advantage.
     tool_execution_reward_func       0.2 * successful calls / calls, whole episode      [0, 0.2]
-    exist_answer_in_search_results   0.5 if an alias is in a result of the first tool turn  {0, 0.5}
-                                     (a result's first 3 documents: what a default search returns)
+    answer_in_tool_result            0.5 if the gold answer appears in the tool's reply   {0, 0.5}
+                                     (the first tool turn's results; of each, its first 3 documents:
+                                     what a default search returns). Any tool, not only a search.
+    exist_answer_in_search_results   its old name, kept for recipes and for runs logged under it
     tool_execution_per_turn          per tool turn: 0.2 * successful calls / calls       [0, 0.2]
     answer_in_result_per_turn        per tool turn: 0.5 if an alias is in one of its results  {0, 0.5}
     repeated_query_penalty_per_turn  per tool turn: -0.2 if a call repeats an earlier call  {-0.2, 0}
@@ -26,9 +28,12 @@ Outcome rewards judge the final answer and the format of every turn:
     format_reward_func               xml protocol: 0.2 * mean per-turn format score      [0, 0.2]
     chat_format_reward_func          chat_template protocol: 0.2 * mean per-turn score   [0, 0.2]
 
-Matching is on `normalize_answer` text (SQuAD). "Contains" means as whole words: the alias "art"
-is not found in "party", so a short alias cannot match by accident. An error message is never a
-search result, even when it quotes the answer.
+Matching follows the dataset's optional column `answer_type` (rewards/answers.py): "text" compares
+`normalize_answer` text (SQuAD), where "contains" means whole words (the alias "art" is not found in
+"party", so a short alias cannot match by accident); "math" compares numbers and expressions with
+math_verify (308.0 == 308, 35 != 3.5); "auto", the default, is math for a gold alias that is a number,
+a fraction or LaTeX, text for words. An error message is never a tool result, even when it quotes
+the answer.
 
 A reward function may return None for "not applicable" (a per-turn one: None in place of a turn's
 value): the trainer leaves it out of that sample's weighted sum, and a sample whose functions of
@@ -37,33 +42,15 @@ always return numbers.
 """
 
 import re
-import string
 
 from protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
+from rewards.answers import _aliases  # noqa: F401  (scripts/answer_errors.py imports it from here)
+from rewards.answers import _contains, answer_types, contains_answer, matches_answer, normalize_answer
 from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_turn,
                                   role, tool_turns, visible_text)
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
 _REASONING = re.compile(re.escape(XMLProtocol.REASONING_OPEN) + ".*?" + re.escape(XMLProtocol.REASONING_CLOSE),
                         re.DOTALL)
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower-case, drop punctuation, drop the articles a/an/the, collapse spaces."""
-    s = s.lower().translate(_PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", s).split())
-
-
-def _aliases(answer) -> list[str]:
-    """Normalised, non-empty aliases: an empty alias would be found in every text."""
-    aliases = [answer] if isinstance(answer, str) else list(answer or [])
-    return [a for a in (normalize_answer(str(x)) for x in aliases) if a]
-
-
-def _contains(text: str, alias: str) -> bool:
-    """Whole-word containment of normalised strings (which are single-space separated)."""
-    return f" {alias} " in f" {text} "
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,12 +67,11 @@ def _execution_score(tools: list[dict]) -> float:
 JUDGED_DOCUMENTS = 3
 
 
-def _answer_found(tools: list[dict], aliases: list[str]) -> float:
-    """0.5 if one of the first JUDGED_DOCUMENTS documents of a successful result among `tools` contains an
-    alias (whole words), else 0.0."""
-    texts = [normalize_answer("\n\n".join(content(t).split("\n\n")[:JUDGED_DOCUMENTS]))
-             for t in tools if not failed(t)]
-    return 0.5 if any(_contains(text, a) for text in texts for a in aliases) else 0.0
+def _answer_found(tools: list[dict], answer, answer_type: str) -> float:
+    """0.5 if one of the first JUDGED_DOCUMENTS documents of a successful result among `tools` holds a gold
+    alias (`contains_answer`: whole words, or for a number an equal number), else 0.0."""
+    texts = ["\n\n".join(content(t).split("\n\n")[:JUDGED_DOCUMENTS]) for t in tools if not failed(t)]
+    return 0.5 if any(contains_answer(text, answer, answer_type) for text in texts) else 0.0
 
 
 def tool_execution_reward_func(prompts, completions, **kwargs) -> list[float]:
@@ -95,14 +81,21 @@ def tool_execution_reward_func(prompts, completions, **kwargs) -> list[float]:
     return [_execution_score([t for _, tools in tool_turns(c) for t in tools]) for c in completions]
 
 
-def exist_answer_in_search_results(prompts, completions, answer, **kwargs) -> list[float]:
-    """0.5 if an alias appears (whole words) in a successful result of the first tool turn, else 0.0
-    (also with no tool turn, or when its calls failed: an error message is not a search result)."""
+def answer_in_tool_result(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+    """0.5 if the gold answer appears in the tool's reply (the first tool turn's results: any tool, a
+    search or another), else 0.0; also with no tool turn, or when its calls failed: an error message is
+    not a result. "Appears" follows `answer_type` (rewards/answers.py): whole words, or an equal number."""
     rewards = []
-    for completion, aliases in zip(completions, answer):
+    for completion, aliases, kind in zip(completions, answer, answer_types(answer_type, len(completions))):
         turns = tool_turns(completion)
-        rewards.append(_answer_found(turns[0][1], _aliases(aliases)) if turns else 0.0)
+        rewards.append(_answer_found(turns[0][1], aliases, kind) if turns else 0.0)
     return rewards
+
+
+def exist_answer_in_search_results(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+    """`answer_in_tool_result` under its old name: a recipe that names it keeps working, and its metrics keep
+    the name they were logged under (`rewards/turn/exist_answer_in_search_results`)."""
+    return answer_in_tool_result(prompts, completions, answer, answer_type=answer_type, **kwargs)
 
 
 @per_turn
@@ -112,11 +105,11 @@ def tool_execution_per_turn(prompts, completions, **kwargs) -> list[list[float]]
 
 
 @per_turn
-def answer_in_result_per_turn(prompts, completions, answer, **kwargs) -> list[list[float]]:
-    """Per tool turn: 0.5 if one of that turn's successful results contains an alias (whole words,
-    normalised), else 0.0. Rewards the turn whose search found the answer, not only the first."""
-    return [[_answer_found(tools, _aliases(aliases)) for _, tools in tool_turns(c)]
-            for c, aliases in zip(completions, answer)]
+def answer_in_result_per_turn(prompts, completions, answer, answer_type=None, **kwargs) -> list[list[float]]:
+    """Per tool turn: 0.5 if one of that turn's successful results holds the gold answer (as
+    `answer_in_tool_result` judges it), else 0.0. Rewards the turn whose search found it, not only the first."""
+    return [[_answer_found(tools, aliases, kind) for _, tools in tool_turns(c)]
+            for c, aliases, kind in zip(completions, answer, answer_types(answer_type, len(completions)))]
 
 
 def _normalized(value):
@@ -153,24 +146,20 @@ def repeated_query_penalty_per_turn(prompts, completions, **kwargs) -> list[list
 # ------------------------------------------------------------------------------------------------
 # Outcome rewards: the final answer and the format of every turn
 # ------------------------------------------------------------------------------------------------
-def exact_match_reward_func(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 if the final `<answer>` equals an alias after normalisation, else 0.0."""
-    rewards = []
-    for completion, aliases in zip(completions, answer):
-        final = completion_answer(completion)
-        hit = final is not None and normalize_answer(final) in _aliases(aliases)
-        rewards.append(1.0 if hit else 0.0)
-    return rewards
+def exact_match_reward_func(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+    """1.0 if the final `<answer>` equals an alias (`matches_answer`: normalised text, or an equal number
+    under `answer_type`), else 0.0."""
+    kinds = answer_types(answer_type, len(completions))
+    return [1.0 if matches_answer(completion_answer(completion), aliases, kind) else 0.0
+            for completion, aliases, kind in zip(completions, answer, kinds)]
 
 
-def exist_answer_reward_func(prompts, completions, answer, **kwargs) -> list[float]:
-    """0.5 if the final `<answer>` contains an alias (whole words, after normalisation), else 0.0.
-    Partial credit for "the city of Paris" when the alias is "Paris"."""
-    rewards = []
-    for completion, aliases in zip(completions, answer):
-        final = normalize_answer(completion_answer(completion) or "")
-        rewards.append(0.5 if any(_contains(final, a) for a in _aliases(aliases)) else 0.0)
-    return rewards
+def exist_answer_reward_func(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+    """0.5 if the final `<answer>` holds an alias (`contains_answer`: whole words, or an equal number under
+    `answer_type`), else 0.0. Partial credit for "the city of Paris" when the alias is "Paris"."""
+    kinds = answer_types(answer_type, len(completions))
+    return [0.5 if contains_answer(completion_answer(completion) or "", aliases, kind) else 0.0
+            for completion, aliases, kind in zip(completions, answer, kinds)]
 
 
 # A grounded answer is a fact, not a passage: at most this many words (the fictional KB's answers have 1 to 3)
@@ -257,7 +246,7 @@ def chat_format_reward_func(prompts, completions, **kwargs) -> list[float]:
     return [_mean_format(c, _chat_turn_format) for c in completions]
 
 
-TURN_REWARD_FUNCS = [tool_execution_reward_func, exist_answer_in_search_results, tool_execution_per_turn,
+TURN_REWARD_FUNCS = [tool_execution_reward_func, answer_in_tool_result, tool_execution_per_turn,
                      answer_in_result_per_turn, repeated_query_penalty_per_turn]
-OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, grounded_answer_reward_func, format_reward_func,
-                        chat_format_reward_func]
+OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, grounded_answer_reward_func,
+                        format_reward_func, chat_format_reward_func]

@@ -67,7 +67,7 @@ def convert_smollm2(out_dir: str, gguf: str | None = None) -> str:
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = "float32"
+    config.dtype = "float32"  # transformers 5's name; `torch_dtype` prints a deprecation
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
@@ -118,7 +118,7 @@ def make_tiny_model(out_dir: str, tie_word_embeddings: bool = False, seed: int =
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

@@ -1,4 +1,5 @@
-"""Render a run's recorded episodes (RUN_DIR/rollouts/*.jsonl) as one self-contained HTML page.
+"""Render a run's recorded episodes (RUN_DIR/rollouts/*.jsonl, or scripts/evaluate.py's RUN_DIR/eval_episodes.jsonl)
+as one self-contained HTML page.
 
     python scripts/view_rollouts.py outputs/cpu_demo                  # -> outputs/cpu_demo/rollouts.html
     python scripts/view_rollouts.py outputs/cpu_demo --steps 100-120 --max-episodes-per-step 64 --out big.html
@@ -44,15 +45,21 @@ def step_key(mode: str, step: int) -> str:
 
 
 def load_rollouts(run_dir: str, steps: tuple[int, int] | None = None) -> dict[str, list[dict]]:
-    """{step_key: episodes sorted by (group, sample)}, train steps first, then eval, each in step order."""
-    found = []
+    """{step_key: episodes sorted by (group, sample)}, train steps first, then eval, each in step order: the
+    trainer's RUN_DIR/rollouts/*.jsonl, and scripts/evaluate.py's RUN_DIR/eval_episodes.jsonl as an evaluation
+    at the step its records name."""
+    files = []  # (mode, step, path)
     for path in glob.glob(os.path.join(run_dir, "rollouts", "*.jsonl")):
         match = FILE_NAME.match(os.path.basename(path))
-        if match is None:
-            continue
-        mode, step = ("eval" if match.group(1) else "train"), int(match.group(2))
-        if steps is None or steps[0] <= step <= steps[1]:
-            found.append((mode != "train", step, mode, path))
+        if match is not None:
+            files.append(("eval" if match.group(1) else "train", int(match.group(2)), path))
+    evaluated = os.path.join(run_dir, "eval_episodes.jsonl")
+    if os.path.isfile(evaluated):
+        with open(evaluated) as f:
+            first = f.readline()
+        files.append(("eval", json.loads(first)["step"] if first.strip() else 0, evaluated))
+    found = [(mode != "train", step, mode, path) for mode, step, path in files
+             if steps is None or steps[0] <= step <= steps[1]]
     rollouts = {}
     for _, step, mode, path in sorted(found):
         with open(path) as f:
@@ -422,7 +429,8 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="the trainer's output_dir, holding rollouts/*.jsonl")
+    parser.add_argument("run_dir", help="the trainer's output_dir, holding rollouts/*.jsonl (or evaluate.py's, "
+                        "holding eval_episodes.jsonl)")
     parser.add_argument("--out", help="the HTML file to write (default: RUN_DIR/rollouts.html)")
     parser.add_argument("--steps", type=parse_steps, help="only steps A-B (inclusive), train and eval; e.g. 100-120")
     parser.add_argument("--max-episodes-per-step", type=int, help="keep the first N episodes of each step (group order)")

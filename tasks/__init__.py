@@ -1,4 +1,5 @@
-"""Tasks: the questions the agent trains on, with their accepted answers, and the corpus it searches.
+"""Tasks: the questions the agent trains on, their accepted answers, the corpus it searches, and the task's own
+part of the prompt.
 
 `load_task(dataset_name, ...)` takes the recipe's `dataset_name`:
     fictional_kb   the embedded, offline knowledge base of invented facts (tasks/fictional_kb.py);
@@ -7,14 +8,36 @@
                    ("In what year was the founder of the city of Rarzogard born?": two searches)
     triviaqa       TriviaQA from the Hugging Face hub (tasks/triviaqa.py); no corpus unless
                    `corpus_path` is given (use `wiki_search`, or `search` over that corpus)
-    a file path    .jsonl / .json / .parquet / .csv with a `question` and an `answer` column (answer:
-                   one string or a list of accepted aliases; in a .csv, one string per row)
+    a file path    .jsonl / .json / .parquet / .csv (one split, "train"; in a .csv every value is text)
+    a folder       as the hub would serve it (data/train-*.parquet, ...: `datasets.load_dataset(folder)`), or
+                   one written by `Dataset.save_to_disk` (one split, "train") / `DatasetDict.save_to_disk`
+    a hub name     any dataset `datasets.load_dataset(name, dataset_config, split=split)` reads, e.g.
+                   openai/gsm8k with dataset_config main; needs the hub, or the dataset in the local cache
 
-Every task comes out as a `datasets.Dataset` with exactly the columns `question: str` and
-`answer: list[str]`. Malformed rows (no question, an empty answer, an answer that is not a string
-or a list of strings) are skipped and counted, not fatal: one bad row in a large file should not
-stop a run, and `Task.skipped` says which rows to fix ("row 17: empty question"; rows count from 0,
-so in a .jsonl file without blank lines that is line 18). A dataset with no valid row is an error.
+The columns (each renamed by `columns`, the recipe's `question_column` / `answer_column` / `prompt_column`):
+    question   the question, a string
+    answer     the accepted answer: a string or a list of aliases. Needed when a reward compares answers
+               (`answer_required`); without one, a row's answer is [] (and a dataset without the column has
+               none). The datasets are used as they are: gsm8k's answer is a worked solution ending in
+               "#### 72", so map another column or use a reward that extracts the number.
+    prompt     optional: a TRL prompt, standard (a string) or conversational (a list of {"role", "content"}
+               messages ending with a user message). It becomes the episode's prompt (protocol.build_prompt; its
+               own system message replaces the task's part of the system prompt), and `question` may then be
+               missing: it is filled with the prompt's last user message, for the rewards that read it.
+Every other column reaches the reward functions as a keyword argument. A task comes out as a
+`datasets.Dataset` with the columns `question: str`, `answer: list[str]` (when there is one), `prompt` (when
+there is one) and the others. Malformed rows (no question, an answer that is not a string or a list of
+strings, an empty one when answers are required, a malformed prompt) are skipped and counted, not fatal: one
+bad row in a large file should not stop a run, and `Task.skipped` says which rows to fix ("row 17: empty
+question"; rows count from 0, so in a .jsonl file without blank lines that is line 18). A dataset with no
+valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
+
+A task may bring the task's part of the system prompt and worked examples (`Task.system_prompt`,
+`Task.examples`); the search tasks here bring theirs (tasks/fictional_kb.py). Any other dataset gets the neutral
+ones of protocol.py, or the recipe's `system_prompt` and `few_shot_examples`.
+
+To add a task: write a module here that builds its rows (and corpus, prompt, examples), and add its name to
+TASK_NAMES and a branch to `load_task`.
 """
 
 import csv
@@ -22,57 +45,78 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import datasets
+
+from protocol import prompt_problem, prompt_question
 
 logger = logging.getLogger("mt_grpo")
 
 TASK_NAMES = ["fictional_kb", "triviaqa"]
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+ROLES = ("question", "answer", "prompt")  # the columns the trainer reads; `columns` maps each to the dataset's
 MAX_SKIP_REASONS = 5
 # What evaluation reports on a question-answer task (every task here is one): `eval/<name>` is the share of
 # episodes on which the reward function (a name from rewards/) is above 0.
 QA_EVAL_METRICS = {"exact_match": "exact_match_reward_func", "first_search_hit": "exist_answer_in_search_results"}
 FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.List(datasets.Value("string"))})
+MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})  # a chat prompt
 
 
 @dataclass
 class Task:
-    dataset: datasets.Dataset  # columns: question (str), answer (list[str], the accepted aliases)
+    dataset: datasets.Dataset  # columns: question (str), answer (list[str], the accepted aliases), prompt, others
     corpus: list[dict] | None  # {"title", "text"} documents for the `search` tool; None: no corpus
     num_skipped: int = 0  # malformed rows left out
     skipped: list[str] = field(default_factory=list)  # why, for the first MAX_SKIP_REASONS of them
     eval_metrics: dict[str, str] = field(default_factory=lambda: dict(QA_EVAL_METRICS))  # eval/<name>: reward function
+    system_prompt: str | None = None  # the system prompt's task part (None: protocol.DEFAULT_TASK_PROMPT)
+    # worked examples (protocol.check_examples), or a function of the run's tools that gives them; None: none
+    examples: list[dict] | Callable[[list], list[dict]] | None = None
 
 
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
-              corpus_path: str | None = None, seed: int = 0, multi_hop: float = 0.0) -> Task:
+              corpus_path: str | None = None, seed: int = 0, multi_hop: float = 0.0, *,
+              dataset_config: str | None = None, columns: dict[str, str] | None = None,
+              answer_required: bool = True) -> Task:
     """The task named by the recipe's `dataset_name` (see the module docstring). `max_samples` keeps
     the first that many valid rows; `corpus_path` (.jsonl of {title, text}) replaces the task's
     corpus; `seed` picks the fictional knowledge base and its test split; `multi_hop` is the
-    fictional knowledge base's fraction of two-hop questions (0.0 to 1.0)."""
+    fictional knowledge base's fraction of two-hop questions (0.0 to 1.0); `dataset_config` is a hub
+    dataset's (or folder's) configuration; `columns` maps question / answer / prompt to the dataset's
+    columns; `answer_required` False keeps rows without an answer (for rewards that need none)."""
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
     if multi_hop and dataset_name != "fictional_kb":
         raise ValueError(f"kb_multi_hop={multi_hop} applies to dataset_name: fictional_kb only, not "
                          f"{dataset_name!r}. Set kb_multi_hop: 0.0, or use the fictional_kb task.")
+    if dataset_config is not None and (dataset_name in TASK_NAMES or os.path.isfile(dataset_name)):
+        raise ValueError(f"dataset_config={dataset_config!r} applies to hub datasets and dataset folders, not "
+                         f"{dataset_name!r}. Remove dataset_config.")
     # The corpus first: a wrong corpus_path should fail before a long dataset download.
     corpus_override = load_corpus(corpus_path) if corpus_path is not None else None
+    corpus = task_prompt = examples = None
+    if dataset_name in TASK_NAMES:
+        from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+
+        task_prompt, examples = SEARCH_TASK_PROMPT, search_examples
     if dataset_name == "fictional_kb":
         from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
 
-        documents, qa = build_fictional_kb(seed, multi_hop=multi_hop)
+        corpus, qa = build_fictional_kb(seed, multi_hop=multi_hop)
         qa = fictional_kb_split(qa, split, seed)
-        raw, corpus = {"question": [r["question"] for r in qa], "answer": [r["answer"] for r in qa]}, documents
+        data = datasets.Dataset.from_dict({"question": [r["question"] for r in qa],
+                                           "answer": [r["answer"] for r in qa]}, features=FEATURES)
     elif dataset_name == "triviaqa":
         from tasks.triviaqa import load_triviaqa
 
-        ds = load_triviaqa(split)
-        raw, corpus = {"question": list(ds["question"]), "answer": list(ds["answer"])}, None
+        data = load_triviaqa(split)
     else:
-        raw, corpus = _read_file(dataset_name, split), None
-    task = _validated(raw, max_samples, source=dataset_name)
+        data = read_dataset(dataset_name, split, dataset_config)
+    task = validate_dataset(data, columns, answer_required, source=dataset_name, max_samples=max_samples)
     task.corpus = corpus_override if corpus_override is not None else corpus
+    task.system_prompt, task.examples = task_prompt, examples
     return task
 
 
@@ -80,23 +124,31 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
 HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation"}
 
 
-def load_eval_task(script_args) -> Task:
+def load_eval_task(script_args, answer_required: bool = True) -> Task:
     """The eval task of a recipe (MTGRPOScriptArguments `script_args`): `eval_dataset_name` (default: the
-    training dataset) at `eval_dataset_split` (default: the task's held-out split). It must not be the training
-    split of the training set."""
+    training dataset) at `eval_dataset_split` (default: the task's held-out split), read with the recipe's
+    columns (and its `dataset_config`, for the training dataset). It must not be the training split of the
+    training set."""
     name = script_args.eval_dataset_name or script_args.dataset_name
     # a local file has one split, "train": another file is held out as a whole
     split = (script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
              or ("train" if name != script_args.dataset_name else None))
     if split is None:
         raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set "
-                         "`eval_dataset_name` to another file (and `eval_dataset_split`), or turn evaluation "
-                         "off (`eval_strategy: no`).")
+                         "`eval_dataset_split` (e.g. test, for a hub dataset that has one), or `eval_dataset_name` "
+                         "to another file, or turn evaluation off (`eval_strategy: no`).")
     if name == script_args.dataset_name and split == script_args.dataset_split:
         raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set "
                          "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
+    config = getattr(script_args, "dataset_config", None) if name == script_args.dataset_name else None
     return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
-                     script_args.kb_multi_hop)
+                     script_args.kb_multi_hop, dataset_config=config, columns=recipe_columns(script_args),
+                     answer_required=answer_required)
+
+
+def recipe_columns(script_args) -> dict[str, str]:
+    """The recipe's column mapping (`question_column`, ...): role -> the dataset's column."""
+    return {role: getattr(script_args, f"{role}_column", role) for role in ROLES}
 
 
 def load_corpus(path: str) -> list[dict]:
@@ -123,30 +175,43 @@ def load_corpus(path: str) -> list[dict]:
     return documents
 
 
-def _read_file(path: str, split: str) -> dict[str, list]:
-    """The columns of a local file (`question` and `answer` required), unvalidated."""
+# ------------------------------------------------------------------------------------------------
+# Reading a dataset: a file, a folder, or the hub
+# ------------------------------------------------------------------------------------------------
+def read_dataset(name: str, split: str = "train", config: str | None = None) -> datasets.Dataset:
+    """The rows of a local file, a dataset folder or a hub dataset (module docstring), unvalidated."""
+    name = os.path.expanduser(name)
+    if os.path.isdir(name):
+        return _read_folder(name, split, config)
+    if os.path.exists(name) or _is_local_path(name):
+        return _read_file(name, split)
+    return load_hub_dataset(name, config, split)
+
+
+def _is_local_path(name: str) -> bool:
+    """A name that can only be a path (a hub name is `name` or `owner/name`): a missing file, not a hub lookup."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
+            or os.path.splitext(name)[1].lower() in FILE_FORMATS)
+
+
+def _read_file(path: str, split: str) -> datasets.Dataset:
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset_name {path!r} is neither a task ({', '.join(TASK_NAMES)}) nor an existing "
-                                f"file (cwd: {os.getcwd()}). Set dataset_name to a task name or to the path of a "
-                                f"{'/'.join(FILE_FORMATS)} file.")
+                                f"file or folder (cwd: {os.getcwd()}). Set dataset_name to a task name, the path of a "
+                                f"{'/'.join(FILE_FORMATS)} file or of a dataset folder, or a hub name (owner/name).")
     extension = os.path.splitext(path)[1].lower()
     if extension not in FILE_FORMATS or not os.path.isfile(path):
-        raise ValueError(f"dataset_name {path!r}: can only read {', '.join(FILE_FORMATS)} files.")
+        raise ValueError(f"dataset_name {path!r}: can only read {', '.join(FILE_FORMATS)} files, and dataset "
+                         "folders.")
     if split != "train":
         raise ValueError(f"A local dataset file has a single split, 'train'; got dataset_split={split!r}. "
                          "Set dataset_split: train, and put another split in a file of its own.")
     builder = FILE_FORMATS[extension]
     options = {"features": _all_text(path)} if builder == "csv" else {}
     try:
-        ds = datasets.load_dataset(builder, data_files=path, split="train", **options)
+        return datasets.load_dataset(builder, data_files=path, split="train", **options)
     except Exception as e:  # pyarrow / pandas / json errors: say which file
         raise ValueError(f"Could not read {path!r} as {builder} ({type(e).__name__}: {e}).") from e
-    missing = [c for c in ("question", "answer") if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{path!r} has no {' and no '.join(repr(c) for c in missing)} column; its columns are "
-                         f"{ds.column_names}. Each row needs a `question` and an `answer` (a string or a list of "
-                         "accepted aliases).")
-    return {c: list(ds[c]) for c in ds.column_names}  # other columns reach the reward functions
 
 
 def _all_text(csv_path: str) -> datasets.Features:
@@ -156,36 +221,146 @@ def _all_text(csv_path: str) -> datasets.Features:
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
-def _validated(raw: dict[str, list], max_samples: int | None, source: str) -> Task:
-    """Keep the rows with a question and at least one answer alias; count and explain the others."""
-    questions, answers, reasons, kept = [], [], [], []
-    num_skipped = 0
-    for i, (question, answer) in enumerate(zip(raw["question"], raw["answer"])):
-        aliases, problem = _answer_aliases(answer)
-        if not isinstance(question, str):
-            problem = "no question" if question is None else f"question is a {type(question).__name__}, not a string"
-        elif not question.strip():
-            problem = "empty question"
+def _read_folder(path: str, split: str, config: str | None) -> datasets.Dataset:
+    """A folder written by save_to_disk (load_from_disk reads it), else one of data files (load_dataset)."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
+        saved = datasets.load_from_disk(path)
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise ValueError(f"{path!r} has the splits {list(saved)}, not {split!r}: set dataset_split (or "
+                                 "eval_dataset_split) to one of them.")
+            return saved[split]
+        if split != "train":
+            raise ValueError(f"{path!r} holds one Dataset (save_to_disk), read as the split 'train'; got "
+                             f"dataset_split={split!r}. Set dataset_split: train, or save a DatasetDict of splits.")
+        return saved
+    try:
+        return datasets.load_dataset(path, config, split=split)
+    except ValueError as e:  # an unknown split or config
+        raise ValueError(f"Dataset folder {path!r}, config {config!r}, split {split!r}: {e} Set dataset_config and "
+                         "dataset_split (or eval_dataset_split) to ones it has.") from e
+    except Exception as e:
+        raise ValueError(f"Could not read the dataset folder {path!r} ({type(e).__name__}: {e}). A dataset folder "
+                         "holds data files (data/train-00000-of-00001.parquet) or was written by save_to_disk.") from e
+
+
+def load_hub_dataset(name: str, config: str | None, split: str, label: str | None = None) -> datasets.Dataset:
+    """`datasets.load_dataset(name, config, split=split)`, with errors that say what to do. Raises RuntimeError, at
+    once under HF_HUB_OFFLINE=1, when the hub cannot be reached and the dataset is not cached."""
+    label = label or f"The hub dataset {name!r}"
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except DatasetNotFoundError as e:  # reached the hub: no such dataset, or not ours to read
+        raise ValueError(f"{label} is neither a task ({', '.join(TASK_NAMES)}), a local file or folder (cwd: "
+                         f"{os.getcwd()}), nor a dataset on the hub that this login can read ({e}). Check the name "
+                         "(owner/name, as on huggingface.co/datasets), or log in (`hf auth login`) for a gated "
+                         "or private one.") from e
+    # What load_dataset raises when it cannot get the files: ConnectionError (also for offline mode,
+    # huggingface_hub's OfflineModeIsEnabled), FileNotFoundError ("not cached"), TimeoutError. Without
+    # HF_HUB_OFFLINE=1, huggingface_hub retries an unreachable hub for about 25 s before it gives up.
+    except (ConnectionError, TimeoutError, FileNotFoundError) as e:
+        raise RuntimeError(
+            f"{label} could not be loaded: the dataset hub could not be reached and the dataset is not in the local "
+            f"cache ({type(e).__name__}: {e}). Download it once where the hub can be reached, train on the embedded "
+            "task instead (dataset_name: fictional_kb), or set dataset_name to a local .jsonl/.json/.parquet/.csv "
+            "file or a dataset folder."
+        ) from e
+    except ValueError as e:  # an unknown split or config
+        raise ValueError(f"{label}, config {config!r}, split {split!r}: {e} Set dataset_config and dataset_split "
+                         "(or eval_dataset_split) to ones it has.") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Validating the rows
+# ------------------------------------------------------------------------------------------------
+def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None = None, answer_required: bool = True,
+                     source: str = "train_dataset", max_samples: int | None = None) -> Task:
+    """A Task of the valid rows of `dataset` (the module docstring's columns and rules): `columns` maps
+    question / answer / prompt to the dataset's columns (missing: the same name); `max_samples` keeps the first
+    that many valid rows; `source` names the dataset in errors."""
+    if not isinstance(dataset, datasets.Dataset):
+        hint = (" (a DatasetDict: pick a split, e.g. dataset['train'])" if isinstance(dataset, datasets.DatasetDict)
+                else "")
+        raise ValueError(f"{source} is a {type(dataset).__name__}{hint}; pass a datasets.Dataset.")
+    roles = _resolve_columns(dataset.column_names, columns or {}, answer_required, source)
+    extras = [c for c in dataset.column_names if c not in roles.values() and c not in ROLES]
+    out = {role: [] for role in ROLES if role == "question" or roles[role]} | {c: [] for c in extras}
+    reasons, num_skipped = [], 0
+    # in batches: a row at a time from Arrow is slow, and the whole table as Python lists is large
+    rows = ({c: batch[c][k] for c in batch} for batch in dataset.iter(batch_size=1000)
+            for k in range(len(batch[dataset.column_names[0]])))
+    for i, row in enumerate(rows):
+        values, problem = _valid_row(row, roles, answer_required)
         if problem:
             num_skipped += 1
             if len(reasons) < MAX_SKIP_REASONS:
                 reasons.append(f"row {i}: {problem}")
             continue
-        questions.append(question.strip())
-        answers.append(aliases)
-        kept.append(i)
-    if num_skipped == 0 and not questions:
-        raise ValueError(f"{source!r} has no rows; it needs `question` and `answer` columns with at least one row.")
-    if not questions:
+        for column in out:
+            out[column].append(values[column] if column in values else row[column])
+        if max_samples is not None and len(out["question"]) >= max_samples:
+            break  # the first max_samples valid rows: the rest is not read
+    if num_skipped == 0 and not out["question"]:
+        raise ValueError(f"{source!r} has no rows; it needs a `question` (or `prompt`) and an `answer` column with at "
+                         "least one row.")
+    if not out["question"]:
         raise ValueError(f"{source!r} has no valid row ({num_skipped} malformed, e.g. {'; '.join(reasons) or 'none'}). "
-                         "Each row needs a non-empty `question` string and an `answer` string or list of strings.")
-    if max_samples is not None:
-        questions, answers, kept = questions[:max_samples], answers[:max_samples], kept[:max_samples]
-    dataset = datasets.Dataset.from_dict({"question": questions, "answer": answers}, features=FEATURES)
-    for column in raw:  # extra columns of the valid rows, for reward functions that need them
-        if column not in ("question", "answer", "prompt"):
-            dataset = dataset.add_column(column, [raw[column][i] for i in kept])
+                         "Each row needs a non-empty `question` string (or a TRL `prompt`) and an `answer` string or "
+                         "list of strings.")
+    features = {**FEATURES, **{c: dataset.features[c] for c in extras}}
+    if "prompt" in out:
+        features["prompt"] = datasets.Value("string") if isinstance(out["prompt"][0], str) else MESSAGES
+    dataset = datasets.Dataset.from_dict(out, features=datasets.Features({c: features[c] for c in out}))
     return Task(dataset=dataset, corpus=None, num_skipped=num_skipped, skipped=reasons)
+
+
+def _resolve_columns(names: list[str], columns: dict[str, str], answer_required: bool, source: str) -> dict:
+    """role -> the dataset's column holding it, or None when the dataset has none (and may lack it)."""
+    unknown = sorted(set(columns) - set(ROLES))
+    if unknown:
+        raise ValueError(f"columns maps {unknown}, which the trainer does not read; map some of {list(ROLES)} to the "
+                         "dataset's columns, e.g. {'question': 'problem'}.")
+    roles = {}
+    for role in ROLES:
+        column = columns.get(role) or role
+        if column not in names and column != role:  # renamed on purpose: it must be there
+            raise ValueError(f"{source!r} has no column {column!r} (the {role}: `{role}_column`); its columns are "
+                             f"{names}. Set `{role}_column` to one of them.")
+        roles[role] = column if column in names else None
+    missing = [role for role in ("question", "answer") if roles[role] is None
+               and (roles["prompt"] is None if role == "question" else answer_required)]
+    if missing:
+        raise ValueError(f"{source!r} has no {' and no '.join(repr(c) for c in missing)} column; its columns are "
+                         f"{names}. Each row needs a question (a `question` or a TRL `prompt` column) and, for the "
+                         "rewards that compare answers, an `answer` (a string or a list of accepted aliases); "
+                         "`question_column` / `answer_column` / `prompt_column` name the dataset's own columns.")
+    return roles
+
+
+def _valid_row(row: dict, roles: dict, answer_required: bool) -> tuple[dict, str]:
+    """(the row's question, answer and prompt, "") if it is usable, else ({}, why not)."""
+    values, problem = {}, ""
+    if roles["prompt"]:
+        prompt = row[roles["prompt"]]
+        if problem := prompt_problem(prompt):
+            return {}, problem
+        values["prompt"] = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]}
+                                                                   for m in prompt]
+    if roles["answer"]:
+        values["answer"], problem = _answer_aliases(row[roles["answer"]])
+        if problem in ("no answer", "empty answer") and not answer_required:
+            problem = ""
+    question = row[roles["question"]] if roles["question"] else None
+    if roles["prompt"] and not (isinstance(question, str) and question.strip()):
+        question = prompt_question(values["prompt"])  # the prompt stands in for a missing question
+    if not isinstance(question, str):
+        problem = "no question" if question is None else f"question is a {type(question).__name__}, not a string"
+    elif not question.strip():
+        problem = "empty question"
+    values["question"] = question.strip() if isinstance(question, str) else question
+    return ({}, problem) if problem else (values, "")
 
 
 def _answer_aliases(answer) -> tuple[list[str], str]:
@@ -204,11 +379,15 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
 
 
 def build_dataset(script_args, env, task):
-    """The task's questions -> chat prompts (`env.prompt`: the trainer's MultiTurnToolEnv); prompts longer than
-    `script_args.max_prompt_length` tokens are dropped, with a count."""
+    """The task's rows with chat prompts (`env.prompt`: the trainer's MultiTurnToolEnv) of their TRL `prompt`, or
+    else of their question, in the column `prompt`; prompts longer than `script_args.max_prompt_length` tokens are
+    dropped, with a count."""
+    has_prompt = "prompt" in task.dataset.column_names
+    sources = task.dataset["prompt"] if has_prompt else task.dataset["question"]
     # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
     # pickled (dill warned at every start, and the cache never worked)
-    dataset = task.dataset.add_column("prompt", [env.prompt(q) for q in task.dataset["question"]])
+    dataset = task.dataset.remove_columns(["prompt"]) if has_prompt else task.dataset
+    dataset = dataset.add_column("prompt", [env.prompt(p) for p in sources])
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
     if len(keep) < len(dataset):

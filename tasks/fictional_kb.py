@@ -32,6 +32,7 @@ questions as the "test" split.
     qa[11]        # {"question": "In what year was the founder of the city of Rarzogard born?", "answer": ["1289"]}
 """
 
+import inspect
 import random
 from dataclasses import dataclass
 
@@ -244,3 +245,38 @@ def fictional_kb_split(qa: list[dict], split: str, seed: int = 0) -> list[dict]:
     # A generator of its own, so that the split does not depend on how many draws building the KB took.
     held_out = set(random.Random(f"fictional_kb-test-{seed}").sample(range(len(qa)), int(len(qa) * TEST_FRACTION)))
     return [row for i, row in enumerate(qa) if (i in held_out) == (split == "test")]
+
+
+# ------------------------------------------------------------------------------------------------
+# The prompt of a search task (this one and triviaqa): its system prompt part and worked examples
+# ------------------------------------------------------------------------------------------------
+SEARCH_TASK_PROMPT = "You answer questions. You may call tools to look things up."
+
+# Two worked searches. Measured on SmolLM2-135M with the xml protocol (64 sampled episodes of training questions,
+# temperature 0.7): with the first alone 8 episodes called a tool and 2 found the answer; with both, 22 called,
+# 17 calls ran and 13 found the answer, in 5 of 8 groups. RL needs that many. The chat_template prompts were
+# never measured with the second, so they keep the first alone (`tool_formats`).
+SEARCH_EXAMPLES = [
+    {"question": "What is the capital of Veltria?",
+     "steps": [{"thought": "I do not know the capital of Veltria, so I look it up.", "tool": "search",
+                "args": {"query": "capital of Veltria"},
+                "result": "Veltria: Veltria is a country in the north. Its capital is Morvane."}],
+     "thought": "The result says the capital of Veltria is Morvane.", "answer": "Morvane"},
+    {"question": "Who invented the Brenloom?",
+     "steps": [{"thought": "I do not know who invented the Brenloom, so I look it up.", "tool": "search",
+                "args": {"query": "Brenloom inventor"},
+                "result": "Brenloom: The Brenloom is an invention. It was invented by Tessa Varn in 1702."}],
+     "thought": "The result says Tessa Varn invented the Brenloom.", "answer": "Tessa Varn", "tool_formats": ["xml"]},
+]
+
+
+def search_examples(tools: list) -> list[dict]:
+    """SEARCH_EXAMPLES calling the run's first tool through its first argument (`wiki_search(query=...)`, or
+    any search tool of the user's); no examples without a tool."""
+    if not tools:
+        return []
+    name = tools[0].__name__
+    first_arg = next(iter(inspect.signature(tools[0]).parameters), "query")
+    return [{**example, "steps": [{**step, "tool": name, "args": {first_arg: value for value in step["args"].values()}}
+                                  for step in example["steps"]]}
+            for example in SEARCH_EXAMPLES]

@@ -1,10 +1,13 @@
 """TriviaQA (Joshi et al., 2017), the paper's task: trivia questions with the accepted answer aliases,
 from the Hugging Face hub (`mandarjoshi/trivia_qa`, config `rc.nocontext`: questions without their
 evidence documents). Needs the hub, or the dataset in the local `datasets` cache; the agent answers
-with `wiki_search`, or with `search` over a local corpus (`corpus_path`).
+with `wiki_search`, or with `search` over a local corpus (`corpus_path`). A search task: its prompt and
+worked examples are the knowledge base's (tasks/fictional_kb.py: SEARCH_TASK_PROMPT, search_examples).
 """
 
 import datasets
+
+from tasks import load_hub_dataset
 
 HUB_NAME, HUB_CONFIG = "mandarjoshi/trivia_qa", "rc.nocontext"
 
@@ -13,18 +16,7 @@ def load_triviaqa(split: str = "train", max_samples: int | None = None) -> datas
     """TriviaQA rows as `question: str` and `answer: list[str]` (the canonical answer first, then its
     aliases, without duplicates). Raises RuntimeError, at once under HF_HUB_OFFLINE=1, when the hub
     cannot be reached and the dataset is not cached."""
-    try:
-        raw = datasets.load_dataset(HUB_NAME, HUB_CONFIG, split=split)
-    # What load_dataset raises when it cannot get the files: ConnectionError (also for offline mode,
-    # huggingface_hub's OfflineModeIsEnabled), FileNotFoundError ("not cached"), TimeoutError. Without
-    # HF_HUB_OFFLINE=1, huggingface_hub retries an unreachable hub for about 25 s before it gives up.
-    except (ConnectionError, TimeoutError, FileNotFoundError) as e:
-        raise RuntimeError(
-            f"TriviaQA ({HUB_NAME}) could not be loaded: the dataset hub could not be reached and the dataset is not "
-            f"in the local cache ({type(e).__name__}: {e}). Train on the embedded task instead "
-            "(dataset_name: fictional_kb), or set dataset_name to a local .jsonl/.json/.parquet/.csv file with "
-            "`question` and `answer` columns."
-        ) from e
+    raw = load_hub_dataset(HUB_NAME, HUB_CONFIG, split, label=f"TriviaQA ({HUB_NAME})")
     if max_samples is not None:
         raw = raw.select(range(min(max_samples, len(raw))))
     return raw.map(to_question_answer, remove_columns=raw.column_names)

@@ -108,13 +108,15 @@ def fake_search(reply, slow: dict | None = None, log: list | None = None):
 
 def make_env(tokenizer, tools: list, protocol=None, **overrides):
     """A MultiTurnToolEnv for scripted episodes: the xml protocol unless `protocol` is given, 2 environment
-    steps, 64 tokens a turn and a tool response, 400 in all, the strict tokenization check; `overrides`
+    steps, 64 tokens a turn and a tool response, 400 in all, the strict tokenization check, the knowledge base's
+    search prompt and worked examples (the scripted episodes search it); `overrides`
     replace any of these or add other settings."""
     from mt_grpo_trainer import MultiTurnToolEnv
     from protocol import XMLProtocol
+    from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
     kwargs = dict(max_env_steps=2, max_tokens_per_turn=64, max_completion_length=400, max_tool_response_tokens=64,
-                  tokenization_check="strict")
+                  tokenization_check="strict", task_prompt=SEARCH_TASK_PROMPT, examples=search_examples)
     kwargs.update(overrides)
     return MultiTurnToolEnv(tokenizer=tokenizer, protocol=protocol or XMLProtocol(), tools=tools, **kwargs)
 

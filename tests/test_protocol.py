@@ -4,13 +4,23 @@ render for a tool episode: the prompt, the environment's replies, and the full r
 The rollout is rebuilt here as the env builds it: the prompt rendered with a generation prompt, each sampled
 turn's text, and after a tool turn the reply rendered from a fixed base conversation
 `[system, user, assistant SENTINEL] + tool messages` (the text after the SENTINEL).
+
+The prompts (issue 38): the knowledge base's prompts are byte for byte those of before the task supplied them
+(tests/fixtures/kb_prompts_before_issue_38.json, rendered by the code of that time), a new tool's prompt holds
+none of the knowledge base's text, and worked examples, TRL prompts and recipe files are checked and rendered.
 """
+
+import json
+import os
+from typing import Literal, Optional
 
 import pytest
 
 from helpers import EMPTY_THINK, chat_template, template_call
-from protocol import (ChatTemplateProtocol, Turn, XMLProtocol, get_protocol, tool_call_message,
+from protocol import (DEFAULT_TASK_PROMPT, ChatTemplateProtocol, Turn, XMLProtocol, build_prompt, check_examples,
+                      get_protocol, load_examples, load_text, neutral_arguments, prompt_problem, tool_call_message,
                       tool_schemas)
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 CT = ChatTemplateProtocol()
 CORPUS = [{"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."},
@@ -221,8 +231,8 @@ def rollout_segments(tokenizer, prompt, completion, tools, **chat_template_kwarg
 def episode(tools, tool_turn: str, answer_turn: str | None):
     """A prompt with the few-shot exchange, and a completion: one turn with two calls, two results, an answer.
     With no `answer_turn` the episode stops at the tool turn (max_env_steps: its calls are not run)."""
-    prompt = [{"role": "system", "content": CT.system_prompt(tools)}, *CT.few_shot(tools),
-              {"role": "user", "content": "In which year was Quorvath founded, and what is the capital of Veltria?"}]
+    prompt = build_prompt(CT, tools, "In which year was Quorvath founded, and what is the capital of Veltria?",
+                          SEARCH_TASK_PROMPT, search_examples)
     completion = [
         {"role": "assistant", "content": tool_turn, "tool_calls": [
             tool_call_message(c.name, c.arguments) for c in CT.parse(tool_turn).calls]},
@@ -317,7 +327,7 @@ def test_few_shot_turns_are_what_the_template_writes_for_their_calls(request, se
     """Rendered from `tool_calls` (the template writes the call) or from `content` (the text the model would
     write), the few-shot exchange is the same text; and parsing each turn gives back its calls and answer."""
     tokenizer = request.getfixturevalue("qwen_style_tokenizer" if template == "qwen2.5" else "qwen3_style_tokenizer")
-    shots = CT.few_shot([search])
+    shots = CT.few_shot([search], search_examples([search]))
     from_calls = [{**m, "content": ""} if m.get("tool_calls") else m for m in shots]
     tools = CT.template_tools([search])
     assert (tokenizer.apply_chat_template(from_calls, tools=tools, tokenize=False)
@@ -329,6 +339,215 @@ def test_few_shot_turns_are_what_the_template_writes_for_their_calls(request, se
 
 
 def test_few_shot_tool_turn_is_the_hermes_block(search):
-    assert CT.few_shot([search])[1]["content"] == (
+    assert CT.few_shot([search], search_examples([search]))[1]["content"] == (
         '<tool_call>\n{"name": "search", "arguments": {"query": "capital of Veltria"}}\n</tool_call>')
     assert "<answer> </answer>" in CT.system_prompt([search])
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts: the task's part, the protocol's part, worked examples, TRL prompts
+# ------------------------------------------------------------------------------------------------
+QUESTION = "In which year was Quorvath founded?"
+KB_WORDS = ("Veltria", "Morvane", "Brenloom", "Tessa", "capital", "look things up")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression, e.g. "17 * 23".
+    """
+    return str(eval(expression, {"__builtins__": {}}))
+
+
+CALCULATOR_EXAMPLES = [{"question": "What is 17 * 23?",
+                        "steps": [{"thought": "I multiply.", "tool": "calculator", "args": {"expression": "17 * 23"},
+                                   "result": "391"}],
+                        "thought": "The result is 391.", "answer": "391"}]
+
+
+def rendered(tokenizer, protocol, tools, messages) -> str:
+    """The prompt's text as the env renders it (its chat template, with the tools for chat_template)."""
+    return tokenizer.apply_chat_template(protocol.template_messages(messages), tools=protocol.template_tools(tools),
+                                         tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("few_shot", [True, False])
+@pytest.mark.parametrize("tool_name", ["search", "wiki_search"])
+@pytest.mark.parametrize("fmt", ["xml", "chat_template"])
+def test_the_knowledge_base_prompt_is_byte_identical_to_before(search, fmt, tool_name, few_shot):
+    """The fixture was written by protocol.system_prompt + protocol.few_shot as they were before the prompt and the
+    examples moved into tasks/; the knowledge base task's own parts must give the same messages."""
+    from tasks import load_task
+    from tools.wiki_search import wiki_search
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "kb_prompts_before_issue_38.json")) as f:
+        before = json.load(f)[f"{fmt}/{tool_name}/few_shot={few_shot}"]
+    task = load_task("fictional_kb", max_samples=1)
+    tool = search if tool_name == "search" else wiki_search
+    assert build_prompt(get_protocol(fmt), [tool], QUESTION, task.system_prompt, task.examples, few_shot) == before
+
+
+@pytest.mark.parametrize("few_shot", [True, False])
+@pytest.mark.parametrize("fmt", ["xml", "chat_template"])
+def test_a_new_tool_without_examples_gets_no_knowledge_base_text(qwen_style_tokenizer, fmt, few_shot):
+    protocol = get_protocol(fmt)
+    messages = build_prompt(protocol, [calculator], "What is 12 * 12?", None, None, few_shot)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert messages[0]["content"].startswith(DEFAULT_TASK_PROMPT)
+    text = rendered(qwen_style_tokenizer, protocol, [calculator], messages)
+    assert [w for w in KB_WORDS if w in text] == []
+    assert "calculator" in text
+    if fmt == "xml":  # the call format in text, with a neutral argument (chat_template: the template's tool schema)
+        assert '<tool>{"name": "calculator", "args": {"expression": "..."}}</tool>' in messages[0]["content"]
+    else:
+        assert '"expression": {"type": "string"' in text
+
+
+@pytest.mark.parametrize("fmt, tool_turn", [
+    ("xml",
+     '<reasoning>I multiply.</reasoning>\n<tool>{"name": "calculator", "args": {"expression": "17 * 23"}}</tool>'),
+    ("chat_template", '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'),
+])
+def test_a_tasks_examples_are_shown_as_turns_or_in_text(fmt, tool_turn):
+    protocol = get_protocol(fmt)
+    answer_turn = "<reasoning>The result is 391.</reasoning>\n<answer>391</answer>" if fmt == "xml" \
+        else "The result is 391.\n<answer>391</answer>"
+    messages = build_prompt(protocol, [calculator], "What is 12 * 12?", "You do arithmetic.", CALCULATOR_EXAMPLES)
+    assert messages[1:] == [
+        {"role": "user", "content": "What is 17 * 23?"},
+        {"role": "assistant", "content": tool_turn, "tool_calls": [tool_call_message("calculator",
+                                                                                      {"expression": "17 * 23"})]},
+        {"role": "tool", "name": "calculator", "content": "391"},
+        {"role": "assistant", "content": answer_turn, "tool_calls": []},
+        {"role": "user", "content": "What is 12 * 12?"}]
+    assert messages[0]["content"].startswith("You do arithmetic.")
+    assert "Example:" not in messages[0]["content"]  # shown as turns: not again in text
+    system = build_prompt(protocol, [calculator], "What is 12 * 12?", None, CALCULATOR_EXAMPLES, few_shot=False)[0]
+    if fmt == "xml":
+        assert f"Example:\n{tool_turn}\n\n" in system["content"] and system["content"].endswith(answer_turn)
+
+
+def test_an_example_for_one_tool_format_is_shown_with_that_one_only():
+    examples = [CALCULATOR_EXAMPLES[0], {**CALCULATOR_EXAMPLES[0], "question": "And 2 * 3?", "tool_formats": ["xml"]}]
+    questions = {fmt: [m["content"] for m in build_prompt(get_protocol(fmt), [calculator], "q?", None, examples)
+                       if m["role"] == "user"] for fmt in ("xml", "chat_template")}
+    assert questions == {"xml": ["What is 17 * 23?", "And 2 * 3?", "q?"], "chat_template": ["What is 17 * 23?", "q?"]}
+
+
+CHAT = [{"role": "system", "content": "You are a careful calculator.\nShow no working."},
+        {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 17 * 23?"}]
+
+
+@pytest.mark.parametrize("fmt", ["xml", "chat_template"])
+def test_a_conversational_prompts_system_message_replaces_the_task_part_only(fmt):
+    protocol = get_protocol(fmt)
+    messages = build_prompt(protocol, [calculator], CHAT, "You do arithmetic.", CALCULATOR_EXAMPLES)
+    assert messages[0]["content"] == protocol.system_prompt([calculator], CHAT[0]["content"], with_example=False)
+    assert messages[0]["content"].startswith(CHAT[0]["content"] + "\n\n")  # a blank line before the protocol's part
+    assert "<answer> </answer>" in messages[0]["content"]
+    assert messages[1]["content"] == "What is 17 * 23?" and messages[-3:] == CHAT[1:]
+    assert build_prompt(protocol, [calculator], CHAT[1:], "You do arithmetic.", None)[0]["content"].startswith(
+        "You do arithmetic.")  # no system message of its own: the task's part stays
+
+
+@pytest.mark.parametrize("prompt, problem", [
+    ("", "empty prompt"),
+    ({"role": "user", "content": "2 + 2?"}, "prompt is a dict, not a string or a list of messages"),
+    (CHAT[:3], "prompt ends with a assistant message, not a user one"),
+    ([{"role": "user", "content": [{"type": "text", "text": "2 + 2?"}]}],
+     "prompt message 0 has no text `content` (a list)"),
+])
+def test_a_malformed_prompt_is_named(prompt, problem):
+    assert prompt_problem(prompt) == problem
+    with pytest.raises(ValueError, match="A prompt is a string, or a list of"):
+        build_prompt(XMLProtocol(), [calculator], prompt)
+
+
+def step(**fields) -> dict:
+    return {"question": "What is 17 * 23?", "answer": "391", "steps": [
+        {"tool": "calculator", "args": {"expression": "17 * 23"}, "result": "391", **fields}]}
+
+
+@pytest.mark.parametrize("examples, message", [
+    ({"question": "q"}, "few_shot_examples must be a list of worked examples"),
+    (["q"], "few_shot_examples[0] is a str; write each example as"),
+    ([{"question": "q", "answer": "a", "step": []}], "few_shot_examples[0] has the unknown field(s) ['step']"),
+    ([{"question": "", "answer": "a"}], "few_shot_examples[0].question must be a non-empty string; got ''"),
+    ([{"question": "q"}], "few_shot_examples[0].answer must be a non-empty string; got None"),
+    ([{**step(), "tool_formats": ["json"]}], "few_shot_examples[0].tool_formats is ['json']; list some of"),
+    ([step(), step(tool="calc")], "few_shot_examples[1].steps[0].tool is 'calc', not one of this run's tools "
+                                  "(calculator). Call one of them in the example, or add it to `tools`."),
+    ([step(args={"expr": "1"})], "few_shot_examples[0].steps[0].args {'expr': '1'} do not fit calculator(expression: "
+                                 "str) -> str: no argument 'expr'; 'expression' is required."),
+    ([step(args=["17 * 23"])], "few_shot_examples[0].steps[0].args must be an object of keyword arguments"),
+    ([step(result=None)], "few_shot_examples[0].steps[0].result must be a non-empty string; got None"),
+])
+def test_a_malformed_example_is_named_with_its_index_and_field(examples, message):
+    with pytest.raises(ValueError) as error:
+        check_examples(examples, [calculator])
+    assert message in str(error.value)
+
+
+def test_examples_are_checked_against_the_runs_tools_when_the_prompt_is_built():
+    assert load_examples([step(tool="calc")]) == [step(tool="calc")]  # a file is read before the tools are known
+    with pytest.raises(ValueError, match="steps\\[0\\].tool is 'calc', not one of this run's tools"):
+        build_prompt(XMLProtocol(), [calculator], "q?", None, [step(tool="calc")])
+
+
+@pytest.mark.parametrize("name, text", [
+    ("examples.json", json.dumps(CALCULATOR_EXAMPLES)),
+    ("examples.jsonl", "\n".join(json.dumps(e) for e in CALCULATOR_EXAMPLES) + "\n\n"),
+    ("examples.yaml", "- question: What is 17 * 23?\n  steps:\n    - thought: I multiply.\n      tool: calculator\n"
+                      "      args: {expression: 17 * 23}\n      result: '391'\n  thought: The result is 391.\n"
+                      "  answer: '391'\n"),
+])
+def test_examples_load_inline_or_from_a_file(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    assert load_examples(str(tmp_path / name)) == CALCULATOR_EXAMPLES
+    assert load_examples(CALCULATOR_EXAMPLES) == CALCULATOR_EXAMPLES and load_examples(None) is None
+
+
+@pytest.mark.parametrize("name, text, error, message", [
+    ("missing.json", None, FileNotFoundError, "does not exist (cwd:"),
+    ("examples.txt", "", ValueError, "is not a .json/.jsonl/.yaml/.yml file"),
+    ("examples.json", "[{", ValueError, "is not valid JSON"),
+    ("examples.yaml", "- question: [", ValueError, "is not valid YAML"),
+    ("examples.yaml", "question: q\nanswer: a\n", ValueError, "examples.yaml must be a list of worked examples"),
+])
+def test_an_examples_file_that_cannot_be_used_is_named(tmp_path, name, text, error, message):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    with pytest.raises(error, match=message.replace(".", "\\.").replace("(", "\\(")):
+        load_examples(str(tmp_path / name))
+
+
+def test_text_loads_inline_or_from_a_file(tmp_path):
+    (tmp_path / "task.md").write_text("You do arithmetic.\n\nShow the result only.\n")
+    assert load_text(str(tmp_path / "task.md")) == "You do arithmetic.\n\nShow the result only."
+    assert load_text(" You do arithmetic. ") == "You do arithmetic." and load_text(None) is None
+    with pytest.raises(FileNotFoundError, match="names no existing file"):
+        load_text(str(tmp_path / "nope.txt"))
+    with pytest.raises(ValueError, match="is empty; write the text, or leave system_prompt out"):
+        load_text("  ")
+
+
+def many(count: int, flag: bool, ratio: float, mode: Literal["fast", "slow"], tags: list[str],
+         limit: Optional[int] = None) -> str:
+    return ""
+
+
+def no_hints(a, b=2):
+    return ""
+
+
+@pytest.mark.parametrize("fn, arguments", [
+    (calculator, {"expression": "..."}),
+    (many, {"count": 1, "flag": True, "ratio": 1.5, "mode": "fast", "tags": ["..."]}),  # the required ones
+    (no_hints, {"a": "..."}),
+    (lambda query="", num_results=3: "", {"query": "..."}),  # none required: the first
+    (lambda: "", {}),
+])
+def test_neutral_arguments_follow_the_type_hints(fn, arguments):
+    assert neutral_arguments(fn) == arguments

@@ -1,17 +1,21 @@
 """Reward functions on hand-written canonical conversations (protocol.py), with the exact values each
 should give, the per-turn form, and the registry that resolves recipe names and dotted paths."""
 
+import concurrent.futures
 import json
 
 import pytest
 
 from helpers import xml_answer, xml_call
 from protocol import error_text, tool_call_message
-from rewards import REWARD_FUNCS, count_tool_turns, get_reward_func, is_per_turn, per_turn, tool_turns
+from rewards import (REWARD_FUNCS, RENAMED_REWARD_FUNCS, answers, count_tool_turns, get_reward_func, is_per_turn,
+                     per_turn, tool_turns)
+from rewards.answers import ANSWER_TYPES, contains_answer, matches_answer
 from rewards.triviaqa_reward import (
     OUTCOME_REWARD_FUNCS,
     TURN_REWARD_FUNCS,
     answer_in_result_per_turn,
+    answer_in_tool_result,
     chat_format_reward_func,
     exact_match_reward_func,
     exist_answer_in_search_results,
@@ -333,8 +337,22 @@ def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
 # ------------------------------------------------------------------------------------------------
 # Registry
 # ------------------------------------------------------------------------------------------------
-def test_registry_holds_the_default_turn_and_outcome_functions():
-    assert list(REWARD_FUNCS.values()) == TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS
+def test_registry_holds_the_default_turn_and_outcome_functions_and_the_old_names():
+    assert list(REWARD_FUNCS.values()) == TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS
+
+
+def test_answer_in_tool_result_keeps_its_old_name():
+    """Both names resolve; the old one is its own function so that a recipe naming it logs the metric names
+    it always did (`rewards/turn/exist_answer_in_search_results`), with the same values."""
+    new, old = get_reward_func("answer_in_tool_result"), get_reward_func("exist_answer_in_search_results")
+    assert new is answer_in_tool_result and old is exist_answer_in_search_results
+    assert (new.__name__, old.__name__) == ("answer_in_tool_result", "exist_answer_in_search_results")
+    completions, answers_ = [c[1] for c in CASES], [c[2] for c in CASES]
+    expected = [c[3][1] for c in CASES]
+    assert new(None, completions, answers_) == old(None, completions, answers_) == expected
+    # the answer_type column reaches the new function through the old name: "text" compares SQuAD text
+    in_reply = [[SEARCH, tool("There were 35 apples."), answer_turn("35")]]
+    assert old(None, in_reply, [["3.5"]]) == [0.0] and old(None, in_reply, [["3.5"]], answer_type=["text"]) == [0.5]
 
 
 @pytest.mark.parametrize("name", sorted(REWARD_FUNCS))
@@ -397,3 +415,122 @@ def test_trls_failed_call_reply_is_a_failed_call():
     assert tool_execution_reward_func(None, found_then_raised) == [pytest.approx(0.1)]
     assert exist_answer_in_search_results(None, [[SEARCH, tool(str({"error": FOUND})), answer_turn("Morvane")]],
                                           answer=[["Morvane"]]) == [0.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Answer matching: the answer_type column (rewards/answers.py)
+# ------------------------------------------------------------------------------------------------
+# (id, final answer, answer column, answer_type, expected: exact_match, exist_answer)
+ANSWER_TYPE_CASES = [
+    # SQuAD normalisation deletes the "." and the "-": "35" was exactly "3.5", and "-4" was "4"
+    ("a_decimal_point_matters", "35", ["3.5"], "auto", (0.0, 0.0)),
+    ("the_sign_matters", "-4", ["4"], "auto", (0.0, 0.0)),
+    ("the_sign_matters_the_other_way", "4", ["-4"], None, (0.0, 0.0)),
+    ("typographic_minus", "\u22124", ["-4"], "auto", (1.0, 0.5)),
+    ("a_float_equals_its_integer", "308.0", ["308"], "auto", (1.0, 0.5)),
+    ("thousands_separator", "1,000", ["1000"], "auto", (1.0, 0.5)),
+    ("thousands_separator_in_the_gold", "1000", ["1,000"], "auto", (1.0, 0.5)),
+    ("a_final_full_stop", "308.", ["308"], "auto", (1.0, 0.5)),
+    ("fraction_and_decimal", "1/2", ["0.5"], "auto", (1.0, 0.5)),
+    ("latex_fraction_and_decimal", r"\frac{1}{2}", ["0.5"], "auto", (1.0, 0.5)),
+    ("decimal_and_latex_gold", "0.5", [r"\frac{1}{2}"], "auto", (1.0, 0.5)),
+    ("delimited_latex_and_fraction", r"$\frac{1}{2}$", ["1/2"], "auto", (1.0, 0.5)),
+    ("three_quarters", "3/4", ["0.75"], "auto", (1.0, 0.5)),
+    ("three_quarters_the_other_way", "0.75", ["3/4"], "math", (1.0, 0.5)),
+    ("boxed", r"\boxed{7}", ["7"], "auto", (1.0, 0.5)),
+    ("a_number_among_words_is_contained_not_exact", "about 1,000 apples", ["1000"], "auto", (0.0, 0.5)),
+    ("a_year_with_an_era_is_not_exactly_the_year", "1289 BC", ["1289"], "auto", (0.0, 0.5)),
+    ("leading_zeros_are_a_code_not_a_number", "7", ["007"], "auto", (0.0, 0.0)),
+    # words stay text under auto, exactly as before
+    ("text_answer_unchanged", "the Tifex River", ["Tifex River", "Tifex"], "auto", (1.0, 0.5)),
+    ("text_answer_unchanged_by_default", "Tifex River", ["the Tifex River"], None, (1.0, 0.5)),
+    ("text_answer_contained", "the Tifex River", ["Tifex"], "auto", (0.0, 0.5)),
+    ("text_and_number_aliases", "73,000,000", ["73 million", "73000000"], "auto", (1.0, 0.5)),
+    ("a_backslash_among_words_is_text", "ACDC", [r"AC\DC"], "auto", (1.0, 0.5)),
+    ("latex_words_are_text", r"$\text{12 apples}$", [r"$\text{12 apples}$"], "auto", (1.0, 0.5)),
+    # "text" keeps the old behaviour, numbers included
+    ("text_mode_float_is_not_its_integer", "308.0", ["308"], "text", (0.0, 0.0)),
+    ("text_mode_keeps_the_old_decimal_point", "35", ["3.5"], "text", (1.0, 0.5)),
+    ("text_mode_words", "the Tifex River", ["Tifex River"], "text", (1.0, 0.5)),
+    # "math" parses every alias with math_verify, words and all
+    ("math_mode_parses_a_gold_with_words", "12", ["12 apples"], "math", (1.0, 0.5)),
+    ("auto_keeps_that_gold_as_text", "12", ["12 apples"], "auto", (0.0, 0.0)),
+    ("math_mode_gold_that_does_not_parse_is_text", "Paris", ["Paris"], "math", (1.0, 0.5)),
+    # a gold alias (trusted) may hold a power; a prediction may not: sympy would compute 10^(10^10) for minutes
+    ("a_power_in_the_gold", "1024", ["$2^{10}$"], "auto", (1.0, 0.5)),
+    ("no_power_in_the_prediction", "$2^{10}$", ["1024"], "auto", (0.0, 0.0)),
+    ("a_huge_power_is_not_computed", r"$10^{10^{10}}$", ["5"], "auto", (0.0, 0.0)),
+]
+
+
+@pytest.mark.parametrize("final, answer, answer_type, expected", [c[1:] for c in ANSWER_TYPE_CASES],
+                         ids=[c[0] for c in ANSWER_TYPE_CASES])
+def test_answer_type_decides_how_the_final_answer_compares(final, answer, answer_type, expected):
+    completion, column = [answer_turn(final)], [answer_type]
+    got = [fn(prompts=[PROMPT], completions=[completion], answer=[answer], answer_type=column)[0]
+           for fn in (exact_match_reward_func, exist_answer_reward_func)]
+    assert got == list(expected)
+    assert matches_answer(final, answer, answer_type) is (expected[0] == 1.0)
+
+
+# (id, tool reply, answer column, answer_type, expected: answer_in_tool_result, answer_in_result_per_turn)
+TOOL_REPLY_CASES = [
+    ("a_number_with_a_separator_in_a_sentence", "The total is 1,000 apples.", ["1000"], "auto", 0.5),
+    ("35_does_not_hold_3_5", "There were 35 apples.", ["3.5"], "auto", 0.0),
+    ("35_held_3_5_as_text", "There were 35 apples.", ["3.5"], "text", 0.5),
+    ("a_decimal_among_other_numbers", "Of 12 trials, 3.5 hours each, 7 failed.", ["3.5"], None, 0.5),
+    ("a_version_or_a_date_is_no_number", "Version 3.5.1 came out on 1/2/2020.", ["3.5"], "auto", 0.0),
+    ("a_date_is_no_fraction", "Version 3.5.1 came out on 1/2/2020.", ["0.5"], "auto", 0.0),
+    ("a_negative_number", "It fell to -4 degrees.", ["-4"], "auto", 0.5),
+    ("a_negative_number_does_not_hold_its_value", "It fell to -4 degrees.", ["4"], "auto", 0.0),
+    ("a_range_holds_its_ends", "Pages 10-14 tell it.", ["14"], "auto", 0.5),
+    ("a_decade_is_not_its_year", "It was built in the 1990s.", ["1990"], "auto", 0.0),
+    ("latex_in_the_reply", r"Exactly half: $\frac{1}{2}$ of them.", ["0.5"], "auto", 0.5),
+    ("money_is_not_latex", "It cost $5 and $10.", ["5"], "auto", 0.5),
+    ("a_year", "Tessa Varn was born in 1289 in Veltria.", ["1289"], "auto", 0.5),
+    ("words_as_before", FOUND, ["Morvane"], "auto", 0.5),
+]
+
+
+@pytest.mark.parametrize("reply, answer, answer_type, expected", [c[1:] for c in TOOL_REPLY_CASES],
+                         ids=[c[0] for c in TOOL_REPLY_CASES])
+def test_answer_type_decides_whether_the_tool_reply_holds_the_answer(reply, answer, answer_type, expected):
+    completion = [SEARCH, tool(reply), SEARCH, tool(NOT_FOUND), answer_turn("x")]
+    kwargs = dict(prompts=[PROMPT], completions=[completion], answer=[answer], answer_type=[answer_type])
+    assert answer_in_tool_result(**kwargs) == [expected]
+    assert answer_in_result_per_turn(**kwargs) == [[expected, 0.0]]
+    assert contains_answer(reply, answer, answer_type) is (expected == 0.5)
+
+
+def test_answer_type_is_read_per_row():
+    completions = [[answer_turn("35")]] * 3
+    got = exact_match_reward_func(None, completions, [["3.5"]] * 3, answer_type=["text", "auto", None])
+    assert got == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("fn", [exact_match_reward_func, exist_answer_reward_func, answer_in_tool_result,
+                                exist_answer_in_search_results, answer_in_result_per_turn])
+def test_an_unknown_answer_type_names_the_allowed_ones(fn):
+    with pytest.raises(ValueError) as e:
+        fn(None, [[SEARCH, tool(FOUND), answer_turn("Morvane")]], [["Morvane"]], answer_type=["number"])
+    assert "'number'" in str(e.value) and all(repr(t) in str(e.value) for t in ANSWER_TYPES)
+    with pytest.raises(ValueError, match="2 values for 1 samples"):
+        fn(None, [[answer_turn("Morvane")]], [["Morvane"]], answer_type=["auto", "text"])
+
+
+def test_math_answers_compare_in_a_worker_thread():
+    """math_verify's default timeouts use signal.alarm, which fails outside the main thread; the async
+    rollout thread scores rewards. The caches are emptied so that math_verify really runs in the thread."""
+    answers._parse.cache_clear()
+    answers._equal.cache_clear()
+    answers._gold_is_math.cache_clear()
+
+    def score():
+        finals = [[answer_turn("2.25")], [answer_turn("9/4 of it")], [answer_turn("22.5")], [answer_turn("Tifex")]]
+        golds = [["9/4"], [r"\frac{9}{4}"], ["2.25"], ["Tifex River", "Tifex"]]
+        return (exact_match_reward_func(None, finals, golds), exist_answer_reward_func(None, finals, golds),
+                answer_in_tool_result(None, [[SEARCH, tool("It weighs 4,096 kg."), answer_turn("x")]], [["4096"]]))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        exact, exist, found = pool.submit(score).result(timeout=300)
+    assert exact == [1.0, 0.0, 0.0, 1.0] and exist == [0.5, 0.5, 0.0, 0.5] and found == [0.5]

@@ -68,13 +68,16 @@ def test_two_processes_stop_together_at_the_time_budget(tiny_agent_dir, tmp_path
 
 
 def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):
-    """A run with greedy evaluation and the progress bars on prints progress, one line per step and our INFO
-    lines: no warning that our code or recipe causes (transformers' generation-flag warning, TRL's
+    r"""A run with greedy evaluation and the progress bars on, its output sent to a pipe as to a log file, prints
+    one line per step, our INFO lines and the closing lines: no bar (a redraw's `\r`, a nested bar's cursor-up
+    `\x1b[A`), and no warning that our code or recipe causes (transformers' generation-flag warning, TRL's
     gradient_checkpointing deprecation, dill's pickling warning, bm25s' DEBUG lines were all seen once)."""
-    _, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--max_steps", "1", "--eval_strategy", "steps",
-                              "--eval_steps", "1", "--eval_max_samples", "4", "--disable_tqdm", "false")
+    out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--max_steps", "1", "--eval_strategy", "steps",
+                                "--eval_steps", "1", "--eval_max_samples", "4", "--disable_tqdm", "false")
     assert len(steps) == 1
     assert "step    1 |" in log  # StepPrinter's one line per step
+    assert "\r" not in log and "\x1b[" not in log  # no bar of ours or of the libraries (quiet_library_bars)
+    assert f"Run finished. Output folder: {out}\n  model: {out} " in log  # reporting.report_outputs
     noisy = [line for line in log.splitlines()
              if any(word in line for word in ("Warning", "warn(", "[transformers]", "DEBUG", "deprecated"))]
     assert not noisy, noisy

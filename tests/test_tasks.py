@@ -1,7 +1,9 @@
 """Tasks: the fictional knowledge base (deterministic, unique names, answerable by search; two-hop
 questions that one search cannot answer and two can), local files with malformed rows skipped and
-counted, the errors for missing files and columns, and TriviaQA failing fast and clearly when the
-hub cannot be reached."""
+counted, the errors for missing files and columns, TriviaQA and any hub dataset failing fast and clearly
+when the hub cannot be reached; and any dataset: TRL prompt columns (standard and conversational), folders
+as the hub serves them or as save_to_disk writes them, column mapping, rows without answers, and a
+`datasets.Dataset` built in Python."""
 
 import hashlib
 import json
@@ -14,9 +16,9 @@ import time
 import datasets
 import pytest
 
-from helpers import ROOT
-from tasks import FEATURES, load_task
-from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
+from helpers import ROOT, make_env
+from tasks import FEATURES, build_dataset, load_eval_task, load_task, validate_dataset
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, build_fictional_kb, fictional_kb_split, search_examples
 from tasks.triviaqa import to_question_answer
 from tools.search import make_search_tool
 
@@ -268,7 +270,7 @@ def test_other_file_formats(tmp_path, name, write):
 
 @pytest.mark.parametrize("rows, missing", [
     ([{"question": "q", "answers": ["a"]}], "has no 'answer' column; its columns are ['question', 'answers']"),
-    ([{"prompt": "q", "answer": ["a"]}], "has no 'question' column; its columns are ['prompt', 'answer']"),
+    ([{"problem": "q", "answer": ["a"]}], "has no 'question' column; its columns are ['problem', 'answer']"),
     ([{"text": "q"}], "has no 'question' and no 'answer' column; its columns are ['text']"),
 ])
 def test_missing_column_names_it_and_the_columns_found(tmp_path, rows, missing):
@@ -355,3 +357,186 @@ def test_triviaqa_offline_fails_fast_with_a_clear_error():
 def test_triviaqa_row_becomes_question_and_aliases(answer, aliases):
     row = {"question": "Q?", "question_id": "tc_1", "answer": {**answer, "normalized_value": "x"}}
     assert to_question_answer(row) == {"question": "Q?", "answer": aliases}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Any dataset: TRL prompts, hub-style folders, column mapping, rows without answers, a datasets.Dataset
+
+CHAT = [{"role": "system", "content": "You are a careful calculator."}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "Four. Anything else?"}, {"role": "user", "content": "And 17 * 23?"}]
+
+
+def test_a_standard_prompt_column_is_kept_and_stands_in_for_the_question(tmp_path):
+    rows = [{"prompt": "What is 17 * 23?", "answer": "391", "level": 2}, {"prompt": "  ", "answer": "0", "level": 1}]
+    task = load_task(write_jsonl(tmp_path / "math.jsonl", rows))
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "prompt": "What is 17 * 23?",
+                                       "level": 2}]
+    assert task.skipped == ["row 1: empty prompt"]
+    assert (task.system_prompt, task.examples) == (None, None)  # no search task's wording for a new task
+
+
+def test_a_conversational_prompt_column_is_kept_and_its_last_user_message_is_the_question(tmp_path):
+    rows = [{"prompt": CHAT, "answer": ["391"], "question": ""},
+            {"prompt": CHAT[1:2], "question": "2 + 2?", "answer": ["4"]}]
+    dataset = load_task(write_jsonl(tmp_path / "chat.jsonl", rows)).dataset
+    assert dataset["prompt"] == [CHAT, CHAT[1:2]]
+    assert dataset["question"] == ["And 17 * 23?", "2 + 2?"]  # a question column, where there is one, wins
+
+
+# (id, the malformed prompt, the reason recorded for its row)
+BAD_PROMPTS = [
+    ("ends_with_assistant", CHAT[:3], "row 1: prompt ends with a assistant message, not a user one"),
+    ("no_content", [{"role": "user"}], "row 1: prompt message 0 has no text `content` (a NoneType)"),
+    ("unknown_role", [{"role": "tool", "content": "391"}], "row 1: prompt message 0 has the role 'tool'"),
+    ("late_system", CHAT[1:2] + CHAT[:2], "row 1: prompt message 1 is a system message; only the first may be"),
+    ("no_messages", [], "row 1: prompt has no messages"),
+]
+
+
+@pytest.mark.parametrize("prompt, reason", [c[1:] for c in BAD_PROMPTS], ids=[c[0] for c in BAD_PROMPTS])
+def test_a_malformed_conversational_prompt_is_skipped_and_counted(tmp_path, prompt, reason):
+    good = {"prompt": CHAT, "answer": ["391"]}
+    task = validate_dataset(datasets.Dataset.from_list([good, {"prompt": prompt, "answer": ["4"]}, good]))
+    assert task.dataset["question"] == ["And 17 * 23?"] * 2
+    assert task.num_skipped == 1 and task.skipped[0].startswith(reason), task.skipped
+
+
+def write_hub_folder(folder) -> str:
+    """A dataset folder as the hub serves one: data/<split>-00000-of-00001.parquet."""
+    os.makedirs(folder / "data")
+    for split, rows in (("train", GOOD), ("test", [{"question": "Who rang the Tessbell?", "answer": ["Orla Venn"]}])):
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
+    return str(folder)
+
+
+def test_a_hub_style_folder_is_read_by_split(tmp_path):
+    folder = write_hub_folder(tmp_path / "qa")
+    assert load_task(folder).dataset.to_list() == GOOD
+    assert load_task(folder, "test").dataset.to_list() == [
+        {"question": "Who rang the Tessbell?", "answer": ["Orla Venn"]}]
+    with pytest.raises(ValueError, match=r"Unknown split \"validation\".*Set dataset_config and dataset_split"):
+        load_task(folder, "validation")
+
+
+def test_a_folder_written_by_save_to_disk_is_read(tmp_path):
+    test_rows = [{"question": "Who rang the Tessbell?", "answer": ["Orla Venn"]}]
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(GOOD),
+                                   "test": datasets.Dataset.from_list(test_rows)})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    assert load_task(str(tmp_path / "dict"), "test").dataset.to_list() == test_rows
+    with pytest.raises(ValueError, match=re.escape("has the splits ['train', 'test'], not 'dev': set dataset_split")):
+        load_task(str(tmp_path / "dict"), "dev")
+    datasets.Dataset.from_list(GOOD).save_to_disk(str(tmp_path / "one"))
+    assert load_task(str(tmp_path / "one")).dataset.to_list() == GOOD
+    with pytest.raises(ValueError, match=re.escape("holds one Dataset (save_to_disk), read as the split 'train'")):
+        load_task(str(tmp_path / "one"), "test")
+
+
+def test_columns_map_the_datasets_own_names(tmp_path):
+    rows = [{"problem": "What is 17 * 23?", "solution": "391", "messages": CHAT, "id": 7}]
+    task = load_task(write_jsonl(tmp_path / "math.jsonl", rows),
+                     columns={"question": "problem", "answer": "solution", "prompt": "messages"})
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "prompt": CHAT, "id": 7}]
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"question": "problme"}, "has no column 'problme' (the question: `question_column`); its columns are "
+                              "['problem', 'solution']. Set `question_column` to one of them."),
+    ({"question": "problem", "answer": "answer"}, "has no 'answer' column; its columns are ['problem', 'solution']"),
+    ({"questions": "problem"}, "columns maps ['questions'], which the trainer does not read"),
+])
+def test_a_column_the_dataset_lacks_is_named_with_the_columns_it_has(columns, message):
+    data = datasets.Dataset.from_list([{"problem": "What is 17 * 23?", "solution": "391"}])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_dataset(data, columns=columns, source="math.jsonl")
+
+
+def test_rows_without_an_answer_are_kept_only_when_no_reward_needs_one(tmp_path):
+    rows = [GOOD[0], {"question": "Where?"}, {"question": "When?", "answer": None}, {"question": "Who?", "answer": []},
+            {"question": "How many?", "answer": 3}]
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    loose = load_task(path, answer_required=False)
+    assert loose.dataset.to_list() == [GOOD[0], {"question": "Where?", "answer": []},
+                                       {"question": "When?", "answer": []}, {"question": "Who?", "answer": []}]
+    assert loose.skipped == ["row 4: answer is a int, not a string or a list of strings"]  # malformed, not missing
+    strict = load_task(path)
+    assert strict.dataset.to_list() == [GOOD[0]] and strict.num_skipped == 4
+
+
+def test_a_dataset_without_an_answer_column_has_none_unless_one_is_required(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "Write a haiku about tools."}])
+    assert load_task(path, answer_required=False).dataset.to_list() == [
+        {"question": "Write a haiku about tools.", "prompt": "Write a haiku about tools."}]
+    with pytest.raises(ValueError, match=re.escape("has no 'answer' column; its columns are ['prompt']")):
+        load_task(path)
+
+
+def test_validate_dataset_checks_a_dataset_built_in_python():
+    data = datasets.Dataset.from_list([{"problem": " What is 17 * 23? ", "solution": "391", "id": 1},
+                                       {"problem": "", "solution": "0", "id": 2}])
+    task = validate_dataset(data, columns={"question": "problem", "answer": "solution"}, source="train_dataset")
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "id": 1}]
+    assert task.dataset.features["id"] == data.features["id"] and task.skipped == ["row 1: empty question"]
+    with pytest.raises(ValueError, match=re.escape("train_dataset is a DatasetDict (a DatasetDict: pick a split")):
+        validate_dataset(datasets.DatasetDict({"train": data}))
+
+
+def test_the_search_tasks_bring_their_prompt_and_examples_and_config_is_for_hub_datasets():
+    task = load_task("fictional_kb", max_samples=1)
+    assert (task.system_prompt, task.examples) == (SEARCH_TASK_PROMPT, search_examples)
+    with pytest.raises(ValueError, match=re.escape("dataset_config='main' applies to hub datasets and dataset fold")):
+        load_task("fictional_kb", dataset_config="main")
+
+
+def test_a_path_that_does_not_exist_is_not_looked_up_on_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is neither a task .* nor an existing file or folder"):
+        load_task("data/math/train")
+
+
+@pytest.mark.timeout(120)
+def test_a_hub_dataset_offline_fails_fast_with_a_clear_error():
+    code = ("from tasks import load_task\n"
+            "try:\n"
+            "    load_task('mt-grpo-tests/no-such-dataset', dataset_config='main')\n"
+            "except RuntimeError as e:\n"
+            "    print('RuntimeError:', e)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert ("RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: the dataset hub "
+            "could not be reached and the dataset is not in the local cache") in done.stdout, \
+        done.stdout + done.stderr[-2000:]
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression, e.g. "17 * 23".
+    """
+    return str(eval(expression, {"__builtins__": {}}))
+
+
+def test_build_dataset_renders_the_rows_prompt_else_its_question(qwen_style_tokenizer, tmp_path):
+    rows = [{"prompt": CHAT, "answer": "391"}, {"prompt": "What is 2 + 2?", "answer": "4"}]
+    env = make_env(qwen_style_tokenizer, [calculator])
+    for row in rows:
+        task = load_task(write_jsonl(tmp_path / "math.jsonl", [row]))
+        (prompt,) = build_dataset(type("Args", (), {"max_prompt_length": 4096}), env, task)["prompt"]
+        assert prompt == env.prompt(row["prompt"])
+    (prompt,) = build_dataset(type("Args", (), {"max_prompt_length": 4096}), env,
+                              load_task(write_jsonl(tmp_path / "qa.jsonl", GOOD[:1])))["prompt"]
+    assert prompt[-1] == {"role": "user", "content": GOOD[0]["question"]}
+    assert prompt[0]["role"] == "system" and "You are a careful calculator." in env.prompt(CHAT)[0]["content"]
+
+
+def test_the_eval_task_of_a_hub_style_folder_uses_the_recipes_columns(tmp_path):
+    from mt_grpo_trainer import MTGRPOScriptArguments
+
+    os.makedirs(tmp_path / "math" / "data")
+    for split, rows in (("train", [{"problem": "1 + 1?", "solution": "2"}]),
+                        ("test", [{"problem": "2 + 3?", "solution": "5"}, {"problem": "7 - 7?", "solution": ""}])):
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "math" / "data" / f"{split}-00000-of-00001.parquet"))
+    recipe = MTGRPOScriptArguments(dataset_name=str(tmp_path / "math"), question_column="problem",
+                                   answer_column="solution", eval_dataset_split="test")
+    assert load_eval_task(recipe).dataset.to_list() == [{"question": "2 + 3?", "answer": ["5"]}]
+    assert load_eval_task(recipe, answer_required=False).dataset["answer"] == [["5"], []]

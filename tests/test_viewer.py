@@ -1,5 +1,6 @@
 """The rollout viewer (scripts/view_rollouts.py) and the run plots (scripts/plot_runs.py), run as a
-user runs them on a fixture run folder (tests/rollout_records.py). The page's structure is always
+user runs them on a fixture run folder (tests/rollout_records.py), and the records a run writes against the
+guide's description of them. The page's structure is always
 checked; the page itself is loaded in headless Chromium over the DevTools protocol. scripts/test.sh installs
 chromium where it can (root with apt); elsewhere that test skips, and on CI (CI=true) it fails instead."""
 
@@ -15,9 +16,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, fake_search, make_env
 from plot_runs import plot_runs
-from rollout_records import write_run
+from rollout_records import step_records, write_run
 from view_rollouts import build_page, compact
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -106,6 +107,15 @@ def test_steps_and_episode_limit(run):
     page = Page(view(run_dir, "--steps", "2-2", "--max-episodes-per-step", "3"))
     assert set(page.blocks) == {"index", "data-train-000002", "data-eval-000002"}
     assert [(e["group"], e["sample"]) for e in json.loads(page.blocks["data-train-000002"])] == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_the_page_of_an_evaluation_alone(tmp_path):
+    """scripts/evaluate.py's output folder: its eval_episodes.jsonl is the page's one step, at its records' step."""
+    records = step_records(30, "eval", seed=0)
+    (tmp_path / "eval_episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = Page(view(str(tmp_path), "--digits", "0"))
+    assert set(page.blocks) == {"index", "data-eval-000030"}
+    assert json.loads(page.blocks["data-eval-000030"]) == records
 
 
 def test_default_page_is_smaller_and_matches_to_four_digits(run):
@@ -338,3 +348,50 @@ def test_answer_errors_cli(tmp_path):
     failed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), str(empty)],
                             capture_output=True, text=True)
     assert failed.returncode != 0 and "--save_rollouts_steps" in failed.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# The records themselves (reporting.episode_records) against the guide's description of them
+# ------------------------------------------------------------------------------------------------
+def schema(x):
+    """The field names of a record, nested; a list of objects gives the union of its objects' fields."""
+    if isinstance(x, dict):
+        return {k: schema(v) for k, v in x.items()}
+    if isinstance(x, list) and any(isinstance(v, dict) for v in x):
+        return [{k: v for item in x for k, v in schema(item).items()}]
+    return "value"
+
+
+def test_the_guide_shows_every_field_of_a_record(smollm2_tokenizer):
+    """A real episode (the env, a scripted policy, a search tool) recorded as the trainer records one has the
+    fields of the guide's example record, no more, no less; its env turn holds the tool's output."""
+    import torch
+
+    from reporting import episode_records
+    from scripted_policy import ScriptedPolicy
+
+    question, reply = "What is the capital of Veltria?", "Veltria: a country. Its capital is Morvane."
+    script = {question: ['<reasoning>Look it up.</reasoning>\n<tool>{"name": "search", "args": {"query": "Veltria"}}'
+                         '</tool>', "<reasoning>Found it.</reasoning>\n<answer>Morvane</answer>"]}
+    env = make_env(smollm2_tokenizer, [fake_search(lambda query: reply)])
+    episodes = env.rollout([env.prompt(question)], ScriptedPolicy(smollm2_tokenizer, script))
+    T = len(episodes[0].completion_ids)
+    rewards = {"turn": {"tool_execution_reward_func": [0.2]}, "outcome": {"exact_match_reward_func": [1.0]}}
+    kwargs = dict(step=3, first_index=0, group_size=1, inputs=[{"question": question, "answer": ["Morvane"]}],
+                  rewards=rewards)
+    train, = episode_records(smollm2_tokenizer, episodes, mode="train", R_T=torch.tensor([0.2]),
+                             R_O=torch.tensor([1.0]), A_T=torch.tensor([[0.5]]), A_O=torch.tensor([0.87]),
+                             token_values={"advantage": torch.ones(1, T), "trainer_logprob": torch.zeros(1, T),
+                                           "is_weight": torch.ones(1, T)}, **kwargs)
+    evaluation, = episode_records(smollm2_tokenizer, episodes, mode="eval", token_values={}, **kwargs)
+    with open(os.path.join(ROOT, "docs", "guide.md")) as f:
+        section = f.read().split("## Looking at rollouts and runs")[1].split("\n## ")[0]
+    documented = json.loads(section.split("```json\n")[1].split("```")[0])
+    assert schema(train) == schema(documented)
+    env_turn = next(t for t in train["turns"] if t["role"] == "env")
+    assert env_turn["tool_calls"][0]["output"] == reply and reply in env_turn["text"]
+    assert "output" not in train["tool_calls"][0]  # the top-level list, as the guide says
+    # an evaluation record: no per-token training values, no R_T, R_O, A_T, A_O
+    assert set(schema(train)["tokens"]) - set(evaluation["tokens"]) == {"advantage", "trainer_logprob", "is_weight"}
+    assert [evaluation[k] for k in ("R_T", "R_O", "A_T", "A_O")] == [None] * 4 and schema(evaluation)["turns"] == \
+        schema(train)["turns"]

@@ -18,6 +18,7 @@ from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, f
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
+from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
 from weight_sync import Probes, WeightSyncConfig, server_sampler
 
@@ -80,7 +81,7 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
                              startup_timeout=30, prompts_per_request=3)
     env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
                            max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40,
-                           scheduler=scheduler)
+                           scheduler=scheduler, task_prompt=SEARCH_TASK_PROMPT, examples=search_examples)
     episodes = env.rollout([env.prompt("What is the capital of Veltria?")] * 4 + [env.prompt("Who founded Morvane?")] * 4, client)
     # every model turn is exactly one sample the server returned (ids and logprobs), and nothing else
     turns = sorted((tuple(ep.completion_ids[s.start : s.end]), tuple(ep.sampler_logprobs[s.start : s.end]))
@@ -279,7 +280,8 @@ PROBE_SETTINGS = [dict(temperature=0.7, seed=1), dict(temperature=0.7, top_p=0.8
 def probe_client(port, tokenizer, settings, **kwargs):
     """The client as make_backend builds it, with the probes the tiny recipe's env renders (xml protocol)."""
     env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
-                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40)
+                           max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40,
+                           task_prompt=SEARCH_TASK_PROMPT, examples=search_examples)
     return VLLMServerClient(base_url=f"http://127.0.0.1:{port}", params=SamplingParams(**settings),
                             eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30,
                             probes=Probes.render(env.render_ids), **kwargs)

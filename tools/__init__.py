@@ -55,13 +55,14 @@ def corpus_tool(factory: Callable) -> Callable:
     return factory
 
 
-def build_tools(names: list[str], corpus: list[dict] | None) -> list[Callable]:
-    """The tool functions for `names` (the recipe's `tools`: names in TOOLS or dotted paths), in that
-    order. `corpus` is the task's list of `{"title", "text"}` documents, from which corpus tools are
-    built; None if the task has none."""
+def build_tools(entries: list, corpus: list[dict] | None) -> list[Callable]:
+    """The tool functions for `entries` (the recipe's `tools`: names in TOOLS or dotted paths; the Python API
+    may also pass the functions themselves), in that order. `corpus` is the task's list of `{"title", "text"}`
+    documents, from which corpus tools are built; None if the task has none."""
+    names = [e if isinstance(e, str) else getattr(e, "__name__", repr(e)) for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"`tools` lists a tool twice: {names}. List each tool once.")
-    tools = [build_tool(name, corpus) for name in names]
+    tools = [build_tool(e, corpus) if isinstance(e, str) else _function_tool(e) for e in entries]
     # The model calls a tool by its function name, so two tools with one name could not both be called.
     first_with = {}
     for name, tool in zip(names, tools):
@@ -74,6 +75,16 @@ def build_tools(names: list[str], corpus: list[dict] | None) -> list[Callable]:
                              "the model calls a tool by its function name. Rename one of the functions.")
         first_with[called] = name
     return tools
+
+
+def _function_tool(fn) -> Callable:
+    """A tool passed as an object (the Python API): a function, not a corpus tool's factory."""
+    if not callable(fn):
+        raise ValueError(f"`tools` holds a {type(fn).__name__} ({fn!r}); give functions, or names of tools/.")
+    if getattr(fn, "corpus_tool", False):
+        raise ValueError(f"Tool '{fn.__name__}' is a corpus tool's factory: pass the tool it builds, "
+                         f"`{fn.__name__}(corpus)`, or its name in `tools` with a task that has a corpus.")
+    return fn
 
 
 def build_tool(name: str, corpus: list[dict] | None) -> Callable:

@@ -1,0 +1,159 @@
+"""What `MTGRPOEnvTrainer(...)` builds from its config when it is handed names and data rather than an env: the
+tokenizer, the tools, the reward functions and the task, and the prompts of a dataset. Plumbing only; the trainer
+file keeps the classes (`MultiTurnToolEnv`, the backends) and calls these.
+
+The trainer takes what TRL's GRPOTrainer takes, and more loosely:
+    tools                functions, or names of tools/ (and dotted paths), or both; None: the config's `tools`
+    turn/outcome rewards functions or names of rewards/; None: the config's lists
+    train/eval_dataset   a `datasets.Dataset` with `question` and `answer` columns, or TRL's `prompt` column
+                         (standard text or conversational messages), renamed by the config's `*_column` fields;
+                         or a `tasks.Task`; None: the config's `dataset_name` (and the task's held-out split
+                         when evaluation is on)
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transformers import AutoTokenizer
+
+from protocol import end_of_turn_ids
+from tasks import QA_EVAL_METRICS, Task, build_dataset, load_eval_task, load_task, recipe_columns, validate_dataset
+
+logger = logging.getLogger("mt_grpo")
+
+
+@dataclass
+class Parts:
+    """Everything the trainer needs besides the model, the env and the backend."""
+
+    tokenizer: object
+    eos_token_ids: list[int]  # every id that ends a model turn
+    tools: list[Callable]
+    turn_funcs: list[Callable]
+    outcome_funcs: list[Callable]
+    train: Task | None
+    eval: Task | None
+    task_prompt: str | None  # the system prompt's task part (the config's, else the task's; None: neutral)
+    examples: object = None  # worked examples: the config's, else the task's (a list, or a function of the tools)
+    eval_metrics: dict[str, Callable] = field(default_factory=dict)
+
+
+def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
+             outcome_reward_funcs, processing_class, corpus) -> Parts:
+    """Resolve every name of the config and load what is missing (see the module docstring)."""
+    from protocol import load_examples, load_text
+    from rewards import get_reward_func
+    from tools import build_tools
+
+    sa = script_args
+    turn = [get_reward_func(f) if isinstance(f, str) else f
+            for f in (sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs)]
+    outcome = [get_reward_func(f) if isinstance(f, str) else f
+               for f in (sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs)]
+    needs_answer = any(_requires(fn, "answer") for fn in turn + outcome)
+    train = _task(train_dataset, sa, needs_answer, "train_dataset")
+    evaluation = eval_dataset is not None or args.eval_strategy != "no"
+    if eval_dataset is None and evaluation:
+        if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
+            eval_dataset = load_recipe_task(sa, needs_answer, held_out=True)
+        else:
+            raise ValueError(f"`eval_strategy: {args.eval_strategy}` needs held-out data: pass `eval_dataset`, "
+                             "or set `eval_strategy: no`.")
+    held_out = _task(eval_dataset, sa, needs_answer, "eval_dataset") if evaluation else None
+    source = train or held_out
+    tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
+                                        trust_remote_code=args.trust_remote_code)
+    metrics = source.eval_metrics if source is not None and "answer" in source.dataset.column_names else {}
+    return Parts(
+        tokenizer=tokenizer, eos_token_ids=eos_ids,
+        tools=build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
+                          else getattr(source, "corpus", None)),
+        turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out,
+        task_prompt=load_text(sa.system_prompt) or getattr(source, "system_prompt", None),
+        examples=load_examples(sa.few_shot_examples) if sa.few_shot_examples is not None
+        else getattr(source, "examples", None),
+        eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
+    )
+
+
+def _task(data, sa, needs_answer: bool, name: str) -> Task | None:
+    """A Task from what the caller passed: a Task as is, a datasets.Dataset validated, None for the train set: the
+    config's `dataset_name`."""
+    if isinstance(data, Task):
+        return data
+    if data is None:
+        return load_recipe_task(sa, needs_answer) if name == "train_dataset" else None
+    import datasets
+
+    if not isinstance(data, datasets.Dataset):
+        raise ValueError(f"`{name}` is a {type(data).__name__}; pass a datasets.Dataset (e.g. "
+                         "`Dataset.from_list([{'question': ..., 'answer': ...}])`), or leave it out to load the "
+                         "config's `dataset_name`.")
+    task = validate_dataset(data, columns=recipe_columns(sa), answer_required=needs_answer, source=name)
+    _report_skipped(task, name)
+    task.eval_metrics = dict(QA_EVAL_METRICS)
+    return task
+
+
+def load_recipe_task(sa, answer_required: bool = True, held_out: bool = False) -> Task:
+    """The recipe's training task (`dataset_name` and the fields beside it), or its held-out one (`eval_*`)."""
+    if held_out:
+        task = load_eval_task(sa, answer_required=answer_required)
+    else:
+        task = load_task(sa.dataset_name, sa.dataset_split, sa.max_samples, sa.corpus_path, sa.kb_seed,
+                         sa.kb_multi_hop, dataset_config=sa.dataset_config, columns=recipe_columns(sa),
+                         answer_required=answer_required)
+    _report_skipped(task, sa.eval_dataset_name or sa.dataset_name if held_out else sa.dataset_name)
+    return task
+
+
+def _report_skipped(task: Task, source: str) -> None:
+    if task.num_skipped:
+        logger.warning("Skipped %d malformed rows of %s, e.g. %s", task.num_skipped, source, "; ".join(task.skipped))
+
+
+def _requires(fn: Callable, column: str) -> bool:
+    import inspect
+
+    p = inspect.signature(fn).parameters.get(column)
+    return p is not None and p.default is p.empty
+
+
+def _revision(args) -> str | None:
+    return (args.model_init_kwargs or {}).get("revision")
+
+
+def load_tokenizer(model, processing_class=None, revision: str | None = None,
+                   trust_remote_code: bool = False) -> tuple[object, list[int]]:
+    """(tokenizer, every id that ends a model turn) for a model name or a loaded model. A given tokenizer is
+    used, padded on the left (generation appends on the right)."""
+    name = model if isinstance(model, str) else getattr(model, "name_or_path", None)
+    tokenizer = processing_class
+    if tokenizer is None:
+        if not name:
+            raise ValueError("The model has no `name_or_path` to load its tokenizer from: pass `processing_class`.")
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, padding_side="left",
+                                                  trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if isinstance(model, str):
+        return tokenizer, end_of_turn_ids(model, tokenizer, revision)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
+
+
+def prompt_dataset(task: Task | None, sa, env, funcs: list[Callable]):
+    """The task's rows with the prompts the env renders (tasks.build_dataset), checked against the rewards'
+    columns, and the recipe's `answer_type` for the rewards that compare answers."""
+    if task is None:
+        return None
+    from checks import check_reward_columns
+
+    dataset = build_dataset(sa, env, task)
+    if sa.answer_type != "auto" and "answer_type" not in dataset.column_names:
+        dataset = dataset.add_column("answer_type", [sa.answer_type] * len(dataset))
+    check_reward_columns(funcs, dataset.column_names)
+    return dataset
