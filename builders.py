@@ -17,6 +17,7 @@ from typing import Callable
 
 from transformers import AutoTokenizer
 
+from checks import check_reward_sources
 from protocol import end_of_turn_ids
 from tasks import QA_EVAL_METRICS, Task, build_dataset, load_eval_task, load_task, recipe_columns, validate_dataset
 
@@ -37,22 +38,27 @@ class Parts:
     task_prompt: str | None  # the system prompt's task part (the config's, else the task's; None: neutral)
     examples: object = None  # worked examples: the config's, else the task's (a list, or a function of the tools)
     eval_metrics: dict[str, Callable] = field(default_factory=dict)
+    environments: object = None  # environments.EnvironmentPool of TRL's environment_factory; None: stateless tools
 
 
 def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
-             outcome_reward_funcs, processing_class, corpus) -> Parts:
+             outcome_reward_funcs, processing_class, corpus, environment_factory=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
     from rewards import get_reward_func
     from tools import build_tools
 
     sa = script_args
+    factory = environment_factory if environment_factory is not None else sa.environment_factory
+    if factory is not None:
+        check_environment_args(sa, args, train_dataset)
     turn = [get_reward_func(f) if isinstance(f, str) else f
             for f in (sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs)]
     outcome = [get_reward_func(f) if isinstance(f, str) else f
                for f in (sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs)]
     needs_answer = any(_requires(fn, "answer") for fn in turn + outcome)
-    train = _task(train_dataset, sa, needs_answer, "train_dataset")
+    train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
+        sa.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
     if eval_dataset is None and evaluation:
         if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
@@ -65,10 +71,18 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
     metrics = source.eval_metrics if source is not None and "answer" in source.dataset.column_names else {}
+    tools = build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
+                        else getattr(source, "corpus", None)) + _mcp_tools(sa)
+    pool = None
+    if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
+        from environments import EnvironmentPool, load_factory
+        from protocol import get_protocol
+
+        pool = EnvironmentPool(load_factory(factory), tools, get_protocol(sa.tool_format, tokenizer=tokenizer))
+        tools, outcome, turn = pool.all_tools(), outcome + pool.reward_funcs[0], turn + pool.reward_funcs[1]
+    check_reward_sources(sa, turn, outcome)
     return Parts(
-        tokenizer=tokenizer, eos_token_ids=eos_ids,
-        tools=build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
-                          else getattr(source, "corpus", None)),
+        tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool,
         turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out,
         task_prompt=load_text(sa.system_prompt) or getattr(source, "system_prompt", None),
         examples=load_examples(sa.few_shot_examples) if sa.few_shot_examples is not None
@@ -113,6 +127,36 @@ def _report_skipped(task: Task, source: str) -> None:
         logger.warning("Skipped %d malformed rows of %s, e.g. %s", task.num_skipped, source, "; ".join(task.skipped))
 
 
+def _mcp_tools(sa) -> list[Callable]:
+    """The tools of the recipe's `mcp_servers` (tools/mcp.py), connected at start-up."""
+    if not sa.mcp_servers:
+        return []
+    from tools.mcp import mcp_tools
+
+    return mcp_tools(sa.mcp_servers, sa.tool_timeout)
+
+
+def check_environment_args(sa, args, train_dataset) -> None:
+    """What TRL's environment_factory needs of the rest of the config."""
+    if sa.async_rollout:
+        raise ValueError("`environment_factory` with `async_rollout`: the next batch's episodes would reset instances "
+                         "whose final state this batch's rewards still read. Set `async_rollout: false`.")
+    if train_dataset is None and sa.dataset_name is None and args.max_steps <= 0:
+        raise ValueError("No dataset (`dataset_name: null`): the environment's reset gives each prompt, and "
+                         "`max_steps` sets the run's length, as in TRL. Set `max_steps` to a positive number of "
+                         "steps, or give a `dataset_name`.")
+
+
+def placeholder_task(args) -> Task:
+    """No dataset: a generation batch of empty user messages, cycled, which the environment's reset fills (TRL's
+    placeholder rows)."""
+    import datasets
+
+    rows = max(1, args.generation_batch_size // args.num_generations)
+    return Task(datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows}), corpus=None,
+                eval_metrics={})
+
+
 def _requires(fn: Callable, column: str) -> bool:
     import inspect
 
@@ -152,7 +196,7 @@ def prompt_dataset(task: Task | None, sa, env, funcs: list[Callable]):
         return None
     from checks import check_reward_columns
 
-    dataset = build_dataset(sa, env, task)
+    dataset = build_dataset(sa, env, task, tools_of=env.environments.tools if env.environments is not None else None)
     if sa.answer_type != "auto" and "answer_type" not in dataset.column_names:
         dataset = dataset.add_column("answer_type", [sa.answer_type] * len(dataset))
     check_reward_columns(funcs, dataset.column_names)

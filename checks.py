@@ -4,6 +4,7 @@ check_script_args."""
 
 import dataclasses
 import inspect
+import logging
 import os
 import re
 from typing import Callable
@@ -12,6 +13,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from protocol import PROTOCOLS
 from reporting import eval_metric_names
+
+logger = logging.getLogger("mt_grpo")
 
 # TRL names mt_grpo_trainer.py relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
 # `check_trl` verifies the version range and that each name still exists at start-up.
@@ -63,19 +66,10 @@ def check_script_args(args) -> None:
                 f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
                 f"{len(funcs)} functions; give one weight per function, or leave the weights unset."
             )
-    if (args.advantage_mode != "outcome_only" and not args.outcome_reward_funcs
-            and not args.turn_reward_funcs):
-        raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`.")
     if args.max_train_minutes is not None and not args.max_train_minutes > 0:
         raise ValueError(f"`max_train_minutes` must be > 0 (or unset for no limit), got {args.max_train_minutes}.")
     if not 0.0 <= args.turn_credit_discount <= 1.0:
         raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {args.turn_credit_discount}.")
-    if (not args.turn_reward_funcs and args.advantage_mode in ("mt_grpo", "per_turn")
-            and args.turn_advantage_coef != 0):
-        raise ValueError(
-            f"`turn_advantage_coef` is {args.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
-            "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
-        )
     for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
                  "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
         if getattr(args, name) < 1:
@@ -127,6 +121,18 @@ REPLACED_GRPO_FIELDS = {
     "transformers_continuous_batching_config": "see `use_transformers_continuous_batching`",
     "use_transformers_paged": "see `use_transformers_continuous_batching`",
 }
+
+
+def check_reward_sources(args, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
+    """The run's reward functions, the recipe's and those its environment brings (environments.py)."""
+    if args.advantage_mode != "outcome_only" and not outcome_funcs and not turn_funcs:
+        raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`, or give an "
+                         "`environment_factory` whose class defines `get_reward` (or `step_rewards`).")
+    if not turn_funcs and args.advantage_mode in ("mt_grpo", "per_turn") and args.turn_advantage_coef != 0:
+        raise ValueError(
+            f"`turn_advantage_coef` is {args.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
+            "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
+        )
 
 
 def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
@@ -201,6 +207,19 @@ def check_trl() -> None:
         )
 
 
+def score_labelled_tokens_only() -> None:
+    """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
+    Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
+    a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
+    left padding): there too, score the labelled ones only (TRL's own compact path). Same values."""
+    import trl.trainer.utils as trl_utils
+
+    compact = trl_utils._use_triton
+    if not getattr(compact, "cpu_too", False):
+        trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
+        trl_utils._use_triton.cpu_too = True
+
+
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],
                       task_metrics: list[str]) -> None:
     """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
@@ -272,14 +291,25 @@ def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
                                  f"the dataset has only {columns}.")
 
 
-def check_tokenization(env, prompt: list[dict], ep, mode: str) -> str:
+def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:
+    """Compare each rollout's ids with a full re-render (`tokenization_check`: strict | ignore_whitespace | off);
+    log how many differ, and the first difference."""
+    if mode == "off":
+        return
+    diffs = [tokenization_difference(env, p, ep, mode) for ep, p in zip(episodes, prompts)]
+    if bad := [d for d in diffs if d]:
+        logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
+                       mode, len(bad), len(episodes), bad[0])
+
+
+def tokenization_difference(env, prompt: list[dict], ep, mode: str) -> str:
     """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
     agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
     tokens the model sampled inside a turn) means training sees other tokens than a fresh render
     would; it is reported, not fixed: the sampled ids are the truth."""
     tokenizer = env.tokenizer
     ids = ep.prompt_ids + ep.completion_ids
-    full = env.render_ids(prompt + ep.messages)
+    full = env.render_ids(prompt + ep.messages, toolset=ep.toolset)
     if mode == "strict":
         same = full[: len(ids)] == ids
     else:

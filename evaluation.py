@@ -57,6 +57,7 @@ class TrainerEvaluation:
                                 **{f"outcome/{fn.__name__}": scores.outcome_per_func[i, f].item()
                                    for f, fn in enumerate(self.outcome_reward_funcs)}}}
                    for i, (x, ep) in enumerate(zip(inputs, episodes))]
+        self.env.release(episodes)  # their environment instances, if any, serve the next episodes
         all_results = gather_object(results) if self.accelerator.num_processes > 1 else results
         records = episode_records(self.env.tokenizer, episodes, inputs, step=self.state.global_step, mode="eval",
                                   first_index=0, group_size=k, rewards=rewards, token_values={})

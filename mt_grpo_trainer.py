@@ -66,13 +66,14 @@ from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
-                    check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl)
+                    check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl,
+                    score_labelled_tokens_only)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from rewards import reward_columns
-from tools import ToolResult, run_tool_calls
+from tools import Toolset, ToolResult, run_turns
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
 logger = logging.getLogger("mt_grpo")
@@ -98,8 +99,9 @@ class MTGRPOScriptArguments:
     every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
     # Task and tools
-    dataset_name: str = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa | any `datasets.load_dataset` "
-                            "name or local folder | a .jsonl/.json/.parquet/.csv file (see *_column).")
+    dataset_name: str | None = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa | any `datasets."
+                                   "load_dataset` name or local folder | a .jsonl/.json/.parquet/.csv file (see "
+                                   "*_column) | None: `environment_factory`'s reset gives the prompt (set max_steps).")
     dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
     question_column: str = arg("question", "The dataset's column holding the question.")
     answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
@@ -122,6 +124,10 @@ class MTGRPOScriptArguments:
                                    "for scripts/view_rollouts.py (0: off).")
     tools: list[str] = arg(["search"], "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn`.")
     tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).")
+    environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
+                                                 "episode whose public methods are tools (docs/guide.md, 'Bring your "
+                                                 "own environment'); or {name: module:Class} by `environment` column.")
+    mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or streamable-HTTP URLs.")
     # Rewards: names from rewards/ or dotted paths `module:function`
     turn_reward_funcs: list[str] = arg(["tool_execution_reward_func", "answer_in_tool_result"],
                                        "Turn reward functions (R_T).")
@@ -530,7 +536,6 @@ class VLLMServerClient:
                  prompts_per_request: int = 64, weight_sync: WeightSyncConfig | None = None,
                  probes: Probes | None = None, tie_rule: str = "auto"):
         self.base_url = base_url.rstrip("/")
-        self.params = params
         self.eos_token_ids = list(eos_token_ids or [])
         self.stop_strings = list(stop_strings or [])
         self.request_timeout = request_timeout
@@ -775,6 +780,7 @@ class Episode:
     stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition
     tokenization_mismatch: bool = False
     policy_version: int = 0  # optimizer steps the sampled weights had taken
+    toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
         if logprobs is None:
@@ -841,13 +847,15 @@ class MultiTurnToolEnv:
                  tool_timeout: float = 10.0, tool_max_workers: int = 16,
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
-                 scheduler: str = "auto", task_prompt: str | None = None, examples=None):
+                 scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
         self.protocol = protocol
         self.tools = {fn.__name__: fn for fn in tools}
         self.template_tools = protocol.template_tools(tools)
+        self.toolset = Toolset(self.tools, self.template_tools)
+        self.environments = environments  # environments.EnvironmentPool: an instance per episode, reset with its row
         self.max_env_steps = max_env_steps
         self.max_tokens_per_turn = max_tokens_per_turn
         self.max_completion_length = max_completion_length
@@ -862,19 +870,21 @@ class MultiTurnToolEnv:
         self.eos_token_ids = list(dict.fromkeys([*(eos_token_ids or []), tokenizer.eos_token_id]))
 
     # -- rendering: the one place the chat template is applied ---------------------------------------
-    def prompt(self, prompt: str | list[dict]) -> list[dict]:
-        """The chat prompt of a question, or of a TRL prompt (text, or messages): system, examples, question."""
-        return build_prompt(self.protocol, prompt=prompt, **self.prompt_parts)
+    def prompt(self, prompt: str | list[dict], tools: list[Callable] | None = None) -> list[dict]:
+        """The chat prompt of a question, or of a TRL prompt (text, or messages): system, examples, question.
+        `tools`: an environment's, when they are not the env's."""
+        return build_prompt(self.protocol, prompt=prompt, **{**self.prompt_parts, **({"tools": tools} if tools else {})})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, toolset: Toolset | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            self.protocol.template_messages(messages), tools=self.template_tools, tokenize=False,
+            self.protocol.template_messages(messages), tools=(toolset or self.toolset).template_tools, tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
         )
 
-    def render_ids(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
+                   toolset: Toolset | None = None) -> list[int]:
         """Token ids of a render (as `apply_chat_template(tokenize=True)` makes them)."""
-        return self.tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        return self.tokenizer.encode(self.render(messages, add_generation_prompt, toolset), add_special_tokens=False)
 
     def env_reply_ids(self, tool_messages: list[dict]) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
@@ -894,10 +904,14 @@ class MultiTurnToolEnv:
 
     # -- the loop ----------------------------------------------------------------------------------
     def rollout(self, prompts: list[list[dict]], backend, params: SamplingParams | None = None,
-                progress: bool = False) -> list[Episode]:
+                progress: bool = False, rows: list[dict] | None = None) -> list[Episode]:
         """Episodes for `prompts` (groups of identical prompts arrive together, as GRPO sends them).
-        `progress`: a progress bar of finished episodes and tool calls in flight."""
-        episodes = [Episode(self.render_ids(p, add_generation_prompt=True)) for p in prompts]
+        `progress`: a progress bar of finished episodes and tool calls in flight. `rows`: the dataset rows, which
+        reset each episode's environment instance (`environments`; it appends its observation to the prompt)."""
+        toolsets = [self.toolset] * len(prompts)
+        if self.environments is not None:
+            prompts, toolsets = self.environments.start(rows, prompts)
+        episodes = [Episode(self.render_ids(p, True, ts), toolset=ts) for p, ts in zip(prompts, toolsets)]
         bar = RolloutProgress(len(episodes), progress)
         if self.scheduler == "per_episode" and not backend.can_submit:
             raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
@@ -907,7 +921,7 @@ class MultiTurnToolEnv:
         else:
             self._rounds(episodes, backend, params, bar)
         bar.close()
-        self._check_tokenization(prompts, episodes)
+        check_tokenization(self, prompts, episodes, self.tokenization_check)
         return episodes
 
     def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None,
@@ -924,11 +938,10 @@ class MultiTurnToolEnv:
             pending = [(ep, calls) for ep, sample in zip(live, samples)
                        if (calls := self._record_model_turn(ep, sample)) is not None]
             bar.update(episodes, tool_calls=sum(len(calls) for _, calls in pending))
-            results = run_tool_calls(self.tools, [c for _, calls in pending for c in calls],
-                                     self.tool_timeout, self.tool_max_workers)
-            for ep, calls in pending:
-                self._record_env_turn(ep, calls, results[: len(calls)])
-                results = results[len(calls):]
+            results = run_turns([(ep.toolset, calls) for ep, calls in pending], self.tool_timeout,
+                                self.tool_max_workers)
+            for (ep, calls), turn_results in zip(pending, results):
+                self._record_env_turn(ep, calls, turn_results)
             bar.update(episodes, tool_calls=0)
 
     def _per_episode(self, episodes: list[Episode], backend, params: SamplingParams | None,
@@ -962,8 +975,7 @@ class MultiTurnToolEnv:
                                                f"{len(payload)} conversations")
                         for ep, sample in zip(payload, samples):
                             if (calls := self._record_model_turn(ep, sample)) is not None:
-                                in_flight[tool_pool.submit(run_tool_calls, self.tools, calls,
-                                                           self.tool_timeout,
+                                in_flight[tool_pool.submit(ep.toolset.run, calls, self.tool_timeout,
                                                            self.tool_max_workers)] = ("tools", (ep, calls))
                     else:
                         ep, calls = payload
@@ -1041,36 +1053,27 @@ class MultiTurnToolEnv:
         ep.append("env", ids)
         ep.messages += messages
 
-    def _check_tokenization(self, prompts: list[list[dict]], episodes: list[Episode]) -> None:
-        if self.tokenization_check == "off":
-            return
-        diffs = [check_tokenization(self, p, ep, self.tokenization_check) for ep, p in zip(episodes, prompts)]
-        if bad := [d for d in diffs if d]:
-            logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; "
-                           "first: %s", self.tokenization_check, len(bad), len(episodes), bad[0])
+    def release(self, episodes: list[Episode]) -> None:
+        if self.environments is not None:
+            self.environments.release([ep.toolset for ep in episodes])
 
 
-def _identical_runs(episodes: list[Episode]) -> list[list[Episode]]:
-    """Consecutive episodes with the same prompt, as lists (a GRPO group arrives as one run)."""
-    runs: list[list[Episode]] = []
-    for ep in episodes:
-        if runs and runs[-1][0].prompt_ids == ep.prompt_ids:
-            runs[-1].append(ep)
+
+def _identical_runs(items: list, key: Callable = lambda ep: ep.prompt_ids) -> list[list]:
+    """Consecutive items with the same key, as lists (a GRPO group of episodes arrives as one run)."""
+    runs: list[list] = []
+    for item in items:
+        if runs and key(runs[-1][0]) == key(item):
+            runs[-1].append(item)
         else:
-            runs.append([ep])
+            runs.append([item])
     return runs
 
 
 def group_size(seqs: list[list[int]]) -> int:
     """Length of the runs of identical consecutive sequences, if all runs have one length; else 1."""
-    runs, k = [], 0
-    while k < len(seqs):
-        j = k
-        while j < len(seqs) and seqs[j] == seqs[k]:
-            j += 1
-        runs.append(j - k)
-        k = j
-    return runs[0] if runs and len(set(runs)) == 1 else 1
+    lengths = {len(run) for run in _identical_runs(seqs, key=lambda seq: seq)}
+    return lengths.pop() if len(lengths) == 1 else 1
 
 
 def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
@@ -1388,19 +1391,6 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
-def score_labelled_tokens_only() -> None:
-    """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
-    Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
-    a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
-    left padding): there too, score the labelled ones only (TRL's own compact path). Same values."""
-    import trl.trainer.utils as trl_utils
-
-    compact = trl_utils._use_triton
-    if not getattr(compact, "cpu_too", False):
-        trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
-        trl_utils._use_triton.cpu_too = True
-
-
 class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
     recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
@@ -1410,13 +1400,15 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
                  tools: list | None = None, turn_reward_funcs: list | None = None,
                  outcome_reward_funcs: list | None = None, processing_class=None, peft_config=None, callbacks=None,
                  env: "MultiTurnToolEnv | None" = None, backend=None, script_args: MTGRPOScriptArguments | None = None,
-                 eval_metric_funcs: dict[str, Callable] | None = None, corpus: list[dict] | None = None):
+                 eval_metric_funcs: dict[str, Callable] | None = None, corpus: list[dict] | None = None,
+                 environment_factory=None):
         """TRL's GRPOTrainer's arguments; tools and rewards may be functions or names, a dataset holds questions
         and answers or TRL prompts (builders.py says what each may be). `args`: an MTGRPOConfig (a plain
         GRPOConfig takes the environment's fields from `script_args`, else their defaults). Without `env`, the
         env, the tools and the datasets' prompts are built from the config (no dataset: its `dataset_name`);
         with one, the caller built them. `backend`: a generation backend, a function env -> backend, or None
-        (the config's `generation_backend`). `corpus`: documents for `search` ({title, text}), if the task has none."""
+        (the config's `generation_backend`). `corpus`: documents for `search` ({title, text}), if the task has none.
+        `environment_factory`: TRL's (a class, or a dict of them by `environment` column; environments.py)."""
         args = args if args is not None else MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")
         sa = script_args or (args if isinstance(args, MTGRPOScriptArguments) else MTGRPOScriptArguments())
         score_labelled_tokens_only()
@@ -1432,7 +1424,8 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
 
             parts = builders.assemble(model, args, sa, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                       tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
-                                      outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class)
+                                      outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class,
+                                      environment_factory=environment_factory)
             env, processing_class = make_env(sa, args, parts), parts.tokenizer
             turn_reward_funcs, outcome_reward_funcs = parts.turn_funcs, parts.outcome_funcs
             train_dataset, eval_dataset = (builders.prompt_dataset(t, sa, env, parts.turn_funcs + parts.outcome_funcs)
@@ -1479,6 +1472,7 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
         weights = self._correct_for_sampler(batch, mode)  # 6. importance weights of an external sampler
         self._log(mode, prompts, episodes, scores, adv, seconds)  # 7. metrics and the completions table
         self._record_rollout(inputs, episodes, scores, adv, batch, weights)  # 8. rollouts/step-N.jsonl
+        self.env.release(episodes)  # their environment instances, if any, serve the next episodes
         batch.pop("token_turns")
         return batch
 
@@ -1538,7 +1532,7 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
             return self._async.next(generation_index(self._step, generate_every, self._first_generation))
         self._sync_weights()
         t0 = time.perf_counter()
-        episodes = self.env.rollout([x["prompt"] for x in inputs], self.backend, progress=self._progress())
+        episodes = self.env.rollout([x["prompt"] for x in inputs], self.backend, progress=self._progress(), rows=inputs)
         for ep in episodes:
             ep.policy_version = self.state.global_step
         return inputs, episodes, time.perf_counter() - t0
@@ -1599,6 +1593,8 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
         collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
         columns = reward_columns(inputs)
+        if self.env.environments is not None:  # TRL's: each episode's environment instance, for the rewards to read
+            columns["environments"] = [ep.toolset.environment for ep in episodes]
         tool_turns = [ep.tool_turns for ep in episodes]
         K = turns or (self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
@@ -1687,14 +1683,15 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
         for r in range(rollouts):
             chunk = inputs[r * per_rollout : (r + 1) * per_rollout]
             episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params,
-                                         progress=self._progress())
+                                         progress=self._progress(), rows=chunk)
         for ep in episodes:
             ep.policy_version = self.state.global_step
         return inputs, episodes
 
 
 def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.Tensor:
-    return torch.tensor(weights if weights is not None else [1.0] * len(funcs), dtype=torch.float32)
+    """One weight per function; those an environment adds after the recipe's (environments.py) weigh 1.0."""
+    return torch.tensor([*(weights or []), *[1.0] * (len(funcs) - len(weights or []))], dtype=torch.float32)
 
 # ------------------------------------------------------------------------------------------------
 # 7. Main
@@ -1712,7 +1709,7 @@ def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> Mul
         tool_timeout=sa.tool_timeout, tool_max_workers=sa.tool_max_workers, tokenization_check=sa.tokenization_check,
         few_shot=sa.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
         scheduler=sa.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-    )
+        environments=parts.environments)
 
 
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):

@@ -378,16 +378,20 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
     return (aliases, "") if aliases else ([], "empty answer")
 
 
-def build_dataset(script_args, env, task):
+def build_dataset(script_args, env, task, tools_of: Callable | None = None):
     """The task's rows with chat prompts (`env.prompt`: the trainer's MultiTurnToolEnv) of their TRL `prompt`, or
     else of their question, in the column `prompt`; prompts longer than `script_args.max_prompt_length` tokens are
-    dropped, with a count."""
+    dropped, with a count. `tools_of(environment)`: the tools a row's prompt lists, by its `environment` column
+    (several environment classes, environments.py); None: the env's."""
     has_prompt = "prompt" in task.dataset.column_names
     sources = task.dataset["prompt"] if has_prompt else task.dataset["question"]
+    names = task.dataset["environment"] if "environment" in task.dataset.column_names else [None] * len(sources)
     # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
     # pickled (dill warned at every start, and the cache never worked)
-    dataset = task.dataset.remove_columns(["prompt"]) if has_prompt else task.dataset
-    dataset = dataset.add_column("prompt", [env.prompt(p) for p in sources])
+    rest = task.dataset.remove_columns(["prompt"]) if has_prompt else task.dataset
+    prompts = [env.prompt(p, tools_of(name) if tools_of else None) for p, name in zip(sources, names)]
+    # a table without columns has no rows: the placeholder rows of an environment's run are prompts only
+    dataset = rest.add_column("prompt", prompts) if rest.column_names else datasets.Dataset.from_dict({"prompt": prompts})
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
     if len(keep) < len(dataset):

@@ -32,9 +32,12 @@ returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at st
         return list_titles
 """
 
+import asyncio
+import concurrent.futures
+import inspect
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from protocol import ToolCall, error_text
@@ -118,7 +121,10 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     def call(i: int, fn: Callable, args: dict):
         start = time.monotonic()
         try:
-            results[i] = ToolResult(str(fn(**args)), True, time.monotonic() - start)
+            output = fn(**args)
+            if inspect.isawaitable(output):  # an async tool (an environment's async method): on the shared loop
+                output = asyncio.run_coroutine_threadsafe(_as_coroutine(output), _event_loop()).result()
+            results[i] = ToolResult(str(output), True, time.monotonic() - start)
         except TypeError as e:
             results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
                                     time.monotonic() - start)
@@ -149,3 +155,76 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
         final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False,
                               timeout)
     return final
+
+
+async def _as_coroutine(awaitable):
+    return await awaitable
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a daemon thread for every async tool, started on first use (as TRL runs async tools
+    and rewards): an object an async method keeps (a client session) stays on the loop that made it."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="async-tools", daemon=True).start()
+        return _LOOP
+
+
+def run_async(value):
+    """`value`, awaited on the shared loop if it is awaitable (an async `get_reward`); as is otherwise."""
+    if not inspect.isawaitable(value):
+        return value
+    return asyncio.run_coroutine_threadsafe(_as_coroutine(value), _event_loop()).result()
+
+
+@dataclass
+class Toolset:
+    """The tools one episode may call: `functions` by the name the model calls, `template_tools` their schemas
+    for the chat template (Protocol.template_tools). Without an `environment` the tools are stateless and calls
+    run concurrently; an environment's methods share its state, so its calls run one at a time, in order
+    (environments.py). `turn_rewards`: per tool turn run, what the environment reported (its step rewards)."""
+
+    functions: dict[str, Callable]
+    template_tools: list[dict] | None = None
+    environment: object = None
+    turn_rewards: list[list[float]] = field(default_factory=list)
+
+    def run(self, calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
+        """One model turn's calls."""
+        if self.environment is None:
+            return run_tool_calls(self.functions, calls, timeout, max_workers)
+        steps = getattr(self.environment, "step_rewards", None)
+        before = len(steps) if isinstance(steps, list) else 0
+        results = [run_tool_calls(self.functions, [call], timeout, 1)[0] for call in calls]
+        steps = getattr(self.environment, "step_rewards", None)
+        self.turn_rewards.append(list(steps[before:]) if isinstance(steps, list) else [])
+        return results
+
+
+def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,
+              max_workers: int) -> list[list[ToolResult]]:
+    """The results of several episodes' turns, each turn's calls run by its Toolset. The turns of one stateless
+    toolset run as one batch of concurrent calls; each environment's turn runs on its own thread, beside them."""
+    results: list[list[ToolResult] | None] = [None] * len(turns)
+    by_toolset: dict[int, list[int]] = {}
+    for i, (toolset, _) in enumerate(turns):
+        by_toolset.setdefault(id(toolset), []).append(i)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(turns))),
+                                               thread_name_prefix="env-turns") as pool:
+        stateful = {pool.submit(turns[i][0].run, turns[i][1], timeout, max_workers): i
+                    for i, (toolset, _) in enumerate(turns) if toolset.environment is not None}
+        for indices in by_toolset.values():
+            toolset = turns[indices[0]][0]
+            if toolset.environment is None:
+                flat = toolset.run([c for i in indices for c in turns[i][1]], timeout, max_workers)
+                for i in indices:
+                    results[i], flat = flat[: len(turns[i][1])], flat[len(turns[i][1]):]
+        for future, i in stateful.items():
+            results[i] = future.result()
+    return results

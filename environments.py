@@ -1,0 +1,228 @@
+"""Environments users bring: TRL's `environment_factory` contract, unchanged, plus per-step rewards as turn credit.
+
+TRL 1.16's `GRPOTrainer(environment_factory=...)` takes a class (or any function returning an instance), or a dict
+of them selected by each row's `environment` column. The trainer (recipe field `environment_factory:
+module:Class`, or the constructor's argument) does what TRL does:
+    one instance per episode   made once, pooled and reused: `reset(**row)` starts each episode
+    reset(**row) -> str|None   the row's columns (`prompt`: the chat prompt the model sees); the string returned
+                               is appended to the last user message
+    public methods             every method not starting with `_`, besides reset and get_reward, is a tool: its
+                               schema comes from its type hints and docstring (both tool formats); sync or async
+    get_reward() -> float      optional, sync or async: an outcome reward with weight 1, logged under the class name
+    environments=              every reward function also receives the episode's instances, in the batch's order
+
+The extension, which TRL ignores (an attribute is not a method, so TRL exposes no tool for it):
+    step_rewards: list[float]  the environment appends one value per tool step it judged (a game's score change,
+                               a test that now passes); reset it to [] in `reset`. The values appended during a
+                               model turn, summed, are that turn's reward R_T, through a per-turn reward function
+                               named `<Class>_steps` (weight 1): every tool turn's in `per_turn` mode, the first
+                               turn's in `mt_grpo`. A turn whose calls appended nothing earned 0.
+
+Tool calls of one episode run one at a time, in order (they share the instance's state); episodes run
+concurrently. See docs/guide.md, "Bring your own environment".
+"""
+
+import inspect
+import typing
+from typing import Callable
+
+from registry import resolve
+from rewards.conversation import count_tool_turns, per_turn
+from tools import Toolset, run_async
+
+CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
+RESERVED = ("reset", "get_reward")
+
+
+def load_factory(value) -> Callable | dict[str, Callable]:
+    """The recipe's `environment_factory`: a dotted path `module:Class`, a dict {name: path} (several
+    environments, selected by the `environment` column), or what the Python API passed (a class, a function, or a
+    dict of them)."""
+    if isinstance(value, dict):
+        if not value:
+            raise ValueError("`environment_factory` is an empty dict: map each `environment` column value to a "
+                             "class, e.g. {game: my_module:Game}.")
+        return {name: load_factory(v) for name, v in value.items()}
+    if isinstance(value, str):
+        return resolve(value, {}, "environment factory")
+    if not callable(value):
+        raise ValueError(f"`environment_factory` is a {type(value).__name__}; give a class (or a function returning "
+                         "an instance), its dotted path `module:Class`, or a dict of them.")
+    return value
+
+
+def tool_methods(instance) -> list[Callable]:
+    """The instance's tools, as TRL finds them: the public functions of its class, bound, besides reset and
+    get_reward (listed on the class, so that no property is evaluated)."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in RESERVED and not name.startswith("_")]
+
+
+def check_environment(instance, name: str, standalone: list[Callable]) -> list[Callable]:
+    """The instance's tools, after the checks that make a bad class fail at start-up, naming the fix."""
+    label = type(instance).__name__ + (f" (environment {name!r})" if name is not None else "")
+    if not callable(getattr(instance, "reset", None)):
+        raise ValueError(f"{label} has no `reset` method. {CONTRACT} needs `def reset(self, **kwargs) -> str | None`, "
+                         "which starts an episode from the dataset row and returns the first observation.")
+    methods = tool_methods(instance)
+    if not methods:
+        raise ValueError(f"{label} has no public method for the model to call. Each public method (not starting "
+                         "with `_`) besides reset and get_reward is a tool.")
+    for fn in methods:
+        check_method(fn, label)
+    clash = {fn.__name__ for fn in methods} & {fn.__name__ for fn in standalone}
+    if clash:
+        raise ValueError(f"{label}'s method(s) {sorted(clash)} have the name of a tool in `tools`, and the model "
+                         "calls a tool by its name: rename the method, or drop the tool from `tools`.")
+    return methods
+
+
+def check_method(fn: Callable, label: str) -> None:
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as e:  # an annotation that does not resolve
+        raise ValueError(f"{label}.{fn.__name__}: its type hints do not resolve ({e}).") from None
+    missing = [p.name for p in params if p.name not in hints]
+    if missing:
+        raise ValueError(f"{label}.{fn.__name__} is a tool, and its argument(s) {missing} have no type hint: the "
+                         f"model's schema is built from them. Annotate them, e.g. `{missing[0]}: str`, or make the "
+                         "method private (`_name`) if it is not a tool.")
+    if not (inspect.getdoc(fn) or "").strip():
+        raise ValueError(f"{label}.{fn.__name__} is a tool without a docstring: the model reads what it does from "
+                         "it. Write a Google-style docstring (one line, then `Args:` with a line per argument), "
+                         "or make the method private (`_name`).")
+    from protocol import tool_schemas  # the schema both tool formats render; a bad docstring fails here
+
+    tool_schemas([fn])
+
+
+class EnvironmentPool:
+    """The instances of a run's environments, handed out one per episode and returned after scoring. `tools(name)`
+    are the tools a prompt of that environment lists (the standalone `tools` first, as TRL orders them)."""
+
+    def __init__(self, factory, standalone: list[Callable], protocol):
+        self.multi = isinstance(factory, dict)
+        self.factories = factory if self.multi else {None: factory}
+        self.standalone, self.protocol = list(standalone), protocol
+        self.free: dict = {}  # name -> instances not in use
+        self.handed_out: dict[int, tuple] = {}  # id(instance) -> (name, the Toolset of its current episode)
+        self.probe_tools: dict = {}  # name -> the probe instance's tools
+        for name, make in self.factories.items():
+            instance = make()
+            self.probe_tools[name] = check_environment(instance, name, self.standalone)
+            self.free[name] = [instance]
+        self.reward_funcs = self._reward_funcs()
+
+    def tools(self, name=None) -> list[Callable]:
+        return self.standalone + self.probe_tools[self._known(name)]
+
+    def all_tools(self) -> list[Callable]:
+        """The union, each name once: what the env lists where an episode's environment is not known yet."""
+        seen, tools = set(), []
+        for name in self.factories:
+            for fn in self.tools(name):
+                if fn.__name__ not in seen:
+                    seen.add(fn.__name__)
+                    tools.append(fn)
+        return tools
+
+    def environment_name(self, row: dict):
+        return self._known(row.get("environment"))
+
+    def _known(self, name):
+        """The factory's key for an `environment` value: None with a single factory (TRL reads no column then)."""
+        if not self.multi:
+            return None
+        if name not in self.factories:
+            raise ValueError(f"A row has `environment: {name!r}`, which is not a key of `environment_factory` "
+                             f"({sorted(map(str, self.factories))}). Fix the row's `environment` column, or add "
+                             "that environment.")
+        return name
+
+    def start(self, rows: list[dict], prompts: list[list[dict]]) -> tuple[list[list[dict]], list[Toolset]]:
+        """An instance per row, reset with the row: the prompts with each observation appended to the last user
+        message, and each episode's Toolset."""
+        out_prompts, toolsets = [], []
+        for row, prompt in zip(rows, prompts, strict=True):
+            name = self.environment_name(row)
+            instance = self.free[name].pop() if self.free[name] else self.factories[name]()
+            kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
+            observation = instance.reset(**{**kwargs, "prompt": prompt})
+            if observation is not None:
+                if not isinstance(observation, str):
+                    raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__}; "
+                                     "return the first observation as a string, or None.")
+                prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+            functions = {fn.__name__: fn for fn in self.standalone + tool_methods(instance)}
+            toolsets.append(Toolset(functions, self.protocol.template_tools(self.tools(name)), environment=instance))
+            self.handed_out[id(instance)] = (name, toolsets[-1])
+            out_prompts.append(prompt)
+        return out_prompts, toolsets
+
+    def release(self, toolsets: list) -> None:
+        """Return the episodes' instances once their rewards are read (a reward may read the final state)."""
+        for toolset in toolsets:
+            instance = getattr(toolset, "environment", None)
+            if instance is not None and id(instance) in self.handed_out:
+                name, _ = self.handed_out.pop(id(instance))
+                self.free[name].append(instance)
+
+    def turn_rewards(self, instance) -> list[list[float]]:
+        """What `instance` reported per tool turn of its current episode (Toolset.turn_rewards)."""
+        return self.handed_out[id(instance)][1].turn_rewards
+
+    # -- rewards ------------------------------------------------------------------------------------
+    def _reward_funcs(self) -> tuple[list[Callable], list[Callable]]:
+        """(outcome, turn) reward functions the environments bring: per class with `get_reward`, one named after
+        the class; per class with `step_rewards`, a per-turn one named `<Class>_steps`."""
+        outcome, turn = [], []
+        for name, tools in self.probe_tools.items():
+            cls = type(self.free[name][0])
+            if callable(getattr(cls, "get_reward", None)) and cls.__name__ not in [f.__name__ for f in outcome]:
+                outcome.append(_get_reward_func(cls))
+            if isinstance(getattr(self.free[name][0], "step_rewards", None), list) and \
+                    f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
+                turn.append(_step_reward_func(cls, self))
+        return outcome, turn
+
+
+def _get_reward_func(cls: type) -> Callable:
+    """`get_reward()` of each episode whose environment is exactly `cls` (None for the others), as TRL scores it."""
+
+    def get_reward(prompts=None, completions=None, environments=None, **kwargs):
+        values = []
+        for env in environments or []:
+            value = run_async(env.get_reward()) if type(env) is cls else None
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{cls.__name__}.get_reward returned {value!r} ({type(value).__name__}); it must "
+                                 "return a number (float), the episode's reward.")
+            values.append(None if value is None else float(value))
+        return values
+
+    get_reward.__name__ = cls.__name__
+    return get_reward
+
+
+def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
+    """Each tool turn's reward: the sum of the `step_rewards` the environment appended during that turn."""
+
+    @per_turn
+    def steps(prompts=None, completions=None, environments=None, **kwargs):
+        values = []
+        for completion, env in zip(completions, environments, strict=True):
+            turns = count_tool_turns(completion)
+            if type(env) is not cls:
+                values.append([None] * turns)
+                continue
+            recorded = pool.turn_rewards(env)[:turns]
+            for k, step in enumerate(recorded):
+                bad = [v for v in step if isinstance(v, bool) or not isinstance(v, (int, float))]
+                if bad:
+                    raise ValueError(f"{cls.__name__}.step_rewards holds {bad[0]!r} (tool turn {k}); append one "
+                                     "number per tool step.")
+            values.append([float(sum(step)) for step in recorded] + [0.0] * (turns - len(recorded)))
+        return values
+
+    steps.__name__ = f"{cls.__name__}_steps"
+    return steps
