@@ -71,8 +71,8 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
     metrics = source.eval_metrics if source is not None and "answer" in source.dataset.column_names else {}
-    tools = build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
-                        else getattr(source, "corpus", None)) + _mcp_tools(sa)
+    tools = _join_tools(build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
+                                    else getattr(source, "corpus", None)), _mcp_tools(sa))
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
@@ -134,6 +134,14 @@ def _mcp_tools(sa) -> list[Callable]:
     from tools.mcp import mcp_tools
 
     return mcp_tools(sa.mcp_servers, sa.tool_timeout)
+
+
+def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]:
+    clash = sorted({t.__name__ for t in tools} & {t.__name__ for t in served})
+    if clash:
+        raise ValueError(f"`mcp_servers` give tool(s) {clash}, which `tools` already has, and the model calls a tool "
+                         "by its name. Remove one from `tools` or from `mcp_servers`.")
+    return tools + served
 
 
 def check_environment_args(sa, args, train_dataset) -> None:

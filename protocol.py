@@ -250,15 +250,18 @@ _TOOL_CALL_TAG = re.compile(f"({re.escape(TOOL_CALL_OPEN)}|{re.escape(TOOL_CALL_
 
 
 def tool_schemas(tools: list[Callable]) -> list[dict]:
-    """The tools as JSON schemas for `apply_chat_template(tools=...)`, made by transformers from each
-    tool's type hints and Google-style docstring. Call it at start-up: a tool that cannot be described
-    fails here."""
+    """The tools as JSON schemas for `apply_chat_template(tools=...)`: a tool's own `json_schema` if it has one
+    (an MCP tool's, tools/mcp.py), else made by transformers from its type hints and Google-style docstring.
+    Call it at start-up: a tool that cannot be described fails here."""
     # Imported here, not at the top, so that the rewards can import this module without transformers.
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     schemas = []
     for fn in tools:
+        if getattr(fn, "json_schema", None) is not None:
+            schemas.append(fn.json_schema)
+            continue
         try:
             schemas.append(get_json_schema(fn))
         except (TypeHintParsingException, DocstringParsingException) as e:
@@ -506,10 +509,12 @@ def neutral_arguments(fn: Callable) -> dict:
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:  # a hint that does not resolve: the placeholders fall back to strings
+    except Exception:  # a hint that does not resolve: the signature's annotation, else a string
         hints = {}
     required = [p for p in params if p.default is p.empty] or params[:1]
-    return {p.name: _placeholder(hints.get(p.name, str)) for p in required}
+    # A callable with a `__signature__` (an MCP tool) may carry its types there only.
+    return {p.name: _placeholder(hints.get(p.name, str if p.annotation is p.empty else p.annotation))
+            for p in required}
 
 
 def _placeholder(hint):

@@ -156,14 +156,18 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
     records = []
     for i, (ep, row) in enumerate(zip(episodes, inputs)):
         n = len(ep.completion_ids)
-        turns, model_turn = [], -1
+        turns, model_turn, env_turn = [], -1, -1
+        environment = getattr(getattr(ep, "toolset", None), "environment", None)  # environments.py
         for span in ep.spans:
             turn = {"role": span.role, "start": span.start, "end": span.end,
                     "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
             if span.role == "model":
                 model_turn += 1
             else:
+                env_turn += 1
                 turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
+                if environment is not None and env_turn < len(ep.toolset.turn_rewards):
+                    turn["step_rewards"] = [_number(x) for x in ep.toolset.turn_rewards[env_turn]]
             turns.append(turn)
         tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
                   "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}
@@ -179,6 +183,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
             "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
             "first_result": ep.first_result, "stop_reason": ep.stop_reason,
+            "environment": None if environment is None else type(environment).__name__,
             # without outputs: each is in its env turn's tool_calls, and the token text holds it again
             "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
                            for c in ep.calls],

@@ -271,7 +271,11 @@ function fillTokens(box, ep, e, scale) {
     const err = seg.role === "env" && (seg.tool_calls || []).some(isError);
     if (err) div.classList.add("err");
     if (seg.role === "model") div.append(el("span", "turn-label", `model turn ${modelTurn++}`));
-    if (seg.role === "env") div.append(el("span", "turn-label", err ? "environment (error)" : "environment"));
+    if (seg.role === "env") {
+      // an environment's per-step rewards (environments.py): what this turn's calls earned, R_T of the turn
+      const steps = seg.step_rewards ? ` · step reward ${seg.step_rewards.map(fmt).join(" + ") || "none (0)"}` : "";
+      div.append(el("span", "turn-label", (err ? "environment (error)" : "environment") + steps));
+    }
     for (let i = seg.start; i < Math.min(seg.end, n); i++) {
       if (i === ep.first_result) {
         const bar = el("span", "split", `first <result> · token ${i} · A_T counts above this line only`);

@@ -334,3 +334,35 @@ def test_one_class_gives_trl_and_us_the_same_prompts_and_tool_schemas(tiny_model
     expected = render([system, *trl_conversation], tools=trl_tools, tokenize=False, add_generation_prompt=True)
     assert ours.env.render(prompt, add_generation_prompt=True, toolset=toolset) == expected
     assert row["code"] == "12" and toolset.environment.code == "12"  # reset received the row
+
+
+def test_the_guides_environment_trains_as_written(tiny_agent_dir, tmp_path, monkeypatch):
+    """docs/guide.md's "Bring your own environment": its class in my_env/lock.py, its recipe keys over the tiny
+    recipe, a file of locks; one step trains, with the class's tool in the prompt and its rewards logged."""
+    import re
+
+    import yaml
+
+    from helpers import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "guide.md")).read()
+    files = dict(re.findall(r"```(?:python|yaml)\n# (my_env/[\w.]+)[^\n]*\n(.*?)```", text, re.S))
+    assert sorted(files) == ["my_env/lock.py", "my_env/recipe.yaml"]
+    (tmp_path / "my_env").mkdir()
+    (tmp_path / "my_env" / "lock.py").write_text(files["my_env/lock.py"])
+    assert len(files["my_env/lock.py"].strip().splitlines()) <= 30
+    data = write_jsonl(tmp_path / "my_env" / "locks.jsonl", [{"prompt": "Open the lock.", "code": "4071"}] * 2)
+    keys = yaml.safe_load(files["my_env/recipe.yaml"])
+    with open(RECIPE) as f:
+        recipe = {**yaml.safe_load(f), **keys, "dataset_name": data, "max_steps": 1, "save_rollouts_steps": 1,
+                  "per_device_train_batch_size": 4, "max_completion_length": 192, "max_tokens_per_turn": 48}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path",
+         tiny_agent_dir, "--output_dir", out], tmp_path)
+    step = [h for h in final_metrics(out) if "loss" in h][0]
+    assert "rewards/outcome/Lock" in step and "rewards/turn/Lock_steps" in step
+    record = rollout_records(out)[0]
+    assert "The lock has 4 digits." in record["prompt_text"] and "press(digit: int)" in record["prompt_text"]
+    assert record["environment"] == "Lock"

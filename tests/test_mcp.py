@@ -1,0 +1,354 @@
+"""MCP servers as agent tools (tools/mcp.py) against real server processes: the knowledge base's server
+(tools/kb_mcp_server.py, with its test tools `crash` and `sleep`) over stdio and over streamable HTTP, one
+process of each for the module. Listing and calling tools, the schemas both tool formats show the model,
+error results, timeouts, a crash and the restart after it, servers that do not start, and episodes of the
+trainer's rollout loop that call the server."""
+
+import asyncio
+import contextlib
+import inspect
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, make_env, xml_answer, xml_call
+from protocol import ToolCall, XMLProtocol, describe_tools, get_protocol, neutral_arguments, tool_schemas
+from scripted_policy import ScriptedPolicy
+from tools import run_tool_calls
+from tools.mcp import MCPServerDown, MCPToolError, mcp_tools, parse_server, tool_signature
+
+SERVER = os.path.join(ROOT, "tools", "kb_mcp_server.py")
+STDIO = shlex.join([sys.executable, SERVER, "--seed", "0", "--crashable"])
+TIMEOUT = 2.0  # seconds a call may take: a search takes milliseconds
+QUESTION = "What is the capital of Ratomora?"
+RATOMORA = "Ratomora: Ratomora is a country. Its capital is Lotrowick."  # how the first document starts (seed 0)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stdio_tools():
+    """The stdio server's tools by name: search, crash, sleep."""
+    return {fn.__name__: fn for fn in mcp_tools([STDIO], timeout=TIMEOUT)}
+
+
+@contextlib.contextmanager
+def http_server(port: int | None = None):
+    """The URL of a new knowledge base server over streamable HTTP (on `port`, else a free one), once it accepts
+    connections."""
+    port = port or free_port()
+    process = subprocess.Popen([sys.executable, SERVER, "--transport", "http", "--port", str(port), "--crashable"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def http_url():
+    with http_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http_tools(http_url):
+    return {fn.__name__: fn for fn in mcp_tools([http_url], timeout=TIMEOUT)}
+
+
+@pytest.fixture(scope="module")
+def local_search(kb):
+    """The in-process `search` over the same knowledge base, which the server's must match."""
+    from tools.search import make_search_tool
+
+    return make_search_tool(kb[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# listing and calling, over both transports
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_tools_are_listed_with_their_schema_and_search_finds_the_document(request, transport, local_search):
+    tools = request.getfixturevalue(f"{transport}_tools")
+    assert list(tools) == ["search", "crash", "sleep"]
+    search = tools["search"]
+    assert search.json_schema == {"type": "function", "function": {
+        "name": "search",
+        "description": inspect.getdoc(local_search),
+        "parameters": {"type": "object", "title": "searchArguments", "required": ["query"],
+                       "properties": {"query": {"title": "Query", "type": "string"},
+                                      "num_results": {"title": "Num Results", "type": "integer", "default": 3}}}}}
+    assert inspect.signature(search) == inspect.signature(local_search)  # (query: str, num_results: int = 3) -> str
+    assert search.__doc__ == inspect.getdoc(local_search)
+    assert search(query="capital of Ratomora", num_results=1).startswith(RATOMORA)
+    assert search(query="capital of Ratomora") == local_search(query="capital of Ratomora")
+    assert search("capital of Ratomora", 1) == local_search("capital of Ratomora", 1)  # positional, as a function
+
+
+def test_the_default_server_lists_search_alone():
+    from tools.kb_mcp_server import build_server
+
+    assert [t.name for t in asyncio.run(build_server(seed=0, crashable=False).list_tools())] == ["search"]
+
+
+def test_an_error_result_raises_with_the_servers_text(stdio_tools, http_tools):
+    for tools in (stdio_tools, http_tools):
+        with pytest.raises(MCPToolError, match="search: the query is empty; pass the words to look up"):
+            tools["search"](query="  ")
+
+
+def test_a_call_that_does_not_fit_the_signature_is_a_type_error(stdio_tools):
+    """As for a Python tool: the trainer reports it as bad arguments, and nothing reaches the server."""
+    with pytest.raises(TypeError, match="missing a required argument: 'query'"):
+        stdio_tools["search"](num_results=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'limit'"):
+        stdio_tools["search"](query="x", limit=2)
+
+
+def test_concurrent_calls_share_the_session(stdio_tools, http_tools, local_search):
+    """As the trainer runs a round's calls: many threads at once, on one session per server."""
+    queries = [f"capital of {name}" for name in ("Ratomora", "Veltria", "Kalosh", "Morvane")] * 4
+    calls = [ToolCall("search", {"query": q}) for q in queries]
+    for tools in (stdio_tools, http_tools):
+        results = run_tool_calls(tools, calls, timeout=TIMEOUT, max_workers=16)
+        assert [r.output for r in results] == [local_search(query=q) for q in queries]
+        assert all(r.ok for r in results)
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_a_slow_call_times_out_promptly_and_the_server_goes_on(request, transport):
+    tools = request.getfixturevalue(f"{transport}_tools")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"MCP tool 'sleep' of server .* gave no result within {TIMEOUT:g}s"):
+        tools["sleep"](seconds=60)
+    assert time.monotonic() - start < TIMEOUT + 1.0
+    assert tools["sleep"](seconds=0.1) == "slept 0.1s"
+    assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
+
+
+# ------------------------------------------------------------------------------------------------
+# a crash, and the restart after it
+# ------------------------------------------------------------------------------------------------
+def test_a_crashed_stdio_server_fails_the_next_call_at_once_and_is_restarted_after(stdio_tools):
+    start = time.monotonic()
+    with pytest.raises(MCPServerDown, match="is down: .*; the next call will restart it"):
+        stdio_tools["crash"]()
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert stdio_tools["search"](query="capital of Ratomora").startswith(RATOMORA)  # a new process
+    assert time.monotonic() - start < 30.0
+
+
+def test_an_http_server_that_goes_down_fails_calls_at_once_and_is_reconnected_when_back(monkeypatch):
+    """Servers of its own. The call that crashes one fails at once, and so does the next one, after a reconnect
+    that finds nothing listening. A server started again on the port is reconnected to once RETRY_INTERVAL has
+    passed. One restarted between two calls has forgotten the session: the first call after fails, the next
+    reconnects."""
+    monkeypatch.setattr("tools.mcp.RETRY_INTERVAL", 1.0)  # less than a server takes to start
+    port = free_port()
+    with http_server(port) as url:
+        tools = {fn.__name__: fn for fn in mcp_tools([url], timeout=TIMEOUT)}
+        start = time.monotonic()
+        with pytest.raises(MCPServerDown, match="is down: .*; the next call will reconnect it"):
+            tools["crash"]()
+        with pytest.raises(MCPServerDown, match="the reconnect failed: ConnectError.*; calls fail at once until"):
+            tools["search"](query="capital of Ratomora")
+        assert time.monotonic() - start < 2.0
+    with http_server(port):
+        assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
+    with http_server(port):
+        with pytest.raises(MCPServerDown, match="is down: it stopped answering"):
+            tools["search"](query="capital of Ratomora")
+        assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
+
+
+# ------------------------------------------------------------------------------------------------
+# servers that do not start, and entries that are not servers
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry, problem, fix", [
+    ("no-such-mcp-server --seed 0", "FileNotFoundError", "check that `no-such-mcp-server` is installed and on PATH"),
+    (shlex.join([sys.executable, "-c", "import sys; sys.stderr.write('no config file'); sys.exit(3)"]),
+     "Connection closed", "it ends:\nno config file"),  # the server's stderr, quoted
+    ("http://127.0.0.1:{port}/mcp", "ConnectError", "Start the server first"),
+])
+def test_a_server_that_does_not_start_is_named_with_the_fix(entry, problem, fix):
+    entry = entry.format(port=free_port())
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        mcp_tools([entry], timeout=TIMEOUT)
+    assert time.monotonic() - start < 5.0
+    message = str(e.value)
+    assert message.startswith(f"MCP server {entry!r} (mcp_servers) did not start: ")
+    assert problem in message and fix in message
+
+
+def test_a_server_that_never_answers_fails_after_the_start_timeout():
+    silent = shlex.join([sys.executable, "-c", "import sys; sys.stdin.read()"])  # reads, never answers
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="did not answer `initialize` within 1s"):
+        mcp_tools([silent], timeout=TIMEOUT, start_timeout=1.0)
+    assert time.monotonic() - start < 3.0
+
+
+def test_two_servers_with_a_tool_of_one_name_are_named(http_url):
+    other = http_url + "?copy=2"  # the same process under a second URL: two entries, and no server to start
+    with pytest.raises(ValueError, match=re.escape(f"MCP servers {http_url!r} and {other!r} both have a tool named "
+                                                   "'search'")):
+        mcp_tools([http_url, other], timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=re.escape(f"mcp_servers lists {http_url!r} twice")):
+        mcp_tools([http_url, http_url], timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("entry, command, env, url", [
+    ("python server.py --seed 0", ["python", "server.py", "--seed", "0"], {}, ""),
+    ("https://example.org/mcp", [], {}, "https://example.org/mcp"),
+    ({"command": ["python", "server.py"], "env": {"KEY": "1"}}, ["python", "server.py"], {"KEY": "1"}, ""),
+    ({"command": "python 'my server.py'"}, ["python", "my server.py"], {}, ""),
+    ({"url": "http://127.0.0.1:8000/mcp"}, [], {}, "http://127.0.0.1:8000/mcp"),
+])
+def test_server_entries(entry, command, env, url):
+    spec = parse_server(entry)
+    assert (spec.command, spec.env, spec.url) == (command, env, url)
+
+
+@pytest.mark.parametrize("entry", ["", 3, [], {"url": "ftp://x"}, {"command": []}, {"command": ["x"], "port": 1},
+                                   {"command": ["x"], "env": {"N": 1}}])
+def test_an_entry_that_is_not_a_server_is_named(entry):
+    with pytest.raises(ValueError, match=re.escape(f"mcp_servers entry {entry!r} is not a server; write a command")):
+        parse_server(entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# what the model sees: signatures and schemas in both tool formats
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schema, signature", [
+    ({"properties": {"query": {"type": "string"}}, "required": ["query"]}, "(query: str) -> str"),
+    ({"properties": {"n": {"type": "integer", "default": 3}, "query": {"type": "string"}}, "required": ["query"]},
+     "(query: str, n: int = 3) -> str"),  # required first
+    ({"properties": {"a": {"type": "number"}, "b": {"type": "boolean"}, "c": {"type": "object"}}},
+     "(a: float = None, b: bool = None, c: dict = None) -> str"),
+    ({"properties": {"tags": {"type": "array", "items": {"type": "string"}}, "any": {"type": "array"}}},
+     "(tags: list[str] = None, any: list = None) -> str"),
+    ({"properties": {"limit": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}}},
+     "(limit: int | None = None) -> str"),
+    ({"properties": {"limit": {"type": ["integer", "null"]}}}, "(limit: int | None = None) -> str"),
+    ({"properties": {"mode": {"enum": ["fast", "slow"]}}, "required": ["mode"]},
+     "(mode: Literal['fast', 'slow']) -> str"),
+    ({"properties": {"x": {}}, "required": ["x"]}, "(x) -> str"),
+    ({"type": "object"}, "() -> str"),
+    ({"properties": {"from": {"type": "string"}, "max-results": {"type": "integer"}}}, "(**arguments) -> str"),
+])
+def test_tool_signature_from_the_input_schema(schema, signature):
+    assert str(tool_signature(schema)).replace("typing.", "") == signature
+
+
+def test_neutral_arguments_read_a_signature_without_type_hints():
+    """An MCP tool's types may live in its `__signature__` alone; the placeholders follow them."""
+    def tool(**arguments):
+        return ""
+
+    tool.__signature__ = tool_signature({"properties": {
+        "count": {"type": "integer"}, "flag": {"type": "boolean"}, "mode": {"enum": ["fast", "slow"]},
+        "tags": {"type": "array", "items": {"type": "number"}}, "limit": {"type": "integer"}},
+        "required": ["count", "flag", "mode", "tags"]})
+    assert neutral_arguments(tool) == {"count": 1, "flag": True, "mode": "fast", "tags": [1.5]}
+
+
+def test_neutral_arguments_of_the_servers_tools(stdio_tools):
+    assert neutral_arguments(stdio_tools["search"]) == {"query": "..."}
+    assert neutral_arguments(stdio_tools["sleep"]) == {"seconds": 1.5}
+
+
+def test_the_xml_prompt_describes_the_servers_search_as_the_local_one(stdio_tools, local_search):
+    search = stdio_tools["search"]
+    assert describe_tools([search]) == describe_tools([local_search]) == (
+        "- search(query: str, num_results: int = 3) -> str: Search the knowledge base and return the best-matching "
+        "documents.")
+    assert XMLProtocol().system_prompt([search]) == XMLProtocol().system_prompt([local_search])
+
+
+def test_the_chat_template_gets_the_servers_schema(stdio_tools, qwen_style_tokenizer):
+    tools = list(stdio_tools.values())
+    protocol = get_protocol("chat_template")
+    assert tool_schemas(tools) == protocol.template_tools(tools) == [fn.json_schema for fn in tools]
+    text = qwen_style_tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                    tools=protocol.template_tools(tools), tokenize=False,
+                                                    add_generation_prompt=True)
+    assert '"parameters": {"properties": {"query": {"title": "Query", "type": "string"}' in text
+    assert '"name": "sleep"' in text
+
+
+# ------------------------------------------------------------------------------------------------
+# through the trainer's rollout loop
+# ------------------------------------------------------------------------------------------------
+def test_an_episode_calls_the_servers_search(stdio_tools, smollm2_tokenizer):
+    tools = list(stdio_tools.values())
+    env = make_env(smollm2_tokenizer, tools, max_tool_response_tokens=400, max_completion_length=800)
+    script = {QUESTION: [xml_call("capital of Ratomora"), xml_answer("Lotrowick")]}
+    (episode,) = env.rollout([env.prompt(QUESTION)], ScriptedPolicy(smollm2_tokenizer, script))
+    assert episode.messages[1] == {"role": "tool", "name": "search",
+                                   "content": stdio_tools["search"](query="capital of Ratomora")}
+    assert episode.messages[1]["content"].startswith(RATOMORA)
+    assert (episode.stop_reason, episode.tool_turns, episode.tool_failures) == ("answer", 1, 0)
+
+
+def test_an_episode_goes_on_past_a_crashed_server(stdio_tools, smollm2_tokenizer):
+    """The call that finds the server down is an error the model sees; its next call runs on the new process."""
+    tools = list(stdio_tools.values())
+    env = make_env(smollm2_tokenizer, tools, max_env_steps=3, max_tool_response_tokens=400,
+                   max_completion_length=1200)
+    crash = '<reasoning>Break it.</reasoning>\n<tool>{"name": "crash", "args": {}}</tool>'
+    script = {QUESTION: [crash, xml_call("capital of Ratomora"), xml_answer("Lotrowick")]}
+    (episode,) = env.rollout([env.prompt(QUESTION)], ScriptedPolicy(smollm2_tokenizer, script))
+    replies = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert replies[0].startswith("Error: tool 'crash' raised MCPServerDown: MCP server ")
+    assert "is down" in replies[0]
+    assert replies[1].startswith(RATOMORA)
+    assert (episode.stop_reason, episode.tool_turns, episode.tool_failures) == ("answer", 2, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# through the recipe: a training run whose only tool is the server's
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_a_recipe_trains_with_the_servers_search(request, transport, tiny_agent_dir, tmp_path):
+    import yaml
+
+    from helpers import RECIPE, final_metrics, rollout_records, run
+
+    server = STDIO if transport == "stdio" else request.getfixturevalue("http_url")
+    with open(RECIPE) as f:
+        recipe = {**yaml.safe_load(f), "tools": [], "mcp_servers": [server], "max_steps": 1, "max_samples": 8,
+                  "per_device_train_batch_size": 4, "save_rollouts_steps": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path",
+         tiny_agent_dir, "--output_dir", out], tmp_path)
+    assert len([h for h in final_metrics(out) if "loss" in h]) == 1
+    records = rollout_records(out)
+    assert "- search(query: str, num_results: int = 3) -> str:" in records[0]["prompt_text"]
+    outputs = [c["output"] for r in records for t in r["turns"] if t["role"] == "env" for c in t["tool_calls"]
+               if c["name"] == "search" and c["ok"]]
+    assert all(not o.startswith("Error") for o in outputs)

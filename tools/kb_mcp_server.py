@@ -1,0 +1,93 @@
+"""The fictional knowledge base's `search` tool as an MCP server (the `mcp` package's MCPServer, the FastMCP
+of mcp 1.x), for `mcp_servers` in a recipe and for the tests of tools/mcp.py.
+
+It serves the same BM25 `search` that tools/search.py builds in process, over the knowledge base of `--seed`
+(tasks/fictional_kb.py), so a run that gets `search` from this server shows the model the same tool.
+
+    python tools/kb_mcp_server.py --seed 0                                  # stdio (what `mcp_servers` starts)
+    python tools/kb_mcp_server.py --transport http --port 8765              # streamable HTTP at /mcp
+    mcp_servers: ["python tools/kb_mcp_server.py --seed 0"]                 # in a recipe
+    mcp_servers: ["http://127.0.0.1:8765/mcp"]
+
+`--crashable` adds tools that only tests want: `crash()` kills the server and `sleep(seconds)` answers late.
+Without the flag the server lists `search` alone.
+"""
+
+import argparse
+import asyncio
+import functools
+import inspect
+import os
+import sys
+
+# Run as a script, Python puts tools/ first on sys.path, where tools/mcp.py would shadow the `mcp` package; the
+# repository root, whose modules this imports, takes its place.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from mcp.server.mcpserver import MCPServer  # noqa: E402
+from mcp.server.mcpserver.exceptions import ToolError  # noqa: E402
+
+from tasks.fictional_kb import build_fictional_kb  # noqa: E402
+from tools.search import make_search_tool  # noqa: E402
+
+
+def errors_for_the_model(tool):
+    """`tool`, raising its ValueErrors as ToolErrors. The server sends the text of a ToolError back as the
+    call's error; any other exception reaches the client as a bare "Error executing tool search", and the
+    model could not learn what was wrong with its call."""
+
+    @functools.wraps(tool)  # the same name, docstring and signature: the same schema
+    def wrapped(*args, **kwargs):
+        try:
+            return tool(*args, **kwargs)
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+
+    return wrapped
+
+
+def crash() -> str:
+    """Kill this server at once, as a crash would (a test tool: only with --crashable)."""
+    os._exit(1)
+
+
+async def sleep(seconds: float) -> str:
+    """Wait, then answer (a test tool: only with --crashable).
+
+    Args:
+        seconds: how long to wait before answering.
+    """
+    await asyncio.sleep(seconds)  # async: the server goes on answering other calls meanwhile
+    return f"slept {seconds:g}s"
+
+
+def build_server(seed: int, crashable: bool) -> MCPServer:
+    documents, _ = build_fictional_kb(seed=seed)
+    # WARNING: at INFO the server logs every failed call, and uvicorn every HTTP request
+    server = MCPServer("fictional-kb", log_level="WARNING")
+    tools = [errors_for_the_model(make_search_tool(documents))] + ([crash, sleep] if crashable else [])
+    for tool in tools:
+        # the docstring without its indentation; plain text results, as the in-process tools return
+        server.add_tool(tool, description=inspect.getdoc(tool), structured_output=False)
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0, help="The knowledge base's seed (the task's `seed`).")
+    parser.add_argument("--transport", choices=["stdio", "http"], default="stdio",
+                        help="stdio: talk over stdin/stdout (started by the trainer); http: streamable HTTP.")
+    parser.add_argument("--host", default="127.0.0.1", help="With --transport http: the address to listen on.")
+    parser.add_argument("--port", type=int, default=8765, help="With --transport http: the port to listen on.")
+    parser.add_argument("--crashable", action="store_true", help="Add the test tools `crash` and `sleep`.")
+    args = parser.parse_args(argv)
+    server = build_server(args.seed, args.crashable)
+    if args.transport == "stdio":
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
