@@ -17,9 +17,9 @@ from typing import Callable
 
 from transformers import AutoTokenizer
 
-from checks import check_reward_sources
+from checks import check_reward_sources, required_columns
 from protocol import end_of_turn_ids
-from tasks import QA_EVAL_METRICS, Task, build_dataset, load_eval_task, load_task, recipe_columns, validate_dataset
+from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, validate_dataset
 
 logger = logging.getLogger("mt_grpo")
 
@@ -36,7 +36,8 @@ class Parts:
     train: Task | None
     eval: Task | None
     task_prompt: str | None  # the system prompt's task part (the config's, else the task's; None: neutral)
-    examples: object = None  # worked examples: the config's, else the task's (a list, or a function of the tools)
+    # worked examples: the config's, else the task's (a list, or a function of the tools that gives them)
+    examples: list[dict] | Callable[[list], list[dict]] | None = None
     eval_metrics: dict[str, Callable] = field(default_factory=dict)
     environments: object = None  # environments.EnvironmentPool of TRL's environment_factory; None: stateless tools
 
@@ -56,7 +57,7 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
             for f in (sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs)]
     outcome = [get_reward_func(f) if isinstance(f, str) else f
                for f in (sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs)]
-    needs_answer = any(_requires(fn, "answer") for fn in turn + outcome)
+    needs_answer = any("answer" in required_columns(fn) for fn in turn + outcome)
     train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
         sa.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
@@ -106,7 +107,6 @@ def _task(data, sa, needs_answer: bool, name: str) -> Task | None:
                          "config's `dataset_name`.")
     task = validate_dataset(data, columns=recipe_columns(sa), answer_required=needs_answer, source=name)
     _report_skipped(task, name)
-    task.eval_metrics = dict(QA_EVAL_METRICS)
     return task
 
 
@@ -163,13 +163,6 @@ def placeholder_task(args) -> Task:
     rows = max(1, args.generation_batch_size // args.num_generations)
     return Task(datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows}), corpus=None,
                 eval_metrics={})
-
-
-def _requires(fn: Callable, column: str) -> bool:
-    import inspect
-
-    p = inspect.signature(fn).parameters.get(column)
-    return p is not None and p.default is p.empty
 
 
 def _revision(args) -> str | None:

@@ -281,12 +281,18 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
                          "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
 
 
+def required_columns(fn: Callable) -> list[str]:
+    """The keyword arguments a reward function needs from the dataset (those without a default)."""
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and name not in ("prompts", "completions")]
+
+
 def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
     """Each reward's required keyword arguments must be dataset columns."""
     for fn in funcs:
-        for name, p in inspect.signature(fn).parameters.items():
-            if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                    and name not in ("prompts", "completions") and name not in columns):
+        for name in required_columns(fn):
+            if name not in columns:
                 raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
                                  f"the dataset has only {columns}.")
 
