@@ -27,11 +27,21 @@ import typing
 from typing import Callable
 
 from registry import resolve
+from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_turn
 from tools import Toolset, run_async
 
 CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
 RESERVED = ("reset", "get_reward")
+
+
+def episode_columns(inputs: list[dict], episodes: list) -> dict[str, list]:
+    """What every reward function receives besides prompts and completions: the dataset's columns and, as TRL
+    passes them, `environments`, each episode's environment instance (when the run has an environment_factory)."""
+    columns = reward_columns(inputs)
+    if any(getattr(ep.toolset, "environment", None) is not None for ep in episodes):
+        columns["environments"] = [ep.toolset.environment for ep in episodes]
+    return columns
 
 
 def load_factory(value) -> Callable | dict[str, Callable]:

@@ -7,7 +7,7 @@ from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from reporting import _nanmean, episode_records, eval_metrics
-from rewards import reward_columns
+from environments import episode_columns
 
 
 class TrainerEvaluation:
@@ -43,7 +43,7 @@ class TrainerEvaluation:
         finally:
             self.model.train(was_training)
         prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
-        columns = reward_columns(inputs)
+        columns = episode_columns(inputs, episodes)
         scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
         task = {name: fn(prompts, completions, **columns) if inputs else []
                 for name, fn in self.eval_metric_funcs.items()}

@@ -72,7 +72,7 @@ from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_pr
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
-from rewards import reward_columns
+from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
@@ -1592,9 +1592,7 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
         device = self.accelerator.device
         collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
-        columns = reward_columns(inputs)
-        if self.env.environments is not None:  # TRL's: each episode's environment instance, for the rewards to read
-            columns["environments"] = [ep.toolset.environment for ep in episodes]
+        columns = episode_columns(inputs, episodes)  # the dataset's, and TRL's `environments` (environments.py)
         tool_turns = [ep.tool_turns for ep in episodes]
         K = turns or (self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
