@@ -288,6 +288,29 @@ def test_page_in_chromium(run, browser, tmp_path):
     assert browser.errors() == []
 
 
+def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
+    """A run with an environment_factory records each env turn's step_rewards (environments.py): the page labels
+    the turn with them, and a turn whose calls reported none says so."""
+    run_dir = str(tmp_path / "run")
+    files = write_run(run_dir, seed=0, train_steps=(1,), eval_steps=())
+    records = files["step-000001.jsonl"]
+    env_turns = [t for t in records[0]["turns"] if t["role"] == "env"]
+    env_turns[0]["step_rewards"] = [0.5, -0.1]
+    for extra in env_turns[1:]:
+        extra["step_rewards"] = []
+    records[0]["environment"] = "Lock"
+    with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    view(run_dir)
+    browser.send("Runtime.enable")
+    browser.send("Page.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    labels = browser.js("[...document.querySelectorAll('.turn-label')].map((l) => l.textContent)")
+    assert "environment · step reward 0.5 + -0.1" in labels, labels
+    assert browser.errors() == []
+
+
 # ------------------------------------------------------------------------------------------------
 # scripts/answer_errors.py: where a run's wrong answers come from
 # ------------------------------------------------------------------------------------------------
