@@ -71,7 +71,9 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
-    metrics = source.eval_metrics if source is not None and "answer" in source.dataset.column_names else {}
+    # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
+    metrics = {name: fn for name, fn in (source.eval_metrics if source is not None else {}).items()
+               if all(c in source.dataset.column_names + ["environments"] for c in required_columns(get_reward_func(fn)))}
     tools = _join_tools(build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
                                     else getattr(source, "corpus", None)), _mcp_tools(sa))
     pool = None

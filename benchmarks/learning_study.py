@@ -8,7 +8,9 @@ knowledge base's held-out test split before the first step and every `eval_steps
     python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
         --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
 
-Flags after `--` go to every run (any recipe field). Runs go to outputs/study/<mode>-s<seed>/ and
+Flags after `--` go to every run (any recipe field). `--recipe` studies another task, e.g. the TextWorld game
+(hf_recipes/SmolLM2-135M-Instruct/textworld_quest.yaml) with `--metrics eval/won ...`; its per_turn mode keeps the
+recipe's turn rewards (the knowledge base's per-turn functions are for study.yaml). Runs go to outputs/study/<mode>-s<seed>/ and
 run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB, so two fit on a
 24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
 A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
@@ -81,10 +83,11 @@ def done(path: str, budgeted: bool) -> bool:
     return finished(path) or (budgeted and stopped_early(path))
 
 
-def command(mode: str, seed: int, path: str, flags: list[str]) -> list[str]:
+def command(mode: str, seed: int, path: str, flags: list[str], recipe: str = RECIPE) -> list[str]:
     """The trainer command of one run; a run stopped early resumes from its last checkpoint."""
-    return [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", RECIPE, "--advantage_mode", mode,
-            "--seed", str(seed), "--output_dir", path, *MODE_FLAGS[mode], *flags,
+    mode_flags = MODE_FLAGS[mode] if recipe == RECIPE else []
+    return [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", recipe, "--advantage_mode", mode,
+            "--seed", str(seed), "--output_dir", path, *mode_flags, *flags,
             *(["--resume_from_checkpoint", "last"] if stopped_early(path) else [])]
 
 
@@ -139,21 +142,21 @@ def training_minutes(history: list[dict], step: int) -> float:
     return sum(v for k, v in seconds.items() if k <= step) / 60 if seconds else float("nan")
 
 
-def collect(jobs: list[tuple[str, int, str]]) -> list[dict]:
-    """One row per run and evaluation."""
+def collect(jobs: list[tuple[str, int, str]], metrics: list[str] = METRICS) -> list[dict]:
+    """One row per run and evaluation (an evaluation: a log entry with the first metric)."""
     rows = []
     for mode, seed, path in jobs:
         history = load_log_history(path)
-        for step in sorted({h["step"] for h in history if "eval/exact_match" in h}):
-            entry = next(h for h in history if h.get("step") == step and "eval/exact_match" in h)
+        for step in sorted({h["step"] for h in history if metrics[0] in h}):
+            entry = next(h for h in history if h.get("step") == step and metrics[0] in h)
             rows.append({"mode": mode, "seed": seed, "step": step, "minutes": training_minutes(history, step),
-                         **{m: entry.get(m, float("nan")) for m in METRICS}})
+                         **{m: entry.get(m, float("nan")) for m in metrics}})
     return rows
 
 
-def write_csv(rows: list[dict], path: str) -> None:
+def write_csv(rows: list[dict], path: str, metrics: list[str] = METRICS) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", "minutes", *METRICS])
+        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", "minutes", *metrics])
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
@@ -186,15 +189,14 @@ def curve(rows: list[dict], mode: str, metric: str) -> list[tuple[float, float, 
     return points
 
 
-def plot(rows: list[dict], path: str, title: str):
+def plot(rows: list[dict], path: str, title: str, metrics: list[str] = METRICS):
     from matplotlib.figure import Figure
 
     # tool_success_rate is undefined (left out) at an eval with no tool call: calls per episode and
     # first_search_hit show what the policy does there
     fig = Figure(figsize=(11, 12))
-    panels = [(m, "step") for m in ("eval/exact_match", "eval/tool_success_rate", "eval/first_search_hit",
-                                    "eval/tool_calls_per_episode")]
-    panels += [("eval/exact_match", "minutes"), ("eval/first_search_hit", "minutes")]
+    shown = ([m for m in metrics if m != "eval/answered_ratio"] + ["eval/answered_ratio"])[:4]
+    panels = [(m, "step") for m in shown] + [(shown[0], "minutes"), (shown[2], "minutes")]
     for ax, (metric, x_axis) in zip(fig.subplots(3, 2).flat, panels):
         data = {mode: curve(rows, mode, metric) for mode in dict.fromkeys(r["mode"] for r in rows)}
         for mode, points in data.items():
@@ -220,13 +222,13 @@ def plot(rows: list[dict], path: str, title: str):
     return fig
 
 
-def summary(rows: list[dict]) -> None:
+def summary(rows: list[dict], metrics: list[str] = METRICS) -> None:
     table = []
     cell = lambda v: f"{sum(v) / len(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
     stops_of = {mode: [max(r["step"] for r in rows if (r["mode"], r["seed"]) == (mode, seed))  # each seed's last step
                        for seed in dict.fromkeys(r["seed"] for r in rows if r["mode"] == mode)]
                 for mode in dict.fromkeys(r["mode"] for r in rows)}
-    for metric in METRICS:
+    for metric in metrics:
         for mode, stops in stops_of.items():
             points = {step: (minutes, values) for step, minutes, values in curve(rows, mode, metric)}
             start, end = points.get(0.0), points.get(sum(stops) / len(stops))
@@ -276,6 +278,10 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only", "merged"], choices=sorted(MODE_FLAGS))
+    ap.add_argument("--recipe", default=RECIPE, help="the recipe every run trains (default: study.yaml)")
+    ap.add_argument("--metrics", nargs="+", default=METRICS, help="eval metrics to collect, plot and tabulate; the "
+                    "first marks an evaluation (default: the knowledge base's)")
+    ap.add_argument("--title", default="SmolLM2-135M-Instruct on the fictional KB", help="the plot's title")
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--parallel", type=int, default=1,
                     help="runs at a time (a CPU study run peaks at about 3.3 GiB; runs share the cores)")
@@ -299,16 +305,17 @@ def main():
         for _, _, path in todo:
             shutil.rmtree(path, ignore_errors=True)
     start = time.monotonic()
-    failed = run_all(todo, flags + budget_flags(args.budget), args.parallel, args.deadline, args.stagger)
-    rows = collect([j for j in jobs if done(j[2], budgeted) and j[2] not in failed])
+    failed = run_all(todo, flags + budget_flags(args.budget), args.parallel, args.deadline, args.stagger,
+                     command_fn=lambda *a: command(*a, recipe=args.recipe))
+    rows = collect([j for j in jobs if done(j[2], budgeted) and j[2] not in failed], args.metrics)
     if args.include:
         rows = with_earlier_runs(rows, read_csv(args.include))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_csv(rows, args.out + ".csv")
+    write_csv(rows, args.out + ".csv", args.metrics)
     seeds = {m: len({r["seed"] for r in rows if r["mode"] == m}) for m in dict.fromkeys(r["mode"] for r in rows)}
-    plot(rows, args.out + ".png", "SmolLM2-135M-Instruct on the fictional KB, seeds per mode: "
-                                  + ", ".join(f"{m} {n}" for m, n in seeds.items()))
-    summary(rows)
+    plot(rows, args.out + ".png", f"{args.title}, seeds per mode: " + ", ".join(f"{m} {n}" for m, n in seeds.items()),
+         args.metrics)
+    summary(rows, args.metrics)
     if args.compare:
         unmatched, table = compare(rows, args.compare)
         print_table(f"Against {args.compare}, evaluation by evaluation ({unmatched} without a counterpart there)",

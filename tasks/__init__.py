@@ -8,6 +8,9 @@ part of the prompt.
                    ("In what year was the founder of the city of Rarzogard born?": two searches)
     triviaqa       TriviaQA from the Hugging Face hub (tasks/triviaqa.py); no corpus unless
                    `corpus_path` is given (use `wiki_search`, or `search` over that corpus)
+    textworld_quest  generated TextWorld games (tasks/textworld_quest.py), one per row's `seed`, played through
+                   its environment_factory `tasks.textworld_quest:TextWorldQuest`; splits "train" and "test"
+                   (disjoint seeds); `seed` (recipe: `kb_seed`) draws the games
     a file path    .jsonl / .json / .parquet / .csv (one split, "train"; in a .csv every value is text)
     a folder       as the hub would serve it (data/train-*.parquet, ...: `datasets.load_dataset(folder)`), or
                    one written by `Dataset.save_to_disk` (one split, "train") / `DatasetDict.save_to_disk`
@@ -53,7 +56,7 @@ from protocol import prompt_problem, prompt_question
 
 logger = logging.getLogger("mt_grpo")
 
-TASK_NAMES = ["fictional_kb", "triviaqa"]
+TASK_NAMES = ["fictional_kb", "triviaqa", "textworld_quest"]
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = ("question", "answer", "prompt")  # the columns the trainer reads; `columns` maps each to the dataset's
 MAX_SKIP_REASONS = 5
@@ -97,7 +100,8 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
     # The corpus first: a wrong corpus_path should fail before a long dataset download.
     corpus_override = load_corpus(corpus_path) if corpus_path is not None else None
     corpus = task_prompt = examples = None
-    if dataset_name in TASK_NAMES:
+    eval_metrics = dict(QA_EVAL_METRICS)
+    if dataset_name in ("fictional_kb", "triviaqa"):
         from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
         task_prompt, examples = SEARCH_TASK_PROMPT, search_examples
@@ -112,16 +116,21 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
         from tasks.triviaqa import load_triviaqa
 
         data = load_triviaqa(split)
+    elif dataset_name == "textworld_quest":  # games, played through its environment_factory (environments.py)
+        from tasks.textworld_quest import GAME_TASK_PROMPT, TASK_EVAL_METRICS, game_examples, load
+
+        data, task_prompt, examples = load(split, max_samples, seed), GAME_TASK_PROMPT, game_examples
+        eval_metrics = dict(TASK_EVAL_METRICS)
     else:
         data = read_dataset(dataset_name, split, dataset_config)
     task = validate_dataset(data, columns, answer_required, source=dataset_name, max_samples=max_samples)
     task.corpus = corpus_override if corpus_override is not None else corpus
-    task.system_prompt, task.examples = task_prompt, examples
+    task.system_prompt, task.examples, task.eval_metrics = task_prompt, examples, eval_metrics
     return task
 
 
 # The split each task holds out for evaluation (a local file has one split: another file is held out whole).
-HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation"}
+HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation", "textworld_quest": "test"}
 
 
 def load_eval_task(script_args, answer_required: bool = True) -> Task:
