@@ -123,7 +123,7 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
         try:
             output = fn(**args)
             if inspect.isawaitable(output):  # an async tool (an environment's async method): on the shared loop
-                output = asyncio.run_coroutine_threadsafe(_as_coroutine(output), _event_loop()).result()
+                output = asyncio.run_coroutine_threadsafe(_as_coroutine(output), event_loop()).result()
             results[i] = ToolResult(str(output), True, time.monotonic() - start)
         except TypeError as e:
             results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
@@ -165,9 +165,10 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop on a daemon thread for every async tool, started on first use (as TRL runs async tools
-    and rewards): an object an async method keeps (a client session) stays on the loop that made it."""
+def event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a daemon thread for every async tool and MCP session (tools/mcp.py), started on first use
+    (as TRL runs async tools and rewards): an object an async method keeps (a client session) stays on the loop
+    that made it."""
     global _LOOP
     with _LOOP_LOCK:
         if _LOOP is None:
@@ -180,7 +181,7 @@ def run_async(value):
     """`value`, awaited on the shared loop if it is awaitable (an async `get_reward`); as is otherwise."""
     if not inspect.isawaitable(value):
         return value
-    return asyncio.run_coroutine_threadsafe(_as_coroutine(value), _event_loop()).result()
+    return asyncio.run_coroutine_threadsafe(_as_coroutine(value), event_loop()).result()
 
 
 @dataclass

@@ -36,6 +36,8 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from tools import event_loop
+
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 START_TIMEOUT = 30.0  # seconds a server may take to start by default: a process imports, loads its data
 CLOSE_TIMEOUT = 10.0  # seconds to let every server shut down at exit; the SDK kills a stdio server after ~4 s
@@ -90,21 +92,21 @@ def parse_server(entry) -> ServerSpec:
 # ------------------------------------------------------------------------------------------------
 # The event loop the sessions live on
 # ------------------------------------------------------------------------------------------------
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
 _SERVERS: list["_Server"] = []  # every server started, for close_mcp_servers
+_SET_UP = threading.Lock()
+_set_up = False  # whether close_mcp_servers is registered to run at exit
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """The module's loop, started on first use (importing this module starts nothing)."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="mcp-sessions", daemon=True).start()
+    """The loop of every async tool (tools.event_loop), which the sessions live on. The first use here also
+    registers the servers' closing at exit (importing this module starts nothing)."""
+    global _set_up
+    with _SET_UP:
+        if not _set_up:
+            _set_up = True
             atexit.register(close_mcp_servers)
             logging.getLogger("mcp.client.streamable_http").addFilter(_no_termination_warning)
-        return _LOOP
+    return event_loop()
 
 
 def _no_termination_warning(record: logging.LogRecord) -> bool:
@@ -137,7 +139,7 @@ def _close(servers: list["_Server"]) -> None:
     for server in servers:
         if server in _SERVERS:
             _SERVERS.remove(server)
-    if servers and _LOOP is not None and _LOOP.is_running():
+    if servers and _set_up:
         try:
             _run(_all([s.close() for s in servers]), CLOSE_TIMEOUT)
         except TimeoutError:
