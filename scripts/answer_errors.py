@@ -15,7 +15,9 @@ Each episode falls in one class, the first that holds:
 and two counts cut across them: wrong answers whose own <reasoning> holds a gold alias (the model wrote
 the fact and answered something else), and episodes that saw a gold alias in a result. This is how
 docs/results.md's ablation reads its runs' training episodes: which step of search-then-copy fails.
-Matching is whole words of SQuAD-normalised text (`rewards.triviaqa_reward.normalize_answer`). The
+"exact" and "holds the gold" judge the answer as the rewards do (`rewards.answers`: SQuAD-normalised text, and
+numbers and math compared as values, so "35.0" is 35); the other classes match whole words of SQuAD-normalised
+text (`rewards.triviaqa_reward.normalize_answer`). The
 `<result>` blocks are read as the model saw them (cut to `max_tool_response_tokens`), one document a
 line, as `tools.search` writes them; the XML protocol's tags are assumed.
 
@@ -35,6 +37,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for rewards/
 
 from protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
+from rewards.answers import contains_answer, matches_answer  # noqa: E402
 from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
 from rewards.triviaqa_reward import _contains as contains  # noqa: E402
 from rewards.triviaqa_reward import normalize_answer  # noqa: E402
@@ -68,10 +71,10 @@ def classify(episode: dict) -> tuple[str, bool, bool]:
     if match is None:
         return "no answer", False, seen
     answer = words(match.group(1))
-    if answer in gold:
+    if matches_answer(match.group(1), episode["answer"]):
         return "exact", False, seen
     reasoned = any(contains(words(last["text"][: match.start()]), g) for g in gold)
-    if any(contains(answer, g) for g in gold):
+    if contains_answer(match.group(1), episode["answer"]):
         kind = "holds the gold"
     elif answer and contains(normalize_answer(episode["question"]), answer):
         kind = "from the question"

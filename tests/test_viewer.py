@@ -338,6 +338,11 @@ def test_answer_errors_classes():
     assert classify(qa_episode(q, gold, docs, "<answer>It is the Trarfath Gate.</answer>"))[0] == "holds the gold"
     assert classify(qa_episode(q, gold, None, "<answer>Eiffel Tower</answer>")) == ("in no result", False, False)
     assert classify(qa_episode(q, gold, docs, "<reasoning>Now I")) == ("no answer", False, True)
+    # numbers as the rewards compare them (rewards/answers.py): 35.0 is 35, and "about 35" holds it
+    sum_q = "What is 24 + 11?"
+    assert classify(qa_episode(sum_q, ["35"], None, "<answer>35.0</answer>"))[0] == "exact"
+    assert classify(qa_episode(sum_q, ["35"], None, "<answer>It is about 35 in all.</answer>"))[0] == "holds the gold"
+    assert classify(qa_episode(sum_q, ["35"], None, "<answer>3.5</answer>"))[0] == "in no result"
 
 
 def test_answer_errors_cli(tmp_path):
