@@ -153,8 +153,11 @@ class EnvironmentPool:
     def start(self, rows: list[dict], prompts: list[list[dict]]) -> tuple[list[list[dict]], list[Toolset]]:
         """An instance per row, reset with the row: the prompts with each observation appended to the last user
         message, and each episode's Toolset."""
+        if rows is None or len(rows) != len(prompts):
+            raise ValueError("An env with an environment_factory resets each episode's instance with its dataset row: "
+                             "pass `rows=` (one dict per prompt) to MultiTurnToolEnv.rollout.")
         out_prompts, toolsets = [], []
-        for row, prompt in zip(rows, prompts, strict=True):
+        for row, prompt in zip(rows, prompts):
             name = self.environment_name(row)
             instance = self.free[name].pop() if self.free[name] else self.factories[name]()
             kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}

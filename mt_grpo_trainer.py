@@ -1498,6 +1498,7 @@ class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
             new_inputs = [dict(self.train_dataset[new_rows[(rank * B + i) // G]]) for i in mine]
             # every process rolls out, even with no rows: lock-step generation rounds are collective
             _, new_episodes, more = self._roll_out(new_inputs, "train")
+            self.env.release([episodes[i] for i in mine])  # the replaced episodes' environment instances, if any
             for i, x, ep in zip(mine, new_inputs, new_episodes):
                 inputs[i], episodes[i] = x, ep
             seconds += more
