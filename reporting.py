@@ -183,7 +183,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
             "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
             "first_result": ep.first_result, "stop_reason": ep.stop_reason,
-            "environment": None if environment is None else type(environment).__name__,
+            **({} if environment is None else {"environment": type(environment).__name__}),  # environments.py
             # without outputs: each is in its env turn's tool_calls, and the token text holds it again
             "tool_calls": [{"turn": c.turn, "name": c.name, "args": c.args, "ok": c.ok, "seconds": c.seconds}
                            for c in ep.calls],
