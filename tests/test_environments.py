@@ -279,6 +279,10 @@ def test_environment_config_errors(tiny_agent_dir, tmp_path):
                         bf16=False, report_to="none")
     with pytest.raises(ValueError, match=r"`max_steps` sets the run's length"):
         MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Lock)
+    # no dataset and the default dataset_name: a newcomer's run once trained on the knowledge base silently
+    args.dataset_name, args.max_steps = "fictional_kb", 2
+    with pytest.raises(ValueError, match=r"`dataset_name` is still its default, the knowledge base"):
+        MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Lock)
     argv = ["--config", env_recipe(tmp_path), "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path)]
     with pytest.raises(ValueError, match=r"`environment_factory` with `async_rollout`"):
         build_trainer(argv + ["--async_rollout", "true", "--generation_backend", "vllm_server",
