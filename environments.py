@@ -114,14 +114,16 @@ class EnvironmentPool:
     def __init__(self, factory, standalone: list[Callable], protocol):
         self.multi = isinstance(factory, dict)
         self.factories = factory if self.multi else {None: factory}
-        self.standalone, self.protocol = list(standalone), protocol
+        self.standalone = list(standalone)
         self.free: dict = {}  # name -> instances not in use
         self.handed_out: dict[int, tuple] = {}  # id(instance) -> (name, the Toolset of its current episode)
         self.probe_tools: dict = {}  # name -> the probe instance's tools
+        self.template_tools: dict = {}  # name -> their schemas for the chat template, made once
         for name, make in self.factories.items():
             instance = make()
             self.probe_tools[name] = check_environment(instance, name, self.standalone)
             self.free[name] = [instance]
+            self.template_tools[name] = protocol.template_tools(self.tools(name))
         self.reward_funcs = self._reward_funcs()
 
     def tools(self, name=None) -> list[Callable]:
@@ -168,7 +170,7 @@ class EnvironmentPool:
                                      "return the first observation as a string, or None.")
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             functions = {fn.__name__: fn for fn in self.standalone + tool_methods(instance)}
-            toolsets.append(Toolset(functions, self.protocol.template_tools(self.tools(name)), environment=instance))
+            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance))
             self.handed_out[id(instance)] = (name, toolsets[-1])
             out_prompts.append(prompt)
         return out_prompts, toolsets

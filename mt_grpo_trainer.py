@@ -1058,7 +1058,6 @@ class MultiTurnToolEnv:
             self.environments.release([ep.toolset for ep in episodes])
 
 
-
 def _identical_runs(items: list, key: Callable = lambda ep: ep.prompt_ids) -> list[list]:
     """Consecutive items with the same key, as lists (a GRPO group of episodes arrives as one run)."""
     runs: list[list] = []

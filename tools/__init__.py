@@ -121,9 +121,7 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     def call(i: int, fn: Callable, args: dict):
         start = time.monotonic()
         try:
-            output = fn(**args)
-            if inspect.isawaitable(output):  # an async tool (an environment's async method): on the shared loop
-                output = asyncio.run_coroutine_threadsafe(_as_coroutine(output), event_loop()).result()
+            output = run_async(fn(**args))  # an async tool (an environment's async method): on the shared loop
             results[i] = ToolResult(str(output), True, time.monotonic() - start)
         except TypeError as e:
             results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
