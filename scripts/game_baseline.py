@@ -53,11 +53,11 @@ def play(env: TextWorldQuest, row: dict, policy: str, max_calls: int, rng: rando
         else:
             command = any_command(game, rng)
         calls += 1
-        try:
-            observation = env.act(command)
-        except ValueError:
+        reply = env.act(command)
+        if " is not an action you can take here." in reply:  # answered, and the game did not change
             invalid += 1
             continue
+        observation = reply
         if "you won" in observation or "you lost" in observation:
             break
     reward = env.get_reward()

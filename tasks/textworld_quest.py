@@ -31,6 +31,11 @@ Rewards, hand-checkable. L0 is the length of the shortest winning sequence at th
                                     these settings generate have no such action: none in 600 seeds checked)
         INVALID_REWARD = 0.0        a command that is not a valid action here, or any call after the game ended:
                                     the game does not change, and the call's consequence is the turn it spent.
+                                    An invalid command is answered, as text games answer one ("'dance' is not
+                                    an action you can take here. Nothing happens. Choose one of: ..."), so the
+                                    call runs (tool_ok): SmolLM2-135M's first act calls were nearly all
+                                    invalid commands, and as errors they left the call format itself with no
+                                    credit. A call after the game ended is an error: the tool is done.
                                     Not below zero: a call the trainer cannot parse, or to a tool that does not
                                     exist, never reaches the environment and earns its turn 0, and a small model
                                     makes those most (SmolLM2-135M called "action" in its first episodes). A
@@ -110,10 +115,10 @@ class TextWorldQuest:
             self.step_rewards.append(INVALID_REWARD)
             raise ValueError(f"The game is over: you {self._outcome}. Do not call act again; give your answer.")
         command, action = self._valid_actions().get(_normalize(command), (command, None))
-        if action is None:
+        if action is None:  # the game's answer, not a failed call: the act call itself was well formed
             self.step_rewards.append(INVALID_REWARD)
-            raise ValueError(f"{command!r} is not an action you can take here. Choose one of: "
-                             f"{', '.join(self._listed_commands())}.")
+            return (f"{command!r} is not an action you can take here. Nothing happens. Choose one of: "
+                    f"{', '.join(self._listed_commands())}.")
         self._progress.update(action)
         return f"Done: {command}.\n" + self._score_step()  # the command as the game writes it
 

@@ -82,11 +82,12 @@ def test_partial_reward_is_clipped_at_zero(env):
     assert env.step_rewards == [pytest.approx(-1 / 3)] and env.get_reward() == 0.0  # L = 4 > L0 = 3
 
 
-def test_invalid_command_raises_names_the_choices_and_spends_a_call(env):
-    with pytest.raises(ValueError, match=r"'dance' is not an action you can take here\. Choose one of: drop "):
-        env.act("dance")
-    with pytest.raises(ValueError, match="not an action"):
-        env.act("take shadfly from Henderson's box")  # valid later, not while the box is closed
+def test_invalid_command_is_answered_names_the_choices_and_spends_a_call(env):
+    """Answered, not raised: the call runs (the trainer counts it as tool_ok), the game does not change."""
+    assert env.act("dance").startswith("'dance' is not an action you can take here. Nothing happens. Choose one "
+                                       "of: drop ")
+    # valid later, not while the box is closed
+    assert "not an action" in env.act("take shadfly from Henderson's box")
     assert env.step_rewards == [INVALID_REWARD, INVALID_REWARD] == [0.0, 0.0]  # one value per call, as promised
     assert env.get_reward() == 0.0
     env.act("open Henderson's box")  # the game did not change: the first action still comes first
@@ -138,8 +139,7 @@ def test_losing_move_ends_the_game():
 
 def test_reset_starts_over(env):
     env.act("open Henderson's box")
-    with pytest.raises(ValueError):
-        env.act("dance")
+    env.act("dance")
     assert len(env.step_rewards) == 2
     assert env.reset(seed=0) == SEED_0_START
     assert env.step_rewards == [] and env.get_reward() == 0.0
