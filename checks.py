@@ -77,6 +77,9 @@ def check_script_args(args) -> None:
     for name in ("tool_timeout", "vllm_request_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(args, name)}.")
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 1:
+        raise ValueError(f"`max_tokens_per_microbatch` must be at least 1, or null (one packed forward per "
+                         f"micro-batch); got {args.max_tokens_per_microbatch}.")
     if args.async_rollout and args.max_staleness != 1:
         raise ValueError(f"`max_staleness` is {args.max_staleness}; only 1 is supported: the weights are "
                          "synced between generation batches and never during a request, so one batch "
@@ -178,6 +181,12 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
         raise ValueError("`loss_type: vespo` folds token-level importance weights into its own sequence weight: "
                          "set `vllm_importance_sampling_mode` to token_truncate or token_mask (or turn "
                          "`vllm_importance_sampling_correction` off).")
+    if script_args.padding_free and args.steps_per_generation > 1:
+        logger.warning("padding_free shares a prompt only within a micro-batch, and TRL shuffles the generation "
+                       "batch's rows across its %d micro-batches: set `gradient_accumulation_steps: 1` and "
+                       "`per_device_train_batch_size` to the generation batch (%d), and bound memory with "
+                       "`max_tokens_per_microbatch`.", args.steps_per_generation,
+                       args.per_device_train_batch_size * args.steps_per_generation)
     if script_args.max_tool_response_tokens >= args.max_completion_length:
         raise ValueError(
             f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "

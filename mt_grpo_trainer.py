@@ -72,6 +72,7 @@ from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_pr
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
+from packing import PackedForward
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
@@ -147,6 +148,10 @@ class MTGRPOScriptArguments:
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
+    padding_free: bool = arg(False, "Forward each micro-batch as shared-prefix tries (packing.py): a group's prompt "
+                             "and common turns once, no padding; exact, and faster with whole groups per micro-batch.")
+    max_tokens_per_microbatch: int | None = arg(None, "padding_free: unique tokens per packed forward, at most; "
+                                                "more episodes start another (None: one per micro-batch).")
     lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
                          "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).")
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
@@ -1390,7 +1395,7 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
-class MTGRPOEnvTrainer(TrainerReports, TrainerEvaluation, GRPOTrainer):
+class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
     recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
     (`evaluate`, `run_evaluation`) by TrainerEvaluation (evaluation.py) from `_eval_episodes` and `_score`."""

@@ -172,10 +172,74 @@ def raw_train_step(model, batch, phases: Phases) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def train_on(trainer, batch, padding_free: bool, rows: int, optimizer, phases: Phases, name: str) -> float:
+    """The non-rollout work of a step on `batch`, as the trainer does it: the old / reference logprobs (when the
+    recipe needs them), the loss's forward and backward per micro-batch of `rows` rows, AdamW. Returns the loss."""
+    trainer.script_args.padding_free = padding_free
+    B = len(batch["completion_ids"])
+    micro = [list(range(i, min(i + rows, B))) for i in range(0, B, rows)]
+    trainer.current_gradient_accumulation_steps = len(micro)
+    trainer.model.train()
+
+    def step():
+        b = dict(batch)
+        trainer._add_old_and_ref_logps(b)
+        total = 0.0
+        for r in micro:
+            loss = trainer.compute_loss(trainer.model, {k: v[r] if isinstance(v, torch.Tensor) and v.ndim else v
+                                                        for k, v in b.items()})
+            trainer.accelerator.backward(loss)
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return phases.wrap(name, step)()
+
+
+def compare_packing(trainer, batch, phases: Phases, scoring: float, budget: int | None) -> None:
+    """Padded against packed on the last step's batch, side by side: the recipe's padded micro-batches (and the
+    whole batch padded at once), then the whole batch packed (padding_free, its token budget)."""
+    from packing import plan_rows
+
+    B, T = batch["completion_ids"].shape
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    tries = plan_rows(ids.cpu(), attention.cpu(), T, budget)[0]
+    real, unique = int(attention.sum()), sum(len(t.tokens) for t in tries)
+    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-7)
+    rows = trainer.args.per_device_train_batch_size
+    arms = [("packed", True, B), (f"padded, {rows} row(s) per micro-batch", False, rows)]
+    if rows != B:
+        arms.append((f"padded, {B} rows at once", False, B))
+    seconds, peaks, losses = {}, {}, {}
+    for repeat in range(2):  # the first pays for warm-up; keep the second's time, the first's memory
+        for name, padding_free, r in arms:
+            phases.seconds.pop(name, None)
+            start = phases.rss()
+            losses[name] = train_on(trainer, batch, padding_free, r, optimizer, phases, name)
+            seconds[name] = phases.seconds[name] + scoring
+            if repeat == 0:
+                peaks[name] = (phases.peak[name] - start) / GiB if not phases.cuda else phases.peak[name] / GiB
+    padded_name = min((a[0] for a in arms[1:]), key=seconds.get)
+    rows_ = [[name, seconds[name], f"{peaks[name]:.2f}", f"{losses[name]:.6f}", seconds[name] / seconds[padded_name]]
+             for name, _, _ in arms]
+    what = "GPU GiB allocated" if phases.cuda else "GiB of RSS above its start"
+    print_table(f"Non-rollout part of a step on the last batch (logprobs, forward + backward, AdamW, and the run's "
+                f"scoring + logging, {scoring:.2f} s), padded against packed", ["layout", "s", f"peak ({what})",
+                "loss", f"/ {padded_name}"], rows_)
+    print(f"packing: {B} rows x {ids.shape[1]} padded tokens = {ids.numel()}; {real} real, {unique} forwarded in "
+          f"{len(tries)} tries (budget {budget}): packing ratio {real / unique:.2f} (raw / unique tokens), "
+          f"{ids.numel() / unique:.2f} padded / unique")
+    print(f"packed/padded non-rollout: {seconds['packed'] / seconds[padded_name]:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=RECIPE)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps; the first is left out of the means")
+    ap.add_argument("--no-compare-packing", dest="compare_packing", action="store_false",
+                    help="skip the padded-against-packed comparison on the last batch")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -205,7 +269,6 @@ def main():
         for k in ("limit: forward + backward", "limit: optimizer"):
             phases.seconds.pop(k, None)
         raw_train_step(model, batch, phases)
-    phases.stop = True
 
     rollout, generate, tools = mean("rollout"), mean("rollout: generate"), mean("rollout: tools")
     fwd_bwd, opt = mean("forward") + mean("backward"), mean("optimizer")
@@ -238,6 +301,10 @@ def main():
     print(f"whole run: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.2f} GiB"
           + (f", peak GPU memory {torch.cuda.max_memory_reserved() / GiB:.2f} GiB reserved"
              if torch.cuda.is_available() else ""))
+    if args.compare_packing:
+        compare_packing(trainer, batch, phases, mean("scoring + logging"),
+                        trainer.script_args.max_tokens_per_microbatch)
+    phases.stop = True
     mt.end_processes(trainer)
 
 

@@ -1,0 +1,173 @@
+"""Shared-prefix packed forwards: each token of a batch forwarded once, however many episodes share it.
+
+A GRPO group is `num_generations` episodes of one prompt, so a padded batch recomputes the prompt (system prompt,
+tool schemas, few-shot turns) once per episode and pads every episode to the longest. Here the rows a forward is
+given are folded into prefix tries by TRL's `TreeRow` (trl/experimental/async_grpo/packing.py, the packer of TRL's
+AsyncGRPO): a token shared by several episodes, in the same place after the same tokens, is one position of the
+packed row. Each trie is laid out as one row of unique tokens, with
+
+  - `position_ids`: each token's position in its episode (its depth in the trie), so RoPE sees what it saw;
+  - an attention mask in which each token sees exactly the tokens of its own episode before it (its trie path),
+    and nothing of the episodes that forked from it;
+  - `shift_labels`: the next token at each position that predicts a scored one. TreeRow forks a trie one token
+    before episodes diverge, so each position has one next token, and the scored log-probs of every episode are
+    read off the packed row (`token_index`) and put back in the padded (B, T) layout the loss takes.
+
+The model scores the row through TRL's fused LM head (`fused_lm_head=True`, which GRPOTrainer adds to the policy and
+the reference model): only the labelled positions go through the LM head, in tiles. So the log-probs, the
+entropies, and everything TRL's loss makes of them (ratios, clipping, KL, the importance weights) are those of the
+padded path, up to float summation order. Tests: tests/test_packing.py.
+
+Attention: SDPA (or eager) with a dense boolean (1, 1, N, N) mask of the trie, on every device. TRL's AsyncGRPO
+runs the same layout through a varlen FlashAttention-3 kernel (`tree_attention`) that it downloads from the Hub;
+that needs a Hopper GPU and the Hub, so it is not used here. The mask costs N^2 bits: 0.6 MB at N = 2,300 (a study
+group), 32 MB at N = 16k.
+
+Token budget: a trie takes episodes while its unique tokens stay within `budget` (TreeRow.fits); an episode that
+does not fit starts a new trie, and each trie is forwarded on its own. With activation checkpointing the autograd
+graph keeps only each layer's input per token, so the budget bounds what a forward holds at its peak (one layer's
+attention and MLP over at most `budget` tokens), not the batch's row count times its longest episode.
+"""
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
+
+@dataclass
+class PackedRow:
+    """One trie laid out as one row of N unique tokens, and where its M scored log-probs go in the (B, T) layout."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    shift_labels: torch.Tensor  # (1, N): the next token of each position that predicts a scored one, else -100
+    attention_mask: torch.Tensor  # (1, 1, N, N) bool: True where a query token (row) sees a key token (column)
+    token_index: torch.Tensor  # (M,): the packed position whose prediction is each scored token
+    rows: torch.Tensor  # (M,): the batch row of each scored token
+    cols: torch.Tensor  # (M,): its completion column
+
+
+def episode_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
+    """Each row's real tokens (the left-padded prompt and the right-padded completion without their padding) and
+    the completion columns whose log-probs the padded path gives: every attended completion position."""
+    prompt_len = input_ids.shape[1] - logits_to_keep
+    for ids, att in zip(input_ids.tolist(), attention_mask.tolist()):
+        prompt = [t for t, a in zip(ids[:prompt_len], att[:prompt_len]) if a]
+        cols = [c for c, a in enumerate(att[prompt_len:]) if a]
+        yield prompt + [ids[prompt_len + c] for c in cols], len(prompt), cols
+
+
+def plan_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              budget: int | None) -> tuple[list[TreeRow], list[list[int]]]:
+    """Fold the batch's episodes into tries of at most `budget` unique tokens (None: one trie). An episode goes to
+    the open trie that shares most of it, else starts one. Returns the tries and, per trie, each episode's
+    (batch row, [its scored completion columns])."""
+    tries, placed = [], []
+    for row, (tokens, prompt_len, cols) in enumerate(episode_tokens(input_ids, attention_mask, logits_to_keep)):
+        scored = torch.zeros(len(tokens), dtype=torch.long)
+        scored[[prompt_len + c for c in cols]] = 1
+        sample = {"input_ids": torch.tensor(tokens), "completion_mask": scored, "group_id": row,
+                  "old_log_probs": torch.zeros(len(tokens)), "advantage": 0.0}
+        if budget is not None and len(tokens) > budget:
+            raise ValueError(f"An episode of {len(tokens)} tokens does not fit `max_tokens_per_microbatch: {budget}`"
+                             ". Raise it to at least max_prompt_length + max_completion_length, or leave it unset "
+                             "(null) to pack each micro-batch whole.")
+        fitting = [i for i, t in enumerate(tries) if budget is None or t.fits(sample, budget)]
+        if fitting:
+            i = max(fitting, key=lambda i: (shared_prefix(tries[i], tokens), -i))
+        else:
+            tries.append(TreeRow())
+            placed.append([])
+            i = len(tries) - 1
+        tries[i].add(sample)
+        placed[i].append((row, cols))
+    return tries, placed
+
+
+def shared_prefix(trie: TreeRow, tokens: list[int]) -> int:
+    """How many leading tokens of `tokens` the trie already holds (the tokens a new episode would not add)."""
+    children, shared = trie.roots, 0
+    for key in zip(tokens, [*tokens[1:], None]):
+        if key not in children:
+            break
+        children, shared = trie.children[children[key]], shared + 1
+    return shared
+
+
+def layout(trie: TreeRow, placed: list[tuple[int, list[int]]], device) -> PackedRow:
+    """TreeRow's pre-order layout of the trie, its attention mask, and each scored token's (row, column)."""
+    p = trie.pack()
+    n = len(p["input_ids"])
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    cu_q, cu_k, kv = p["tree_cu_seqlens_q"].tolist(), p["tree_cu_seqlens_k"].tolist(), p["tree_kv_index"]
+    for s in range(len(cu_q) - 1):  # a segment sees its ancestors' tokens, and its own ones causally
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        mask[q0:q1, kv[k0:k1 - (q1 - q0)]] = True
+        mask[q0:q1, q0:q1] = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
+    # TreeRow.pack lists the scored tokens episode by episode, each in order: the same order as `placed`
+    rows = [row for row, cols in placed for _ in cols]
+    cols = [c for _, cs in placed for c in cs]
+    return PackedRow(input_ids=p["input_ids"][None].to(device), position_ids=p["position_ids"][None].to(device),
+                     shift_labels=p["shift_labels"][None].to(device), attention_mask=mask[None, None].to(device),
+                     token_index=p["token_index"].to(device), rows=torch.tensor(rows, device=device),
+                     cols=torch.tensor(cols, device=device))
+
+
+def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               budget: int | None = None, compute_entropy: bool = False, autocast=None):
+    """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
+    (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
+    (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
+    B, T = input_ids.shape[0], logits_to_keep
+    tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget)
+    logps = torch.zeros(B, T, device=input_ids.device)
+    entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
+    forwarded = 0
+    for trie, episodes in zip(tries, placed):
+        row = layout(trie, episodes, input_ids.device)
+        forwarded += row.input_ids.shape[1]
+        with autocast() if autocast is not None else nullcontext():
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                        shift_labels=row.shift_labels, fused_lm_head=True)
+        # index_put, not in-place assignment on a leaf: the gradient flows back through the packed positions
+        logps = logps.index_put((row.rows, row.cols), out.log_probs[0, row.token_index].float())
+        if compute_entropy:
+            entropies = entropies.index_put((row.rows, row.cols), out.entropy[0, row.token_index].float())
+    raw = int(attention_mask.sum())
+    return logps, entropies, (raw, forwarded)
+
+
+PACKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a ready 4D mask as it is
+
+
+def check_attention(model) -> None:
+    """The packed row's attention mask is a dense 4D mask; flash-attention kernels take none."""
+    found = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if found is not None and found not in PACKED_ATTENTION:
+        raise ValueError(f"`padding_free: true` needs an attention implementation that takes a 4D mask "
+                         f"({' or '.join(PACKED_ATTENTION)}); the model runs {found!r}. Set "
+                         "`attn_implementation: sdpa`, or `padding_free: false`.")
+
+
+class PackedForward:
+    """A GRPOTrainer mixin: with `padding_free`, every forward that scores completions (the loss's, the old and the
+    reference log-probs) runs on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        if not self.script_args.padding_free or compute_aux_loss or any(v is not None for v in extra.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        check_attention(model)
+        logps, entropies, (raw, forwarded) = packed_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, self.script_args.max_tokens_per_microbatch,
+            compute_entropy, self.accelerator.autocast)
+        if torch.is_grad_enabled():  # once per trained micro-batch, not for the old / reference log-probs
+            self._metrics["train" if model.training else "eval"]["packing/ratio"].append(raw / max(forwarded, 1))
+        return logps, entropies, None
