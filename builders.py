@@ -57,7 +57,7 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
             for f in (sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs)]
     outcome = [get_reward_func(f) if isinstance(f, str) else f
                for f in (sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs)]
-    needs_answer = any("answer" in required_columns(fn) for fn in turn + outcome)
+    needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
     train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
         sa.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
@@ -94,7 +94,7 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     )
 
 
-def _task(data, sa, needs_answer: bool, name: str) -> Task | None:
+def _task(data, sa, needs_answer: list[str], name: str) -> Task | None:
     """A Task from what the caller passed: a Task as is, a datasets.Dataset validated, None for the train set: the
     config's `dataset_name`."""
     if isinstance(data, Task):
@@ -112,7 +112,7 @@ def _task(data, sa, needs_answer: bool, name: str) -> Task | None:
     return task
 
 
-def load_recipe_task(sa, answer_required: bool = True, held_out: bool = False) -> Task:
+def load_recipe_task(sa, answer_required: bool | list[str] = True, held_out: bool = False) -> Task:
     """The recipe's training task (`dataset_name` and the fields beside it), or its held-out one (`eval_*`)."""
     if held_out:
         task = load_eval_task(sa, answer_required=answer_required)

@@ -82,7 +82,7 @@ class Task:
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
               corpus_path: str | None = None, seed: int = 0, multi_hop: float = 0.0, *,
               dataset_config: str | None = None, columns: dict[str, str] | None = None,
-              answer_required: bool = True) -> Task:
+              answer_required: bool | list[str] = True) -> Task:
     """The task named by the recipe's `dataset_name` (see the module docstring). `max_samples` keeps
     the first that many valid rows; `corpus_path` (.jsonl of {title, text}) replaces the task's
     corpus; `seed` picks the fictional knowledge base and its test split; `multi_hop` is the
@@ -133,7 +133,7 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
 HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation", "textworld_quest": "test"}
 
 
-def load_eval_task(script_args, answer_required: bool = True) -> Task:
+def load_eval_task(script_args, answer_required: bool | list[str] = True) -> Task:
     """The eval task of a recipe (MTGRPOScriptArguments `script_args`): `eval_dataset_name` (default: the
     training dataset) at `eval_dataset_split` (default: the task's held-out split), read with the recipe's
     columns (and its `dataset_config`, for the training dataset). It must not be the training split of the
@@ -284,8 +284,9 @@ def load_hub_dataset(name: str, config: str | None, split: str, label: str | Non
 # ------------------------------------------------------------------------------------------------
 # Validating the rows
 # ------------------------------------------------------------------------------------------------
-def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None = None, answer_required: bool = True,
-                     source: str = "train_dataset", max_samples: int | None = None) -> Task:
+def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None = None,
+                     answer_required: bool | list[str] = True, source: str = "train_dataset",
+                     max_samples: int | None = None) -> Task:
     """A Task of the valid rows of `dataset` (the module docstring's columns and rules): `columns` maps
     question / answer / prompt to the dataset's columns (missing: the same name); `max_samples` keeps the first
     that many valid rows; `source` names the dataset in errors."""
@@ -325,7 +326,7 @@ def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None =
     return Task(dataset=dataset, corpus=None, num_skipped=num_skipped, skipped=reasons)
 
 
-def _resolve_columns(names: list[str], columns: dict[str, str], answer_required: bool, source: str) -> dict:
+def _resolve_columns(names: list[str], columns: dict[str, str], answer_required: bool | list[str], source: str) -> dict:
     """role -> the dataset's column holding it, or None when the dataset has none (and may lack it)."""
     unknown = sorted(set(columns) - set(ROLES))
     if unknown:
@@ -341,10 +342,13 @@ def _resolve_columns(names: list[str], columns: dict[str, str], answer_required:
     missing = [role for role in ("question", "answer") if roles[role] is None
                and (roles["prompt"] is None if role == "question" else answer_required)]
     if missing:
+        # answer_required may name the rewards that read the answer: say which, so the fix is clear
+        needing = (f" ({', '.join(answer_required)} read it: give the column, or take them out of the recipe's "
+                   "reward functions)") if "answer" in missing and isinstance(answer_required, list) else ""
         raise ValueError(f"{source!r} has no {' and no '.join(repr(c) for c in missing)} column; its columns are "
                          f"{names}. Each row needs a question (a `question` or a TRL `prompt` column) and, for the "
-                         "rewards that compare answers, an `answer` (a string or a list of accepted aliases); "
-                         "`question_column` / `answer_column` / `prompt_column` name the dataset's own columns.")
+                         f"rewards that compare answers, an `answer` (a string or a list of accepted aliases){needing}"
+                         "; `question_column` / `answer_column` / `prompt_column` name the dataset's own columns.")
     return roles
 
 

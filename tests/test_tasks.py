@@ -467,6 +467,9 @@ def test_a_dataset_without_an_answer_column_has_none_unless_one_is_required(tmp_
         {"question": "Write a haiku about tools.", "prompt": "Write a haiku about tools."}]
     with pytest.raises(ValueError, match=re.escape("has no 'answer' column; its columns are ['prompt']")):
         load_task(path)
+    with pytest.raises(ValueError, match=re.escape("(exact_match_reward_func read it: give the column, or take "
+                                                   "them out of the recipe's reward functions)")):
+        load_task(path, answer_required=["exact_match_reward_func"])  # the trainer names the rewards that read it
 
 
 def test_validate_dataset_checks_a_dataset_built_in_python():
