@@ -80,6 +80,31 @@ def test_an_episode_longer_than_the_budget_is_refused_with_the_fix(tiny_model_di
     assert "`max_tokens_per_microbatch: 20`" in str(info.value) and "24 tokens" in str(info.value)
 
 
+def test_an_attention_that_takes_no_4d_mask_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from packing import check_attention
+
+    check_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa")))
+    with pytest.raises(ValueError) as info:
+        check_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2")))
+    assert "'flash_attention_2'" in str(info.value) and "`attn_implementation: sdpa`" in str(info.value)
+
+
+def test_micro_batches_that_split_groups_are_warned_about(tiny_agent_dir, tmp_path, caplog):
+    """TRL shuffles a generation batch's rows over its micro-batches: with several, groups share less."""
+    import logging
+
+    from mt_grpo_trainer import build_trainer, end_processes
+
+    with caplog.at_level(logging.WARNING, logger="mt_grpo"):
+        trainer = build_trainer(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir",
+                                 str(tmp_path), "--padding_free", "true", "--per_device_train_batch_size", "4",
+                                 "--gradient_accumulation_steps", "2"])
+    end_processes(trainer)
+    assert "across its 2 micro-batches" in caplog.text and "`gradient_accumulation_steps: 1`" in caplog.text
+
+
 @pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="models/SmolLM2-135M-Instruct not prepared")
 def test_packed_equals_padded_on_smollm2():
     """The real model (30 layers, GQA, tied embeddings), 8 episodes of one 300-token prompt, as a study group."""

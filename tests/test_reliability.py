@@ -51,6 +51,7 @@ CASES = [
      "`dynamic_sampling_max_rounds` must be at least 1"),
     ("", ["--dynamic_sampling", "true", "--async_rollout", "true"], ValueError, "`dynamic_sampling` with `async_rollout`"),
     ("", ["--max_train_minutes", "0"], ValueError, "`max_train_minutes` must be > 0 (or unset for no limit), got 0.0"),
+    ("", ["--max_tokens_per_microbatch", "0"], ValueError, "`max_tokens_per_microbatch` must be at least 1, or null"),
     ("", ["--rollout_scheduler", "per_episode"], ValueError, "`rollout_scheduler: per_episode` needs a server"),
     ("", ["--tool_format", "json"], ValueError, "`tool_format` is 'json'; choose one of"),
     ("", ["--metric_for_best_model", "reward"], ValueError, "`metric_for_best_model` is 'reward', which evaluation does not log"),
