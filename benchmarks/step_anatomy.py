@@ -115,7 +115,7 @@ def instrument(trainer, phases: Phases) -> dict:
         return samples
 
     backend.generate = phases.wrap("rollout: generate", recording_generate)
-    mt.run_tool_calls = phases.wrap("rollout: tools", mt.run_tool_calls)
+    mt.run_turns = phases.wrap("rollout: tools", mt.run_turns)
     env.rollout = phases.wrap("rollout", env.rollout)
     trainer._tensors = phases.wrap("old / ref logprobs", trainer._tensors)
     for name in ("_score", "_advantages", "_correct_for_sampler", "_log", "_record_rollout"):
