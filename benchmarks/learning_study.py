@@ -10,9 +10,9 @@ knowledge base's held-out test split before the first step and every `eval_steps
 
 Flags after `--` go to every run (any recipe field). `--recipe` studies another task, e.g. the TextWorld game
 (hf_recipes/SmolLM2-135M-Instruct/textworld_quest.yaml) with `--metrics eval/won ...`; its per_turn mode keeps the
-recipe's turn rewards (the knowledge base's per-turn functions are for study.yaml). Runs go to outputs/study/<mode>-s<seed>/ and
-run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB, so two fit on a
-24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
+recipe's turn rewards (the knowledge base's per-turn functions are for study.yaml). Runs go to
+outputs/study/<mode>-s<seed>/ and run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB,
+so two fit on a 24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
 A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
 stopped by --deadline resumes from the checkpoint it saved. `--budget MIN` gives every run the same wall
 time (time to accuracy, issue 22) through the trainer's `max_train_minutes`: a run evaluates at the step
@@ -20,8 +20,21 @@ that passes it, saves and stops, and is then done, not resumed. Writes OUT.csv (
 run and evaluation, with the minutes the run had trained by then), OUT.png (eval exact match, tool
 success, first-search hit and tool calls per episode against step, and exact match and first-search hit
 against minutes of training: a line per mode, the mean over seeds, with a band from the lowest to the
-highest seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv` then prints, evaluation by evaluation, how far this
-study lands from the committed one (the reproducibility check).
+highest seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv`
+then prints, evaluation by evaluation, how far this study lands from the committed one (the reproducibility check).
+
+Intervals (issue 41): for each mode and evaluation, the mean of the first `--metrics` (eval exact match) over
+seeds with a 95% interval from a two-level bootstrap (seeds drawn with replacement, then each drawn seed's
+questions; `--bootstrap` draws from a fixed generator seed, so a rerun prints the same bounds), and the paired
+differences mt_grpo - merged, mt_grpo - outcome_only and per_turn - mt_grpo (those whose modes both ran; same
+seed, same question: a question that only one mode evaluated is dropped and counted), each with its interval and
+whether it includes 0. Printed last, and written to OUT_intervals.csv (INTERVAL_COLUMNS). The per-question
+results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the study asks
+the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the stripped runs in
+docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only` trains nothing: it
+reads the runs already in --runs, prints the tables and writes OUT_intervals.csv only:
+
+    .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
 """
 
 import argparse
@@ -29,12 +42,16 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Callable
+
+import numpy as np
+import yaml
 
 from common import ROOT, print_table
 
@@ -87,7 +104,7 @@ def command(mode: str, seed: int, path: str, flags: list[str], recipe: str = REC
     """The trainer command of one run; a run stopped early resumes from its last checkpoint."""
     mode_flags = MODE_FLAGS[mode] if recipe == RECIPE else []
     return [sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", recipe, "--advantage_mode", mode,
-            "--seed", str(seed), "--output_dir", path, *mode_flags, *flags,
+            "--seed", str(seed), "--output_dir", path, *mode_flags, *record_flags(recipe), *flags,
             *(["--resume_from_checkpoint", "last"] if stopped_early(path) else [])]
 
 
@@ -154,38 +171,52 @@ def collect(jobs: list[tuple[str, int, str]], metrics: list[str] = METRICS) -> l
     return rows
 
 
-def write_csv(rows: list[dict], path: str, metrics: list[str] = METRICS) -> None:
+def write_csv(rows: list[dict], path: str, metrics: list[str] = METRICS,
+              columns: list[str] | None = None) -> None:
+    """OUT.csv (`columns` None: the run, the evaluation and `metrics`), or OUT_intervals.csv (INTERVAL_COLUMNS)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "seed", "step", "minutes", *metrics])
+        writer = csv.DictWriter(f, fieldnames=columns or ["mode", "seed", "step", "minutes", *metrics])
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
+def evaluation_points(runs: list[dict[int, set[int]]]) -> list[tuple[str, list[dict[int, int]]]]:
+    """Where runs meet, for one mode (one dict) or a pair of modes (two), each dict {seed: steps it evaluated},
+    over the seeds that all of them ran: each step that every run evaluated, then, when any run stopped elsewhere
+    (a time budget stops each where its own steps run out), one point for where they stopped: each run's last
+    evaluation. A mean over only the runs that reached a step would show one seed's value as the mode's.
+    Returns (label, [{seed: step} per dict]); the label is the step, or "last: 26/27" (the seeds' steps, with
+    " vs " between the modes')."""
+    seeds = sorted(set.intersection(*(set(run) for run in runs))) if runs else []
+    if not seeds:
+        return []
+    shared = sorted(set.intersection(*(run[seed] for run in runs for seed in seeds)))
+    points = [(str(step), [dict.fromkeys(seeds, step) for _ in runs]) for step in shared]
+    lasts = [{seed: max(run[seed]) for seed in seeds} for run in runs]
+    if not shared or any(step != shared[-1] for last in lasts for step in last.values()):
+        label = " vs ".join("/".join(str(last[seed]) for seed in seeds) for last in lasts)
+        points.append((f"last: {label}", lasts))
+    return points
+
+
 def curve(rows: list[dict], mode: str, metric: str) -> list[tuple[float, float, list[float]]]:
-    """A mode's points for one metric, as (step, minutes, values over seeds): each step that every seed
-    evaluated, then, when the seeds stopped at different steps (a time budget stops each where its own
-    steps run out), one point for where they stopped: each seed's last evaluation, at the mean of their
-    steps and of their minutes. A mean over only the seeds that reached a step would show one seed's
-    value as the mode's. Minutes are the mean over seeds (NaN for runs from before the time axis);
-    NaN values (no tool call, so no success rate) are left out, and a point with none is dropped."""
+    """A mode's points for one metric (evaluation_points), as (step, minutes, values over seeds); the step and
+    minutes of a point where the seeds stopped at different steps are the mean over seeds. Minutes are NaN for
+    runs from before the time axis; NaN values (no tool call, so no success rate) are left out, and a point with
+    none is dropped."""
     runs: dict[int, dict[int, dict]] = {}
     for row in rows:
         if row["mode"] == mode:
             runs.setdefault(row["seed"], {})[row["step"]] = row
-    if not runs:
-        return []
-    shared = sorted(set.intersection(*(set(run) for run in runs.values())))
-    groups = [(float(step), [run[step] for run in runs.values()]) for step in shared]
-    lasts = [run[max(run)] for run in runs.values()]
-    if not shared or any(row["step"] != shared[-1] for row in lasts):
-        groups.append((sum(row["step"] for row in lasts) / len(lasts), lasts))
     points = []
-    for step, group in groups:
+    for _, (point,) in evaluation_points([{seed: set(run) for seed, run in runs.items()}] if runs else []):
+        group = [runs[seed][step] for seed, step in point.items()]
         minutes = [row["minutes"] for row in group if not math.isnan(row["minutes"])]
         values = [row[metric] for row in group if not math.isnan(row[metric])]
         if values:
-            points.append((step, sum(minutes) / len(minutes) if minutes else math.nan, values))
+            points.append((sum(point.values()) / len(point), sum(minutes) / len(minutes) if minutes else math.nan,
+                           values))
     return points
 
 
@@ -275,6 +306,159 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
     return len(rows) - len(pairs), table
 
 
+# ------------------------------------------------------------------------------------------------
+# Intervals (issue 41): how sure is a mode's mean, and a difference between modes, at each evaluation
+# ------------------------------------------------------------------------------------------------
+BOOTSTRAP_SEED = 0  # every interval draws from its own generator with this seed: a rerun prints the same table
+# the differences the study is about, each taken where both modes ran
+DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo")]
+INTERVAL_COLUMNS = ["kind", "name", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
+                    "mean", "low", "high", "verdict"]
+RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl$")  # the trainer's evaluation records (evaluation.py)
+
+
+def record_flags(recipe: str) -> list[str]:
+    """Makes the trainer record each evaluation's episodes, the per-question results the intervals need:
+    `save_rollouts_steps N` records every evaluation and every N-th training rollout, so a recipe's own N is
+    kept, and otherwise N is past any run's rollouts (only the first is recorded, a few hundred KiB)."""
+    with open(recipe) as f:
+        return [] if (yaml.safe_load(f) or {}).get("save_rollouts_steps") else ["--save_rollouts_steps", "1000000"]
+
+
+def episode_value(record: dict, metric: str) -> float | None:
+    """One recorded evaluation episode's value of `metric`, the one the trainer's eval_metrics averages over
+    episodes. A task metric (tasks.QA_EVAL_METRICS: eval/<name> is the share of episodes where its reward
+    function is > 0) is read from the episode's rewards, so only when that function is one of the run's reward
+    functions. None when the record does not hold it, or the metric is no mean over episodes (tool_success_rate:
+    failed calls over calls)."""
+    from tasks import QA_EVAL_METRICS
+
+    name = metric.removeprefix("eval/")
+    if name == "answered_ratio":
+        return float(record["stop_reason"] == "answer")
+    if name == "tool_calls_per_episode":
+        return float(len(record["tool_calls"]))
+    function = QA_EVAL_METRICS.get(name)
+    rewards = {**record["rewards"].get("turn", {}), **record["rewards"].get("outcome", {})}
+    if function not in rewards:
+        return None
+    return float((rewards[function] or 0.0) > 0)  # None is "not applicable" (reporting._number): not a hit
+
+
+def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
+    """{step: {question: value of `metric`}} from the evaluations a run recorded (rollouts/eval-step-NNNNNN.jsonl,
+    one record per episode; record_flags). A question is its row in the eval set (`group`), the same in every
+    run of a study; its value is the mean over its episodes (k of them with num_generations_eval). Empty when
+    the run recorded no evaluation, or its records do not hold the metric (episode_value)."""
+    folder, results = os.path.join(path, "rollouts"), {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if (match := RECORDED_EVAL.match(name)) is None:
+            continue
+        episodes: dict[int, list[float]] = {}
+        with open(os.path.join(folder, name)) as f:
+            for line in filter(str.strip, f):
+                record = json.loads(line)
+                if (value := episode_value(record, metric)) is None:
+                    return {}
+                episodes.setdefault(record["group"], []).append(value)
+        results[int(match.group(1))] = {q: sum(v) / len(v) for q, v in episodes.items()}
+    return results
+
+
+def two_level_bootstrap(groups: list[np.ndarray], n: int, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """(n,) resampled means of per-seed values (groups: one array per seed, a value per question): draw as many
+    seeds as there are, with replacement, then each drawn seed's questions with replacement; the mean over a
+    seed's questions, then over the drawn seeds, as the point estimate weighs them. Both levels vary between
+    reruns: the seed (training noise) and the questions (which 32 the test split happens to hold). A seed with
+    one value (its logged mean, when there are no per-question results) is resampled over seeds only."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(groups), size=(n, len(groups)))  # (n, S): the seed each draw's slot takes
+    means = np.empty(picks.shape)
+    for s, values in enumerate(groups):
+        slots = picks == s
+        questions = rng.integers(0, len(values), size=(int(slots.sum()), len(values)))  # (slots, Q_s)
+        means[slots] = values[questions].mean(axis=1)
+    return means.mean(axis=1)
+
+
+def point_groups(modes: tuple[str, ...], point: list[dict[int, int]], logged: dict,
+                 results: dict) -> tuple[list[np.ndarray], str, int, str]:
+    """The per-seed values at one evaluation point of a mode (one mode) or of a difference (two: the first mode's
+    minus the second's, paired by seed and question; a question that only one of them evaluated is dropped).
+    Returns (groups, questions per seed, questions dropped, what the bootstrap resamples). Each seed's logged mean
+    stands for it (a bootstrap over seeds only) unless every run has per-question results at the point."""
+    sign = (1.0, -1.0)
+    seeds = list(point[0])
+    runs = {seed: [results.get((mode, seed), {}).get(at[seed]) for mode, at in zip(modes, point)] for seed in seeds}
+    if all(all(answers) for answers in runs.values()):
+        shared = {seed: sorted(set.intersection(*map(set, answers))) for seed, answers in runs.items()}
+        if all(shared.values()):
+            groups = [sum(s * np.array([answers[q] for q in shared[seed]]) for s, answers in zip(sign, runs[seed]))
+                      for seed in seeds]
+            dropped = sum(len(set.union(*map(set, runs[seed]))) - len(shared[seed]) for seed in seeds)
+            return groups, "/".join(str(len(shared[seed])) for seed in seeds), dropped, "seeds x questions"
+    groups = [np.array([sum(s * logged[(mode, seed, at[seed])] for s, mode, at in zip(sign, modes, point))])
+              for seed in seeds]
+    return groups, "", 0, "seeds only"
+
+
+def verdict(low: float, high: float, seeds_only: int = 0) -> str:
+    """Whether a difference's interval includes 0; `seeds_only`: the number of seeds it rests on alone (two seeds
+    that agree give an interval of one point, which excludes 0 without saying much)."""
+    if math.isnan(low):
+        return "no interval (one seed, no per-question results)"
+    said = "interval includes 0" if low <= 0 <= high else \
+        f"excludes 0 (lower bound {low:.3f})" if low > 0 else f"excludes 0 (upper bound {high:.3f})"
+    return f"{said}, over {seeds_only} seeds only" if seeds_only else said
+
+
+def intervals(rows: list[dict], results: dict[tuple[str, int], dict], metric: str, n: int = 2000,
+              seed: int = BOOTSTRAP_SEED) -> list[dict]:
+    """OUT_intervals.csv: the mean of `metric` over seeds with a 95% percentile interval (two_level_bootstrap,
+    `n` draws) for each mode at each evaluation point (evaluation_points), then for each difference in DIFFERENCES
+    whose modes both ran, over the seeds both ran. `rows` as `collect` makes them (the logged means);
+    `results`: {(mode, seed): question_results}. An interval from one seed's logged mean alone is NaN."""
+    logged = {(r["mode"], r["seed"], r["step"]): r[metric] for r in rows if not math.isnan(r.get(metric, math.nan))}
+    steps: dict[str, dict[int, set[int]]] = {}
+    for mode, run_seed, step in logged:
+        steps.setdefault(mode, {}).setdefault(run_seed, set()).add(step)
+    names = [(mode, (mode,)) for mode in steps] + [(f"{a} - {b}", (a, b)) for a, b in DIFFERENCES
+                                                   if a in steps and b in steps]
+    table = []
+    for name, modes in names:
+        for label, point in evaluation_points([steps[mode] for mode in modes]):
+            groups, questions, dropped, resampled = point_groups(modes, point, logged, results)
+            mean = float(np.mean([g.mean() for g in groups]))
+            low, high = (np.percentile(two_level_bootstrap(groups, n, seed), [2.5, 97.5])
+                         if len(groups) > 1 or resampled != "seeds only" else (math.nan, math.nan))
+            table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name, "metric": metric,
+                          "step": label, "seeds": "/".join(map(str, point[0])), "questions": questions,
+                          "dropped_questions": dropped, "bootstrap": resampled, "mean": mean, "low": float(low),
+                          "high": float(high), "verdict": "" if len(modes) == 1 else
+                          verdict(low, high, len(groups) if resampled == "seeds only" else 0)})
+    return table
+
+
+def print_intervals(table: list[dict], n: int) -> None:
+    cell = lambda r: f"{r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"  # noqa: E731
+    metric = table[0]["metric"] if table else ""
+    print_table(f"{metric}: mean over seeds with a 95% interval ({n} bootstrap draws over seeds, then over each "
+                "seed's questions; 'seeds only' where a run recorded no per-question results)",
+                ["mode", "step", "mean [95% interval]", "seeds", "questions per seed", "bootstrap"],
+                [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["bootstrap"]]
+                 for r in table if r["kind"] == "mode"])
+    print_table(f"{metric}: differences, paired by seed and question (a question only one mode evaluated is "
+                "dropped), with a 95% interval",
+                ["difference", "step", "mean [95% interval]", "seeds", "questions per seed", "dropped", "bootstrap",
+                 "verdict"],
+                [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
+                  r["bootstrap"], r["verdict"]] for r in table if r["kind"] == "difference"])
+    if any(r["bootstrap"] == "seeds only" for r in table):
+        print("seeds only: some runs recorded no per-question results (rollouts/eval-step-*.jsonl, written with "
+              "--save_rollouts_steps, which the study passes), or their records do not hold the metric; those "
+              "intervals are over seeds alone, so they leave out the questions' sampling noise")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["mt_grpo", "outcome_only", "merged"], choices=sorted(MODE_FLAGS))
@@ -294,33 +478,49 @@ def main():
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between run starts")
     ap.add_argument("--compare", metavar="CSV", help="an earlier study's CSV: print the differences, row by row")
     ap.add_argument("--include", metavar="CSV", help="an earlier study's CSV: its runs (mode and seed) that are not "
-                    "in this study are kept in OUT.csv, the plot and the table (to add a mode without rerunning the rest)")
+                    "in this study are kept in OUT.csv, the plot and the tables (to add a mode without rerunning the "
+                    "rest; their intervals are over seeds only)")
+    ap.add_argument("--report-only", action="store_true", help="train nothing: read the runs in --runs (finished or "
+                    "not), print the tables and write OUT_intervals.csv (OUT.csv and OUT.png are left as they are)")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws per interval (2000 recommended: "
+                    "more draws, steadier bounds)")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     jobs = [(mode, seed, run_dir(args.runs, mode, seed)) for seed in args.seeds for mode in args.modes]
     budgeted = args.budget is not None
-    todo = [j for j in jobs if args.fresh or not done(j[2], budgeted)]
-    if args.fresh:
-        for _, _, path in todo:
-            shutil.rmtree(path, ignore_errors=True)
-    start = time.monotonic()
-    failed = run_all(todo, flags + budget_flags(args.budget), args.parallel, args.deadline, args.stagger,
-                     command_fn=lambda *a: command(*a, recipe=args.recipe))
-    rows = collect([j for j in jobs if done(j[2], budgeted) and j[2] not in failed], args.metrics)
+    start, todo, failed = time.monotonic(), [], []
+    if args.report_only:  # every run that logged, finished or stopped: nothing is trained or resumed
+        ran = [j for j in jobs if os.path.isfile(os.path.join(j[2], "trainer_state.json"))]
+    else:
+        todo = [j for j in jobs if args.fresh or not done(j[2], budgeted)]
+        if args.fresh:
+            for _, _, path in todo:
+                shutil.rmtree(path, ignore_errors=True)
+        failed = run_all(todo, flags + budget_flags(args.budget), args.parallel, args.deadline, args.stagger,
+                         command_fn=lambda *a: command(*a, recipe=args.recipe))
+        ran = [j for j in jobs if done(j[2], budgeted) and j[2] not in failed]
+    rows = collect(ran, args.metrics)
     if args.include:
         rows = with_earlier_runs(rows, read_csv(args.include))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_csv(rows, args.out + ".csv", args.metrics)
-    seeds = {m: len({r["seed"] for r in rows if r["mode"] == m}) for m in dict.fromkeys(r["mode"] for r in rows)}
-    plot(rows, args.out + ".png", f"{args.title}, seeds per mode: " + ", ".join(f"{m} {n}" for m, n in seeds.items()),
-         args.metrics)
+    written = [args.out + "_intervals.csv"]
+    if not args.report_only:
+        write_csv(rows, args.out + ".csv", args.metrics)
+        seeds = {m: len({r["seed"] for r in rows if r["mode"] == m}) for m in dict.fromkeys(r["mode"] for r in rows)}
+        plot(rows, args.out + ".png", f"{args.title}, seeds per mode: " +
+             ", ".join(f"{m} {n}" for m, n in seeds.items()), args.metrics)
+        written = [args.out + ".csv", args.out + ".png", *written]
     summary(rows, args.metrics)
     if args.compare:
         unmatched, table = compare(rows, args.compare)
         print_table(f"Against {args.compare}, evaluation by evaluation ({unmatched} without a counterpart there)",
                     ["metric", "compared", "identical", "largest difference"], table)
-    print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {args.out}.csv and {args.out}.png")
+    table = intervals(rows, {(mode, seed): question_results(path, args.metrics[0]) for mode, seed, path in ran},
+                      args.metrics[0], args.bootstrap)
+    print_intervals(table, args.bootstrap)
+    write_csv(table, written[-1], columns=INTERVAL_COLUMNS)
+    print(f"\n{len(todo)} runs in {(time.monotonic() - start) / 60:.1f} min; wrote {', '.join(written)}")
     if failed:
         raise SystemExit(f"{len(failed)} runs failed (left out above); their logs: {[f + '/log.txt' for f in failed]}")
 

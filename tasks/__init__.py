@@ -6,6 +6,9 @@ part of the prompt.
                    brings its own corpus; splits "train" and "test" (a held-out 10% of the questions);
                    `multi_hop` (recipe: `kb_multi_hop`) makes that fraction of the questions two-hop
                    ("In what year was the founder of the city of Rarzogard born?": two searches)
+    fictional_kb_entities  the same knowledge base (and `multi_hop`), split by entity: "train", "validation"
+                   and "test" (80/10/10 of the entities), so that no held-out entity is named by a training
+                   question; evaluation reads "validation" unless `eval_dataset_split: test` (tasks/fictional_kb.py)
     triviaqa       TriviaQA from the Hugging Face hub (tasks/triviaqa.py); no corpus unless
                    `corpus_path` is given (use `wiki_search`, or `search` over that corpus)
     textworld_quest  generated TextWorld games (tasks/textworld_quest.py), one per row's `seed`, played through
@@ -56,7 +59,8 @@ from protocol import prompt_problem, prompt_question
 
 logger = logging.getLogger("mt_grpo")
 
-TASK_NAMES = ["fictional_kb", "triviaqa", "textworld_quest"]
+TASK_NAMES = ["fictional_kb", "fictional_kb_entities", "triviaqa", "textworld_quest"]
+KB_TASKS = ("fictional_kb", "fictional_kb_entities")  # the fictional knowledge base, split by question or entity
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = ("question", "answer", "prompt")  # the columns the trainer reads; `columns` maps each to the dataset's
 MAX_SKIP_REASONS = 5
@@ -91,8 +95,8 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
     columns; `answer_required` False keeps rows without an answer (for rewards that need none)."""
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
-    if multi_hop and dataset_name != "fictional_kb":
-        raise ValueError(f"kb_multi_hop={multi_hop} applies to dataset_name: fictional_kb only, not "
+    if multi_hop and dataset_name not in KB_TASKS:
+        raise ValueError(f"kb_multi_hop={multi_hop} applies to dataset_name: {' or '.join(KB_TASKS)} only, not "
                          f"{dataset_name!r}. Set kb_multi_hop: 0.0, or use the fictional_kb task.")
     if dataset_config is not None and (dataset_name in TASK_NAMES or os.path.isfile(dataset_name)):
         raise ValueError(f"dataset_config={dataset_config!r} applies to hub datasets and dataset folders, not "
@@ -101,15 +105,18 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
     corpus_override = load_corpus(corpus_path) if corpus_path is not None else None
     corpus = task_prompt = examples = None
     eval_metrics = dict(QA_EVAL_METRICS)
-    if dataset_name in ("fictional_kb", "triviaqa"):
+    if dataset_name in (*KB_TASKS, "triviaqa"):
         from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
         task_prompt, examples = SEARCH_TASK_PROMPT, search_examples
-    if dataset_name == "fictional_kb":
-        from tasks.fictional_kb import build_fictional_kb, fictional_kb_split
+    if dataset_name in KB_TASKS:
+        from tasks.fictional_kb import build_fictional_kb, build_fictional_kb_entities, fictional_kb_split
 
-        corpus, qa = build_fictional_kb(seed, multi_hop=multi_hop)
-        qa = fictional_kb_split(qa, split, seed)
+        if dataset_name == "fictional_kb":
+            corpus, qa = build_fictional_kb(seed, multi_hop=multi_hop)
+            qa = fictional_kb_split(qa, split, seed)
+        else:
+            corpus, qa = build_fictional_kb_entities(seed, split, multi_hop)
         data = datasets.Dataset.from_dict({"question": [r["question"] for r in qa],
                                            "answer": [r["answer"] for r in qa]}, features=FEATURES)
     elif dataset_name == "triviaqa":
@@ -130,7 +137,9 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
 
 
 # The split each task holds out for evaluation (a local file has one split: another file is held out whole).
-HELD_OUT_SPLITS = {"fictional_kb": "test", "triviaqa": "validation", "textworld_quest": "test"}
+# fictional_kb_entities holds out "validation": choices are made on it, and "test" is read only when asked for.
+HELD_OUT_SPLITS = {"fictional_kb": "test", "fictional_kb_entities": "validation", "triviaqa": "validation",
+                   "textworld_quest": "test"}
 
 
 def load_eval_task(script_args, answer_required: bool | list[str] = True) -> Task:

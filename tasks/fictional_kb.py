@@ -20,7 +20,23 @@ every value, the corpus is the same for every value above 0, and 0.0 gives exact
 knowledge base.
 
 The same seed gives the same knowledge base; `fictional_kb_split` holds out a fixed 10% of the
-questions as the "test" split.
+questions as the "test" split. That split is by question: a test question's entity, and the document
+with its answer, are also in training questions.
+
+The task fictional_kb_entities (`build_fictional_kb_entities`) splits the same knowledge base by entity
+instead: of each kind, 10% of the entities are "validation" and 10% "test" (drawn by the seed), and
+every question about them is held out, so no held-out entity is named by a training question; with
+multi_hop, a founder's or an inventor's questions, one-hop and two-hop, go with the city or invention
+that names them. Every split searches the whole corpus. Evaluation reads "validation" unless
+`eval_dataset_split: test` asks for the test split. With 200 entities the splits have 760 / 95 / 95
+questions (multi_hop 0.3, seed 0: 795 / 101 / 104). Some held-out answers are still answers of training
+questions (`answer_overlap`), measured for seeds 0, 1 and 2 with multi_hop 0.0: 28 to 33% of the
+validation questions and 31 to 35% of the test ones (seed 0: 31.6% and 34.7%; multi_hop 0.3: 24 to 43%).
+The overlap is left in, measured, not removed: it is all in the question types whose answers come from
+a short list (export, craft, profession, purpose, material: 10 to 14 words, so every one is some training
+question's answer too; 50 of seed 0's 190 held-out questions) and in numbers (a year, a population: 13
+more), while no invented name is ever shared. Dropping those questions would leave the held-out splits
+without five of the 19 question types.
 
     documents, qa = build_fictional_kb(seed=0)
     documents[0]  # {"title": "Ratomora", "text": "Ratomora is a country. Its capital is Lotrowick. ..."}
@@ -35,6 +51,8 @@ questions as the "test" split.
 import inspect
 import random
 from dataclasses import dataclass
+
+from rewards.answers import normalize_answer
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.1
@@ -194,6 +212,13 @@ def build_fictional_kb(seed: int = 0, num_entities: int = 200,
     questions, grouped by entity. Deterministic in `seed`. `multi_hop` is the fraction of the
     questions that are two-hop (module docstring); 0.0 gives one document per entity and one
     question per fact."""
+    documents, qa, _ = _build_with_entities(seed, num_entities, multi_hop)
+    return documents, qa
+
+
+def _build_with_entities(seed: int, num_entities: int, multi_hop: float) -> tuple[list[dict], list[dict], list[int]]:
+    """build_fictional_kb's documents and questions, and for each question the index of its entity: a linked
+    person's questions, one-hop and two-hop, belong to the city or invention that names the person."""
     if num_entities < 1:
         raise ValueError(f"num_entities must be at least 1, got {num_entities}.")
     if not 0.0 <= multi_hop <= 1.0:
@@ -209,20 +234,21 @@ def build_fictional_kb(seed: int = 0, num_entities: int = 200,
     # The linked people come after every entity, from a generator of their own: the entities are the
     # same whatever multi_hop is, and with multi_hop 0.0 the knowledge base is exactly the one-hop one.
     link_names = _Names(random.Random(f"fictional_kb-multi-hop-{seed}"), used=names.used)
-    documents, rows = [], []  # rows: (question, aliases, hops)
-    for document, facts, links in entities:
+    documents, rows = [], []  # rows: (question, aliases, hops, entity index)
+    for entity, (document, facts, links) in enumerate(entities):
         documents.append(document)
-        rows += [(q, a, 1) for q, a in facts]
+        rows += [(q, a, 1, entity) for q, a in facts]
         for link in links if multi_hop > 0 else []:
             person, one_hop, two_hop = _linked_person(link, link_names)
             documents.append(person)
-            rows += [(q, a, 1) for q, a in one_hop] + [(q, a, 2) for q, a in two_hop]
-    if multi_hop > 0 and not any(hops == 2 for _, _, hops in rows):
+            rows += [(q, a, 1, entity) for q, a in one_hop] + [(q, a, 2, entity) for q, a in two_hop]
+    if multi_hop > 0 and not any(hops == 2 for _, _, hops, _ in rows):
         raise ValueError(f"multi_hop={multi_hop} needs a city or an invention to ask two-hop questions about; "
                          f"num_entities={num_entities} has none. Use num_entities >= 2.")
-    keep = _with_two_hop_share([hops for _, _, hops in rows], multi_hop, link_names.rng) if multi_hop > 0 else None
-    qa = [{"question": q, "answer": a} for i, (q, a, _) in enumerate(rows) if keep is None or i in keep]
-    return documents, qa
+    if multi_hop > 0:
+        keep = _with_two_hop_share([hops for _, _, hops, _ in rows], multi_hop, link_names.rng)
+        rows = [row for i, row in enumerate(rows) if i in keep]
+    return documents, [{"question": q, "answer": a} for q, a, _, _ in rows], [entity for *_, entity in rows]
 
 
 def _with_two_hop_share(hops: list[int], share: float, rng: random.Random) -> set[int]:
@@ -245,6 +271,62 @@ def fictional_kb_split(qa: list[dict], split: str, seed: int = 0) -> list[dict]:
     # A generator of its own, so that the split does not depend on how many draws building the KB took.
     held_out = set(random.Random(f"fictional_kb-test-{seed}").sample(range(len(qa)), int(len(qa) * TEST_FRACTION)))
     return [row for i, row in enumerate(qa) if (i in held_out) == (split == "test")]
+
+
+# ------------------------------------------------------------------------------------------------
+# fictional_kb_entities: the same knowledge base, split by entity
+# ------------------------------------------------------------------------------------------------
+ENTITY_SPLITS = ("train", "validation", "test")
+# Of each kind's entities, for validation and again for test; the rest train (80/10/10). By kind, so every split
+# has the same mix of question types, and so that with the default 200 entities the test split has exactly 95
+# questions (5 countries, cities, people and inventions: 5 * (6 + 5 + 4 + 4)), the at least 95 that issue 41 asks
+# for; a random 10% of the entities could fall short. With multi_hop, one-hop questions dropped at random make the
+# size vary (0.3: 88 to 104 for seeds 0 to 2).
+ENTITY_HELD_OUT_FRACTION = 0.1
+
+
+def entity_splits(num_entities: int = 200, seed: int = 0) -> list[str]:
+    """The split of each entity, by its index in the knowledge base: of each kind, a fixed
+    ENTITY_HELD_OUT_FRACTION for validation and one for test, drawn by `seed`."""
+    # A generator of its own, so that the split does not depend on how many draws building the KB took.
+    rng = random.Random(f"fictional_kb_entities-split-{seed}")
+    splits = ["train"] * num_entities
+    for kind in range(len(ENTITY_KINDS)):
+        members = list(range(kind, num_entities, len(ENTITY_KINDS)))
+        rng.shuffle(members)
+        size = round(len(members) * ENTITY_HELD_OUT_FRACTION)
+        for i in members[:size]:
+            splits[i] = "test"
+        for i in members[size:2 * size]:
+            splits[i] = "validation"
+    if "test" not in splits:
+        raise ValueError(f"num_entities={num_entities} is too few to hold out {ENTITY_HELD_OUT_FRACTION:.0%} of an "
+                         f"entity kind for validation and for test; use num_entities >= {len(ENTITY_KINDS) * 10}.")
+    return splits
+
+
+def build_fictional_kb_entities(seed: int = 0, split: str = "train", multi_hop: float = 0.0,
+                                num_entities: int = 200) -> tuple[list[dict], list[dict]]:
+    """(documents, the questions of `split`) of build_fictional_kb(seed, num_entities, multi_hop), split by entity
+    (`entity_splits`): every question about a validation or test entity is held out, and with multi_hop a linked
+    person's questions go with the city or invention that names them, so no question names entities of two
+    splits. The documents are the whole corpus, for every split."""
+    if split not in ENTITY_SPLITS:
+        raise ValueError(f"fictional_kb_entities has the splits {', '.join(ENTITY_SPLITS)}, not {split!r}; set "
+                         "`dataset_split` (or `eval_dataset_split`) to one of them.")
+    documents, qa, entity_of = _build_with_entities(seed, num_entities, multi_hop)
+    splits = entity_splits(num_entities, seed)
+    return documents, [row for row, entity in zip(qa, entity_of) if splits[entity] == split]
+
+
+def answer_overlap(train_rows: list[dict], held_out_rows: list[dict]) -> float:
+    """The share of `held_out_rows` with an answer alias that is also an alias of some training question's answer,
+    compared as the exact-match reward compares (`normalize_answer`): answers a model could give from training
+    alone, without searching."""
+    if not held_out_rows:
+        return 0.0
+    seen = {normalize_answer(a) for row in train_rows for a in row["answer"]}
+    return sum(any(normalize_answer(a) in seen for a in row["answer"]) for row in held_out_rows) / len(held_out_rows)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -234,3 +234,156 @@ def test_seeds_stopped_at_different_steps_meet_at_their_budget_stop(capsys):
     # seeds that all stop at one step end there, with no extra point
     same = rows[:3] + [row(2, 0, 0.0, 0.0), row(2, 10, 16.0, 0.75), row(2, 26, 40.0, 1.0)]
     assert [p[0] for p in curve(same, "mt_grpo", "eval/exact_match")] == [0.0, 10.0, 26.0]
+
+
+# -- intervals (issue 41): a two-level bootstrap over seeds and questions -------------------------------------------
+def write_recorded_run(folder, answers: dict[int, list], record: bool = True):
+    """A run whose evaluation at each step got `answers` (a question row's exact match, 1 or 0; None: the question
+    was not evaluated): its logged means in trainer_state.json and, with `record`, the episodes the trainer records
+    in rollouts/eval-step-NNNNNN.jsonl (the fields the intervals read, shaped as evaluation.py writes them)."""
+    write_run(folder, {step: evaluation(sum(a for a in hits if a is not None) / sum(a is not None for a in hits), 1.0)
+                       for step, hits in answers.items()})
+    if record:
+        os.makedirs(os.path.join(folder, "rollouts"))
+        for step, hits in answers.items():
+            with open(os.path.join(folder, "rollouts", f"eval-step-{step:06d}.jsonl"), "w") as f:
+                for row, hit in enumerate(hits):
+                    if hit is not None:
+                        f.write(json.dumps({"step": step, "mode": "eval", "group": row, "sample": 0,
+                                            "question": f"q{row}", "stop_reason": "answer", "tool_calls": [],
+                                            "rewards": {"turn": {"exist_answer_in_search_results": 1.0},
+                                                        "outcome": {"exact_match_reward_func": float(hit),
+                                                                    "format_reward_func": 0.2}}}) + "\n")
+
+
+def study_intervals(tmp_path, answers: dict[tuple[str, int], dict[int, list]], unrecorded=(), n=2000, seed=0):
+    """The intervals of a study whose runs got `answers` ({(mode, seed): {step: hits}}); `unrecorded` runs
+    recorded no episodes."""
+    from learning_study import intervals, question_results
+
+    runs = [(mode, run_seed, str(tmp_path / f"{mode}-s{run_seed}")) for mode, run_seed in answers]
+    for (mode, run_seed, path), by_step in zip(runs, answers.values()):
+        write_recorded_run(path, by_step, record=(mode, run_seed) not in unrecorded)
+    results = {(mode, run_seed): question_results(path, "eval/exact_match") for mode, run_seed, path in runs}
+    return {(r["name"], r["step"]): r for r in intervals(collect(runs), results, "eval/exact_match", n, seed)}
+
+
+def test_the_two_level_bootstrap_gives_the_known_spread_at_each_level():
+    import numpy as np
+    from learning_study import two_level_bootstrap
+
+    # one seed, half of 32 questions right: the resampled mean is binomial, 0.5 +- 1.96 * sqrt(0.25 / 32) = +-0.173
+    low, high = np.percentile(two_level_bootstrap([np.array([1.0] * 16 + [0.0] * 16)], 4000), [2.5, 97.5])
+    assert abs(low - 0.327) < 0.035 and abs(high - 0.673) < 0.035
+    # two seeds at 0 and 1 with one value each (seeds only): the mean of two draws is 0, 0.5 or 1 (1/4, 1/2, 1/4)
+    draws = two_level_bootstrap([np.array([0.0]), np.array([1.0])], 4000)
+    assert set(draws) == {0.0, 0.5, 1.0} and abs((draws == 0.5).mean() - 0.5) < 0.03
+    assert np.percentile(draws, 2.5) == 0.0 and np.percentile(draws, 97.5) == 1.0
+
+
+def test_identical_modes_differ_by_zero_and_a_better_mode_excludes_zero(tmp_path):
+    """mt_grpo and merged get the same answers: difference 0, interval [0, 0]. outcome_only is wrong on 16 of the
+    32 questions where mt_grpo is right, and never right where it is wrong: +0.5, its interval well above 0."""
+    mixed = [1, 0] * 16  # 0.5
+    answers = {}
+    for seed in (1, 2):
+        answers[("mt_grpo", seed)] = {0: [0] * 32, 10: mixed}
+        answers[("merged", seed)] = {0: [0] * 32, 10: mixed}
+        answers[("outcome_only", seed)] = {0: [0] * 32, 10: [0] * 32}
+    table = study_intervals(tmp_path, answers)
+    same = table[("mt_grpo - merged", "10")]
+    assert (same["mean"], same["low"], same["high"]) == (0.0, 0.0, 0.0) and same["verdict"] == "interval includes 0"
+    assert same["bootstrap"] == "seeds x questions" and same["seeds"] == "1/2" and same["questions"] == "32/32"
+    better = table[("mt_grpo - outcome_only", "10")]
+    assert better["mean"] == 0.5 and 0.25 < better["low"] < 0.5 < better["high"] < 0.75
+    assert better["verdict"] == f"excludes 0 (lower bound {better['low']:.3f})"
+    mode = table[("mt_grpo", "10")]
+    assert mode["mean"] == 0.5 and mode["low"] < 0.5 < mode["high"] and mode["kind"] == "mode"
+    assert ("per_turn - mt_grpo", "10") not in table  # per_turn did not run
+    worse = study_intervals(tmp_path / "swapped", {("per_turn", 1): {10: [0] * 32}, ("mt_grpo", 1): {10: [1] * 32}})
+    assert worse[("per_turn - mt_grpo", "10")]["verdict"] == "excludes 0 (upper bound -1.000)"
+
+
+def test_a_question_one_mode_did_not_evaluate_is_dropped_from_the_pair(tmp_path):
+    hits = [1] * 16 + [0] * 16
+    without_last = hits[:-1] + [None]
+    table = study_intervals(tmp_path, {("mt_grpo", 1): {10: hits}, ("merged", 1): {10: without_last},
+                                       ("mt_grpo", 2): {10: hits}, ("merged", 2): {10: hits}})
+    pair = table[("mt_grpo - merged", "10")]
+    assert pair["dropped_questions"] == 1 and pair["questions"] == "31/32" and pair["mean"] == 0.0
+    assert table[("merged", "10")]["questions"] == "31/32"  # a mode's own row keeps all its questions
+
+
+def test_runs_without_recorded_episodes_fall_back_to_seeds_only(tmp_path):
+    answers = {("mt_grpo", 1): {10: [1] * 8 + [0] * 24}, ("mt_grpo", 2): {10: [1] * 16 + [0] * 16},
+               ("merged", 1): {10: [0] * 32}, ("merged", 2): {10: [0] * 32}}
+    table = study_intervals(tmp_path, answers, unrecorded={("mt_grpo", 2)})
+    mode, pair = table[("mt_grpo", "10")], table[("mt_grpo - merged", "10")]
+    assert mode["bootstrap"] == pair["bootstrap"] == "seeds only" and mode["questions"] == ""
+    # two seed means, 0.25 and 0.5: the draws' means lie between them
+    assert mode["mean"] == 0.375 and (mode["low"], mode["high"]) == (0.25, 0.5)
+    assert pair["verdict"] == "excludes 0 (lower bound 0.250), over 2 seeds only"
+    assert table[("merged", "10")]["bootstrap"] == "seeds x questions"
+    one_seed = study_intervals(tmp_path / "one", {("mt_grpo", 1): {10: [1] * 32}, ("merged", 1): {10: [0] * 32}},
+                               unrecorded={("merged", 1)})
+    pair = one_seed[("mt_grpo - merged", "10")]
+    assert pair["mean"] == 1.0 and math.isnan(pair["low"]) and pair["verdict"].startswith("no interval")
+
+
+def test_the_bootstrap_is_deterministic_for_its_seed(tmp_path):
+    import numpy as np
+
+    answers = {(mode, seed): {10: np.random.default_rng(10 * seed + len(mode)).integers(0, 2, 32).tolist()}
+               for mode in ("mt_grpo", "merged") for seed in (1, 2, 3)}
+    first = study_intervals(tmp_path / "a", answers)
+    assert study_intervals(tmp_path / "b", answers) == first
+    other = study_intervals(tmp_path / "c", answers, seed=1)
+    assert other[("mt_grpo - merged", "10")]["low"] != first[("mt_grpo - merged", "10")]["low"]
+
+
+def test_pairs_meet_at_each_shared_step_and_at_each_runs_budget_stop():
+    from learning_study import evaluation_points
+
+    a = {1: {0, 10, 26}, 2: {0, 10, 27}}
+    b = {1: {0, 10, 25}, 2: {0, 10, 26}, 3: {0, 10, 30}}  # seed 3 has no mt_grpo run to pair with
+    assert evaluation_points([a, b]) == [("0", [{1: 0, 2: 0}] * 2), ("10", [{1: 10, 2: 10}] * 2),
+                                         ("last: 26/27 vs 25/26", [{1: 26, 2: 27}, {1: 25, 2: 26}])]
+    assert [label for label, _ in evaluation_points([{1: {0, 10}, 2: {0, 10}}])] == ["0", "10"]
+
+
+def test_report_only_writes_the_intervals_csv_and_trains_nothing(tmp_path, monkeypatch):
+    """`--report-only` on existing run folders (a budget stop, not finished): OUT_intervals.csv with its columns;
+    OUT.csv and OUT.png are not written."""
+    import csv
+
+    from learning_study import INTERVAL_COLUMNS, main
+
+    for mode in ("mt_grpo", "merged"):
+        write_recorded_run(str(tmp_path / "runs" / f"{mode}-s1"), {0: [0] * 4, 26: [1, 1, 0, int(mode == "mt_grpo")]})
+    out = str(tmp_path / "study")
+    monkeypatch.setattr(sys, "argv", ["learning_study.py", "--report-only", "--runs", str(tmp_path / "runs"),
+                                      "--out", out, "--modes", "mt_grpo", "merged", "--seeds", "1", "2"])
+    main()
+    with open(out + "_intervals.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == INTERVAL_COLUMNS
+    assert [(r["kind"], r["name"], r["step"]) for r in rows] == [
+        ("mode", "mt_grpo", "0"), ("mode", "mt_grpo", "26"), ("mode", "merged", "0"), ("mode", "merged", "26"),
+        ("difference", "mt_grpo - merged", "0"), ("difference", "mt_grpo - merged", "26")]
+    assert rows[-1]["mean"] == "0.2500" and rows[-1]["questions"] == "4" and rows[-1]["metric"] == "eval/exact_match"
+    assert not os.path.exists(out + ".csv") and not os.path.exists(out + ".png")
+
+
+def test_the_study_asks_the_trainer_to_record_its_evaluations_unless_told_otherwise():
+    """Each evaluation's episodes are the per-question results; a recipe's or the command line's own
+    save_rollouts_steps wins."""
+    from learning_study import command
+
+    from mt_grpo_trainer import parse_args
+
+    assert parse_args(command("mt_grpo", 1, "outputs/x", [])[2:])[0].save_rollouts_steps == 1_000_000
+    told = command("mt_grpo", 1, "outputs/x", ["--save_rollouts_steps", "5"])
+    assert parse_args(told[2:])[0].save_rollouts_steps == 5
+    demo = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "cpu_demo.yaml")  # sets its own
+    assert "--save_rollouts_steps" not in command("mt_grpo", 1, "outputs/x", [], recipe=demo)

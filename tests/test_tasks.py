@@ -172,7 +172,7 @@ def test_multi_hop_one_hop_questions_are_stated_in_their_entitys_document_and_fo
     (lambda: build_fictional_kb(multi_hop=-0.1), "multi_hop is the fraction of two-hop questions, from 0.0 to 1.0"),
     (lambda: build_fictional_kb(num_entities=1, multi_hop=0.5), "num_entities=1 has none. Use num_entities >= 2"),
     (lambda: load_task(os.path.join(ROOT, "no_such.jsonl"), multi_hop=0.3),
-     "kb_multi_hop=0.3 applies to dataset_name: fictional_kb only"),
+     "kb_multi_hop=0.3 applies to dataset_name: fictional_kb or fictional_kb_entities only"),
 ])
 def test_multi_hop_errors_say_what_to_change(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -281,7 +281,7 @@ def test_missing_file_names_the_path_and_the_task_names(tmp_path):
     path = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError) as error:
         load_task(path)
-    assert repr(path) in str(error.value) and "fictional_kb, triviaqa" in str(error.value)
+    assert repr(path) in str(error.value) and "fictional_kb, fictional_kb_entities, triviaqa" in str(error.value)
 
 
 @pytest.mark.parametrize("name, split, message", [
