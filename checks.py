@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import re
+from dataclasses import field
 from typing import Callable
 
 from trl import GRPOConfig, GRPOTrainer
@@ -15,6 +16,14 @@ from protocol import PROTOCOLS
 from reporting import eval_metric_names
 
 logger = logging.getLogger("mt_grpo")
+
+
+def arg(default, help: str):
+    """A config field: its default and one line of help (shown by --help and in docs/reference.md)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
 
 # TRL names mt_grpo_trainer.py relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
 # `check_trl` verifies the version range and that each name still exists at start-up.

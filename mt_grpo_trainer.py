@@ -65,7 +65,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
+from checks import (ADVANTAGE_MODES, arg, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl,
                     score_labelled_tokens_only)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
@@ -80,18 +80,9 @@ from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logp
 logger = logging.getLogger("mt_grpo")
 
 
-
 # ------------------------------------------------------------------------------------------------
-# 1. Config
+# 1. Config (`arg`, in checks.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
-
-def arg(default, help: str):
-    """A config field: its default and one line of help (shown by --help and in docs/reference.md)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class MTGRPOScriptArguments:
     """Arguments of the multi-turn environment and of MT-GRPO. Training arguments are TRL's

@@ -281,7 +281,8 @@ class StepPrinter(TrainerCallback):
             ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
             ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"),
             ("rollout/seconds", "rollout_s")]
-    EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/first_search_hit", "search_hit"),
+    # every task's eval logs eval/episodes; the keys a task lacks (a game has no exact match) are left out
+    EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/won", "won"), ("eval/first_search_hit", "search_hit"),
                  ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -289,7 +290,7 @@ class StepPrinter(TrainerCallback):
 
         if not state.is_world_process_zero or not logs:
             return
-        for first, keys, label in (("loss", self.KEYS, "step"), ("eval/exact_match", self.EVAL_KEYS, "eval")):
+        for first, keys, label in (("loss", self.KEYS, "step"), ("eval/episodes", self.EVAL_KEYS, "eval")):
             if first in logs:
                 parts = [f"{short}={logs[k]:.3f}" for k, short in keys
                          if isinstance(logs.get(k), (int, float))]

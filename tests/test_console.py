@@ -48,6 +48,20 @@ def test_a_log_file_gets_one_plain_line_per_step(monkeypatch):
                                                         "step    2 | loss=0.250 R_out=0.500\n")
 
 
+def test_an_evaluation_gets_a_line_whatever_its_task(monkeypatch):
+    """A game's evaluation logs no exact match (eval/won instead): it still gets its line, with the keys it has."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    state = TrainerState(global_step=10, is_world_process_zero=True)
+    printer = StepPrinter()
+    printer.on_log(None, state, TrainerControl(), logs={"eval/episodes": 32.0, "eval/won": 0.125,
+                                                         "eval/tool_success_rate": 0.75, "eval/answered_ratio": 0.5})
+    printer.on_log(None, state, TrainerControl(), logs={"eval/episodes": 32.0, "eval/exact_match": 0.25,
+                                                         "eval/first_search_hit": 0.5})
+    assert stream.getvalue() == ("eval   10 | won=0.125 tool_ok=0.750 answered=0.500\n"
+                                 "eval   10 | exact_match=0.250 search_hit=0.500\n")
+
+
 def test_a_terminal_gets_the_bars(monkeypatch):
     log = two_steps_on(Terminal(), monkeypatch)
     assert "rollout: 100%" in log and "tool calls in flight: 1" in log and "2/2" in log and "\r" in log
