@@ -47,16 +47,19 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
     from rewards import get_reward_func
+    from rewards.judge import build_judge_rewards
     from tools import build_tools
 
     sa = script_args
     factory = environment_factory if environment_factory is not None else sa.environment_factory
     if factory is not None:
         check_environment_args(sa, args, train_dataset)
-    turn = [get_reward_func(f) if isinstance(f, str) else f
-            for f in (sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs)]
-    outcome = [get_reward_func(f) if isinstance(f, str) else f
-               for f in (sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs)]
+    # judge rewards (rewards/judge.py) become instances bound to one judge client, checked once at start-up
+    turn, judge = build_judge_rewards(sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs, sa)
+    outcome, _ = build_judge_rewards(sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs,
+                                     sa, judge)
+    turn = [get_reward_func(f) if isinstance(f, str) else f for f in turn]
+    outcome = [get_reward_func(f) if isinstance(f, str) else f for f in outcome]
     needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
     train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
         sa.dataset_name is not None else placeholder_task(args)

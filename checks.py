@@ -68,6 +68,9 @@ def check_script_args(args) -> None:
     check_choice("lora_sync", ("adapter", "merged"))
     check_choice("vllm_tie_rule", TIE_RULES)
     check_choice("answer_type", ANSWER_TYPES)
+    from rewards.judge import check_judge_args  # here, not at the top: rewards/judge.py imports `arg` from here
+
+    check_judge_args(args)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
         if weights is not None and len(weights) != len(funcs):

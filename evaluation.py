@@ -45,6 +45,7 @@ class TrainerEvaluation:
         prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
         columns = episode_columns(inputs, episodes)
         scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
+        judged = {f"eval/{name}": value for name, value in self._judge_metrics().items()}  # this process's judge work
         task = {name: fn(prompts, completions, **columns) if inputs else []
                 for name, fn in self.eval_metric_funcs.items()}
         rows = slice(0, len(episodes))
@@ -63,4 +64,4 @@ class TrainerEvaluation:
                                   first_index=0, group_size=k, rewards=rewards, token_values={})
         for record, result in zip(records, results):
             record["group"] = result["question"]  # the question's row in the eval set
-        return eval_metrics(all_results, k), records
+        return {**eval_metrics(all_results, k), **judged}, records

@@ -13,6 +13,9 @@
 #   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
 #   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml)
 #   PYTHON=python              interpreter with vllm, trl and accelerate installed
+#   JUDGE_MODEL=               an LLM judge (rewards/judge.py) served by its own vLLM on JUDGE_GPUS GPUs, taken
+#                              just before the generation server's; the trainer gets --judge_base_url/--judge_model
+#   JUDGE_GPUS=1 JUDGE_PORT=8001 JUDGE_GPU_MEMORY=0.9 JUDGE_MAX_MODEL_LEN=8192
 # A LoRA recipe (use_peft: true) also gets the server's LoRA flags (--enable-lora, --max-lora-rank, ...).
 # The server is stopped when training ends, fails, or is interrupted (Ctrl-C).
 set -euo pipefail
@@ -33,15 +36,23 @@ VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-4096}
 VLLM_HEALTH_TIMEOUT=${VLLM_HEALTH_TIMEOUT:-900}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/zero3.yaml}
 PYTHON=${PYTHON:-python}
+JUDGE_MODEL=${JUDGE_MODEL:-}
+JUDGE_GPUS=${JUDGE_GPUS:-1}
+JUDGE_PORT=${JUDGE_PORT:-8001}
+JUDGE_GPU_MEMORY=${JUDGE_GPU_MEMORY:-0.9}
+JUDGE_MAX_MODEL_LEN=${JUDGE_MAX_MODEL_LEN:-8192}
 
 VLLM_GPUS=$((VLLM_TP * VLLM_DP))
-TRAIN_GPUS=$((NUM_GPUS - VLLM_GPUS))
+if [ -z "$JUDGE_MODEL" ]; then JUDGE_GPUS=0; fi
+TRAIN_GPUS=$((NUM_GPUS - VLLM_GPUS - JUDGE_GPUS))
 if [ "$TRAIN_GPUS" -lt 1 ]; then
-  echo "launch.sh: NUM_GPUS=$NUM_GPUS leaves no GPU for training after $VLLM_GPUS for vLLM (VLLM_TP x VLLM_DP)." >&2
+  echo "launch.sh: NUM_GPUS=$NUM_GPUS leaves no GPU for training after $VLLM_GPUS for vLLM (VLLM_TP x VLLM_DP)" \
+    "and $JUDGE_GPUS for the judge (JUDGE_GPUS)." >&2
   exit 2
 fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
-VLLM_DEVICES=$(seq -s, "$TRAIN_GPUS" $((NUM_GPUS - 1)))
+JUDGE_DEVICES=$(seq -s, "$TRAIN_GPUS" $((TRAIN_GPUS + JUDGE_GPUS - 1)))
+VLLM_DEVICES=$(seq -s, $((TRAIN_GPUS + JUDGE_GPUS)) $((NUM_GPUS - 1)))
 recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
 MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
@@ -69,10 +80,18 @@ VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LOR
   --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
   --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
   "${LORA_ARGS[@]}")
+JUDGE_CMD=() JUDGE_FLAGS=()
+if [ -n "$JUDGE_MODEL" ]; then  # a plain server: the judge's weights never change, so no sync flags
+  JUDGE_CMD=(env CUDA_VISIBLE_DEVICES="$JUDGE_DEVICES"
+    "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$JUDGE_MODEL" --port "$JUDGE_PORT"
+    --tensor-parallel-size "$JUDGE_GPUS" --gpu-memory-utilization "$JUDGE_GPU_MEMORY"
+    --max-model-len "$JUDGE_MAX_MODEL_LEN")
+  JUDGE_FLAGS=(--judge_base_url "http://127.0.0.1:$JUDGE_PORT/v1" --judge_model "$JUDGE_MODEL")
+fi
 TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_processes "$TRAIN_GPUS"
   mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server
-  --vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT" "$@")
+  --vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT" "${JUDGE_FLAGS[@]}" "$@")
 
 show() {  # print a command so that it can be pasted into a shell
   local out=() a
@@ -85,29 +104,39 @@ if [ "$DRY_RUN" = 1 ]; then
   TOOL_FORMAT=$(recipe_value tool_format)
   echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands
   echo "$(show "${VLLM_CMD[@]}") &"
-  echo "# wait for http://127.0.0.1:$VLLM_PORT/health (at most ${VLLM_HEALTH_TIMEOUT}s), then:"
+  if [ -n "$JUDGE_MODEL" ]; then echo "$(show "${JUDGE_CMD[@]}") &"; fi
+  echo "# wait for http://127.0.0.1:$VLLM_PORT/health${JUDGE_MODEL:+ and :$JUDGE_PORT/health} (at most" \
+    "${VLLM_HEALTH_TIMEOUT}s), then:"
   show "${TRAIN_CMD[@]}"
   exit 0
 fi
 
 "${VLLM_CMD[@]}" &
-VLLM_PID=$!
+SERVER_PIDS=($!)
+if [ -n "$JUDGE_MODEL" ]; then "${JUDGE_CMD[@]}" & SERVER_PIDS+=($!); fi
 cleanup() {
-  if kill -0 "$VLLM_PID" 2>/dev/null; then
-    echo "launch.sh: stopping the vLLM server (pid $VLLM_PID)" >&2
-    kill "$VLLM_PID" 2>/dev/null || true
-    wait "$VLLM_PID" 2>/dev/null || true
-  fi
+  local pid
+  for pid in "${SERVER_PIDS[@]}"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "launch.sh: stopping a vLLM server (pid $pid)" >&2
+      kill "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    fi
+  done
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-echo "launch.sh: waiting for vLLM on GPUs $VLLM_DEVICES (port $VLLM_PORT)..." >&2
-deadline=$((SECONDS + VLLM_HEALTH_TIMEOUT))
-until curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null; do
-  if ! kill -0 "$VLLM_PID" 2>/dev/null; then echo "launch.sh: the vLLM server exited during start-up" >&2; exit 1; fi
-  if [ "$SECONDS" -ge "$deadline" ]; then echo "launch.sh: vLLM not healthy after ${VLLM_HEALTH_TIMEOUT}s" >&2; exit 1; fi
-  sleep 5
-done
+wait_healthy() {  # name, port, pid
+  echo "launch.sh: waiting for the $1 server (port $2)..." >&2
+  local deadline=$((SECONDS + VLLM_HEALTH_TIMEOUT))
+  until curl -sf "http://127.0.0.1:$2/health" >/dev/null; do
+    if ! kill -0 "$3" 2>/dev/null; then echo "launch.sh: the $1 server exited during start-up" >&2; exit 1; fi
+    if [ "$SECONDS" -ge "$deadline" ]; then echo "launch.sh: the $1 server not healthy after ${VLLM_HEALTH_TIMEOUT}s" >&2; exit 1; fi
+    sleep 5
+  done
+}
+wait_healthy "vLLM (GPUs $VLLM_DEVICES)" "$VLLM_PORT" "${SERVER_PIDS[0]}"
+if [ -n "$JUDGE_MODEL" ]; then wait_healthy "judge (GPUs $JUDGE_DEVICES)" "$JUDGE_PORT" "${SERVER_PIDS[1]}"; fi
 echo "launch.sh: vLLM is up; training on GPUs $TRAIN_DEVICES" >&2
 "${TRAIN_CMD[@]}"

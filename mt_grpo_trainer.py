@@ -73,6 +73,7 @@ from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_proces
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from packing import PackedForward
+from rewards.judge import JudgeArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
@@ -84,10 +85,10 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in checks.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments:
-    """Arguments of the multi-turn environment and of MT-GRPO. Training arguments are TRL's
-    GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature, ...)
-    and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
+class MTGRPOScriptArguments(JudgeArguments):
+    """Arguments of the multi-turn environment and of MT-GRPO, and the LLM judge's (rewards/judge.py). Training
+    arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
+    ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
     every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
     # Task and tools

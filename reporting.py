@@ -349,6 +349,8 @@ class TrainerReports:
         for name, value in rollout_metrics(stats).items():
             m[name].append(value)
         m["rollout/seconds"].append(seconds)
+        for name, value in self._judge_metrics().items():  # the LLM judge's calls, tokens, time (rewards/judge.py)
+            m[name].append(value)
         staleness = torch.tensor([float(self.state.global_step - ep.policy_version) for ep in episodes],
                                  device=self.accelerator.device)
         m["rollout/staleness"].append(gather(staleness).mean().item())
@@ -359,6 +361,13 @@ class TrainerReports:
             self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
                                                     + stats[:, EPISODE_STATS.index("env_tokens")].sum())
         m["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _judge_metrics(self) -> dict[str, float]:
+        """`judge/...` (calls, tokens, seconds, cache hits, parse failures) since the last call: the LLM judge's
+        work for this batch's rewards, when a reward is a judge (rewards/judge.py); else {}."""
+        from rewards.judge import judge_metrics  # here: rewards/judge.py imports checks.py, which imports this
+
+        return judge_metrics(self.turn_reward_funcs + self.outcome_reward_funcs)
 
     def _log_dynamic_sampling(self, passes: list) -> None:
         """`dynamic_sampling/...` of one generation batch. `passes`: one (Scores, (groups,) signal, groups rolled

@@ -6,7 +6,8 @@ tokens, in one run:
 
 The trainer runs `--steps` real optimizer steps (evaluation off) with its stages timed where they are
 called: the rollout (its generate calls and its tool calls apart), the old / reference logprobs, the
-scoring and logging, the forward, the backward and the optimizer. Each phase's peak memory is sampled
+scoring and logging (an LLM judge's requests apart, when a reward is one: rewards/judge.py), the forward, the
+backward and the optimizer. Each phase's peak memory is sampled
 every 5 ms (RSS on CPU; torch.cuda.max_memory_allocated / reserved on GPU). Then, in the same process
 and on the last step's tokens, the limits:
   - raw `model.generate`: each of the rollout's generate calls again, with the same prompts, number of
@@ -120,6 +121,9 @@ def instrument(trainer, phases: Phases) -> dict:
     trainer._tensors = phases.wrap("old / ref logprobs", trainer._tensors)
     for name in ("_score", "_advantages", "_correct_for_sampler", "_log", "_record_rollout"):
         setattr(trainer, name, phases.wrap("scoring + logging", getattr(trainer, name)))
+    for judge in {id(fn.judge): fn.judge for fn in trainer.turn_reward_funcs + trainer.outcome_reward_funcs
+                  if hasattr(fn, "judge")}.values():  # an LLM judge's requests (rewards/judge.py), inside scoring
+        judge.complete = phases.wrap("scoring: judge", judge.complete)
     trainer.compute_loss = phases.wrap("forward", trainer.compute_loss)
     trainer.accelerator.backward = phases.wrap("backward", trainer.accelerator.backward)
     score = trainer._generate_and_score_completions
@@ -284,6 +288,8 @@ def main():
         ["  tools", tools, mem("rollout: tools"), "", "", ""],
         ["old / ref logprobs", mean("old / ref logprobs"), mem("old / ref logprobs"), "", "", ""],
         ["scoring + logging", mean("scoring + logging"), mem("scoring + logging"), "", "", ""],
+        *([["  judge", mean("scoring: judge"), mem("scoring: judge"), "", "", ""]]
+          if "scoring: judge" in phases.seconds else []),
         ["forward + backward", fwd_bwd, f"{mem('forward')} / {mem('backward')}", "raw forward + backward",
          lim_fb, fwd_bwd / lim_fb],
         ["optimizer", opt, mem("optimizer"), "raw AdamW", lim_opt, opt / lim_opt],

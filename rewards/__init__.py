@@ -46,7 +46,13 @@ def get_reward_func(name: str) -> Callable:
     """A registry name, or a dotted path to any importable function: `package.module:func` or
     `package.module.func` (registry.py resolves both, for tools too). Fails with a ValueError that
     says what to change."""
-    return resolve(name, REWARD_FUNCS, "reward function")
+    try:
+        return resolve(name, REWARD_FUNCS, "reward function")
+    except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
+        if name.startswith("judge"):
+            raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
+                             "(rewards/judge.py; they need `judge_base_url`).") from None
+        raise
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:

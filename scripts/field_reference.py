@@ -45,11 +45,13 @@ def _cell(text: str) -> str:
 
 
 def field_table() -> str:
-    """The markdown table, one row per field of MTGRPOScriptArguments, in declaration order."""
+    """The markdown table, one row per field of MTGRPOScriptArguments, in declaration order: its own fields, then
+    those it inherits (the judge's, rewards/judge.py), which a dataclass would list first."""
     from mt_grpo_trainer import MTGRPOScriptArguments
 
+    own = MTGRPOScriptArguments.__annotations__
     rows = ["| field | default | meaning |", "| --- | --- | --- |"]
-    for f in dataclasses.fields(MTGRPOScriptArguments):
+    for f in sorted(dataclasses.fields(MTGRPOScriptArguments), key=lambda f: f.name not in own):
         rows.append(f"| `{f.name}` | {_cell(_default(f))} | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(rows) + "\n"
 

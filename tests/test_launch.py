@@ -74,3 +74,22 @@ def test_the_lora_recipes_parse_to_an_adapter_without_dropout(recipe):
         ["--config", recipe], return_remaining_strings=True)
     assert model_args.use_peft and model_args.lora_r == 64 and model_args.lora_dropout == 0.0
     assert script_args.lora_sync == "adapter" and script_args.generation_backend == "vllm_server"
+
+
+def test_a_judge_gets_its_own_server_and_gpu():
+    """JUDGE_MODEL: an LLM judge (rewards/judge.py) on its own vLLM server, on the GPU(s) just before the generation
+    server's, and the trainer is told where it is; without it nothing changes."""
+    out = dry_run(RECIPE, "--max_steps", "3", NUM_GPUS="8", JUDGE_MODEL="Qwen/Qwen2.5-7B-Instruct")
+    assert out.returncode == 0, out.stderr
+    server, judge, wait, train = out.stdout.strip().splitlines()
+    assert server.startswith("env CUDA_VISIBLE_DEVICES=7 VLLM_SERVER_DEV_MODE=1 ")
+    assert judge.startswith("env CUDA_VISIBLE_DEVICES=6 ") and "--model Qwen/Qwen2.5-7B-Instruct --port 8001" in judge
+    assert "weight-transfer" not in judge and judge.endswith(" &")
+    assert ":8000/health" in wait and ":8001/health" in wait
+    assert train.startswith("env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 ") and "--num_processes 6 " in train
+    assert train.endswith("--judge_base_url http://127.0.0.1:8001/v1 --judge_model Qwen/Qwen2.5-7B-Instruct "
+                          "--max_steps 3")
+    two = dry_run(RECIPE, NUM_GPUS="8", JUDGE_MODEL="m", JUDGE_GPUS="2").stdout.splitlines()
+    assert two[1].startswith("env CUDA_VISIBLE_DEVICES=5,6 ") and "--tensor-parallel-size 2" in two[1]
+    crowded = dry_run(RECIPE, NUM_GPUS="2", JUDGE_MODEL="m")
+    assert crowded.returncode == 2 and "1 for the judge (JUDGE_GPUS)" in crowded.stderr
