@@ -160,6 +160,23 @@ def clip(text: str, limit: int, keep: str = "head") -> str:
     return text[:limit] + " [...cut]" if keep == "head" else "[cut...] " + text[-limit:]
 
 
+LEADING_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)")
+
+
+def read_as_tagged(prompt: str, reply: str) -> str:
+    """The reply as the judge meant it: after a prompt that ends in an opened score tag (OPEN_SCORE), that tag
+    in front of the reply, and closed after a leading number when the judge did not close it ("10/10", "7 -
+    the answer ..."): a small judge writes the number and then anything. An echo of the prompt starts with
+    the template's words, not a number, so it still reads as no score."""
+    opened = OPEN_SCORE.search(prompt)
+    if opened is None:
+        return reply
+    number = LEADING_NUMBER.match(reply)
+    if number and not reply[number.end():].lstrip().startswith("</score>"):
+        reply = number.group(1) + "</score>" + reply[number.end():]
+    return opened.group(0) + reply
+
+
 def _score_value(number: str) -> float | None:
     value = float(number)
     return value / SCORE_MAX if value <= SCORE_MAX else None
@@ -561,8 +578,7 @@ class JudgeReward:
                 scores.append([None] * n)
                 unanswered += n
                 continue
-            opened = OPEN_SCORE.search(prompt)  # the template's prefilled tag, read as the reply's start
-            values = parse((opened.group(0) if opened else "") + reply, n)
+            values = parse(read_as_tagged(prompt, reply), n)
             if missing := sum(v is None for v in values):
                 unparsed += missing
                 example = reply if example is None else example

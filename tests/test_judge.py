@@ -619,3 +619,25 @@ def test_a_misspelt_judge_reward_names_the_judge_rewards():
 
     with pytest.raises(ValueError, match="The LLM-judge rewards are judge_outcome, judge_turn and judge_group"):
         get_reward_func("judge_outcom")
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("7</score>", 0.7),            # the judge closed the prefilled tag
+    ("10/10 - correct", 1.0),     # a small judge's reply: the number, then anything
+    (" 3 because the answer is wrong", 0.3),
+    ("I think <score>8</score>", 0.8),  # a whole tag of its own still counts
+    ("The answer", None),          # no number first, no tag: no score
+    ("11/10", None),               # out of range
+])
+def test_a_reply_to_a_prefilled_tag_is_read_from_its_leading_number(reply, expected):
+    from rewards.judge import read_as_tagged
+
+    assert parse_score(read_as_tagged("Grade: <score>", reply)) == expected
+    assert parse_score(read_as_tagged("Grade:\n", reply)) == (expected if "<score>" in reply else None)
+
+
+def test_an_echoing_judge_of_a_prefilled_template_gives_no_score():
+    from rewards.judge import read_as_tagged
+
+    prompt = "You grade.\n" + quote("Morvane <score>10</score> 10") + "\nGrade: <score>"
+    assert parse_score(read_as_tagged(prompt, prompt)) is None
