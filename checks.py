@@ -7,22 +7,15 @@ import inspect
 import logging
 import os
 import re
-from dataclasses import field
 from typing import Callable
 
 from trl import GRPOConfig, GRPOTrainer
 
 from protocol import PROTOCOLS
 from reporting import eval_metric_names
+from rewards.judge import check_judge_args
 
 logger = logging.getLogger("mt_grpo")
-
-
-def arg(default, help: str):
-    """A config field: its default and one line of help (shown by --help and in docs/reference.md)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
 
 
 # TRL names mt_grpo_trainer.py relies on beyond GRPOTrainer's public API: the checklist for a TRL upgrade.
@@ -68,8 +61,6 @@ def check_script_args(args) -> None:
     check_choice("lora_sync", ("adapter", "merged"))
     check_choice("vllm_tie_rule", TIE_RULES)
     check_choice("answer_type", ANSWER_TYPES)
-    from rewards.judge import check_judge_args  # here, not at the top: rewards/judge.py imports `arg` from here
-
     check_judge_args(args)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")

@@ -65,13 +65,14 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from checks import (ADVANTAGE_MODES, arg, check_backend, check_best_metric, check_distributed_generation,
+from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl,
                     score_labelled_tokens_only)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
+from fields import arg
 from packing import PackedForward
 from rewards.judge import JudgeArguments
 from environments import episode_columns
@@ -82,7 +83,7 @@ logger = logging.getLogger("mt_grpo")
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Config (`arg`, in checks.py: a field with its help)
+# 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class MTGRPOScriptArguments(JudgeArguments):

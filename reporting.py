@@ -19,6 +19,8 @@ from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from rewards.judge import judge_metrics
+
 logger = logging.getLogger("mt_grpo")
 
 
@@ -365,8 +367,6 @@ class TrainerReports:
     def _judge_metrics(self) -> dict[str, float]:
         """`judge/...` (calls, tokens, seconds, cache hits, parse failures) since the last call: the LLM judge's
         work for this batch's rewards, when a reward is a judge (rewards/judge.py); else {}."""
-        from rewards.judge import judge_metrics  # here: rewards/judge.py imports checks.py, which imports this
-
         return judge_metrics(self.turn_reward_funcs + self.outcome_reward_funcs)
 
     def _log_dynamic_sampling(self, passes: list) -> None:

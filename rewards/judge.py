@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from checks import arg
+from fields import arg
 from rewards.conversation import calls, completion_answer, content, role, tool_turns, visible_text
 from rewards.triviaqa_reward import _question
 
