@@ -285,8 +285,9 @@ def test_group_judge_makes_one_call_per_group_and_reads_each_episode(serve, judg
     # Veltria: three answered episodes, the judge forgot the third (sample 3); no answer: 0.0 without asking
     assert values == [1.0, 0.3, 0.0, None, 1.0, 0.3]
     assert len(server.requests) == 2
-    assert [r["max_tokens"] for r in server.requests] == [3 * 32, 2 * 32]  # judge_max_tokens per episode
-    assert [len(EPISODE.findall(p)) for p in server.prompts()] == [3, 2]
+    # judge_max_tokens per episode; the two requests go out at once, so in either order
+    assert sorted((r["max_tokens"], len(EPISODE.findall(r["prompt"]))) for r in server.requests) == \
+        [(2 * 32, 2), (3 * 32, 3)]
     metrics = reward.judge.pop_metrics()
     assert metrics["judge/parse_failures"] == 1 and metrics["judge/parse_failure_rate"] == pytest.approx(1 / 5)
 
@@ -308,7 +309,7 @@ def test_requests_in_flight_stay_within_max_concurrency(serve, judge_at):
         t.start()
     for t in callers:
         t.join()
-    assert server.max_in_flight == 3 and len(server.requests) == 12
+    assert 1 < server.max_in_flight <= 3 and len(server.requests) == 12  # concurrent, within the bound
     assert replies == {0: ["<score>5</score>"] * 6, 1: ["<score>5</score>"] * 6}
     assert judge.pop_metrics()["judge/calls"] == 12
 
