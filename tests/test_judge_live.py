@@ -24,18 +24,19 @@ def judge_server(tmp_path_factory):
 
     folder = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        folder = convert_smollm2(str(tmp_path_factory.mktemp("smollm2")))
+        folder = convert_smollm2(str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"))
     log = tmp_path_factory.mktemp("judge-server") / "server.log"
     with VLLMCPUServer(folder, log, max_model_len=2048, dev_mode=False) as server:
-        yield f"http://127.0.0.1:{server.port}/v1"
+        yield f"http://127.0.0.1:{server.port}/v1", folder
 
 
 def test_smollm2_judges_through_the_shipped_templates(judge_server):
     """Scores for every answered episode and every tool turn, in [0, 1]: the templates end in an opened score tag,
     so even a 135M judge answers in the format. The same calls again cost no request."""
-    judge = Judge.from_args(JudgeArguments(judge_base_url=judge_server, judge_max_parse_failure_rate=1.0))
+    url, folder = judge_server
+    judge = Judge.from_args(JudgeArguments(judge_base_url=url, judge_max_parse_failure_rate=1.0))
     try:
-        assert judge.check().endswith("SmolLM2-135M-Instruct")  # the first model the server lists
+        assert judge.check() == folder  # the first (and only) model the server lists: vLLM names it by its path
         outcome, turn = OutcomeJudge(judge), TurnJudge(judge)
         answers = outcome([VELTRIA] * 2, [RIGHT, WRONG], answer=[["Morvane"]] * 2)
         turns = turn([VELTRIA] * 2, [RIGHT, TWO_TURNS], answer=[["Morvane"]] * 2)
@@ -60,7 +61,7 @@ def test_a_training_batch_is_scored_by_the_live_judge(judge_server, tiny_agent_d
     """The recipe path: judge_outcome and judge_turn by name, the scripted policy's four episodes. The judge's
     scores of the completions the trainer logged, asked again (from the cache: no request), are its R_O, and the
     advantages after the tool result are those scores normalised within the group; the judge's work is logged."""
-    trainer = judge_trainer(tiny_agent_dir, tmp_path, type("Server", (), {"url": judge_server}),
+    trainer = judge_trainer(tiny_agent_dir, tmp_path, type("Server", (), {"url": judge_server[0]}),
                             "--outcome_reward_funcs", "judge_outcome", "--turn_reward_funcs", "judge_turn",
                             "--judge_max_parse_failure_rate", "1.0")  # a 135M judge misses some grades
     trainer.model.train()
