@@ -32,6 +32,7 @@ import torch
 from common import ROOT, print_table
 
 import mt_grpo_trainer as mt
+from rewards.judge import judges_of
 from transformers import TrainerCallback
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
@@ -121,8 +122,7 @@ def instrument(trainer, phases: Phases) -> dict:
     trainer._tensors = phases.wrap("old / ref logprobs", trainer._tensors)
     for name in ("_score", "_advantages", "_correct_for_sampler", "_log", "_record_rollout"):
         setattr(trainer, name, phases.wrap("scoring + logging", getattr(trainer, name)))
-    for judge in {id(fn.judge): fn.judge for fn in trainer.turn_reward_funcs + trainer.outcome_reward_funcs
-                  if hasattr(fn, "judge")}.values():  # an LLM judge's requests (rewards/judge.py), inside scoring
+    for judge in judges_of(trainer.turn_reward_funcs + trainer.outcome_reward_funcs):  # its requests, in scoring
         judge.complete = phases.wrap("scoring: judge", judge.complete)
     trainer.compute_loss = phases.wrap("forward", trainer.compute_loss)
     trainer.accelerator.backward = phases.wrap("backward", trainer.accelerator.backward)

@@ -683,10 +683,16 @@ def build_judge_rewards(items: list, args, judge: Judge | None = None) -> tuple[
     return out, judge
 
 
+def judges_of(reward_funcs: list) -> list[Judge]:
+    """The judges behind the judge rewards of `reward_funcs`, each once however many rewards share it."""
+    return list({id(fn.judge): fn.judge for fn in reward_funcs
+                 if isinstance(getattr(fn, "judge", None), Judge)}.values())
+
+
 def judge_metrics(reward_funcs: list) -> dict[str, float]:
-    """The `judge/...` metrics since the last call, summed over the judges of `reward_funcs` (each judge
-    once, however many rewards share it); {} when none is a judge reward."""
-    judges = {id(fn.judge): fn.judge for fn in reward_funcs if isinstance(getattr(fn, "judge", None), Judge)}
+    """The `judge/...` metrics since the last call, summed over the judges of `reward_funcs` (judges_of);
+    {} when none is a judge reward."""
+    judges = judges_of(reward_funcs)
     if not judges:
         return {}
-    return metrics_of(sum((j.pop_counts() for j in judges.values()), collections.Counter()))
+    return metrics_of(sum((j.pop_counts() for j in judges), collections.Counter()))
