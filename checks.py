@@ -14,6 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 from protocol import PROTOCOLS
 from reporting import eval_metric_names
 from rewards.judge import check_judge_args
+from turn_samples import TURN_SAMPLES
 
 logger = logging.getLogger("mt_grpo")
 
@@ -57,6 +58,7 @@ def check_script_args(args) -> None:
     check_choice("tokenization_check", TOKENIZATION_CHECKS)
     check_choice("weight_sync", WEIGHT_SYNCS)
     check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
+    check_choice("turn_samples", TURN_SAMPLES)
     check_choice("tool_format", sorted(PROTOCOLS))
     check_choice("lora_sync", ("adapter", "merged"))
     check_choice("vllm_tie_rule", TIE_RULES)
@@ -324,9 +326,10 @@ def tokenization_difference(env, prompt: list[dict], ep, mode: str) -> str:
     """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
     agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
     tokens the model sampled inside a turn) means training sees other tokens than a fresh render
-    would; it is reported, not fixed: the sampled ids are the truth."""
+    would; it is reported, not fixed: the sampled ids are the truth. An episode split into samples
+    (turn_samples.py) is compared in its last sample: the earlier samples' prompts are renders themselves."""
     tokenizer = env.tokenizer
-    ids = ep.prompt_ids + ep.completion_ids
+    ids = ep.context_ids
     full = env.render_ids(prompt + ep.messages, toolset=ep.toolset)
     if mode == "strict":
         same = full[: len(ids)] == ids
@@ -337,7 +340,8 @@ def tokenization_difference(env, prompt: list[dict], ep, mode: str) -> str:
     if same:
         return ""
     k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-    where = (f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
+    where = (f"in sample {len(ep.sample_starts) + 1}, at token {k}" if ep.sample_starts
+             else f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
              else f"in the prompt, at token {k}")
     return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
             f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")

@@ -40,15 +40,16 @@ The algorithm is marked `ALGO LOGIC`: the pure functions of sections 4-5 (`mt_gr
 stages. The rest is plumbing, and most of it lives beside this file: `protocol.py` (the tool protocols:
 tags, stop strings, parsing, shared with the rewards), `checks.py` (every config rule and the TRL check),
 `weight_sync.py` (the vLLM server's weight sync and its probes), `reporting.py` (metrics, rollout records,
-console, SIGTERM), `evaluation.py` (the eval loop over the trainer's stages), `async_rollout.py` (the overlapped rollout of the next batch), `tools/` (the tools and
-how calls run), `tasks/` (datasets, held-out splits, eval metrics) and `rewards/`.
+console, SIGTERM), `evaluation.py` (the eval loop over the trainer's stages), `async_rollout.py` (the overlapped
+rollout of the next batch), `packing.py` (shared-prefix packed forwards), `turn_samples.py` (turns as training
+samples where the chat template rewrites history), `tools/` (the tools and how calls run), `tasks/` (datasets,
+held-out splits, eval metrics) and `rewards/`.
 """
 
 import concurrent.futures
 import logging
 import math
 import os
-import sys
 import time
 import typing
 import warnings
@@ -60,7 +61,7 @@ import torch
 from accelerate.utils import gather
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_utils import get_last_checkpoint
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
+from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
@@ -72,11 +73,12 @@ from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_pr
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
-from fields import arg
+from fields import arg, parse_recipe
 from packing import PackedForward
 from rewards.judge import JudgeArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
+from turn_samples import next_sample_prompt, sample_bounds
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
 logger = logging.getLogger("mt_grpo")
@@ -143,8 +145,8 @@ class MTGRPOScriptArguments(JudgeArguments):
                                            "normaliser (the KL still acts on them).")
     padding_free: bool = arg(False, "Forward each micro-batch as shared-prefix tries (packing.py): a group's prompt "
                              "and common turns once, no padding; exact, and faster with whole groups per micro-batch.")
-    max_tokens_per_microbatch: int | None = arg(None, "padding_free: unique tokens per packed forward, at most; "
-                                                "more episodes start another (None: one per micro-batch).")
+    max_tokens_per_microbatch: int | None = arg(None, "Packed forwards (padding_free, split rows): unique tokens per "
+                                                "forward, at most; more start another (None: one per micro-batch).")
     lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
                          "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).")
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
@@ -167,6 +169,8 @@ class MTGRPOScriptArguments(JudgeArguments):
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
                                   "ignore_whitespace (text) | off. Mismatches are logged.")
+    turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
+                            "per_turn (one per model turn, prompt re-rendered) | auto (a new one where a re-render differs).")
     # Generation backend
     generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
                                   "vllm_server_host:vllm_server_port, or vllm_server_base_url).")
@@ -499,7 +503,7 @@ class StopAtStrings(StoppingCriteria):
 
 def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                             completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                            params: SamplingParams) -> torch.Tensor:
+                            params: SamplingParams, sample_starts: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) the policy's logprob of each completion token under the sampler's processing
     (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
     pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
@@ -507,13 +511,17 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     full-vocabulary logits, (length, V) per row. Every rank calls it for the same number of rows (under
     ZeRO-3 each forward is a collective). 0 on padding."""
     out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
     for r in range(completion_ids.shape[0]):
-        prompt, n = prompt_ids[r][prompt_mask[r].bool()], int(completion_mask[r].sum())
-        ids = torch.cat([prompt, completion_ids[r, :n]])
-        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (n, V)
-        seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
-        drawn = ids[len(prompt):]
-        out[r, :n] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
+        n = int(completion_mask[r].sum())
+        for a, b in sample_bounds(starts[r].nonzero().flatten().tolist(), n):  # each sample in its own context
+            prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
+            a += a > 0  # a later sample's first token has no context to score it (an env token: out of the loss)
+            ids = torch.cat([prompt, completion_ids[r, a:b]])
+            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - a, V)
+            seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
+            drawn = ids[len(prompt):]
+            out[r, a:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
     return out
 
 
@@ -779,6 +787,9 @@ class Episode:
     tokenization_mismatch: bool = False
     policy_version: int = 0  # optimizer steps the sampled weights had taken
     toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)
+    prompt_messages: list[dict] = field(default_factory=list)  # what `prompt_ids` renders
+    # (completion offset, messages its prompt renders) of each sample after the first (turn_samples.py)
+    sample_starts: list[tuple[int, int]] = field(default_factory=list)
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
         if logprobs is None:
@@ -791,6 +802,11 @@ class Episode:
         self.sampler_logprobs += logprobs
         self.spans.append(Span(role, start, len(self.completion_ids)))
         assert len(self.completion_ids) == len(self.env_mask) == len(self.sampler_logprobs)
+
+    context_ids = property(lambda self: self.completion_ids[self.sample_starts[-1][0]:] if self.sample_starts
+                           else self.prompt_ids + self.completion_ids)  # what the model sees next: its sample
+
+    context_length = property(lambda self: len(self.context_ids) - len(self.prompt_ids))  # max_completion_length's
 
     @property
     def done(self) -> bool:
@@ -845,7 +861,8 @@ class MultiTurnToolEnv:
                  tool_timeout: float = 10.0, tool_max_workers: int = 16,
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
-                 scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None):
+                 scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
+                 turn_samples: str = "interleaved"):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
@@ -861,6 +878,7 @@ class MultiTurnToolEnv:
         self.tool_timeout = tool_timeout
         self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
+        self.turn_samples = turn_samples  # interleaved | per_turn | auto (turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
         self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot)
@@ -909,7 +927,7 @@ class MultiTurnToolEnv:
         toolsets = [self.toolset] * len(prompts)
         if self.environments is not None:
             prompts, toolsets = self.environments.start(rows, prompts)
-        episodes = [Episode(self.render_ids(p, True, ts), toolset=ts) for p, ts in zip(prompts, toolsets)]
+        episodes = [Episode(self.render_ids(p, True, ts), toolset=ts, prompt_messages=p) for p, ts in zip(prompts, toolsets)]
         bar = RolloutProgress(len(episodes), progress)
         if self.scheduler == "per_episode" and not backend.can_submit:
             raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
@@ -929,8 +947,7 @@ class MultiTurnToolEnv:
         asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
-            budgets = [min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids))
-                       for ep in live]
+            budgets = [self._budget(ep) for ep in live]
             samples = self._generate(backend, live, budgets, first, params)
             first = False
             pending = [(ep, calls) for ep, sample in zip(live, samples)
@@ -958,7 +975,7 @@ class MultiTurnToolEnv:
                     batch, ready = self._next_request(ready, backend.prompts_per_request)
                     n = batch[0][1]
                     eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
-                    future = backend.submit([ep.prompt_ids + ep.completion_ids for ep in eps],
+                    future = backend.submit([ep.context_ids for ep in eps],
                                             self._budget(eps[0]), n, params)
                     in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
                     requests += 1
@@ -985,7 +1002,7 @@ class MultiTurnToolEnv:
             tool_pool.shutdown(wait=False)
 
     def _budget(self, ep: Episode) -> int:
-        return min(self.max_tokens_per_turn, self.max_completion_length - len(ep.completion_ids))
+        return min(self.max_tokens_per_turn, self.max_completion_length - ep.context_length)
 
     def _next_request(self, ready: list[tuple[list[Episode], int]], per_request: int):
         """The ready work for one request: the first entry and, if it is a single later turn, up to
@@ -999,7 +1016,7 @@ class MultiTurnToolEnv:
 
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
                   params: SamplingParams | None) -> list[Sample]:
-        seqs = [ep.prompt_ids + ep.completion_ids for ep in live]
+        seqs = [ep.context_ids for ep in live]
         # First turn: the batch holds groups of identical prompts; ask for n samples of each.
         n = group_size(seqs) if first and len(set(budgets)) == 1 else 1
         samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params)
@@ -1020,7 +1037,7 @@ class MultiTurnToolEnv:
         if turn.kind == "answer":
             ep.stop_reason = "answer"
         elif sample.finish_reason == "length":
-            ep.stop_reason = ("budget" if len(ep.completion_ids) >= self.max_completion_length
+            ep.stop_reason = ("budget" if ep.context_length >= self.max_completion_length
                               else "turn_length")
         elif sample.finish_reason == "repetition":
             ep.stop_reason = "repetition"
@@ -1041,15 +1058,20 @@ class MultiTurnToolEnv:
         # repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
-        if len(ids) >= self.max_completion_length - len(ep.completion_ids):
-            # the reply does not fit with a token left to answer: no partial message
+        # the next sample's prompt where the template renders the history otherwise (turn_samples.py)
+        prompt = next_sample_prompt(self.turn_samples, ep.context_ids, ids, lambda: self.render_ids(
+            ep.prompt_messages + ep.messages + messages, add_generation_prompt=True, toolset=ep.toolset))
+        if (len(prompt) if prompt is not None else len(ep.context_ids) + len(ids)) - len(ep.prompt_ids) \
+                >= self.max_completion_length:  # the reply does not fit with a token left to answer
             ep.stop_reason = "budget"
             return
         turn = sum(s.role == "model" for s in ep.spans) - 1
         ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
                      for c, r, m in zip(calls, results, messages)]
-        ep.append("env", ids)
         ep.messages += messages
+        if prompt is not None:
+            ep.sample_starts.append((len(ep.completion_ids), len(ep.messages)))
+        ep.append("env", ids if prompt is None else prompt)
 
     def release(self, episodes: list[Episode]) -> None:
         if self.environments is not None:
@@ -1093,6 +1115,9 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
         "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, **right),  # (B, T)
     }
     T = batch["completion_ids"].shape[1]
+    batch["sample_starts"] = torch.zeros(len(episodes), T, dtype=torch.long)  # 1: a sample's prompt starts here
+    for row, ep in enumerate(episodes):
+        batch["sample_starts"][row, [s for s, _ in ep.sample_starts]] = 1
     batch["token_turns"] = torch.stack([token_turn_index(ep.spans, T) for ep in episodes]) if episodes else \
         torch.zeros(0, T, dtype=torch.long)
     if mask_truncated:
@@ -1555,7 +1580,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler()
         logps = lambda model: self._get_per_token_logps_and_entropies(  # noqa: E731
             model, ids, attention, T, batch_size=bs)[0]
-        with torch.no_grad():
+        with torch.no_grad(), self.row_samples(batch["sample_starts"]):
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
             if self._corrects_sampler():
@@ -1565,7 +1590,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                     with self.accelerator.autocast():
                         batch["trainer_sampler_logps"] = policy_sampler_logprobs(
                             self.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                            batch["completion_mask"], params)
+                            batch["completion_mask"], params, batch["sample_starts"])
                 else:  # the softmax at the temperature: what TRL's logprobs already are
                     batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
             if self.beta != 0.0:
@@ -1659,7 +1684,8 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         if "zero_signal_scale" in inputs:
             inputs = dict(inputs)
             inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
-        return super()._compute_loss(model, inputs)
+        with self.row_samples(inputs.get("sample_starts")):  # rows split into samples are forwarded packed
+            return super()._compute_loss(model, inputs)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
@@ -1705,7 +1731,7 @@ def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> Mul
         tool_timeout=sa.tool_timeout, tool_max_workers=sa.tool_max_workers, tokenization_check=sa.tokenization_check,
         few_shot=sa.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
         scheduler=sa.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-        environments=parts.environments)
+        environments=parts.environments, turn_samples=sa.turn_samples)
 
 
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):
@@ -1728,20 +1754,7 @@ def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: Mult
 
 def parse_args(argv: list[str] | None = None):
     """(config, config, model arguments): the MTGRPOConfig twice, as the script arguments and the training ones."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" in argv:
-        path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else ""
-        if not os.path.isfile(path):
-            raise SystemExit(f"Recipe file not found: {path!r}. Pass an existing YAML, e.g. --config "
-                             "hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml")
-    parser = TrlParser((MTGRPOConfig, ModelConfig))
-    try:
-        config, model_args = parser.parse_args_and_config(argv)
-    except ValueError as e:
-        if "Unknown arguments" in str(e):
-            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOConfig (MTGRPOScriptArguments and "
-                             "GRPOConfig) or ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
-        raise
+    config, model_args = parse_recipe(argv, MTGRPOConfig)
     return config, config, model_args
 
 

@@ -30,13 +30,15 @@ attention and MLP over at most `budget` tokens), not the batch's row count times
 """
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
+from turn_samples import sample_bounds  # noqa: E402
 
 
 @dataclass
@@ -52,25 +54,34 @@ class PackedRow:
     cols: torch.Tensor  # (M,): its completion column
 
 
-def episode_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
-    """Each row's real tokens (the left-padded prompt and the right-padded completion without their padding) and
-    the completion columns whose log-probs the padded path gives: every attended completion position."""
+def episode_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                   sample_starts: torch.Tensor | None = None):
+    """Each row's sequences: (row, tokens, how many lead the scored ones, their completion columns). A row is its
+    real tokens (the left-padded prompt and the right-padded completion without their padding), scored at every
+    attended completion position as the padded path is; a row split into samples (`sample_starts`, (B, T): 1
+    where a sample's prompt starts, turn_samples.py) is one sequence per sample, each seeing only itself, and
+    a later sample's first token is not scored (nothing before it in its sample predicts it; an environment token)."""
     prompt_len = input_ids.shape[1] - logits_to_keep
-    for ids, att in zip(input_ids.tolist(), attention_mask.tolist()):
+    for row, (ids, att) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
         prompt = [t for t, a in zip(ids[:prompt_len], att[:prompt_len]) if a]
         cols = [c for c, a in enumerate(att[prompt_len:]) if a]
-        yield prompt + [ids[prompt_len + c] for c in cols], len(prompt), cols
+        starts = [] if sample_starts is None else sample_starts[row].nonzero().flatten().tolist()
+        for a, b in sample_bounds(starts, len(cols)):
+            lead = prompt if a == 0 else [ids[prompt_len + cols[a]]]
+            part = cols[a + (a > 0) : b]
+            if part:
+                yield row, lead + [ids[prompt_len + c] for c in part], len(lead), part
 
 
 def plan_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              budget: int | None) -> tuple[list[TreeRow], list[list[int]]]:
-    """Fold the batch's episodes into tries of at most `budget` unique tokens (None: one trie). An episode goes to
-    the open trie that shares most of it, else starts one. Returns the tries and, per trie, each episode's
-    (batch row, [its scored completion columns])."""
+              budget: int | None, sample_starts: torch.Tensor | None = None) -> tuple[list[TreeRow], list[list[int]]]:
+    """Fold the batch's episodes (or their samples) into tries of at most `budget` unique tokens (None: one trie).
+    A sequence goes to the open trie that shares most of it, else starts one. Returns the tries and, per trie,
+    each sequence's (batch row, [its scored completion columns])."""
     tries, placed = [], []
-    for row, (tokens, prompt_len, cols) in enumerate(episode_tokens(input_ids, attention_mask, logits_to_keep)):
+    for row, tokens, prompt_len, cols in episode_tokens(input_ids, attention_mask, logits_to_keep, sample_starts):
         scored = torch.zeros(len(tokens), dtype=torch.long)
-        scored[[prompt_len + c for c in cols]] = 1
+        scored[prompt_len:] = 1  # the sequence's tokens after its lead are its columns `cols`, in order
         sample = {"input_ids": torch.tensor(tokens), "completion_mask": scored, "group_id": row,
                   "old_log_probs": torch.zeros(len(tokens)), "advantage": 0.0}
         if budget is not None and len(tokens) > budget:
@@ -119,12 +130,13 @@ def layout(trie: TreeRow, placed: list[tuple[int, list[int]]], device) -> Packed
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                               budget: int | None = None, compute_entropy: bool = False, autocast=None):
+                               budget: int | None = None, compute_entropy: bool = False, autocast=None,
+                               sample_starts: torch.Tensor | None = None):
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
     B, T = input_ids.shape[0], logits_to_keep
-    tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget)
+    tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     forwarded = 0
@@ -156,18 +168,40 @@ def check_attention(model) -> None:
 
 class PackedForward:
     """A GRPOTrainer mixin: with `padding_free`, every forward that scores completions (the loss's, the old and the
-    reference log-probs) runs on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path."""
+    reference log-probs) runs on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path. Rows
+    split into samples (turn_samples.py) are forwarded packed whatever `padding_free` says: the padded path would
+    let a sample see the samples before it."""
+
+    _sample_starts: torch.Tensor | None = None
+
+    @contextmanager
+    def row_samples(self, sample_starts: torch.Tensor | None):
+        """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
+        the forward with ids and masks only, so the layout reaches it here."""
+        self._sample_starts = sample_starts if sample_starts is not None and bool(sample_starts.any()) else None
+        try:
+            yield
+        finally:
+            self._sample_starts = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
-        if not self.script_args.padding_free or compute_aux_loss or any(v is not None for v in extra.values()):
+        starts = self._sample_starts
+        if starts is not None and tuple(starts.shape) != (input_ids.shape[0], logits_to_keep):
+            raise RuntimeError(f"sample_starts of shape {tuple(starts.shape)} for a forward of "
+                               f"{(input_ids.shape[0], logits_to_keep)} completion tokens")
+        padded = compute_aux_loss or any(v is not None for v in extra.values())
+        if starts is not None and padded:
+            raise ValueError("Rows split into per-turn samples (`turn_samples`) are forwarded packed, which takes no "
+                             "multimodal inputs or MoE auxiliary loss; set `turn_samples: interleaved`.")
+        if (not self.script_args.padding_free and starts is None) or padded:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
         check_attention(model)
         logps, entropies, (raw, forwarded) = packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, self.script_args.max_tokens_per_microbatch,
-            compute_entropy, self.accelerator.autocast)
+            compute_entropy, self.accelerator.autocast, starts)
         if torch.is_grad_enabled():  # once per trained micro-batch, not for the old / reference log-probs
             self._metrics["train" if model.training else "eval"]["packing/ratio"].append(raw / max(forwarded, 1))
         return logps, entropies, None

@@ -67,7 +67,7 @@ class RolloutProgress:
             self.bar.close()
 
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
-                 "tokenization_mismatch", "turns")
+                 "tokenization_mismatch", "turns", "samples")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
 
 
@@ -78,7 +78,7 @@ def episode_stats(episodes: list) -> torch.Tensor:
         model_tokens = sum(ep.env_mask)
         rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                     sum(s.role == "model" for s in ep.spans)]
+                     sum(s.role == "model" for s in ep.spans), 1 + len(ep.sample_starts)]
                     + [ep.stop_reason == r for r in STOP_REASONS])
     return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
 
@@ -97,6 +97,7 @@ def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
         "rollout/truncated_ratio": s["truncated"].mean().item(),
         "rollout/answered_ratio": s["answered"].mean().item(),
         "rollout/tokenization_mismatch_ratio": s["tokenization_mismatch"].mean().item(),
+        "rollout/samples_per_episode": s["samples"].mean().item(),  # turn_samples.py; 1: none split
     }
     for i, reason in enumerate(STOP_REASONS):
         out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
@@ -159,6 +160,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
     for i, (ep, row) in enumerate(zip(episodes, inputs)):
         n = len(ep.completion_ids)
         turns, model_turn, env_turn = [], -1, -1
+        starts = [start for start, _ in getattr(ep, "sample_starts", [])]  # turn_samples.py
         environment = getattr(getattr(ep, "toolset", None), "environment", None)  # environments.py
         for span in ep.spans:
             turn = {"role": span.role, "start": span.start, "end": span.end,
@@ -170,6 +172,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
                 turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
                 if environment is not None and env_turn < len(ep.toolset.turn_rewards):
                     turn["step_rewards"] = [_number(x) for x in ep.toolset.turn_rewards[env_turn]]
+                if span.start in starts:  # the prompt of a new sample: the template's render of the history
+                    turn["sample"] = starts.index(span.start) + 2
             turns.append(turn)
         tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
                   "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}

@@ -274,7 +274,9 @@ function fillTokens(box, ep, e, scale) {
     if (seg.role === "env") {
       // an environment's per-step rewards (environments.py): what this turn's calls earned, R_T of the turn
       const steps = seg.step_rewards ? ` · step reward ${seg.step_rewards.map(fmt).join(" + ") || "none (0)"}` : "";
-      div.append(el("span", "turn-label", (err ? "environment (error)" : "environment") + steps));
+      // turn_samples: this turn starts a new training sample, whose prompt is the template's render of the history
+      const sample = seg.sample ? ` · sample ${seg.sample}: its prompt, the template's render of the history` : "";
+      div.append(el("span", "turn-label", (err ? "environment (error)" : "environment") + steps + sample));
     }
     for (let i = seg.start; i < Math.min(seg.end, n); i++) {
       if (i === ep.first_result) {

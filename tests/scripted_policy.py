@@ -28,7 +28,10 @@ class ScriptedPolicy:
         variants = self.script[question]
         if isinstance(variants[0], str):
             variants = [variants]
-        turns = variants[sample % len(variants)] if k == 0 else next(v for v in variants if v[0] in conversation)
+        if k == 0 or len(variants) == 1:  # one variant: whatever the history's layout (a template may rewrite it)
+            turns = variants[sample % len(variants)]
+        else:
+            turns = next(v for v in variants if v[0] in conversation)
         return turns[k] if k < len(turns) else ""
 
     def another_round(self, has_work: bool) -> bool:

@@ -369,6 +369,7 @@ def test_two_steps_train_with_chat_template_tool_calls(chat_template_agent_dir, 
     ("hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml", None),
     ("hf_recipes/Qwen/Qwen3-8B/mt_grpo.yaml", {"enable_thinking": False}),
     ("hf_recipes/Qwen/Qwen3-8B/mt_grpo_lora.yaml", {"enable_thinking": False}),
+    ("hf_recipes/Qwen/Qwen3-8B/mt_grpo_thinking.yaml", {"enable_thinking": True}),
     ("hf_recipes/Qwen/Qwen2.5-7B-Instruct/textworld_quest.yaml", None),
 ])
 def test_launch_dry_run_trains_the_recipe_with_chat_template(recipe, chat_template_kwargs):

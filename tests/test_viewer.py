@@ -311,6 +311,35 @@ def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
     assert browser.errors() == []
 
 
+def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_tokenizer):
+    """An episode split into per-turn samples (turn_samples: per_turn) is recorded with the env turns that start a
+    sample numbered, and the page labels them."""
+    from reporting import episode_records
+    from scripted_policy import ScriptedPolicy
+
+    question = "What is the capital of Veltria?"
+    call = '<reasoning>Look it up.</reasoning>\n<tool>{"name": "search", "args": {"query": "Veltria"}}</tool>'
+    script = {question: [call, call, "<reasoning>Found it.</reasoning>\n<answer>Morvane</answer>"]}
+    env = make_env(smollm2_tokenizer, [fake_search(lambda query: "Veltria: its capital is Morvane.")],
+                   turn_samples="per_turn")
+    episodes = env.rollout([env.prompt(question)], ScriptedPolicy(smollm2_tokenizer, script))
+    records = episode_records(smollm2_tokenizer, episodes, [{"question": question, "answer": ["Morvane"]}], step=1,
+                              mode="train", first_index=0, group_size=1, rewards={}, token_values={})
+    assert [t.get("sample") for t in records[0]["turns"] if t["role"] == "env"] == [2, 3]
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir, seed=0, train_steps=(1,), eval_steps=())
+    with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    view(run_dir)
+    browser.send("Runtime.enable")
+    browser.send("Page.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    labels = browser.js("[...document.querySelectorAll('.turn-label')].map((l) => l.textContent)")
+    assert "environment · sample 3: its prompt, the template's render of the history" in labels, labels
+    assert browser.errors() == []
+
+
 # ------------------------------------------------------------------------------------------------
 # scripts/answer_errors.py: where a run's wrong answers come from
 # ------------------------------------------------------------------------------------------------

@@ -100,6 +100,53 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
     assert (ours[mask] - torch.tensor(ep.sampler_logprobs)[mask]).abs().max() < 1e-3
 
 
+def prefix_cache_counts(port) -> tuple[float, float]:
+    """(hits, queries) of the server's prefix cache, in tokens, from its Prometheus /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    total = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()  # noqa: E731
+                             if line.startswith(f"vllm:{name}_total"))
+    return total("prefix_cache_hits"), total("prefix_cache_queries")
+
+
+def test_turn_samples_against_the_server(untied_server, tiny_agent_dir):
+    """The three `turn_samples` settings roll out against the server (per_episode scheduling): every model turn is
+    exactly a sample the server returned, every sample's prompt is the template's render of its history, and
+    per_turn's re-rendered prompts reuse the server's prefix cache (the history before the last reply)."""
+    from test_turn_samples import check_samples
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    prompts = [("What is the capital of Veltria?", 4), ("Who founded Morvane?", 4)]
+    for mode in ("interleaved", "auto", "per_turn"):
+        client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server.port}",
+                                 params=SamplingParams(temperature=1.0), stop_strings=XMLProtocol.stop_strings,
+                                 eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30)
+        env = MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
+                               max_tokens_per_turn=40, max_completion_length=300, max_tool_response_tokens=40,
+                               task_prompt=SEARCH_TASK_PROMPT, examples=search_examples, turn_samples=mode)
+        before = prefix_cache_counts(untied_server.port)
+        episodes = env.rollout([env.prompt(q) for q, n in prompts for _ in range(n)], client)
+        hits, queries = (a - b for a, b in zip(prefix_cache_counts(untied_server.port), before))
+        turns = sorted(tuple(ep.completion_ids[s.start : s.end]) for ep in episodes for s in ep.spans
+                       if s.role == "model")
+        assert turns == sorted(tuple(x.token_ids) for x in client.returned)
+        check_samples(tokenizer, env, episodes)
+        splits = [len(ep.sample_starts) for ep in episodes]
+        # ChatML renders the xml protocol's history as it was sampled: auto keeps one sample
+        assert splits == ([ep.tool_turns for ep in episodes] if mode == "per_turn" else [0] * len(episodes))
+        assert any(ep.tool_turns for ep in episodes), "the tiny agent should call a tool sometimes"
+        print(f"{mode}: {sum(splits) + len(episodes)} samples, prefix cache hit rate {hits / max(queries, 1):.2f}")
+        assert queries > 0 and hits > 0
+
+
+def test_per_turn_samples_train_on_policy_against_the_server(untied_server, tiny_agent_dir, tmp_path):
+    """Two steps with per-turn samples: each sample is scored in the context the server sampled it in, so the
+    importance weights of the on-policy batch are 1."""
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--turn_samples", "per_turn")
+    assert_synced_each_step(steps)
+    assert any(h["rollout/samples_per_episode"] > 1 for h in steps), steps
+    assert all(abs(h["sampling/importance_weight_mean"] - 1) < 1e-3 for h in steps), steps
+
+
 def model_generation_config(model_dir):
     import json
 
