@@ -288,6 +288,16 @@ def test_page_in_chromium(run, browser, tmp_path):
     assert browser.errors() == []
 
 
+def turn_labels(browser, run_dir) -> list[str]:
+    """The page of `run_dir` opened in the browser: the text of every turn label."""
+    view(run_dir)
+    browser.send("Runtime.enable")
+    browser.send("Page.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    return browser.js("[...document.querySelectorAll('.turn-label')].map((l) => l.textContent)")
+
+
 def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
     """A run with an environment_factory records each env turn's step_rewards (environments.py): the page labels
     the turn with them, and a turn whose calls reported none says so."""
@@ -301,12 +311,7 @@ def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
     records[0]["environment"] = "Lock"
     with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    view(run_dir)
-    browser.send("Runtime.enable")
-    browser.send("Page.enable")
-    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
-    browser.wait_for("Page.loadEventFired")
-    labels = browser.js("[...document.querySelectorAll('.turn-label')].map((l) => l.textContent)")
+    labels = turn_labels(browser, run_dir)
     assert "environment · step reward 0.5 + -0.1" in labels, labels
     assert browser.errors() == []
 
@@ -330,12 +335,7 @@ def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_
     write_run(run_dir, seed=0, train_steps=(1,), eval_steps=())
     with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    view(run_dir)
-    browser.send("Runtime.enable")
-    browser.send("Page.enable")
-    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
-    browser.wait_for("Page.loadEventFired")
-    labels = browser.js("[...document.querySelectorAll('.turn-label')].map((l) => l.textContent)")
+    labels = turn_labels(browser, run_dir)
     assert "environment · sample 3: its prompt, the template's render of the history" in labels, labels
     assert browser.errors() == []
 
