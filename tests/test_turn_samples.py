@@ -215,9 +215,12 @@ def test_an_episode_split_into_samples_counts_once_in_every_loss_type(trainers, 
 
 
 # --- a run --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("padding_free", ["false", "true"])
-def test_a_run_trains_on_per_turn_samples(tiny_agent_dir, tmp_path, padding_free):
-    _, _, steps = smoke_run(tiny_agent_dir, tmp_path, "--turn_samples", "per_turn", "--padding_free", padding_free,
+@pytest.mark.parametrize("mode, padding_free", [("per_turn", "false"), ("per_turn", "true"), ("interleaved", "false")])
+def test_a_run_trains_in_each_setting(tiny_agent_dir, tmp_path, mode, padding_free):
+    """The in-process backend (transformers' generate) in each setting (auto, the default, runs in every other
+    smoke run): the tiny agent calls tools, so per_turn splits; interleaved never does."""
+    _, _, steps = smoke_run(tiny_agent_dir, tmp_path, "--turn_samples", mode, "--padding_free", padding_free,
                             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1")
     assert steps and all(s["grad_norm"] > 0 for s in steps)
-    assert any(s["rollout/samples_per_episode"] > 1 for s in steps)
+    split = [s["rollout/samples_per_episode"] > 1 for s in steps]
+    assert any(split) if mode == "per_turn" else not any(split)
