@@ -161,9 +161,10 @@ def check_attention(model) -> None:
     """The packed row's attention mask is a dense 4D mask; flash-attention kernels take none."""
     found = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if found is not None and found not in PACKED_ATTENTION:
-        raise ValueError(f"`padding_free: true` needs an attention implementation that takes a 4D mask "
+        raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
+                         f"`turn_samples`) need an attention implementation that takes a 4D mask "
                          f"({' or '.join(PACKED_ATTENTION)}); the model runs {found!r}. Set "
-                         "`attn_implementation: sdpa`, or `padding_free: false`.")
+                         "`attn_implementation: sdpa`, or `padding_free: false` and `turn_samples: interleaved`.")
 
 
 class PackedForward:

@@ -67,6 +67,7 @@ def measure(judge: Judge, pairs: list[dict], reference: bool) -> dict:
     exact = exact_match_reward_func(prompts, completions, aliases)
     assert exact == [1.0, 0.0] * len(pairs), "a wrong answer matched, or a right one did not"
     judge.pop_metrics()
+    judge.unparsed.clear()
     start = time.monotonic()
     scores = reward(prompts, completions, answer=aliases if reference else None)
     seconds = time.monotonic() - start
@@ -84,7 +85,7 @@ def measure(judge: Judge, pairs: list[dict], reference: bool) -> dict:
             "mean_grade_wrong": float(np.mean(wrong)) * 10 if wrong else float("nan"),
             "parse_failures": int(cost["judge/parse_failures"]), "requests": int(cost["judge/calls"]),
             "tokens_in": int(cost["judge/prompt_tokens"]), "tokens_out": int(cost["judge/completion_tokens"]),
-            "s_per_request": cost["judge/latency_mean"], "seconds": seconds}
+            "s_per_request": cost["judge/latency_mean"], "seconds": seconds, "unparsed": list(judge.unparsed)}
 
 
 def main():
@@ -127,6 +128,9 @@ def main():
                              "requests / s"],
                 [[r["reference"], r["requests"], r["tokens_in"], r["tokens_out"], r["s_per_request"], r["seconds"],
                   r["requests"] / r["seconds"]] for r in rows])
+    for r in rows:  # what a judge that gives no grade writes instead
+        for reply in r["unparsed"]:
+            print(f"unparsed reply ({r['reference']}): {reply[:300]!r}")
     print(f"\n(run from {os.path.relpath(os.getcwd(), ROOT) or '.'}; judge at {url})")
 
 

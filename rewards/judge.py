@@ -281,6 +281,7 @@ class Judge:
         self._lock = threading.Lock()
         self._counts: collections.Counter = collections.Counter()
         self._cache: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.unparsed: collections.deque[str] = collections.deque(maxlen=5)  # the last replies without a score
 
     @classmethod
     def from_args(cls, args) -> "Judge":
@@ -582,6 +583,7 @@ class JudgeReward:
             if missing := sum(v is None for v in values):
                 unparsed += missing
                 example = reply if example is None else example
+                self.judge.unparsed.append(reply)
             scores.append(values)
         self.judge.count(replies=sum(counts), parse_failures=unparsed)
         check_missing_scores(self.name, self.template_field, sum(counts), unparsed, unanswered,
