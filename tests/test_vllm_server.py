@@ -289,9 +289,13 @@ def test_server_importance_weights_are_one_on_policy(untied_server, tiny_agent_d
 
 def test_qwen3_sampler_settings_train_with_weights_of_one(untied_server, tiny_agent_dir, tmp_path):
     """The Qwen3 recipe's sampling (temperature 0.7, top_p 0.8, top_k 20) against the server: the first step
-    is on-policy, so its importance weights are 1 and the gradient is not erased."""
+    is on-policy, so its importance weights are 1 and the gradient is not erased. Dynamic sampling replaces the
+    groups without signal (the tiny agent's 8 episodes sometimes all score alike, and then no weight could give
+    a gradient), so the step has one to erase."""
     steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--temperature", "0.7", "--top_p", "0.8",
-                          "--top_k", "20", "--max_steps", "1")
+                          "--top_k", "20", "--max_steps", "1", "--dynamic_sampling", "true",
+                          "--dynamic_sampling_max_rounds", "4")
+    assert steps[0]["rewards/frac_zero_signal_groups"] < 1
     assert steps[0]["sampling/importance_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert abs(steps[0]["sync/sampler_probe_logprob_sum_diff"]) < 1e-3
     assert steps[0]["grad_norm"] > 0
