@@ -78,7 +78,7 @@ from packing import PackedForward
 from rewards.judge import JudgeArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
-from turn_samples import next_sample_prompt, sample_bounds
+from turn_samples import next_sample_prompt, scored_parts
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
 logger = logging.getLogger("mt_grpo")
@@ -514,14 +514,13 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
     for r in range(completion_ids.shape[0]):
         n = int(completion_mask[r].sum())
-        for a, b in sample_bounds(starts[r].nonzero().flatten().tolist(), n):  # each sample in its own context
+        for a, first, b in scored_parts(starts[r].nonzero().flatten().tolist(), n):  # each in its own context
             prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
-            a += a > 0  # a later sample's first token has no context to score it (an env token: out of the loss)
-            ids = torch.cat([prompt, completion_ids[r, a:b]])
-            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - a, V)
+            ids = torch.cat([prompt, completion_ids[r, first:b]])
+            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
             seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
             drawn = ids[len(prompt):]
-            out[r, a:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
+            out[r, first:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
     return out
 
 

@@ -38,7 +38,7 @@ import torch
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
-from turn_samples import sample_bounds  # noqa: E402
+from turn_samples import scored_parts  # noqa: E402
 
 
 @dataclass
@@ -66,9 +66,9 @@ def episode_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
         prompt = [t for t, a in zip(ids[:prompt_len], att[:prompt_len]) if a]
         cols = [c for c, a in enumerate(att[prompt_len:]) if a]
         starts = [] if sample_starts is None else sample_starts[row].nonzero().flatten().tolist()
-        for a, b in sample_bounds(starts, len(cols)):
+        for a, first, b in scored_parts(starts, len(cols)):
             lead = prompt if a == 0 else [ids[prompt_len + cols[a]]]
-            part = cols[a + (a > 0) : b]
+            part = cols[first:b]
             if part:
                 yield row, lead + [ids[prompt_len + c] for c in part], len(lead), part
 

@@ -55,6 +55,13 @@ def sample_bounds(starts: list[int], length: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def scored_parts(starts: list[int], length: int) -> list[tuple[int, int, int]]:
+    """(start, first scored, end) completion columns of each sample, for a forward that scores each sample in its
+    own context: the first sample is led by the episode's prompt and scored from column 0; a later one is led by
+    its own first token (its prompt's, an environment token), which nothing before it in its sample predicts."""
+    return [(a, a + (a > 0), b) for a, b in sample_bounds(starts, length)]
+
+
 @dataclass
 class TurnSample:
     """One training sample of an episode, as the model saw it: `prompt_ids` (the episode's prompt, or a render of

@@ -19,7 +19,7 @@ from helpers import VELTRIA, TEMPLATE_FILES, fake_search, make_env, qwen_tokeniz
 from scripted_policy import ScriptedPolicy
 from test_packing import gradient, scripted_trainer
 from test_scoring_path import task_files  # noqa: F401 (a fixture)
-from turn_samples import episode_samples, next_sample_prompt, sample_bounds
+from turn_samples import episode_samples, next_sample_prompt, sample_bounds, scored_parts
 
 MODES = ("per_turn", "auto")
 
@@ -96,6 +96,7 @@ def test_the_sample_rule():
     assert next_sample_prompt("auto", [1, 2], [3, 9], render) == [1, 2, 3, 4]
     assert next_sample_prompt("per_turn", [1, 2], [3, 4], render) == [1, 2, 3, 4]
     assert sample_bounds([], 5) == [(0, 5)] and sample_bounds([2, 4], 6) == [(0, 2), (2, 4), (4, 6)]
+    assert scored_parts([2, 4], 6) == [(0, 0, 2), (2, 3, 4), (4, 5, 6)]  # a later sample's lead token is not scored
 
 
 # --- the forward --------------------------------------------------------------------------------------------
