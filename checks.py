@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import re
+from types import SimpleNamespace
 from typing import Callable
 
 from trl import GRPOConfig, GRPOTrainer
@@ -32,6 +33,8 @@ logger = logging.getLogger("mt_grpo")
 #   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
 #       num_iterations) == 0): async_rollout's batch index follows it
 #   trl.trainer.utils._use_triton(device) -> bool   the fused LM head's switch to score labelled positions only
+#   trl.trainer.utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size, ...)
+#       the fused LM head's kernel; chunk_size: the vocabulary columns of one tile (narrowed on CPU)
 #   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
@@ -207,7 +210,8 @@ def check_trl() -> None:
     from packaging.specifiers import SpecifierSet
 
     missing = [n for n in TRL_PRIVATE_NAMES if not hasattr(GRPOTrainer, n)]
-    missing += [] if hasattr(trl.trainer.utils, "_use_triton") else ["trl.trainer.utils._use_triton"]
+    missing += [f"trl.trainer.utils.{n}" for n in ("_use_triton", "_ChunkedLogProbFunction")
+                if not hasattr(trl.trainer.utils, n)]
     if missing:
         raise RuntimeError(f"TRL {trl.__version__} lacks {missing}, which this trainer relies "
                            f"on; install trl{TRL_TESTED_RANGE} (see requirements.txt).")
@@ -221,17 +225,33 @@ def check_trl() -> None:
         )
 
 
+# Vocabulary columns per tile of TRL's fused LM head on CPU. TRL's 32,768 suits its GPU kernel; on CPU its torch
+# fallback holds about 8 tile-sized float32 temporaries at once: 1.5 GiB above the process for the ~1,200
+# completion tokens of a demo step, the peak of its backward, against 0.16 GiB at 2,048 columns, in the same time
+# and with the same values (benchmarks/lm_head_tiles.py).
+CPU_LM_HEAD_TILE = 2048
+
+
 def score_labelled_tokens_only() -> None:
     """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
     Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
     a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
-    left padding): there too, score the labelled ones only (TRL's own compact path). Same values."""
+    left padding): there too, score the labelled ones only (TRL's own compact path). Same values. On CPU its
+    tiles are also narrowed to `CPU_LM_HEAD_TILE` vocabulary columns (the memory of a step; same values)."""
     import trl.trainer.utils as trl_utils
 
     compact = trl_utils._use_triton
     if not getattr(compact, "cpu_too", False):
         trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
         trl_utils._use_triton.cpu_too = True
+    kernel = getattr(trl_utils, "_ChunkedLogProbFunction", None)  # None: check_trl names it as missing
+    if kernel is not None and not getattr(kernel, "cpu_tiles", False):
+        def apply(hidden, weight, bias, targets, temperature, chunk_size, *rest):
+            if hidden.device.type == "cpu":
+                chunk_size = min(chunk_size, CPU_LM_HEAD_TILE)
+            return kernel.apply(hidden, weight, bias, targets, temperature, chunk_size, *rest)
+
+        trl_utils._ChunkedLogProbFunction = SimpleNamespace(apply=apply, cpu_tiles=True, kernel=kernel)
 
 
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],

@@ -10,4 +10,5 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
     || echo "chromium could not be installed: the browser test will skip (and fail on CI)"
 fi
-exec .venv/bin/python -m pytest tests -q --timeout=900 "$@"
+# --durations: the slowest tests at the end of every run, to keep the suite short
+exec .venv/bin/python -m pytest tests -q --timeout=900 --durations=25 "$@"

@@ -40,3 +40,32 @@ def test_cpu_scores_the_labelled_positions_only_with_the_same_values_and_gradien
     assert every[2].keys() == labelled[2].keys() and len(every[2]) > 0
     for name in every[2]:
         torch.testing.assert_close(labelled[2][name], every[2][name], atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_narrows_the_lm_heads_vocabulary_tiles_with_the_same_values_and_gradients(monkeypatch):
+    """TRL's 32,768-column tiles hold ~1.5 GiB of temporaries in its torch fallback for a demo step's completion
+    (benchmarks/lm_head_tiles.py); on CPU the trainer asks for CPU_LM_HEAD_TILE columns, with TRL's own kernel."""
+    from types import SimpleNamespace
+
+    from checks import CPU_LM_HEAD_TILE
+    from trl.kernels import ChunkedLogProbFunction
+
+    asked = []
+    spy = SimpleNamespace(apply=lambda *a: asked.append(a[5]) or ChunkedLogProbFunction.apply(*a))
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", spy)  # TRL's, as before any trainer patched it
+    score_labelled_tokens_only()
+    score_labelled_tokens_only()  # idempotent: wrapped once
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(3 * CPU_LM_HEAD_TILE + 5, 16, generator=g), torch.randn(20, 16, generator=g)
+    targets = torch.randint(0, weight.shape[0], (20,), generator=g)
+
+    def score(apply):
+        w, h = weight.clone().requires_grad_(), hidden.clone().requires_grad_()
+        log_probs, entropy, *_ = apply(h, w, None, targets, 0.7, 32768, None, 1.0, ("log_probs", "entropy"))
+        (log_probs.sum() + entropy.sum()).backward()
+        return log_probs.detach(), entropy.detach(), w.grad, h.grad
+
+    narrowed, wide = score(trl_utils._ChunkedLogProbFunction.apply), score(ChunkedLogProbFunction.apply)
+    assert asked == [CPU_LM_HEAD_TILE] and trl_utils._ChunkedLogProbFunction.cpu_tiles
+    for a, b in zip(narrowed, wide):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
