@@ -26,13 +26,13 @@ then prints, evaluation by evaluation, how far this study lands from the committ
 Intervals (issue 41): for each mode and evaluation, the mean of the first `--metrics` (eval exact match) over
 seeds with a 95% interval from a two-level bootstrap (seeds drawn with replacement, then each drawn seed's
 questions; `--bootstrap` draws from a fixed generator seed, so a rerun prints the same bounds), and the paired
-differences mt_grpo - merged, mt_grpo - outcome_only and per_turn - mt_grpo (those whose modes both ran; same
-seed, same question: a question that only one mode evaluated is dropped and counted), each with its interval and
-whether it includes 0. Printed last, and written to OUT_intervals.csv (INTERVAL_COLUMNS). The per-question
-results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the study asks
-the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the stripped runs in
-docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only` trains nothing: it
-reads the runs already in --runs, prints the tables and writes OUT_intervals.csv only:
+differences mt_grpo - merged, mt_grpo - outcome_only, per_turn - mt_grpo and per_turn - outcome_only (those whose
+modes both ran; same seed, same question: a question that only one mode evaluated is dropped and counted), each
+with its interval and whether it includes 0. Printed last, and written to OUT_intervals.csv (INTERVAL_COLUMNS). The
+per-question results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the
+study asks the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the
+stripped runs in docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only`
+trains nothing: it reads the runs already in --runs, prints the tables and writes OUT_intervals.csv only:
 
     .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
 """
@@ -311,7 +311,8 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
 # ------------------------------------------------------------------------------------------------
 BOOTSTRAP_SEED = 0  # every interval draws from its own generator with this seed: a rerun prints the same table
 # the differences the study is about, each taken where both modes ran
-DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo")]
+DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo"),
+               ("per_turn", "outcome_only")]
 INTERVAL_COLUMNS = ["kind", "name", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
                     "mean", "low", "high", "verdict"]
 RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl$")  # the trainer's evaluation records (evaluation.py)
@@ -329,11 +330,15 @@ def episode_value(record: dict, metric: str) -> float | None:
     """One recorded evaluation episode's value of `metric`, the one the trainer's eval_metrics averages over
     episodes. A task metric (tasks.QA_EVAL_METRICS: eval/<name> is the share of episodes where its reward
     function is > 0) is read from the episode's rewards, so only when that function is one of the run's reward
-    functions. None when the record does not hold it, or the metric is no mean over episodes (tool_success_rate:
-    failed calls over calls)."""
+    functions; an outcome reward (eval/rewards/outcome/<name>) is its recorded value. None when the record does
+    not hold it (or an outcome reward scored None, not applicable), or the metric is no mean over episodes
+    (tool_success_rate: failed calls over calls)."""
     from tasks import QA_EVAL_METRICS
 
     name = metric.removeprefix("eval/")
+    if name.startswith("rewards/outcome/"):
+        value = record["rewards"].get("outcome", {}).get(name.removeprefix("rewards/outcome/"))
+        return None if value is None else float(value)
     if name == "answered_ratio":
         return float(record["stop_reason"] == "answer")
     if name == "tool_calls_per_episode":

@@ -304,6 +304,21 @@ def test_identical_modes_differ_by_zero_and_a_better_mode_excludes_zero(tmp_path
     assert worse[("per_turn - mt_grpo", "10")]["verdict"] == "excludes 0 (upper bound -1.000)"
 
 
+def test_an_outcome_reward_is_read_per_question_and_per_turn_pairs_with_outcome_only(tmp_path):
+    """eval/rewards/outcome/<name> (a game's get_reward, say) is each episode's recorded value; a name the
+    records lack gives no per-question results. per_turn - outcome_only is one of the differences."""
+    from learning_study import question_results
+
+    write_recorded_run(str(tmp_path / "run"), {10: [1, 0, None, 1]})
+    assert question_results(str(tmp_path / "run"), "eval/rewards/outcome/format_reward_func") == {
+        10: {0: 0.2, 1: 0.2, 3: 0.2}}
+    assert question_results(str(tmp_path / "run"), "eval/rewards/outcome/exact_match_reward_func") == {
+        10: {0: 1.0, 1: 0.0, 3: 1.0}}
+    assert question_results(str(tmp_path / "run"), "eval/rewards/outcome/TextWorldQuest") == {}
+    table = study_intervals(tmp_path / "study", {("per_turn", 1): {10: [1] * 32}, ("outcome_only", 1): {10: [0] * 32}})
+    assert table[("per_turn - outcome_only", "10")]["mean"] == 1.0
+
+
 def test_a_question_one_mode_did_not_evaluate_is_dropped_from_the_pair(tmp_path):
     hits = [1] * 16 + [0] * 16
     without_last = hits[:-1] + [None]
