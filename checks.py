@@ -251,7 +251,7 @@ def score_labelled_tokens_only() -> None:
                 chunk_size = min(chunk_size, CPU_LM_HEAD_TILE)
             return kernel.apply(hidden, weight, bias, targets, temperature, chunk_size, *rest)
 
-        trl_utils._ChunkedLogProbFunction = SimpleNamespace(apply=apply, cpu_tiles=True, kernel=kernel)
+        trl_utils._ChunkedLogProbFunction = SimpleNamespace(apply=apply, cpu_tiles=True)
 
 
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],

@@ -16,6 +16,12 @@ def smollm2_dir() -> str:
     return convert_smollm2(SMOLLM2)
 
 
+def rss() -> int:
+    """This process's resident memory now, in bytes (from /proc: ru_maxrss gives only the peak so far)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
     cells = [header] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

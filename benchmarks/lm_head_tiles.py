@@ -22,15 +22,10 @@ import threading
 import time
 
 import torch
-from common import print_table
+from common import print_table, rss
 from trl.kernels import ChunkedLogProbFunction
 
 MiB = 2**20
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run(hidden, weight, targets, tile: int) -> tuple[float, float, tuple]:

@@ -62,7 +62,7 @@ import threading
 import time
 
 import learning_study as study
-from common import ROOT, SMOLLM2, print_table, write_rows_csv
+from common import ROOT, SMOLLM2, print_table, rss, write_rows_csv
 from learning_study import finished, run_all, stopped_early
 from plot_runs import load_log_history  # scripts/, put on the path by learning_study
 
@@ -202,10 +202,7 @@ class PeakRSS:
         self.window, self.peak = "eval", {"train": 0, "eval": 0}
         threading.Thread(target=self._sample, daemon=True).start()
 
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = staticmethod(rss)
 
     def _sample(self):
         while True:

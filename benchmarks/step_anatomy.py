@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 
 import torch
-from common import ROOT, print_table
+from common import ROOT, print_table, rss
 
 import mt_grpo_trainer as mt
 from rewards.judge import judges_of
@@ -47,13 +47,10 @@ class Phases:
         self.peak = defaultdict(float)  # bytes
         self.current: list[str] = []
         self.cuda = torch.cuda.is_available()
-        self.page = os.sysconf("SC_PAGE_SIZE")
         self.stop = False
         threading.Thread(target=self._sample, daemon=True).start()
 
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
+    rss = staticmethod(rss)
 
     def _sample(self):
         while not self.stop:
