@@ -74,7 +74,7 @@ from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_proces
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from fields import arg, parse_recipe
-from packing import PackedForward
+from packing import PackedForward, prefilled_inputs
 from rewards.judge import JudgeArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
@@ -402,17 +402,16 @@ class TransformersBackend:
         ) as model, DistributedBackend(self.accelerator).summon_full_params(self.model, recurse=False):
             if not rows:  # this rank has no live episode this round, but joined the gather above
                 return []
-            input_ids = pad([torch.tensor(r) for r in rows], padding_value=tok.pad_token_id,
-                            padding_side="left")
-            attention_mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0,
-                                 padding_side="left")
+            # a group's prompt (and a task's system prompt) prefilled once: packing.prefilled_inputs
+            input_ids, attention_mask, cache = prefilled_inputs(model, rows, tok.pad_token_id, device,
+                                                                share=self.cache_implementation is None)
             # The model's own generation_config would fill every field we leave unset (transformers merges
             # it in); an empty one means only what we pass here applies.
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
                 p = params or self.params
-                processing = SamplerProcessing(p, attention_mask.to(device))
-                out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                processing = SamplerProcessing(p, attention_mask)
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                                      generation_config=self.generation_config(p, max(limits)),
                                      logits_processor=[processing],
                                      stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])

@@ -206,3 +206,42 @@ class PackedForward:
         if torch.is_grad_enabled():  # once per trained micro-batch, not for the old / reference log-probs
             self._metrics["train" if model.training else "eval"]["packing/ratio"].append(raw / max(forwarded, 1))
         return logps, entropies, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared-prefix generation: the in-process backend's prompts, their common prefix prefilled once
+# ------------------------------------------------------------------------------------------------
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """How many leading tokens all `rows` share, leaving each row at least one token of its own: generate
+    forwards a row's last prompt token itself, for the logits of its first new token."""
+    shortest = min(len(row) for row in rows) - 1
+    return next((i for i in range(shortest) if any(row[i] != rows[0][i] for row in rows)), shortest)
+
+
+def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: bool = True):
+    """(input_ids, attention_mask, past_key_values) for `model.generate` over `rows` (token lists).
+
+    A GRPO group is one prompt sampled `num_generations` times, and every prompt of a task starts with the same
+    system prompt, tool schemas and worked examples, so plain left-padded generate prefills that prefix once per
+    row. Here the rows' common prefix (common_prefix_length) is forwarded once, as a batch of one, and its KV cache
+    repeated for every row; generate then prefills only each row's own tokens. The layout is [prefix][left padding]
+    [row's own tokens]: generate reads positions off the attention mask (its cumulative sum), so a row's tokens get
+    the positions they have unpadded, and the padding in the middle is masked like padding on the left. Same
+    tokens, up to float summation order (tests/test_packing.py checks greedy generations are identical).
+    `share=False` (a fixed cache_implementation, which generate builds itself), a single row or no common prefix:
+    the plain left-padded layout and no cache."""
+    from transformers import DynamicCache
+
+    prefix = common_prefix_length(rows) if share and len(rows) > 1 else 0
+    own = [row[prefix:] for row in rows]
+    longest = max(len(row) for row in own)
+    input_ids = torch.tensor([[pad_id] * (longest - len(row)) + row for row in own], device=device)
+    attention_mask = torch.tensor([[0] * (longest - len(row)) + [1] * len(row) for row in own], device=device)
+    if not prefix:
+        return input_ids, attention_mask, None
+    shared = torch.tensor([rows[0][:prefix]], device=device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=shared, past_key_values=cache, use_cache=True)  # (1, P): the prefix's KV, once
+    cache.batch_repeat_interleave(len(rows))
+    return (torch.cat([shared.expand(len(rows), -1), input_ids], dim=1),
+            torch.cat([torch.ones(len(rows), prefix, dtype=torch.long, device=device), attention_mask], dim=1), cache)

@@ -1,6 +1,7 @@
 """Shared-prefix packed forwards (packing.py) against TRL's padded path: the same log-probs, entropies, losses and
 gradients, on multi-turn episodes whose environment tokens are attended but masked from the loss; a token budget
-that splits a batch into several tries changes nothing; and a whole run trains with it."""
+that splits a batch into several tries changes nothing; and a whole run trains with it. Shared-prefix generation
+(prefilled_inputs): the in-process backend's greedy tokens are those of each prompt generated alone."""
 
 import os
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from helpers import RECIPE, smoke_run
+from packing import common_prefix_length
 from test_scoring_path import QA, QB, SCRIPT, task_files  # noqa: F401 (task_files is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,3 +191,53 @@ def test_a_padding_free_run_trains_and_logs_its_packing_ratio(tiny_agent_dir, tm
     _, _, steps = smoke_run(tiny_agent_dir, tmp_path, "--padding_free", "true", "--max_tokens_per_microbatch",
                             "4096", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1")
     assert steps and all(s["packing/ratio"] > 1.0 and s["grad_norm"] > 0 for s in steps)
+
+
+def test_common_prefix_leaves_each_row_a_token_of_its_own():
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # a group of one prompt: all but its last token
+    assert common_prefix_length([[1, 2, 3], [1]]) == 0
+    assert common_prefix_length([[7, 2], [1, 2]]) == 0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_shared_prefix_generation_gives_each_prompts_own_greedy_tokens(tiny_agent_dir, n, monkeypatch):
+    """Prompts of one system prompt and questions of different lengths (so the middle padding varies), n samples
+    each: the backend prefills their common prefix once, and every row's greedy tokens and log-probs are those of its
+    prompt generated alone, unpadded, by plain model.generate."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import mt_grpo_trainer
+    from mt_grpo_trainer import SamplingParams, TransformersBackend
+    from protocol import XMLProtocol
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    backend = TransformersBackend(tokenizer=tokenizer, params=SamplingParams(temperature=0.0),
+                                  eos_token_ids=[tokenizer.eos_token_id], stop_strings=XMLProtocol.stop_strings)
+    backend.sync_weights(model, Accelerator(cpu=True))
+    questions = ["What is the capital of Veltria?", "Who invented the Brenloom, and in which year was it made?",
+                 "Which river?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": "You answer questions. " * 8},
+                                              {"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    prompts = [list(p["input_ids"]) for p in prompts]
+    shared = []
+    prefilled = mt_grpo_trainer.prefilled_inputs
+    monkeypatch.setattr(mt_grpo_trainer, "prefilled_inputs",
+                        lambda *a, **k: (out := prefilled(*a, **k), shared.append(out[2].get_seq_length()))[0])
+    samples = backend.generate(prompts, [24] * len(prompts), n=n)
+    assert shared == [common_prefix_length(prompts)] and shared[0] > 20  # the system prompt, prefilled once
+    model.generation_config = GenerationConfig()  # the tiny agent's own (hostile) defaults would merge in
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            alone = model.generate(input_ids=torch.tensor([prompt]), generation_config=GenerationConfig(
+                do_sample=False, max_new_tokens=24, eos_token_id=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id), output_scores=True, return_dict_in_generate=True)
+        tokens = alone.sequences[0, len(prompt):].tolist()
+        logps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(alone.scores, tokens)]
+        for sample in samples[i * n : (i + 1) * n]:
+            # plain generate runs to 24 tokens; the backend cuts a row at its EOS or stop string
+            assert sample.token_ids == tokens[: len(sample.token_ids)] and sample.token_ids
+            assert max(abs(a - b) for a, b in zip(sample.logprobs, logps)) < 1e-4
