@@ -131,8 +131,18 @@ def test_turn_samples_against_the_server(untied_server, tiny_agent_dir):
         assert turns == sorted(tuple(x.token_ids) for x in client.returned)
         check_samples(tokenizer, env, episodes)
         splits = [len(ep.sample_starts) for ep in episodes]
-        # ChatML renders the xml protocol's history as it was sampled: auto keeps one sample
-        assert splits == ([ep.tool_turns for ep in episodes] if mode == "per_turn" else [0] * len(episodes))
+        # ChatML renders the xml protocol's history as it was sampled, so auto keeps one sample, except where a turn
+        # was sampled as a tokenization that re-encoding its text does not give (temperature 1.0 does that now and
+        # then): the render then differs there, and auto starts a sample (at most one per tool turn)
+        canonical = [all(tokenizer.encode(tokenizer.decode(ep.completion_ids[s.start : s.end]), add_special_tokens=False)
+                         == ep.completion_ids[s.start : s.end] for s in ep.spans if s.role == "model")
+                     for ep in episodes]
+        if mode == "per_turn":
+            assert splits == [ep.tool_turns for ep in episodes]
+        elif mode == "interleaved":
+            assert splits == [0] * len(episodes)
+        else:
+            assert all(n == 0 if exact else n <= ep.tool_turns for n, exact, ep in zip(splits, canonical, episodes))
         assert any(ep.tool_turns for ep in episodes), "the tiny agent should call a tool sometimes"
         print(f"{mode}: {sum(splits) + len(episodes)} samples, prefix cache hit rate {hits / max(queries, 1):.2f}")
         assert queries > 0 and hits > 0
