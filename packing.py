@@ -37,6 +37,7 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+from trl.trainer.utils import pad  # noqa: E402
 
 from turn_samples import scored_parts  # noqa: E402
 
@@ -233,10 +234,9 @@ def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: b
     from transformers import DynamicCache
 
     prefix = common_prefix_length(rows) if share and len(rows) > 1 else 0
-    own = [row[prefix:] for row in rows]
-    longest = max(len(row) for row in own)
-    input_ids = torch.tensor([[pad_id] * (longest - len(row)) + row for row in own], device=device)
-    attention_mask = torch.tensor([[0] * (longest - len(row)) + [1] * len(row) for row in own], device=device)
+    own = [torch.tensor(row[prefix:], device=device) for row in rows]
+    input_ids = pad(own, padding_value=pad_id, padding_side="left")
+    attention_mask = pad([torch.ones_like(row) for row in own], padding_value=0, padding_side="left")
     if not prefix:
         return input_ids, attention_mask, None
     shared = torch.tensor([rows[0][:prefix]], device=device)
