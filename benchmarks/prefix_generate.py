@@ -12,6 +12,7 @@ ratio is shared / plain wall time of the whole rollout (generation and tool call
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -42,7 +43,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = mt.build_trainer(["--config", RECIPE, "--dataset_name", "fictional_kb_entities", "--max_steps", "1",
-                                "--output_dir", "/tmp/prefix_generate", "--eval_strategy", "no"])
+                                "--output_dir", tempfile.mkdtemp(), "--eval_strategy", "no"])
     trainer.backend.sync_weights(trainer.model, trainer.accelerator)
     trainer.model.eval()
     data, args_ = trainer.train_dataset, trainer.args
