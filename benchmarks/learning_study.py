@@ -35,6 +35,11 @@ stripped runs in docs/, an --include CSV) get intervals over seeds alone, marked
 trains nothing: it reads the runs already in --runs, prints the tables and writes OUT_intervals.csv only:
 
     .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
+
+`--keep DEST` copies each finished run's record to DEST/<mode>-s<seed>/, small enough to commit (keep_record:
+trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt), after checking that it
+gives the run's per-question results and logged means. A study spread over several machines commits each run's
+record as it finishes, and the same command with `--runs DEST` then trains nothing and reports on them all.
 """
 
 import argparse
@@ -370,6 +375,41 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
     return results
 
 
+RECORD_FIELDS_LEFT_OUT = ("tokens", "prompt_text")  # the viewer's token arrays and the prompt: most of a record's size
+
+
+def keep_record(path: str, dest: str, metric: str) -> int:
+    """Copy what the study's report reads of a finished run to `dest`, small enough to commit: trainer_state.json
+    (the logged means; `done` reads it, so the study command with `--runs` over the kept folders reports without
+    training), rollouts/eval-step-NNNNNN.jsonl without RECORD_FIELDS_LEFT_OUT (the per-question results) and
+    log.txt with this machine's paths made relative. Checks that the kept records give the run's own per-question
+    results and logged means of `metric`; returns the number of evaluation episodes kept."""
+    os.makedirs(os.path.join(dest, "rollouts"), exist_ok=True)
+    shutil.copy(os.path.join(path, "trainer_state.json"), dest)
+    kept = 0
+    for name in sorted(os.listdir(os.path.join(path, "rollouts"))):
+        if RECORDED_EVAL.match(name):
+            with open(os.path.join(path, "rollouts", name)) as f, open(os.path.join(dest, "rollouts", name), "w") as out:
+                for line in filter(str.strip, f):
+                    record = json.loads(line)
+                    out.write(json.dumps({k: v for k, v in record.items() if k not in RECORD_FIELDS_LEFT_OUT}) + "\n")
+                    kept += 1
+    if os.path.isfile(os.path.join(path, "log.txt")):
+        with open(os.path.join(path, "log.txt")) as f:
+            log = f.read().replace(os.path.abspath(path), "<run>").replace(ROOT, ".")
+        with open(os.path.join(dest, "log.txt"), "w") as f:
+            f.write(log)
+    results = question_results(dest, metric)
+    if results != question_results(path, metric):
+        raise SystemExit(f"The records kept in {dest} do not give {path}'s per-question results of {metric}.")
+    logged = {h["step"]: h[metric] for h in load_log_history(dest) if metric in h}
+    for step, per_question in results.items():  # the trainer's logged mean is the mean over the recorded questions
+        if abs(sum(per_question.values()) / len(per_question) - logged[step]) > 1e-6:
+            raise SystemExit(f"{path}: the recorded episodes of step {step} do not give the logged {metric} "
+                             f"{logged[step]} (the records are not the evaluation that was logged).")
+    return kept
+
+
 def two_level_bootstrap(groups: list[np.ndarray], n: int, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
     """(n,) resampled means of per-seed values (groups: one array per seed, a value per question): draw as many
     seeds as there are, with replacement, then each drawn seed's questions with replacement; the mean over a
@@ -487,6 +527,9 @@ def main():
                     "rest; their intervals are over seeds only)")
     ap.add_argument("--report-only", action="store_true", help="train nothing: read the runs in --runs (finished or "
                     "not), print the tables and write OUT_intervals.csv (OUT.csv and OUT.png are left as they are)")
+    ap.add_argument("--keep", metavar="DEST", help="copy each finished run's record (trainer_state.json, the "
+                    "evaluation episodes without token arrays and prompt text, log.txt) to DEST/<mode>-s<seed>/ to "
+                    "commit it; `--runs DEST` then reports on the kept runs without training (keep_record)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws per interval (2000 recommended: "
                     "more draws, steadier bounds)")
     argv = sys.argv[1:]
@@ -506,6 +549,11 @@ def main():
                          command_fn=lambda *a: command(*a, recipe=args.recipe))
         ran = [j for j in jobs if done(j[2], budgeted) and j[2] not in failed]
     rows = collect(ran, args.metrics)
+    if args.keep:
+        for mode, seed, path in ran:
+            if os.path.abspath(path) != os.path.abspath(run_dir(args.keep, mode, seed)):
+                episodes = keep_record(path, run_dir(args.keep, mode, seed), args.metrics[0])
+                print(f"kept {mode} seed {seed}: {episodes} evaluation episodes -> {run_dir(args.keep, mode, seed)}")
     if args.include:
         rows = with_earlier_runs(rows, read_csv(args.include))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -402,3 +402,37 @@ def test_the_study_asks_the_trainer_to_record_its_evaluations_unless_told_otherw
     assert parse_args(told[2:])[0].save_rollouts_steps == 5
     demo = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "cpu_demo.yaml")  # sets its own
     assert "--save_rollouts_steps" not in command("mt_grpo", 1, "outputs/x", [], recipe=demo)
+
+
+def test_keep_copies_what_the_report_reads_and_checks_it(tmp_path):
+    """`--keep DEST`: a finished run's trainer_state.json, its evaluation episodes without token arrays and prompt
+    text, and its log with the machine's paths made relative; the kept folder gives the same per-question results,
+    and records that do not give the logged mean are refused."""
+    import pytest
+
+    from learning_study import keep_record, question_results
+
+    run = str(tmp_path / "runs" / "mt_grpo-s1")
+    write_recorded_run(run, {0: [0, 1, 0, 0], 10: [1, 1, 0, 1]})
+    for name in os.listdir(os.path.join(run, "rollouts")):  # the fields the trainer also records
+        path = os.path.join(run, "rollouts", name)
+        records = [json.loads(line) for line in open(path)]
+        with open(path, "w") as f:
+            f.writelines(json.dumps({**r, "tokens": [1, 2, 3], "prompt_text": "long"}) + "\n" for r in records)
+    with open(os.path.join(run, "log.txt"), "w") as f:
+        f.write(f"Run finished. Output folder: {os.path.abspath(run)}\nscript {ROOT}/mt_grpo_trainer.py\n")
+    dest = str(tmp_path / "kept" / "mt_grpo-s1")
+    assert keep_record(run, dest, "eval/exact_match") == 8
+    assert question_results(dest, "eval/exact_match") == {0: {0: 0.0, 1: 1.0, 2: 0.0, 3: 0.0},
+                                                          10: {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}}
+    kept = [json.loads(line) for line in open(os.path.join(dest, "rollouts", "eval-step-000010.jsonl"))]
+    assert len(kept) == 4 and not any("tokens" in r or "prompt_text" in r for r in kept)
+    assert open(os.path.join(dest, "log.txt")).read() == "Run finished. Output folder: <run>\nscript ./mt_grpo_trainer.py\n"
+    assert open(os.path.join(dest, "trainer_state.json")).read() == open(os.path.join(run, "trainer_state.json")).read()
+    # an evaluation whose records are not the logged one (a question lost): refused, not committed silently
+    path = os.path.join(run, "rollouts", "eval-step-000010.jsonl")
+    lines = open(path).readlines()
+    with open(path, "w") as f:
+        f.writelines(lines[:-1])
+    with pytest.raises(SystemExit, match="do not give the logged eval/exact_match"):
+        keep_record(run, str(tmp_path / "kept2" / "mt_grpo-s1"), "eval/exact_match")
