@@ -550,8 +550,8 @@ def main():
         ran = [j for j in jobs if done(j[2], budgeted) and j[2] not in failed]
     rows = collect(ran, args.metrics)
     if args.keep:
-        for mode, seed, path in ran:
-            if os.path.abspath(path) != os.path.abspath(run_dir(args.keep, mode, seed)):
+        for mode, seed, path in ran:  # finished runs only (--report-only also reads runs stopped early)
+            if done(path, budgeted) and os.path.abspath(path) != os.path.abspath(run_dir(args.keep, mode, seed)):
                 episodes = keep_record(path, run_dir(args.keep, mode, seed), args.metrics[0])
                 print(f"kept {mode} seed {seed}: {episodes} evaluation episodes -> {run_dir(args.keep, mode, seed)}")
     if args.include:

@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -408,8 +410,6 @@ def test_keep_copies_what_the_report_reads_and_checks_it(tmp_path):
     """`--keep DEST`: a finished run's trainer_state.json, its evaluation episodes without token arrays and prompt
     text, and its log with the machine's paths made relative; the kept folder gives the same per-question results,
     and records that do not give the logged mean are refused."""
-    import pytest
-
     from learning_study import keep_record, question_results
 
     run = str(tmp_path / "runs" / "mt_grpo-s1")
@@ -436,3 +436,28 @@ def test_keep_copies_what_the_report_reads_and_checks_it(tmp_path):
         f.writelines(lines[:-1])
     with pytest.raises(SystemExit, match="do not give the logged eval/exact_match"):
         keep_record(run, str(tmp_path / "kept2" / "mt_grpo-s1"), "eval/exact_match")
+
+
+def test_keep_takes_only_finished_runs_and_the_kept_folder_reports_alone(tmp_path, monkeypatch):
+    """`--report-only --keep`: a run stopped early (15 of 30 steps) is reported but not kept; the finished one is,
+    and the study command over the kept folder then trains nothing (the run counts as done) and reports it."""
+    import learning_study
+    from learning_study import main
+
+    for mode, step in (("mt_grpo", 30), ("merged", 15)):
+        path = str(tmp_path / "runs" / f"{mode}-s1")
+        write_recorded_run(path, {0: [0, 1, 0, 0], step: [1, 1, 0, 1]})
+        state = json.load(open(os.path.join(path, "trainer_state.json")))
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({**state, "global_step": step, "max_steps": 30}, f)
+    kept = tmp_path / "kept"
+    monkeypatch.setattr(sys, "argv", ["learning_study.py", "--report-only", "--runs", str(tmp_path / "runs"), "--out",
+                                      str(tmp_path / "study"), "--modes", "mt_grpo", "merged", "--seeds", "1",
+                                      "--keep", str(kept)])
+    main()
+    assert sorted(os.listdir(kept)) == ["mt_grpo-s1"]
+    monkeypatch.setattr(sys, "argv", ["learning_study.py", "--runs", str(kept), "--out", str(tmp_path / "again"),
+                                      "--modes", "mt_grpo", "--seeds", "1"])
+    monkeypatch.setattr(learning_study, "launch", lambda *a, **k: pytest.fail("a kept run was trained again"))
+    main()
+    assert [row["step"] for row in read_csv(str(tmp_path / "again.csv"))] == [0, 30]
