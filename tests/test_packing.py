@@ -3,17 +3,12 @@ gradients, on multi-turn episodes whose environment tokens are attended but mask
 that splits a batch into several tries changes nothing; and a whole run trains with it. Shared-prefix generation
 (prefilled_inputs): the in-process backend's greedy tokens are those of each prompt generated alone."""
 
-import os
-
 import pytest
 import torch
 
 from helpers import RECIPE, smoke_run
 from packing import common_prefix_length
 from test_scoring_path import QA, QB, SCRIPT, task_files  # noqa: F401 (task_files is a fixture)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 
 
 def padded(model, ids, att, T):
@@ -107,15 +102,14 @@ def test_micro_batches_that_split_groups_are_warned_about(tiny_agent_dir, tmp_pa
     assert "across its 2 micro-batches" in caplog.text and "`gradient_accumulation_steps: 1`" in caplog.text
 
 
-@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="models/SmolLM2-135M-Instruct not prepared")
-def test_packed_equals_padded_on_smollm2():
+def test_packed_equals_padded_on_smollm2(smollm2_dir):
     """The real model (30 layers, GQA, tied embeddings), 8 episodes of one 300-token prompt, as a study group."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     from packing import packed_logps_and_entropies
 
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ids, att, T = shared_prompt_batch(model.config.vocab_size, 300, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
     ref_logps, ref_entropy = padded(model, ids, att, T)
