@@ -62,6 +62,7 @@ from common import ROOT, print_table
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from plot_runs import load_log_history  # noqa: E402
+from view_rollouts import without_tokens  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 MODE_FLAGS = {
@@ -375,14 +376,11 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
     return results
 
 
-RECORD_FIELDS_LEFT_OUT = ("tokens", "prompt_text")  # the viewer's token arrays and the prompt: most of a record's size
-
-
 def keep_record(path: str, dest: str, metric: str) -> int:
     """Copy what the study's report reads of a finished run to `dest`, small enough to commit: trainer_state.json
     (the logged means; `done` reads it, so the study command with `--runs` over the kept folders reports without
-    training), rollouts/eval-step-NNNNNN.jsonl without RECORD_FIELDS_LEFT_OUT (the per-question results) and
-    log.txt with this machine's paths made relative. Checks that the kept records give the run's own per-question
+    training), rollouts/eval-step-NNNNNN.jsonl without token arrays and prompt text (`without_tokens`; the
+    per-question results) and log.txt with this machine's paths made relative. Checks that the kept records give the run's own per-question
     results and logged means of `metric`; returns the number of evaluation episodes kept."""
     os.makedirs(os.path.join(dest, "rollouts"), exist_ok=True)
     shutil.copy(os.path.join(path, "trainer_state.json"), dest)
@@ -391,8 +389,7 @@ def keep_record(path: str, dest: str, metric: str) -> int:
         if RECORDED_EVAL.match(name):
             with open(os.path.join(path, "rollouts", name)) as f, open(os.path.join(dest, "rollouts", name), "w") as out:
                 for line in filter(str.strip, f):
-                    record = json.loads(line)
-                    out.write(json.dumps({k: v for k, v in record.items() if k not in RECORD_FIELDS_LEFT_OUT}) + "\n")
+                    out.write(json.dumps(without_tokens(json.loads(line))) + "\n")
                     kept += 1
     if os.path.isfile(os.path.join(path, "log.txt")):
         with open(os.path.join(path, "log.txt")) as f:
@@ -404,9 +401,9 @@ def keep_record(path: str, dest: str, metric: str) -> int:
         raise SystemExit(f"The records kept in {dest} do not give {path}'s per-question results of {metric}.")
     logged = {h["step"]: h[metric] for h in load_log_history(dest) if metric in h}
     for step, per_question in results.items():  # the trainer's logged mean is the mean over the recorded questions
-        if abs(sum(per_question.values()) / len(per_question) - logged[step]) > 1e-6:
+        if step not in logged or abs(sum(per_question.values()) / len(per_question) - logged[step]) > 1e-6:
             raise SystemExit(f"{path}: the recorded episodes of step {step} do not give the logged {metric} "
-                             f"{logged[step]} (the records are not the evaluation that was logged).")
+                             f"{logged.get(step)} (the records are not the evaluation that was logged).")
     return kept
 
 

@@ -41,7 +41,7 @@ from rewards.answers import contains_answer, matches_answer  # noqa: E402
 from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
 from rewards.triviaqa_reward import _contains as contains  # noqa: E402
 from rewards.triviaqa_reward import normalize_answer  # noqa: E402
-from view_rollouts import load_rollouts, parse_steps  # noqa: E402  (scripts/, beside this file)
+from view_rollouts import load_rollouts, parse_steps, without_tokens  # noqa: E402  (scripts/, beside this file)
 
 RESULT = re.compile(re.escape(XMLProtocol.RESULT_OPEN) + "(.*?)" + re.escape(XMLProtocol.RESULT_CLOSE), re.S)
 TAG = re.compile(r"<[^>]*>")  # removed before normalising: it drops punctuation, so "Gate.</reasoning>" would fuse
@@ -108,7 +108,7 @@ def strip_run(run_dir: str, out: str, steps: tuple[int, int] | None = None) -> i
     for key, records in rollouts.items():
         with open(os.path.join(out, "rollouts", f"step-{int(key.split('-')[1]):06d}.jsonl"), "w") as f:
             for record in records:
-                f.write(json.dumps({k: v for k, v in record.items() if k not in ("tokens", "prompt_text")}) + "\n")
+                f.write(json.dumps(without_tokens(record)) + "\n")
     state = os.path.join(run_dir, "trainer_state.json")
     if os.path.exists(state):
         shutil.copy(state, out)

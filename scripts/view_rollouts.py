@@ -40,6 +40,12 @@ FILE_NAME = re.compile(r"^(eval-)?step-(\d+)\.jsonl$")
 # ------------------------------------------------------------------------------------------------
 # Reading and packing the records
 # ------------------------------------------------------------------------------------------------
+def without_tokens(record: dict) -> dict:
+    """A record without its token arrays and prompt text, most of its size: what a run's committed copy keeps
+    (answer_errors.py --strip, learning_study.py --keep); this viewer needs them, the reports do not."""
+    return {k: v for k, v in record.items() if k not in ("tokens", "prompt_text")}
+
+
 def step_key(mode: str, step: int) -> str:
     return f"{mode}-{step:06d}"
 
