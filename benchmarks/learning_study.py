@@ -12,7 +12,7 @@ Flags after `--` go to every run (any recipe field). `--recipe` studies another 
 (hf_recipes/SmolLM2-135M-Instruct/textworld_quest.yaml) with `--metrics eval/won ...`; its per_turn mode keeps the
 recipe's turn rewards (the knowledge base's per-turn functions are for study.yaml). Runs go to
 outputs/study/<mode>-s<seed>/ and run `--parallel` at a time (default 1; a CPU study run peaks at about 3.3 GiB,
-so two fit on a 24 GiB machine, sharing its cores; on an H100 a run once held 61-69 GiB, so four ran out of memory).
+so two fit on a 24 GiB machine, sharing its cores; on an H200 two runs held 4-8 GiB together).
 A run that already finished is reused (delete its folder, or pass --fresh, to redo it), and a run
 stopped by --deadline resumes from the checkpoint it saved. `--budget MIN` gives every run the same wall
 time (time to accuracy, issue 22) through the trainer's `max_train_minutes`: a run evaluates at the step

@@ -3,6 +3,7 @@
 dotted paths and corpus tools."""
 
 import inspect
+import os
 import re
 import socket
 import subprocess
@@ -162,6 +163,39 @@ def test_importing_tools_loads_no_tool_library():
             "print(sorted(m for m in ('bm25s', 'wikipedia', 'requests') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+FAKE_JAX_LAX = '''
+import os
+def top_k(x, k):  # bm25s calls it at import to start the backend: on a GPU that reserves 75% of the card
+    open(os.environ["JAX_STARTED"], "a").write("top_k\\n")
+    raise AssertionError("JAX was started")
+'''
+
+
+@pytest.mark.parametrize("setup, started", [
+    ("import bm25s", True),  # the hazard itself: the test's fake JAX does see bm25s start it
+    ("from tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
+    ("import jax; from tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
+])
+def test_search_keeps_bm25s_from_starting_jax(tmp_path, setup, started):
+    """Where JAX is installed, bm25s imports it and runs a top-k, and JAX then reserves 75% of a GPU inside the
+    trainer (105 GiB of an H200, seen on the learning study's GPU runs). A fake `jax` package records that call;
+    `search` must answer without it, whether or not the user imported jax first, and leave jax importable."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("")
+    (tmp_path / "jax" / "lax.py").write_text(FAKE_JAX_LAX)
+    marker = tmp_path / "started"
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+            "CORPUS = [{'title': 'Veltria', 'text': 'Veltria is a country. Its capital is Morvane.'}]; "
+            f"{setup}; "
+            "import jax.lax; print('jax.lax importable', jax.lax.top_k.__module__)")
+    env = {**os.environ, "JAX_STARTED": str(marker)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert marker.exists() == started, proc.stderr
+    if not started:
+        assert proc.returncode == 0, proc.stderr
+        assert "jax.lax importable jax.lax" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------

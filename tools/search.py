@@ -9,6 +9,7 @@ says so instead of listing arbitrary documents.
     search(query="capital of Veltria")   # -> "Veltria: Veltria is a country. Its capital is Morvane."
 """
 
+import sys
 from typing import Callable
 
 from tools import corpus_tool
@@ -22,8 +23,7 @@ class BM25Search:
     def __init__(self, corpus: list[dict]):
         import logging
 
-        import bm25s  # here, not at the top, so that importing this module stays cheap
-
+        bm25s = import_bm25s()  # here, not at the top, so that importing this module stays cheap
         # bm25s sets its own logger to DEBUG at import, so every index build printed a DEBUG line
         logging.getLogger("bm25s").setLevel(logging.WARNING)
 
@@ -33,8 +33,7 @@ class BM25Search:
         self.retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
 
     def search(self, query: str, num_results: int = 3) -> str:
-        import bm25s
-
+        bm25s = import_bm25s()
         if not isinstance(query, str):
             raise ValueError(f"search: the query must be a string, got {type(query).__name__}; "
                              'call it as {"query": "capital of Veltria"}.')
@@ -45,11 +44,35 @@ class BM25Search:
         # Tokens as strings, not ids: the retriever maps them through the corpus vocabulary and drops
         # words the corpus never uses (ids from a fresh tokenizer would not match the index's).
         query_tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
-        hits = self.retriever.retrieve(query_tokens, k=k, show_progress=False)
+        hits = self.retriever.retrieve(query_tokens, k=k, show_progress=False, backend_selection="numpy")
         ranked = [self.documents[int(i)] for i, score in zip(hits.documents[0], hits.scores[0]) if score > 0]
         if not ranked:
             return f"No documents match the query {query!r}. Try other words, such as a name from the question."
         return "\n\n".join(f"{d['title']}: {d['text']}" if d["title"] else d["text"] for d in ranked)
+
+
+def import_bm25s():
+    """bm25s, kept away from JAX. Where JAX is installed, `import bm25s` imports it and runs a top-k to start its
+    backend; on a GPU, JAX then reserves 75% of the card (its XLA_PYTHON_CLIENT_PREALLOCATE default) inside the
+    trainer's process: 105 of an H200's 140 GiB, so two learning-study runs could not share one (docs/results.md,
+    "GPU memory"). With `jax` (or `jax.lax`, where the user imported jax already) hidden during the import,
+    bm25s takes its numpy top-k, and `search` asks for that backend in any case; the user's own JAX is untouched."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    hidden = "jax.lax" if "jax" in sys.modules else "jax"
+    saved = sys.modules.get(hidden, _ABSENT)
+    sys.modules[hidden] = None  # `import jax.lax` now raises ImportError, which bm25s catches
+    try:
+        import bm25s
+    finally:
+        if saved is _ABSENT:
+            del sys.modules[hidden]
+        else:
+            sys.modules[hidden] = saved
+    return bm25s
+
+
+_ABSENT = object()
 
 
 @corpus_tool
