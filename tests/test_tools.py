@@ -165,6 +165,18 @@ def test_importing_tools_loads_no_tool_library():
     assert out.strip() == "[]"
 
 
+@pytest.mark.parametrize("preset, expected", [(None, "false"), ("true", "true")])
+def test_trainer_tells_jax_not_to_take_the_gpu(preset, expected):
+    """Importing the trainer sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it: a tool or reward
+    that starts JAX's GPU backend then takes what it uses, not 75% of the card."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    if preset is not None:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = preset
+    code = "import os, mt_grpo_trainer; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == expected
+
+
 FAKE_JAX_LAX = '''
 import os
 def top_k(x, k):  # bm25s calls it at import to start the backend: on a GPU that reserves 75% of the card

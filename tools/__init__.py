@@ -35,6 +35,7 @@ returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at st
 import asyncio
 import concurrent.futures
 import inspect
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,11 @@ from typing import Callable
 
 from protocol import ToolCall, error_text
 from registry import resolve
+
+# A tool or reward may use JAX (bm25s did, at import: tools/search.py). JAX's GPU backend reserves 75% of the
+# card when it starts, inside the trainer's process, where the policy needs it; JAX reads this when its backend
+# starts, and the trainer imports this module before any tool exists. A user's own setting wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # name in the recipe -> `module:function`. The name is the one the model calls (the tool's __name__), and a
 # module is imported only when a recipe names its tool.
