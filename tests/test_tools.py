@@ -165,14 +165,15 @@ def test_importing_tools_loads_no_tool_library():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("preset, expected", [(None, "false"), ("true", "true")])
-def test_trainer_tells_jax_not_to_take_the_gpu(preset, expected):
+@pytest.mark.parametrize("module, preset, expected", [("mt_grpo_trainer", None, "false"), ("tools", "true", "true")])
+def test_trainer_tells_jax_not_to_take_the_gpu(module, preset, expected):
     """Importing the trainer sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it: a tool or reward
-    that starts JAX's GPU backend then takes what it uses, not 75% of the card."""
+    that starts JAX's GPU backend then takes what it uses, not 75% of the card. (`tools` sets it; the trainer
+    imports `tools` at its top, before any tool or reward exists.)"""
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
     if preset is not None:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = preset
-    code = "import os, mt_grpo_trainer; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
+    code = f"import os, {module}; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == expected
 
