@@ -4,6 +4,7 @@ dotted paths and corpus tools."""
 
 import inspect
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import tools.wiki_search
 from helpers import ROOT
 from tools import TOOLS, build_tools
-from tools.search import make_search_tool
+from tools.search import BM25Search, make_search_tool
 
 KALOSH = "Kalosh: Kalosh is a city on the Dun River."
 RUSK = "Pella Rusk: Pella Rusk built the first sky loom in Kalosh."
@@ -176,6 +177,12 @@ def test_trainer_tells_jax_not_to_take_the_gpu(module, preset, expected):
     code = f"import os, {module}; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == expected
+
+
+def test_search_index_pickles():
+    """The index holds bm25s' tokenizer, not the module: a tool over it can be copied and sent to a worker."""
+    index = BM25Search([{"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."}])
+    assert pickle.loads(pickle.dumps(index)).search("capital of Veltria").startswith("Veltria:")
 
 
 FAKE_JAX_LAX = '''

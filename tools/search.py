@@ -29,11 +29,11 @@ class BM25Search:
 
         self.documents = _check_corpus(corpus)
         texts = [f"{d['title']}\n{d['text']}" for d in self.documents]
+        self.tokenize = bm25s.tokenize  # the function, not the module: the index stays copyable and picklable
         self.retriever = bm25s.BM25()
         self.retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
 
     def search(self, query: str, num_results: int = 3) -> str:
-        bm25s = import_bm25s()
         if not isinstance(query, str):
             raise ValueError(f"search: the query must be a string, got {type(query).__name__}; "
                              'call it as {"query": "capital of Veltria"}.')
@@ -43,7 +43,7 @@ class BM25Search:
         k = min(_clamp_num_results(num_results), len(self.documents))
         # Tokens as strings, not ids: the retriever maps them through the corpus vocabulary and drops
         # words the corpus never uses (ids from a fresh tokenizer would not match the index's).
-        query_tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
+        query_tokens = self.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
         hits = self.retriever.retrieve(query_tokens, k=k, show_progress=False, backend_selection="numpy")
         ranked = [self.documents[int(i)] for i, score in zip(hits.documents[0], hits.scores[0]) if score > 0]
         if not ranked:
@@ -51,12 +51,17 @@ class BM25Search:
         return "\n\n".join(f"{d['title']}: {d['text']}" if d["title"] else d["text"] for d in ranked)
 
 
+_ABSENT = object()
+
+
 def import_bm25s():
     """bm25s, kept away from JAX. Where JAX is installed, `import bm25s` imports it and runs a top-k to start its
     backend; on a GPU, JAX then reserves 75% of the card (its XLA_PYTHON_CLIENT_PREALLOCATE default) inside the
     trainer's process: 105 of an H200's 140 GiB, so two learning-study runs could not share one (docs/results.md,
-    "GPU memory"). With `jax` (or `jax.lax`, where the user imported jax already) hidden during the import,
-    bm25s takes its numpy top-k, and `search` asks for that backend in any case; the user's own JAX is untouched."""
+    "GPU memory"). The `tools` package now turns that preallocation off unless the user turned it on, but JAX
+    would still be imported, start a CUDA context and run every search's top-k on the GPU. With `jax` (or
+    `jax.lax`, where the user imported jax already) hidden during the import, bm25s takes its numpy top-k, and
+    `search` asks for that backend in any case; the user's own JAX is untouched."""
     if "bm25s" in sys.modules:
         return sys.modules["bm25s"]
     hidden = "jax.lax" if "jax" in sys.modules else "jax"
@@ -70,9 +75,6 @@ def import_bm25s():
         else:
             sys.modules[hidden] = saved
     return bm25s
-
-
-_ABSENT = object()
 
 
 @corpus_tool
