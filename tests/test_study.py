@@ -1,6 +1,7 @@
 """The learning study's bookkeeping (benchmarks/learning_study.py): one CSV row per run and evaluation
 read from trainer_state.json, and the row-by-row comparison with an earlier CSV that checks a rerun."""
 
+import csv
 import json
 import math
 import os
@@ -461,3 +462,47 @@ def test_keep_takes_only_finished_runs_and_the_kept_folder_reports_alone(tmp_pat
     monkeypatch.setattr(learning_study, "launch", lambda *a, **k: pytest.fail("a kept run was trained again"))
     main()
     assert [row["step"] for row in read_csv(str(tmp_path / "again.csv"))] == [0, 30]
+
+
+# The committed studies of issue 41: (the name of OUT in docs/, its modes, its seeds). OUT.csv and
+# OUT_intervals.csv must be what the kept records in OUT_runs/ give, so the numbers docs/results.md quotes from
+# them can be redrawn by anyone, without training.
+COMMITTED_STUDIES = [
+    ("learning_study_entities", ("mt_grpo", "merged", "outcome_only", "per_turn"), (11, 12, 13, 14, 15)),
+    ("learning_study_entities_gpu", ("mt_grpo", "merged"), (21, 22, 23)),
+]
+
+
+@pytest.mark.parametrize("name, modes, seeds", COMMITTED_STUDIES, ids=[s[0] for s in COMMITTED_STUDIES])
+def test_a_committed_study_is_what_its_kept_records_give(name, modes, seeds):
+    """Issue 41's protocol, checked on what is committed: every mode has every seed, all runs evaluated at the same
+    steps on all 95 test questions, the seeds are fresh (in no earlier committed study), and the CSV and the
+    intervals (the same 2000-draw bootstrap) are recomputed from the kept records, digit for digit."""
+    from learning_study import INTERVAL_COLUMNS, intervals, question_results, run_dir
+
+    docs = os.path.join(ROOT, "docs")
+    jobs = [(mode, seed, run_dir(os.path.join(docs, name + "_runs"), mode, seed)) for seed in seeds for mode in modes]
+    rows = collect(jobs)
+    assert {(r["mode"], r["seed"]) for r in rows} == {(m, s) for m in modes for s in seeds}
+    steps = {(r["mode"], r["seed"]): set() for r in rows}
+    for r in rows:
+        steps[(r["mode"], r["seed"])].add(r["step"])
+    assert set(map(frozenset, steps.values())) == {frozenset({0, 15, 30})}
+    results = {(mode, seed): question_results(path, METRICS[0]) for mode, seed, path in jobs}
+    assert all(sorted(map(len, r.values())) == [95, 95, 95] for r in results.values())
+    earlier = set()  # the seeds of every other committed CSV
+    for csv_name in os.listdir(docs):
+        if csv_name.endswith(".csv") and not csv_name.startswith("learning_study_entities"):
+            with open(os.path.join(docs, csv_name), newline="") as f:
+                earlier |= {int(r["seed"]) for r in csv.DictReader(f) if r.get("seed")}
+    assert earlier and not earlier & set(seeds)
+    assert not {3} & set(seeds)  # the pilot's seed (learning_study_entities_pilot_runs)
+
+    unmatched, table = compare(rows, os.path.join(docs, name + ".csv"))
+    assert unmatched == 0 and len(read_csv(os.path.join(docs, name + ".csv"))) == len(rows)
+    assert all(identical == compared for _, compared, identical, _ in table), table
+    with open(os.path.join(docs, name + "_intervals.csv"), newline="") as f:
+        committed = list(csv.DictReader(f))
+    again = intervals(rows, results, METRICS[0], 2000)
+    written = [{k: (f"{r[k]:.4f}" if isinstance(r[k], float) else str(r[k])) for k in INTERVAL_COLUMNS} for r in again]
+    assert written == committed
