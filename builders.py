@@ -17,9 +17,11 @@ from typing import Callable
 
 from transformers import AutoTokenizer
 
-from checks import check_reward_sources, required_columns
+import torch
+
+from checks import required_columns, resolve_advantage_mode
 from protocol import end_of_turn_ids
-from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, validate_dataset
+from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, task_defaults, validate_dataset
 
 logger = logging.getLogger("mt_grpo")
 
@@ -40,26 +42,25 @@ class Parts:
     examples: list[dict] | Callable[[list], list[dict]] | None = None
     eval_metrics: dict[str, Callable] = field(default_factory=dict)
     environments: object = None  # environments.EnvironmentPool of TRL's environment_factory; None: stateless tools
+    # (turn, outcome) weights of the functions the caller listed (reward_lists); the environment's weigh 1
+    weights: tuple[list[float], list[float]] = ([], [])
+    questions: bool = True  # the rows are questions, answered in <answer> (not TRL prompts, not an environment's)
 
 
 def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
-             outcome_reward_funcs, processing_class, corpus, environment_factory=None) -> Parts:
+             outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
-    from rewards import get_reward_func
-    from rewards.judge import build_judge_rewards
     from tools import build_tools
 
     sa = script_args
     factory = environment_factory if environment_factory is not None else sa.environment_factory
     if factory is not None:
         check_environment_args(sa, args, train_dataset)
-    # judge rewards (rewards/judge.py) become instances bound to one judge client, checked once at start-up
-    turn, judge = build_judge_rewards(sa.turn_reward_funcs if turn_reward_funcs is None else turn_reward_funcs, sa)
-    outcome, _ = build_judge_rewards(sa.outcome_reward_funcs if outcome_reward_funcs is None else outcome_reward_funcs,
-                                     sa, judge)
-    turn = [get_reward_func(f) if isinstance(f, str) else f for f in turn]
-    outcome = [get_reward_func(f) if isinstance(f, str) else f for f in outcome]
+    # the task's own tools and rewards fill what the caller and the config leave unset (tasks.task_defaults)
+    defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
+        task_defaults(sa.dataset_name, sa.corpus_path) if train_dataset is None else {}
+    turn, outcome, weights = reward_lists(sa, args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
     needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
     train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
         sa.dataset_name is not None else placeholder_task(args)
@@ -75,10 +76,13 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
+    from rewards import get_reward_func
+
     metrics = {name: fn for name, fn in (source.eval_metrics if source is not None else {}).items()
-               if all(c in source.dataset.column_names + ["environments"] for c in required_columns(get_reward_func(fn)))}
-    tools = _join_tools(build_tools(sa.tools if tools is None else tools, corpus if corpus is not None
-                                    else getattr(source, "corpus", None)), _mcp_tools(sa))
+               if all(c in source.dataset.column_names for c in required_columns(get_reward_func(fn)))}
+    tools = next(t for t in (tools, sa.tools, defaults.get("tools"), []) if t is not None)
+    tools = _join_tools(build_tools(tools if isinstance(tools, (list, tuple)) else [tools], corpus if corpus is not
+                                    None else getattr(source, "corpus", None)), _mcp_tools(sa))
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
@@ -86,15 +90,66 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
 
         pool = EnvironmentPool(load_factory(factory), tools, get_protocol(sa.tool_format, tokenizer=tokenizer))
         tools, outcome, turn = pool.all_tools(), outcome + pool.reward_funcs[0], turn + pool.reward_funcs[1]
-    check_reward_sources(sa, turn, outcome)
+    resolve_advantage_mode(sa, turn, outcome, step_rewards=pool is not None and bool(pool.reward_funcs[1]))
     return Parts(
-        tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool,
-        turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out,
+        tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool, weights=weights,
+        turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source),
         task_prompt=load_text(sa.system_prompt) or getattr(source, "system_prompt", None),
         examples=load_examples(sa.few_shot_examples) if sa.few_shot_examples is not None
         else getattr(source, "examples", None),
         eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
     )
+
+
+def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:
+    """(turn functions, outcome functions, (turn weights, outcome weights)). TRL's `reward_funcs` (a function, a
+    name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_turn the
+    turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
+    `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
+    from rewards import get_reward_func
+    from rewards.judge import build_judge_rewards
+
+    given = as_list(reward_funcs) or []
+    trl_weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(given)
+    if len(trl_weights) != len(given):
+        raise ValueError(f"`reward_weights` has {len(trl_weights)} values but `reward_funcs` has {len(given)} "
+                         "functions: give one weight per function of `reward_funcs`.")
+    lists = {}
+    for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
+        names = next((x for x in (as_list(passed), getattr(sa, f"{kind}_reward_funcs")) if x is not None), None)
+        weights = getattr(sa, f"{kind}_reward_weights") if names is not None else None
+        names = names if names is not None else [] if reward_funcs is not None else \
+            defaults.get(f"{kind}_reward_funcs", [])
+        if weights is not None and len(weights) != len(names):
+            raise ValueError(f"`{kind}_reward_weights` has {len(weights)} values for {len(names)} functions: give "
+                             "one weight per function, or leave the weights unset.")
+        lists[kind] = (list(names), list(weights) if weights is not None else [1.0] * len(names))
+    judge = None  # judge rewards (rewards/judge.py) share one client, checked once at start-up
+    resolved = {}
+    for kind, (names, weights) in lists.items():
+        funcs, judge = build_judge_rewards(names, sa, judge)
+        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else f for f in funcs], weights
+    extra, judge = build_judge_rewards(given, sa, judge)
+    for fn, w in zip(extra, trl_weights):
+        fn = get_reward_func(fn) if isinstance(fn, str) else fn
+        kind = "turn" if getattr(fn, "per_turn", False) is True else "outcome"
+        resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
+    for fn in resolved["turn"][0] + resolved["outcome"][0]:
+        if isinstance(fn, torch.nn.Module) or not callable(fn):
+            raise ValueError(f"Reward {fn!r} is a {type(fn).__name__}: give a function (prompts, completions, "
+                             "**kwargs) -> list[float | None], a name from rewards/, or a dotted path `module:fn`. A "
+                             "reward model goes inside a function that scores the completions with it.")
+    return resolved["turn"][0], resolved["outcome"][0], (resolved["turn"][1], resolved["outcome"][1])
+
+
+def as_list(x) -> list | None:
+    """TRL takes one item or a list (a reward function, a tool): None stays None."""
+    return None if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _questions(task: Task | None) -> bool:
+    """Whether a task's rows are questions (answered in <answer>), rather than TRL prompts or an environment's."""
+    return task is not None and "prompt" not in task.dataset.column_names
 
 
 def _task(data, sa, needs_answer: list[str], name: str) -> Task | None:
@@ -211,5 +266,5 @@ def prompt_dataset(task: Task | None, sa, env, funcs: list[Callable]):
     dataset = build_dataset(sa, env, task, tools_of=env.environments.tools if env.environments is not None else None)
     if sa.answer_type != "auto" and "answer_type" not in dataset.column_names:
         dataset = dataset.add_column("answer_type", [sa.answer_type] * len(dataset))
-    check_reward_columns(funcs, dataset.column_names)
+    check_reward_columns(funcs, dataset.column_names, environments=env.environments is not None)
     return dataset

@@ -7,9 +7,11 @@ import inspect
 import logging
 import os
 import re
+import warnings
 from types import SimpleNamespace
 from typing import Callable
 
+import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from protocol import PROTOCOLS
@@ -49,13 +51,28 @@ TIE_RULES = ("auto", "sort", "triton")  # vllm_tie_rule: weight_sync.server_samp
 ANSWER_TYPES = ("auto", "text", "math")  # answer_type: rewards/ compare answers as text or as math
 
 
+def settle_training_defaults(config) -> None:
+    """MTGRPOConfig's two moves of TRL's training defaults, before GRPOConfig checks them. Activation checkpointing
+    keeps TRL's default, on, under transformers' new name (TRL sets the deprecated `gradient_checkpointing`, and every
+    run printed transformers' warning; a recipe may use either name). Without a GPU, no pinned memory: torch's
+    DataLoader warned of it on every CPU run, for nothing."""
+    old, new = config.gradient_checkpointing, config.activation_checkpointing
+    if old is not None and new is not None and old != new:
+        raise ValueError(f"`gradient_checkpointing` ({old}) and `activation_checkpointing` ({new}) disagree; "
+                         "they are one setting: keep `activation_checkpointing` only.")
+    config.activation_checkpointing = next((v for v in (new, old) if v is not None), True)
+    config.gradient_checkpointing = None
+    if not torch.cuda.is_available() and not (getattr(torch, "xpu", None) and torch.xpu.is_available()):
+        config.dataloader_pin_memory = False
+
+
 def check_script_args(args) -> None:
     """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field."""
     def check_choice(name, choices):
         if getattr(args, name) not in choices:
             raise ValueError(f"`{name}` is {getattr(args, name)!r}; choose one of {list(choices)}.")
 
-    check_choice("advantage_mode", ADVANTAGE_MODES)
+    check_choice("advantage_mode", ADVANTAGE_MODES + ("auto",))
     check_choice("turn_normalization", TURN_NORMALIZATIONS)
     check_choice("generation_backend", BACKENDS)
     check_choice("tokenization_check", TOKENIZATION_CHECKS)
@@ -69,6 +86,9 @@ def check_script_args(args) -> None:
     check_judge_args(args)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
+        if weights is not None and funcs is None:
+            raise ValueError(f"`{kind}_reward_weights` is set but `{kind}_reward_funcs` is not: list the functions "
+                             "they weigh (the task's default list takes no weights).")
         if weights is not None and len(weights) != len(funcs):
             raise ValueError(
                 f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
@@ -80,7 +100,7 @@ def check_script_args(args) -> None:
         raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {args.turn_credit_discount}.")
     for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
                  "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"`{name}` must be at least 1, got {getattr(args, name)}.")
     for name in ("tool_timeout", "vllm_request_timeout"):
         if not getattr(args, name) > 0:
@@ -109,11 +129,8 @@ def check_script_args(args) -> None:
 # error that says what to set instead: a silently ignored field trains something else than the recipe
 # says.
 REPLACED_GRPO_FIELDS = {
-    "reward_weights": "set `turn_reward_weights` and `outcome_reward_weights` (turn and outcome rewards are "
-                      "kept apart)",
     "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
                                    "`advantage_mode` (mt_grpo, outcome_only, merged)",
-    "max_tool_calling_iterations": "set `max_env_steps`",
     "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and "
                          "`repetition_penalty`; other generation options are not sent, so that both backends "
                          "sample from what the recipe says",
@@ -134,15 +151,31 @@ REPLACED_GRPO_FIELDS = {
 }
 
 
+def resolve_advantage_mode(args, turn_funcs: list[Callable], outcome_funcs: list[Callable],
+                           step_rewards: bool = False) -> None:
+    """`advantage_mode: auto` made one mode from the run's rewards (said in one line), then check_reward_sources:
+    per_turn where an environment's `step_rewards` reward every turn, mt_grpo with other turn rewards, else
+    outcome_only (TRL's GRPO)."""
+    if args.advantage_mode == "auto":
+        args.advantage_mode = "per_turn" if step_rewards else "mt_grpo" if turn_funcs else "outcome_only"
+        logger.info("advantage_mode auto: %s%s", args.advantage_mode, "" if turn_funcs else (
+            " (TRL's GRPO): the run has no turn reward. For turn credit, give `turn_reward_funcs` (e.g. "
+            "tool_execution_reward_func), a @per_turn function in `reward_funcs`, or a `step_rewards` list in "
+            "your environment."))
+    check_reward_sources(args, turn_funcs, outcome_funcs)
+
+
 def check_reward_sources(args, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
     """The run's reward functions, the recipe's and those its environment brings (environments.py)."""
-    if args.advantage_mode != "outcome_only" and not outcome_funcs and not turn_funcs:
-        raise ValueError("No reward functions: set `outcome_reward_funcs` and/or `turn_reward_funcs`, or give an "
-                         "`environment_factory` whose class defines `get_reward` (or `step_rewards`).")
+    if not outcome_funcs and not turn_funcs:
+        raise ValueError("No reward functions: pass `reward_funcs` (a function or a list, as to TRL's GRPOTrainer), "
+                         "or set `outcome_reward_funcs` and/or `turn_reward_funcs`, or give an `environment_factory` "
+                         "whose class defines `get_reward` (or `step_rewards`).")
     if not turn_funcs and args.advantage_mode in ("mt_grpo", "per_turn") and args.turn_advantage_coef != 0:
         raise ValueError(
-            f"`turn_advantage_coef` is {args.turn_advantage_coef} but `turn_reward_funcs` is empty, so "
-            "A_T would always be 0. Add turn reward functions, or set `advantage_mode: outcome_only`."
+            f"`advantage_mode: {args.advantage_mode}` credits turns, but the run has no turn reward, so A_T would "
+            "always be 0. Give `turn_reward_funcs` (or a @per_turn function in `reward_funcs`, or a `step_rewards` "
+            "list in your environment), or set `advantage_mode: auto` (outcome_only here, TRL's GRPO)."
         )
 
 
@@ -166,7 +199,11 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
         )
     if args.num_generations < 2:
         raise ValueError("`num_generations` must be at least 2: advantages are normalised within each group.")
-    if script_args.max_tokens_per_turn > args.max_completion_length:
+    steps, iterations = script_args.max_env_steps, args.max_tool_calling_iterations
+    if steps is not None and iterations is not None and steps != iterations:
+        raise ValueError(f"`max_env_steps` ({steps}) and TRL's `max_tool_calling_iterations` ({iterations}) are one "
+                         "limit and disagree: set one of them.")
+    if (script_args.max_tokens_per_turn or 0) > args.max_completion_length:
         raise ValueError(
             f"`max_tokens_per_turn` ({script_args.max_tokens_per_turn}) exceeds `max_completion_length` "
             f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
@@ -195,16 +232,27 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
                        "`per_device_train_batch_size` to the generation batch (%d), and bound memory with "
                        "`max_tokens_per_microbatch`.", args.steps_per_generation,
                        args.per_device_train_batch_size * args.steps_per_generation)
-    if script_args.max_tool_response_tokens >= args.max_completion_length:
+    if (script_args.max_tool_response_tokens or 0) >= args.max_completion_length:
         raise ValueError(
             f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
             f"`max_completion_length` ({args.max_completion_length}), or no tool result ever fits."
         )
 
 
-def check_trl() -> None:
+def check_trl(reward_processing_classes=None, rollout_func=None) -> None:
     """The installed TRL must be the tested range: this file overrides and reads TRL's private names
-    (listed above). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway."""
+    (listed above). MT_GRPO_ALLOW_UNTESTED_TRL=1 tries another version anyway. Two of GRPOTrainer's arguments
+    have no meaning here, and are refused with the fix."""
+    if reward_processing_classes is not None:
+        raise ValueError("`reward_processing_classes` tokenize for reward models, which this trainer does not load: "
+                         "score with a reward function (it may call a model itself), and leave it out.")
+    if rollout_func is not None:
+        raise ValueError("`rollout_func` would replace the rollout, and this trainer's rollout is its multi-turn "
+                         "environment: give `tools` or an `environment_factory` instead, and leave it out.")
+    # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
+    # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a user to change
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
+                            category=FutureWarning)
     import trl
     import trl.trainer.utils
     from packaging.specifiers import SpecifierSet
@@ -315,20 +363,30 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
                          "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
 
 
+# What TRL 1.16 passes every reward function besides the dataset's columns (reward_keywords gives the values here);
+# `environments` only in a run with an environment_factory, as in TRL.
+TRL_REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_extra",
+                       "log_metric")
+
+
 def required_columns(fn: Callable) -> list[str]:
-    """The keyword arguments a reward function needs from the dataset (those without a default)."""
+    """The keyword arguments a reward function needs from the dataset (those without a default, but TRL's)."""
     return [name for name, p in inspect.signature(fn).parameters.items()
             if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and name not in ("prompts", "completions")]
+            and name not in TRL_REWARD_KEYWORDS]
 
 
-def check_reward_columns(funcs: list[Callable], columns: list[str]) -> None:
-    """Each reward's required keyword arguments must be dataset columns."""
+def check_reward_columns(funcs: list[Callable], columns: list[str], environments: bool = True) -> None:
+    """Each reward's required keyword arguments must be dataset columns, or TRL's keywords that the run passes."""
     for fn in funcs:
         for name in required_columns(fn):
             if name not in columns:
                 raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
                                  f"the dataset has only {columns}.")
+        needs = inspect.signature(fn).parameters.get("environments")
+        if not environments and needs is not None and needs.default is needs.empty:
+            raise ValueError(f"Reward function '{fn.__name__}' takes `environments`, which a run passes only with an "
+                             "`environment_factory` (as TRL does): give one, or read the completions instead.")
 
 
 def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:

@@ -44,8 +44,13 @@ class TrainerEvaluation:
             self.model.train(was_training)
         prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
         columns = episode_columns(inputs, episodes)
-        scores = self._score(prompts, episodes, inputs, all_processes=False, turns=self.script_args.max_env_steps)
+        scores = self._score(prompts, episodes, inputs, all_processes=False,
+                             turns=max([1, *(ep.tool_turns for ep in episodes)]))
         judged = {f"eval/{name}": value for name, value in self._judge_metrics().items()}  # this process's judge work
+        # what rewards logged through TRL's log_metric (this process's; log_extra's columns belong to training's table)
+        judged.update({f"eval/{name}": sum(v) / len(v) for name, v in self._pending_metrics.items() if v})
+        self._pending_metrics.clear()
+        self._pending_extra_logs.clear()
         task = {name: fn(prompts, completions, **columns) if inputs else []
                 for name, fn in self.eval_metric_funcs.items()}
         rows = slice(0, len(episodes))

@@ -52,14 +52,13 @@ import math
 import os
 import time
 import typing
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import httpx
 import torch
 from accelerate.utils import gather
-from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, StoppingCriteria
+from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.models import unwrap_model_for_generation
@@ -67,14 +66,15 @@ from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
-                    check_reward_columns, check_script_args, check_tokenization, check_training_args, check_trl,
-                    score_labelled_tokens_only)
+                    check_script_args, check_tokenization, check_training_args, check_trl,
+                    resolve_advantage_mode, score_labelled_tokens_only, settle_training_defaults)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from fields import arg, parse_recipe
 from packing import PackedForward, prefilled_inputs
+from rewards import failing_sample
 from rewards.judge import JudgeArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, run_turns
@@ -118,25 +118,27 @@ class MTGRPOScriptArguments(JudgeArguments):
                                           "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
     save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
                                    "for scripts/view_rollouts.py (0: off).")
-    tools: list[str] = arg(["search"], "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn`.")
+    tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
+                                  "(None: the task's: search for fictional_kb; none for your own data).")
     tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).")
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
                                                  "episode whose public methods are tools (docs/guide.md, 'Bring your "
                                                  "own environment'); or {name: module:Class} by `environment` column.")
     mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or streamable-HTTP URLs.")
     # Rewards: names from rewards/ or dotted paths `module:function`
-    turn_reward_funcs: list[str] = arg(["tool_execution_reward_func", "answer_in_tool_result"],
-                                       "Turn reward functions (R_T).")
+    turn_reward_funcs: list[str] | None = arg(None, "Turn reward functions (R_T); None: the task's (fictional_kb, "
+                                              "triviaqa: tool ran, answer in its result; none for your own data).")
     turn_reward_weights: list[float] | None = arg(None, "One weight per turn reward function (None: all 1.0).")
-    outcome_reward_funcs: list[str] = arg(
-        ["exact_match_reward_func", "exist_answer_reward_func", "format_reward_func"], "Outcome reward functions.")
+    outcome_reward_funcs: list[str] | None = arg(None, "Outcome reward functions (R_O), besides TRL's `reward_funcs`; "
+                                                 "None: the task's (fictional_kb: exact match, answered, format).")
     outcome_reward_weights: list[float] | None = arg(None, "One weight per outcome reward function (None: all 1.0).")
     answer_type: str = arg("auto", "How rewards compare answers with the gold: text (SQuAD normalised) | math "
                            "(numbers, expressions: math-verify) | auto (math when the gold is one); a dataset "
                            "column `answer_type` overrides it per row.")
     # MT-GRPO
-    advantage_mode: str = arg("mt_grpo", "mt_grpo (the paper) | per_turn (credit for every tool turn) | "
-                              "outcome_only (GRPO-OR) | merged (GRPO-MR).")
+    advantage_mode: str = arg("auto", "mt_grpo (the paper) | per_turn (credit for every tool turn) | outcome_only "
+                              "(GRPO-OR, TRL's GRPO) | merged (GRPO-MR) | auto (per_turn with an environment's "
+                              "step_rewards, mt_grpo with other turn rewards, else outcome_only).")
     turn_advantage_coef: float = arg(1.0, "Weight of A_T on the tokens of the turn it credits (paper: 1.0).")
     turn_normalization: str = arg("pooled", "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the "
                                   "group (pooled) | over the samples with a turn k (by_turn_index).")
@@ -154,9 +156,12 @@ class MTGRPOScriptArguments(JudgeArguments):
     dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
                                            "groups still without signal then stay (and are masked).")
     # Episode limits
-    max_env_steps: int = arg(2, "Environment replies per episode; a tool call after that ends it. Recommended 2-5.")
-    max_tokens_per_turn: int = arg(256, "Sampled tokens per model turn, at most (or what the budget leaves).")
-    max_tool_response_tokens: int = arg(128, "Each tool output is cut to this many tokens, with a visible marker.")
+    max_env_steps: int | None = arg(None, "Environment replies per episode; a tool call after that ends it (None: "
+                                    "TRL's `max_tool_calling_iterations`, whose None is no limit but the budget).")
+    max_tokens_per_turn: int | None = arg(None, "Sampled tokens per model turn, at most (None: what the "
+                                          "max_completion_length budget leaves, as in TRL).")
+    max_tool_response_tokens: int | None = arg(None, "Each tool output is cut to this many tokens, with a visible "
+                                               "marker (None: to what the max_completion_length budget leaves).")
     max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.")
     few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
                          "task's (fictional_kb, triviaqa: two searches); small models need them.")
@@ -201,22 +206,16 @@ class MTGRPOScriptArguments(JudgeArguments):
 
 @dataclass
 class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
-    """TRL's GRPOConfig with the fields above: the `args` of the Python API and the recipe's keys. Two defaults
-    move. Evaluation is greedy (TRL's None means num_generations episodes per eval question, and its check then
-    wants the eval batch divisible by num_generations, which one greedy episode per question does not need). Activation checkpointing keeps TRL's default,
-    on, under transformers' new name: TRL sets the deprecated `gradient_checkpointing`, and every run
-    printed transformers' deprecation warning; a recipe may still use either name."""
+    """TRL's GRPOConfig with the fields above: the `args` of the Python API and the recipe's keys. Evaluation is
+    greedy (TRL's None means num_generations episodes per eval question, and its check then wants the eval batch
+    divisible by num_generations, which one greedy episode per question does not need); checks.py's
+    settle_training_defaults says what else moves."""
 
     num_generations_eval: int | None = arg(1, "Episodes per eval question: 1 greedy; k > 1 sampled, with pass@k.")
     gradient_checkpointing: bool | None = arg(None, "Deprecated name of `activation_checkpointing`; either may be set.")
 
     def __post_init__(self):
-        old, new = self.gradient_checkpointing, self.activation_checkpointing
-        if old is not None and new is not None and old != new:
-            raise ValueError(f"`gradient_checkpointing` ({old}) and `activation_checkpointing` ({new}) disagree; "
-                             "they are one setting: keep `activation_checkpointing` only.")
-        self.activation_checkpointing = next((v for v in (new, old) if v is not None), True)
-        self.gradient_checkpointing = None
+        settle_training_defaults(self)  # checks.py: the two names of checkpointing; no pinned memory without a GPU
         check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
 
@@ -854,13 +853,13 @@ class MultiTurnToolEnv:
     every live conversation, parses each turn with the protocol, runs the tool calls concurrently and
     appends the replies. The budget `max_completion_length` covers model and env tokens together."""
 
-    def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int,
-                 max_tokens_per_turn: int, max_completion_length: int, max_tool_response_tokens: int,
+    def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int | None,
+                 max_tokens_per_turn: int | None, max_completion_length: int, max_tool_response_tokens: int | None,
                  tool_timeout: float = 10.0, tool_max_workers: int = 16,
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
-                 turn_samples: str = "interleaved"):
+                 turn_samples: str = "interleaved", questions: bool = True):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
@@ -869,17 +868,18 @@ class MultiTurnToolEnv:
         self.template_tools = protocol.template_tools(tools)
         self.toolset = Toolset(self.tools, self.template_tools)
         self.environments = environments  # environments.EnvironmentPool: an instance per episode, reset with its row
-        self.max_env_steps = max_env_steps
-        self.max_tokens_per_turn = max_tokens_per_turn
+        self.max_env_steps = max_env_steps if max_env_steps is not None else math.inf  # None: TRL's no limit
+        self.max_tokens_per_turn = max_tokens_per_turn or max_completion_length  # None: only the budget
         self.max_completion_length = max_completion_length
-        self.max_tool_response_tokens = max_tool_response_tokens
+        self.max_tool_response_tokens = max_tool_response_tokens or max_completion_length  # None: the budget's
         self.tool_timeout = tool_timeout
         self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
         self.turn_samples = turn_samples  # interleaved | per_turn | auto (turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
-        self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot)
+        self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot,
+                                 questions=questions)  # questions: answered in <answer> (protocol.build_prompt)
         # Every id that ends a model turn (Qwen2.5-Instruct has two); see _record_env_turn.
         self.eos_token_ids = list(dict.fromkeys([*(eos_token_ids or []), tokenizer.eos_token_id]))
 
@@ -1135,9 +1135,11 @@ def loss_mask(batch: dict) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # ALGO LOGIC: sections 4 and 5, to the trainer
 def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
-                             tool_turns: list[int] | None = None, max_turns: int = 1) -> torch.Tensor:
+                             tool_turns: list[int] | None = None, max_turns: int = 1,
+                             keywords: dict | None = None) -> torch.Tensor:
     """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
-    each sample) (B, F, max_turns). A per-turn function (`fn.per_turn`, rewards/conversation.py)
+    each sample) (B, F, max_turns). `columns`: a list per keyword, a value per sample; `keywords`: TRL's
+    others, for the batch (trainer_state, log_extra, log_metric). A per-turn function (`fn.per_turn`, rewards/conversation.py)
     returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
     fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
     error naming the function and sample."""
@@ -1150,10 +1152,10 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
             raise ValueError(f"Reward function '{name}' is per-turn (@per_turn): list it in "
                              "`turn_reward_funcs`.")
         try:
-            values = fn(prompts=prompts, completions=completions, **columns)
+            values = fn(prompts=prompts, completions=completions, **columns, **(keywords or {}))
         except Exception as e:
             raise RuntimeError(f"Reward function '{name}' raised on sample "
-                               f"{_failing_sample(fn, prompts, completions, columns)}: "
+                               f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
                                f"{type(e).__name__}: {e}") from e
         if len(values) != B:
             raise ValueError(f"Reward function '{name}' returned {len(values)} values for {B} samples.")
@@ -1177,17 +1179,6 @@ def _reward_value(name: str, i: int, v) -> float:
         raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
                          "numbers, or None for 'not applicable'.")
     return float(v)
-
-
-def _failing_sample(fn, prompts, completions, columns) -> str:
-    """Find which sample makes a batch reward function raise, by calling it on one sample at a time."""
-    for i in range(len(prompts)):
-        try:
-            fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-               **{k: v[i : i + 1] for k, v in columns.items()})
-        except Exception:
-            return str(i)
-    return "(the batch only; no single sample raises)"
 
 
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -1416,14 +1407,17 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
     recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
     (`evaluate`, `run_evaluation`) by TrainerEvaluation (evaluation.py) from `_eval_episodes` and `_score`."""
 
-    def __init__(self, model, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, *,
-                 tools: list | None = None, turn_reward_funcs: list | None = None,
-                 outcome_reward_funcs: list | None = None, processing_class=None, peft_config=None, callbacks=None,
-                 env: "MultiTurnToolEnv | None" = None, backend=None, script_args: MTGRPOScriptArguments | None = None,
-                 eval_metric_funcs: dict[str, Callable] | None = None, corpus: list[dict] | None = None,
-                 environment_factory=None):
-        """TRL's GRPOTrainer's arguments; tools and rewards may be functions or names, a dataset holds questions
-        and answers or TRL prompts (builders.py says what each may be). `args`: an MTGRPOConfig (a plain
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools: list | None = None,
+                 rollout_func=None, environment_factory=None, *, turn_reward_funcs: list | None = None,
+                 outcome_reward_funcs: list | None = None, env: "MultiTurnToolEnv | None" = None, backend=None,
+                 script_args: MTGRPOScriptArguments | None = None, eval_metric_funcs: dict[str, Callable] | None = None,
+                 corpus: list[dict] | None = None):
+        """TRL's GRPOTrainer's arguments, in its order; tools and rewards may be functions or names, a dataset holds
+        questions and answers or TRL prompts (builders.py says what each may be). `reward_funcs` (TRL's) join the
+        outcome rewards, those marked @per_turn the turn rewards; `turn_reward_funcs` and `outcome_reward_funcs`
+        keep MT-GRPO's split. `args`: an MTGRPOConfig (a plain
         GRPOConfig takes the environment's fields from `script_args`, else their defaults). Without `env`, the
         env, the tools and the datasets' prompts are built from the config (no dataset: its `dataset_name`);
         with one, the caller built them. `backend`: a generation backend, a function env -> backend, or None
@@ -1432,41 +1426,46 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         args = args if args is not None else MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")
         sa = script_args or (args if isinstance(args, MTGRPOScriptArguments) else MTGRPOScriptArguments())
         score_labelled_tokens_only()
-        check_trl()
-        # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
-        # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a user to change
-        warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
-                                category=FutureWarning)
+        check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
         check_training_args(sa, args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
         check_backend(sa, peft_config, BACKENDS[sa.generation_backend], args)
+        weights = sa.turn_reward_weights, sa.outcome_reward_weights
         if env is None:  # the Python API and the recipe: build from the config
             import builders
 
             parts = builders.assemble(model, args, sa, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                       tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
                                       outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class,
-                                      environment_factory=environment_factory)
+                                      environment_factory=environment_factory, reward_funcs=reward_funcs)
             env, processing_class = make_env(sa, args, parts), parts.tokenizer
             turn_reward_funcs, outcome_reward_funcs = parts.turn_funcs, parts.outcome_funcs
             train_dataset, eval_dataset = (builders.prompt_dataset(t, sa, env, parts.turn_funcs + parts.outcome_funcs)
                                            for t in (parts.train, parts.eval))
             eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
+            weights = parts.weights  # of the functions the caller listed; the environment's weigh 1
             # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
             args.eval_on_start = eval_dataset is not None and args.eval_strategy != "no" \
                 and not args.resume_from_checkpoint
+        else:
+            resolve_advantage_mode(sa, turn_reward_funcs, outcome_reward_funcs)
         check_best_metric(args, turn_reward_funcs, outcome_reward_funcs, list(eval_metric_funcs or {}))
         if backend is None or not hasattr(backend, "generate"):
             backend = backend(env) if backend is not None else make_backend(sa, args, env)
-        # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each.
+        # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each, with the weights
+        # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them)
+        trl_weights, args.reward_weights = args.reward_weights, None
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                         peft_config=peft_config, callbacks=callbacks)
+                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
+                         quantization_config=quantization_config)
+        args.reward_weights = trl_weights
         self.env, self.backend, self.script_args = env, backend, sa
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
         self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
-        self.turn_weights = reward_weights(sa.turn_reward_weights, turn_reward_funcs)
-        self.outcome_weights = reward_weights(sa.outcome_reward_weights, outcome_reward_funcs)
+        # one weight per function; those an environment adds after the caller's (environments.py) weigh 1.0
+        self.turn_weights, self.outcome_weights = (torch.tensor([*(w or []), *[1.0] * (len(f) - len(w or []))])
+                                                   for w, f in zip(weights, (turn_reward_funcs, outcome_reward_funcs)))
         self._synced_step = -1
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         self._async = (
@@ -1613,13 +1612,16 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         device = self.accelerator.device
         collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
-        columns = episode_columns(inputs, episodes)  # the dataset's, and TRL's `environments` (environments.py)
+        # the dataset's columns and TRL's keywords: `environments` (environments.py), completion_ids, and the batch's
+        columns = {**episode_columns(inputs, episodes), "completion_ids": [ep.completion_ids for ep in episodes]}
+        keywords = dict(trainer_state=self.state, log_extra=self._log_completion_extra, log_metric=self._log_metric)
         tool_turns = [ep.tool_turns for ep in episodes]
-        K = turns or (self.script_args.max_env_steps if self.script_args.advantage_mode == "per_turn" else 1)
+        longest = collect(torch.tensor([max(tool_turns, default=0)], device=device)).max().item()  # every process
+        K = turns or (max(1, longest) if self.script_args.advantage_mode == "per_turn" else 1)  # a column per tool turn
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
-                                               tool_turns, K).to(device))
+                                               tool_turns, K, keywords).to(device))
         outcome = collect(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,
-                                                  columns).to(device))
+                                                  columns, keywords=keywords).to(device))
         if not self.turn_reward_funcs:
             R_T = torch.zeros(len(turn), K, device=device)
         else:  # per_turn: a column per tool turn; every mode: turn 0 for everyone, with or without a tool call
@@ -1709,10 +1711,6 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         return inputs, episodes
 
 
-def reward_weights(weights: list[float] | None, funcs: list[Callable]) -> torch.Tensor:
-    """One weight per function; those an environment adds after the recipe's (environments.py) weigh 1.0."""
-    return torch.tensor([*(weights or []), *[1.0] * (len(funcs) - len(weights or []))], dtype=torch.float32)
-
 # ------------------------------------------------------------------------------------------------
 # 7. Main
 # ------------------------------------------------------------------------------------------------
@@ -1724,12 +1722,13 @@ def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> Mul
     sa = script_args
     return MultiTurnToolEnv(
         tokenizer=parts.tokenizer, protocol=get_protocol(sa.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
-        max_env_steps=sa.max_env_steps, max_tokens_per_turn=sa.max_tokens_per_turn,
+        max_env_steps=next((n for n in (sa.max_env_steps, args.max_tool_calling_iterations) if n is not None), None),
+        max_tokens_per_turn=sa.max_tokens_per_turn,
         max_completion_length=args.max_completion_length, max_tool_response_tokens=sa.max_tool_response_tokens,
         tool_timeout=sa.tool_timeout, tool_max_workers=sa.tool_max_workers, tokenization_check=sa.tokenization_check,
         few_shot=sa.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
         scheduler=sa.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-        environments=parts.environments, turn_samples=sa.turn_samples)
+        environments=parts.environments, turn_samples=sa.turn_samples, questions=parts.questions)
 
 
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):

@@ -83,15 +83,26 @@ def tool_call_message(name: str, arguments: dict) -> dict:
 
 
 def describe_tools(tools: list[Callable]) -> str:
-    """One line per tool from its signature and the first line of its docstring."""
+    """Per tool, its signature and what TRL's JSON schema tells the model (tool_schemas): the description, then
+    a line per argument with its description (and its choices, for an enum). A tool whose docstring gives no
+    schema falls back to the docstring's first line (the xml format needs no schema)."""
     lines = []
     for fn in tools:
-        doc = (inspect.getdoc(fn) or "").strip().splitlines()
-        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {doc[0] if doc else ''}")
+        try:
+            schema = tool_schemas([fn])[0]
+            schema = schema.get("function", schema)
+        except ValueError:
+            doc = (inspect.getdoc(fn) or "").strip().splitlines()
+            schema = {"description": doc[0] if doc else "", "parameters": {}}
+        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {schema.get('description', '')}".rstrip())
+        for name, p in (schema.get("parameters") or {}).get("properties", {}).items():
+            text = p.get("description", "") + (f" (one of {', '.join(map(str, p['enum']))})" if "enum" in p else "")
+            if text:
+                lines.append(f"    {name}: {text}")
     return "\n".join(lines)
 
 
-DEFAULT_TASK_PROMPT = "You answer questions. You may call tools."  # a task that brings no system prompt of its own
+DEFAULT_TASK_PROMPT = "You answer questions. You may call tools."  # questions of a task with no system prompt of its own
 
 
 class Protocol:
@@ -105,11 +116,13 @@ class Protocol:
         ignore it."""
 
     def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
-                      example: dict | None = None) -> str:
-        """The task's part (`task_prompt`, default DEFAULT_TASK_PROMPT), then the protocol's tool part.
-        `with_example`: show one call and its answer in text, from `example` (a worked example, see
-        `check_examples`; its first step) or else a neutral call of the first tool. False when worked examples
-        are shown as real turns: the prompt need not describe one (about 100 tokens less in every episode)."""
+                      example: dict | None = None, questions: bool = True) -> str:
+        """The task's part (`task_prompt`; for `questions` without one, DEFAULT_TASK_PROMPT), then the protocol's
+        tool part, which asks for an <answer> only for `questions` (a TRL prompt or an environment's episode ends
+        at a turn without a call, as in TRL). `with_example`: show one call (and its answer) in text, from
+        `example` (a worked example, see `check_examples`; its first step) or else a neutral call of the first
+        tool. False when worked examples are shown as real turns: the prompt need not describe one (about 100
+        tokens less in every episode). "" means no system message."""
         raise NotImplementedError
 
     def few_shot(self, tools: list[Callable], examples: list[dict]) -> list[dict]:
@@ -154,13 +167,15 @@ XML_TOOL_PROMPT = """Tools:
 {tools}
 
 Always think first inside <reasoning> </reasoning>. Then either call one tool, writing a JSON object
-inside <tool> </tool>, or give the final answer inside <answer> </answer>, in a few words."""
+inside <tool> </tool>, or {end}"""
+XML_END = {True: "give the final answer inside <answer> </answer>, in a few words.",  # questions
+           False: "reply without a tool call when you are done."}  # a TRL prompt, an environment's episode
 
 XML_EXAMPLE = """Example:
 {call}
 
-The tool's output comes back inside <result> </result>. Then:
-{answer}"""
+The tool's output comes back inside <result> </result>."""
+XML_EXAMPLE_ANSWER = " Then:\n{answer}"
 
 
 class XMLProtocol(Protocol):
@@ -174,13 +189,14 @@ class XMLProtocol(Protocol):
     _TOOL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 
     def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
-                      example: dict | None = None) -> str:
-        parts = [task_text(task_prompt), XML_TOOL_PROMPT.format(tools=describe_tools(tools))]
+                      example: dict | None = None, questions: bool = True) -> str:
+        parts = [task_text(task_prompt, questions), XML_TOOL_PROMPT.format(tools=describe_tools(tools),
+                                                                           end=XML_END[questions])]
         example = example if example and example.get("steps") else neutral_example(tools)
         if with_example and example is not None:  # no tools: nothing to show a call of
-            parts.append(XML_EXAMPLE.format(call=self.call_text(example["steps"][0]),
-                                            answer=self.answer_text(example)))
-        return "\n\n".join(parts)
+            answer = XML_EXAMPLE_ANSWER.format(answer=self.answer_text(example)) if questions else ""
+            parts.append(XML_EXAMPLE.format(call=self.call_text(example["steps"][0])) + answer)
+        return "\n\n".join(p for p in parts if p)
 
     def call_text(self, step: dict) -> str:
         call = json.dumps({"name": step["tool"], "args": step.get("args", {})})
@@ -373,10 +389,13 @@ class ChatTemplateProtocol(Protocol):
         return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
     def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
-                      example: dict | None = None) -> str:
-        """The task's part and the answer format. No example in text, whatever `with_example`: the template
-        already tells the model how to write a call."""
-        task = task_text(task_prompt)
+                      example: dict | None = None, questions: bool = True) -> str:
+        """The task's part and, for `questions`, the answer format. No example in text, whatever `with_example`:
+        the template already tells the model how to write a call. A TRL prompt or an environment without a task
+        part gets no system message: the template's own, as in TRL."""
+        task = task_text(task_prompt, questions)
+        if not questions:
+            return task
         # a one-line task part takes the answer format on its line (the knowledge base's prompt as it always was);
         # one of several lines, after a blank line
         return task + ("\n\n" if "\n" in task else " ") + CHAT_TEMPLATE_TOOL_PROMPT
@@ -487,8 +506,8 @@ PROMPT_ROLES = ("system", "user", "assistant")
 PLACEHOLDERS = {str: "...", int: 1, float: 1.5, bool: True}  # a neutral value of each argument type
 
 
-def task_text(task_prompt: str | None) -> str:
-    return (task_prompt or DEFAULT_TASK_PROMPT).strip()
+def task_text(task_prompt: str | None, questions: bool = True) -> str:
+    return (task_prompt or (DEFAULT_TASK_PROMPT if questions else "")).strip()
 
 
 def neutral_example(tools: list[Callable]) -> dict | None:
@@ -709,7 +728,7 @@ def run_examples(protocol: Protocol, tools: list[Callable], examples) -> list[di
 
 
 def build_prompt(protocol: Protocol, tools: list[Callable], prompt: str | list[dict], task_prompt: str | None = None,
-                 examples=None, few_shot: bool = True) -> list[dict]:
+                 examples=None, few_shot: bool = True, questions: bool = True) -> list[dict]:
     """The canonical chat prompt of an episode: [system, *worked examples as turns (with `few_shot`), *the
     user's turns]. `prompt`: a question (TRL's standard format) or chat messages (conversational). A
     conversational prompt's own system message replaces `task_prompt`, the task's part of the system message;
@@ -721,5 +740,5 @@ def build_prompt(protocol: Protocol, tools: list[Callable], prompt: str | list[d
     examples = run_examples(protocol, tools, examples)
     shots = protocol.few_shot(tools, examples) if few_shot else []
     example = next((e for e in examples if e.get("steps")), None)
-    system = protocol.system_prompt(tools, task_prompt, with_example=not shots, example=example)
-    return [{"role": "system", "content": system}, *shots, *messages]
+    system = protocol.system_prompt(tools, task_prompt, with_example=not shots, example=example, questions=questions)
+    return [*([{"role": "system", "content": system}] if system else []), *shots, *messages]

@@ -69,6 +69,19 @@ class RolloutProgress:
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
                  "tokenization_mismatch", "turns", "samples")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
+# The stop reasons that are a limit cutting the episode, and the field to raise
+LIMITS = {"max_env_steps": "`max_env_steps` (or TRL's `max_tool_calling_iterations`)",
+          "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`"}
+
+
+def warn_limit(trainer, metric: str, share: float) -> None:
+    """Once per limit and run: a warning when a limit ended most episodes of a step (`rollout/stop/<reason>`)."""
+    reason = metric.removeprefix("rollout/stop/")
+    warned = trainer.__dict__.setdefault("_limits_warned", set())
+    if reason in LIMITS and share > 0.5 and reason not in warned and trainer.accelerator.is_main_process:
+        warned.add(reason)
+        logger.warning("%.0f%% of this step's episodes were cut by %s (rollout/stop/%s): raise it if the episodes "
+                       "need more.", 100 * share, LIMITS[reason], reason)
 
 
 def episode_stats(episodes: list) -> torch.Tensor:
@@ -354,6 +367,7 @@ class TrainerReports:
         stats = gather(episode_stats(episodes).to(self.accelerator.device))
         for name, value in rollout_metrics(stats).items():
             m[name].append(value)
+            warn_limit(self, name, value)
         m["rollout/seconds"].append(seconds)
         for name, value in self._judge_metrics().items():  # the LLM judge's calls, tokens, time (rewards/judge.py)
             m[name].append(value)
@@ -400,6 +414,18 @@ class TrainerReports:
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(per_func[:, i].tolist())
         self._logs["advantages"].extend(adv.outcome.tolist())
+        # what rewards logged through TRL's `log_extra` and `log_metric`, as TRL flushes it (sorted: every rank
+        # gathers the same names in the same order)
+        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+            values = self._pending_extra_logs.get(column, [None] * len(prompts))
+            self._logs["extra"][column].extend(gather_object(values))
+        self._pending_extra_logs.clear()
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            total, count = gather(torch.tensor([[sum(values), len(values)]], dtype=torch.float32,
+                                               device=self.accelerator.device)).sum(dim=0).tolist()
+            self._metrics["train" if self.model.training else "eval"][name].append(total / max(count, 1))
+        self._pending_metrics.clear()
 
     # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
     def _record_rollout(self, inputs: list[dict], episodes: list, scores, adv,

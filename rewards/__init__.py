@@ -1,7 +1,12 @@
 """Reward functions, by name.
 
 A reward function is `fn(prompts, completions, **dataset_columns)`; `completions[i]` is the
-canonical conversation of protocol.py (rewards/conversation.py reads it). It returns one of two forms:
+canonical conversation of protocol.py (rewards/conversation.py reads it). Besides the dataset's columns it
+receives TRL's keywords, as TRL 1.16 passes them: `completion_ids` (each episode's completion tokens, the
+environment's included), `trainer_state`, `log_extra(column, values)` (a column of the completions table),
+`log_metric(name, value)` (a logged metric), and `environments` (each episode's instance, in a run with an
+environment_factory). A function that requires any of them is never taken for one that lacks a column.
+It returns one of two forms:
 
     per sample (default)   list[float | None]: one value per sample; None = "not applicable".
                            Every outcome reward, and the turn rewards that judge the whole episode
@@ -59,3 +64,15 @@ def reward_columns(inputs: list[dict]) -> dict[str, list]:
     """The dataset's columns, as the keyword arguments every reward function receives (TRL's convention):
     each column's values over the batch. `prompt` goes positionally; `row` is ours (the eval question's index)."""
     return {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "row")} if inputs else {}
+
+
+def failing_sample(fn: Callable, prompts: list, completions: list, columns: dict, keywords: dict) -> str:
+    """Which sample makes a batch reward function raise, found by calling it on one sample at a time (`columns`: a
+    value per sample; `keywords`: for the batch), for the trainer's error."""
+    for i in range(len(prompts)):
+        try:
+            fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+               **{k: v[i : i + 1] for k, v in columns.items()}, **keywords)
+        except Exception:
+            return str(i)
+    return "(the batch only; no single sample raises)"

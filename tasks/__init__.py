@@ -81,6 +81,28 @@ class Task:
     system_prompt: str | None = None  # the system prompt's task part (None: protocol.DEFAULT_TASK_PROMPT)
     # worked examples (protocol.check_examples), or a function of the run's tools that gives them; None: none
     examples: list[dict] | Callable[[list], list[dict]] | None = None
+    # what the task brings for the config's fields left unset (None): `tools`, `turn_reward_funcs`,
+    # `outcome_reward_funcs` (task_defaults); a dataset of your own brings none
+    defaults: dict = field(default_factory=dict)
+
+
+# The search tasks' defaults (the knowledge base, TriviaQA): a search tool, turn rewards for a call that ran and
+# brought back the answer, outcome rewards for the answer. No other task gets them: with your own data or an
+# environment, the run has the tools and rewards you give, as in TRL.
+SEARCH_QA_DEFAULTS = {"tools": ["search"],
+                      "turn_reward_funcs": ["tool_execution_reward_func", "answer_in_tool_result"],
+                      "outcome_reward_funcs": ["exact_match_reward_func", "exist_answer_reward_func",
+                                               "format_reward_func"]}
+
+
+def task_defaults(dataset_name: str | None, corpus_path: str | None = None) -> dict:
+    """The defaults of a task named by `dataset_name` (Task.defaults): the search tasks' for the knowledge base and
+    TriviaQA (which searches Wikipedia unless given a corpus); none for any other dataset."""
+    if dataset_name in KB_TASKS:
+        return dict(SEARCH_QA_DEFAULTS)
+    if dataset_name == "triviaqa":
+        return {**SEARCH_QA_DEFAULTS, "tools": ["search" if corpus_path else "wiki_search"]}
+    return {}
 
 
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
@@ -133,6 +155,7 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
     task = validate_dataset(data, columns, answer_required, source=dataset_name, max_samples=max_samples)
     task.corpus = corpus_override if corpus_override is not None else corpus
     task.system_prompt, task.examples, task.eval_metrics = task_prompt, examples, eval_metrics
+    task.defaults = task_defaults(dataset_name, corpus_path)
     return task
 
 

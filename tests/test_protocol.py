@@ -377,7 +377,9 @@ def rendered(tokenizer, protocol, tools, messages) -> str:
 @pytest.mark.parametrize("fmt", ["xml", "chat_template"])
 def test_the_knowledge_base_prompt_is_byte_identical_to_before(search, fmt, tool_name, few_shot):
     """The fixture was written by protocol.system_prompt + protocol.few_shot as they were before the prompt and the
-    examples moved into tasks/; the knowledge base task's own parts must give the same messages."""
+    examples moved into tasks/; the knowledge base task's own parts must give the same messages, but for one
+    addition of issue 59: the xml tool list now carries each argument's description from the tool's docstring
+    (as TRL's JSON schema does), on indented lines under the tool's line."""
     from tasks import load_task
     from tools.wiki_search import wiki_search
 
@@ -385,7 +387,14 @@ def test_the_knowledge_base_prompt_is_byte_identical_to_before(search, fmt, tool
         before = json.load(f)[f"{fmt}/{tool_name}/few_shot={few_shot}"]
     task = load_task("fictional_kb", max_samples=1)
     tool = search if tool_name == "search" else wiki_search
-    assert build_prompt(get_protocol(fmt), [tool], QUESTION, task.system_prompt, task.examples, few_shot) == before
+    now = build_prompt(get_protocol(fmt), [tool], QUESTION, task.system_prompt, task.examples, few_shot)
+    schema = tool_schemas([tool])[0]["function"]["parameters"]["properties"]
+    argument_lines = [f"    {name}: {p['description']}" for name, p in schema.items()]
+    if fmt == "xml":
+        lines = now[0]["content"].split("\n")
+        assert [line for line in lines if line.startswith("    ")] == argument_lines
+        now = [{**now[0], "content": "\n".join(line for line in lines if not line.startswith("    "))}, *now[1:]]
+    assert now == before
 
 
 @pytest.mark.parametrize("few_shot", [True, False])
