@@ -26,9 +26,12 @@ then prints, evaluation by evaluation, how far this study lands from the committ
 Intervals (issue 41): for each mode and evaluation, the mean of the first `--metrics` (eval exact match) over
 seeds with a 95% interval from a two-level bootstrap (seeds drawn with replacement, then each drawn seed's
 questions; `--bootstrap` draws from a fixed generator seed, so a rerun prints the same bounds), and the paired
-differences mt_grpo - merged, mt_grpo - outcome_only, per_turn - mt_grpo and per_turn - outcome_only (those whose
-modes both ran; same seed, same question: a question that only one mode evaluated is dropped and counted), each
-with its interval and whether it includes 0. Printed last, and written to OUT_intervals.csv (INTERVAL_COLUMNS). The
+differences mt_grpo - merged, mt_grpo - outcome_only, per_turn - mt_grpo (the three planned: PLANNED) and
+per_turn - outcome_only (exploratory), those whose modes both ran (same seed, same question: a question that only
+one mode evaluated is dropped and counted), each with its interval and whether it includes 0. Beside the bootstrap,
+the seed-level test (seed_test): a paired t-interval over the seeds' mean differences and the exact sign-flip p over
+seeds; the seeds' spread dominates here, and the bootstrap's interval is the narrower. Printed last, and written to
+OUT_intervals.csv (INTERVAL_COLUMNS). The
 per-question results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the
 study asks the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the
 stripped runs in docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only`
@@ -316,11 +319,17 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
 # Intervals (issue 41): how sure is a mode's mean, and a difference between modes, at each evaluation
 # ------------------------------------------------------------------------------------------------
 BOOTSTRAP_SEED = 0  # every interval draws from its own generator with this seed: a rerun prints the same table
-# the differences the study is about, each taken where both modes ran
+# the differences the study reports, each taken where both modes ran, with what they contrast: the first three were
+# planned before the entity-split runs (commit 86ccc5e), the fourth is exploratory. per_turn trains on other turn
+# rewards than mt_grpo (MODE_FLAGS: per-turn execution and answer-in-result rewards and a -0.2 penalty for a
+# repeated query), so per_turn - mt_grpo contrasts reward and credit together, not credit alone.
 DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo"),
                ("per_turn", "outcome_only")]
-INTERVAL_COLUMNS = ["kind", "name", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
-                    "mean", "low", "high", "verdict"]
+PLANNED = {("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo")}
+INTERVAL_COLUMNS = ["kind", "name", "plan", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
+                    "mean", "low", "high", "verdict", "t_low", "t_high", "sign_flip_p"]
+SIGN_FLIP_EXACT = 16  # seeds up to which the sign-flip p enumerates all 2^n signs; past it, SIGN_FLIP_DRAWS draws
+SIGN_FLIP_DRAWS = 200_000
 RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl$")  # the trainer's evaluation records (evaluation.py)
 
 
@@ -444,6 +453,51 @@ def point_groups(modes: tuple[str, ...], point: list[dict[int, int]], logged: di
     return groups, "", 0, "seeds only"
 
 
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `df` degrees of freedom: its density integrated by Simpson's rule
+    (4,000 panels on [0, x]) and the bound found by bisection, to about 1e-7 (numpy has no t quantile, and the
+    project carries no scipy). t_quantile(0.975, 4) = 2.7764."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError(f"t_quantile needs df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float) -> float:
+        grid = np.linspace(0.0, x, 4001)
+        density = scale * (1 + grid**2 / df) ** (-(df + 1) / 2)
+        return 0.5 + (x / 4000 / 3) * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def seed_test(values: list[float], seed: int = BOOTSTRAP_SEED) -> tuple[float, float, float]:
+    """The seed-level test of a mean over seeds (one value per seed: a mode's mean exact match, or a paired
+    difference's mean over the seed's questions): the 95% t-interval, mean +- t(0.975, n-1) * SD / sqrt(n), and the
+    two-sided sign-flip (randomisation) p: the share of the 2^n ways to flip the signs of the n values whose mean is
+    at least as far from 0 as the one observed; exact (every sign vector) for up to SIGN_FLIP_EXACT seeds, past that
+    (k + 1) / (draws + 1) with k of SIGN_FLIP_DRAWS random sign vectors (generator `seed`) as far. Seeds are the
+    unit that varies between reruns (every run answers the same questions), so this tests whether a difference holds
+    over seeds; with n seeds the smallest p is 2 / 2^n (0.0625 at 5). Returns (t_low, t_high, p), NaN for one seed.
+    """
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    half = t_quantile(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)
+    if n <= SIGN_FLIP_EXACT:
+        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n): every sign vector
+    else:
+        signs = np.random.default_rng(seed).choice([-1, 1], size=(SIGN_FLIP_DRAWS, n))
+    as_far = int((np.abs(signs @ x) >= abs(x.sum()) - 1e-12).sum())
+    p = as_far / len(signs) if n <= SIGN_FLIP_EXACT else (as_far + 1) / (len(signs) + 1)  # drawn: never 0
+    return float(x.mean() - half), float(x.mean() + half), p
+
+
 def verdict(low: float, high: float, seeds_only: int = 0) -> str:
     """Whether a difference's interval includes 0; `seeds_only`: the number of seeds it rests on alone (two seeds
     that agree give an interval of one point, which excludes 0 without saying much)."""
@@ -473,11 +527,14 @@ def intervals(rows: list[dict], results: dict[tuple[str, int], dict], metric: st
             mean = float(np.mean([g.mean() for g in groups]))
             low, high = (np.percentile(two_level_bootstrap(groups, n, seed), [2.5, 97.5])
                          if len(groups) > 1 or resampled != "seeds only" else (math.nan, math.nan))
-            table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name, "metric": metric,
-                          "step": label, "seeds": "/".join(map(str, point[0])), "questions": questions,
-                          "dropped_questions": dropped, "bootstrap": resampled, "mean": mean, "low": float(low),
-                          "high": float(high), "verdict": "" if len(modes) == 1 else
-                          verdict(low, high, len(groups) if resampled == "seeds only" else 0)})
+            t_low, t_high, p = seed_test([g.mean() for g in groups], seed)
+            table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name,
+                          "plan": "" if len(modes) == 1 else "planned" if modes in PLANNED else "exploratory",
+                          "metric": metric, "step": label, "seeds": "/".join(map(str, point[0])),
+                          "questions": questions, "dropped_questions": dropped, "bootstrap": resampled, "mean": mean,
+                          "low": float(low), "high": float(high), "verdict": "" if len(modes) == 1 else
+                          verdict(low, high, len(groups) if resampled == "seeds only" else 0),
+                          "t_low": t_low, "t_high": t_high, "sign_flip_p": math.nan if len(modes) == 1 else p})
     return table
 
 
@@ -490,10 +547,12 @@ def print_intervals(table: list[dict], n: int) -> None:
                 [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["bootstrap"]]
                  for r in table if r["kind"] == "mode"])
     print_table(f"{metric}: differences, paired by seed and question (a question only one mode evaluated is "
-                "dropped), with a 95% interval",
-                ["difference", "step", "mean [95% interval]", "seeds", "questions per seed", "dropped", "bootstrap",
-                 "verdict"],
-                [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
+                "dropped), with the bootstrap's 95% interval and the seed-level test (a paired t-interval over the "
+                "seeds' mean differences and the exact sign-flip p over seeds)",
+                ["difference", "plan", "step", "mean [95% interval]", "t-interval over seeds", "sign-flip p", "seeds",
+                 "questions per seed", "dropped", "bootstrap", "verdict"],
+                [[r["name"], r["plan"], r["step"], cell(r), f"[{r['t_low']:.3f}, {r['t_high']:.3f}]",
+                  f"{r['sign_flip_p']:.4f}", r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
                   r["bootstrap"], r["verdict"]] for r in table if r["kind"] == "difference"])
     if any(r["bootstrap"] == "seeds only" for r in table):
         print("seeds only: some runs recorded no per-question results (rollouts/eval-step-*.jsonl, written with "
