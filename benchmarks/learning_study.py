@@ -40,9 +40,9 @@ trains nothing: it reads the runs already in --runs, prints the tables and write
     .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
 
 `--keep DEST` copies each finished run's record to DEST/<mode>-s<seed>/, small enough to commit (keep_record:
-trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt), after checking that it
-gives the run's per-question results and logged means. A study spread over several machines commits each run's
-record as it finishes, and the same command with `--runs DEST` then trains nothing and reports on them all.
+trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt, each gzipped), after
+checking that it gives the run's per-question results and logged means. A study spread over several machines commits
+each run's record as it finishes, and the same command with `--runs DEST` then trains nothing and reports on them.
 """
 
 import argparse
@@ -65,7 +65,7 @@ from common import ROOT, print_table
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from plot_runs import load_log_history  # noqa: E402
-from view_rollouts import without_tokens  # noqa: E402
+from view_rollouts import open_record, record_file, without_tokens, write_gzipped  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 MODE_FLAGS = {
@@ -86,10 +86,10 @@ def run_dir(out_root: str, mode: str, seed: int) -> str:
 def finished(path: str) -> bool:
     """Whether the run trained all its steps (a run stopped by --deadline saved its state and a checkpoint
     at an earlier step: it resumes from that checkpoint when the study is run again)."""
-    state = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(state):
+    state = record_file(os.path.join(path, "trainer_state.json"))  # a kept run's is gzipped
+    if state is None:
         return False
-    with open(state) as f:
+    with open_record(state) as f:
         state = json.load(f)
     return state["global_step"] >= state["max_steps"]
 
@@ -330,7 +330,7 @@ INTERVAL_COLUMNS = ["kind", "name", "plan", "metric", "step", "seeds", "question
                     "mean", "low", "high", "verdict", "t_low", "t_high", "sign_flip_p"]
 SIGN_FLIP_EXACT = 16  # seeds up to which the sign-flip p enumerates all 2^n signs; past it, SIGN_FLIP_DRAWS draws
 SIGN_FLIP_DRAWS = 200_000
-RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl$")  # the trainer's evaluation records (evaluation.py)
+RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl(\.gz)?$")  # the trainer's evaluation records (evaluation.py)
 
 
 def record_flags(recipe: str) -> list[str]:
@@ -375,7 +375,7 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
         if (match := RECORDED_EVAL.match(name)) is None:
             continue
         episodes: dict[int, list[float]] = {}
-        with open(os.path.join(folder, name)) as f:
+        with open_record(os.path.join(folder, name)) as f:
             for line in filter(str.strip, f):
                 record = json.loads(line)
                 if (value := episode_value(record, metric)) is None:
@@ -386,25 +386,26 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
 
 
 def keep_record(path: str, dest: str, metric: str) -> int:
-    """Copy what the study's report reads of a finished run to `dest`, small enough to commit: trainer_state.json
-    (the logged means; `done` reads it, so the study command with `--runs` over the kept folders reports without
-    training), rollouts/eval-step-NNNNNN.jsonl without token arrays and prompt text (`without_tokens`; the
-    per-question results) and log.txt with this machine's paths made relative. Checks that the kept records give the run's own per-question
-    results and logged means of `metric`; returns the number of evaluation episodes kept."""
+    """Copy what the study's report reads of a finished run to `dest`, small enough to commit, each file gzipped
+    (write_gzipped; every reader opens them directly): trainer_state.json.gz (the logged means; `done` reads it, so
+    the study command with `--runs` over the kept folders reports without training), rollouts/eval-step-NNNNNN.jsonl.gz
+    without token arrays and prompt text (`without_tokens`; the per-question results) and log.txt.gz with this
+    machine's paths made relative. Checks that the kept records give the run's own per-question results and logged
+    means of `metric`; returns the number of evaluation episodes kept."""
     os.makedirs(os.path.join(dest, "rollouts"), exist_ok=True)
-    shutil.copy(os.path.join(path, "trainer_state.json"), dest)
+    with open_record(record_file(os.path.join(path, "trainer_state.json"))) as f:
+        write_gzipped(os.path.join(dest, "trainer_state.json.gz"), f.read())
     kept = 0
     for name in sorted(os.listdir(os.path.join(path, "rollouts"))):
         if RECORDED_EVAL.match(name):
-            with open(os.path.join(path, "rollouts", name)) as f, open(os.path.join(dest, "rollouts", name), "w") as out:
-                for line in filter(str.strip, f):
-                    out.write(json.dumps(without_tokens(json.loads(line))) + "\n")
-                    kept += 1
-    if os.path.isfile(os.path.join(path, "log.txt")):
-        with open(os.path.join(path, "log.txt")) as f:
-            log = f.read().replace(os.path.abspath(path), "<run>").replace(ROOT, ".")
-        with open(os.path.join(dest, "log.txt"), "w") as f:
-            f.write(log)
+            with open_record(os.path.join(path, "rollouts", name)) as f:
+                lines = [json.dumps(without_tokens(json.loads(line))) + "\n" for line in filter(str.strip, f)]
+            write_gzipped(os.path.join(dest, "rollouts", name.removesuffix(".gz") + ".gz"), "".join(lines))
+            kept += len(lines)
+    if (log := record_file(os.path.join(path, "log.txt"))) is not None:
+        with open_record(log) as f:
+            text = f.read().replace(os.path.abspath(path), "<run>").replace(ROOT, ".")
+        write_gzipped(os.path.join(dest, "log.txt.gz"), text)
     results = question_results(dest, metric)
     if results != question_results(path, metric):
         raise SystemExit(f"The records kept in {dest} do not give {path}'s per-question results of {metric}.")
@@ -595,7 +596,7 @@ def main():
     budgeted = args.budget is not None
     start, todo, failed = time.monotonic(), [], []
     if args.report_only:  # every run that logged, finished or stopped: nothing is trained or resumed
-        ran = [j for j in jobs if os.path.isfile(os.path.join(j[2], "trainer_state.json"))]
+        ran = [j for j in jobs if record_file(os.path.join(j[2], "trainer_state.json"))]
     else:
         todo = [j for j in jobs if args.fresh or not done(j[2], budgeted)]
         if args.fresh:

@@ -2,6 +2,7 @@
 read from trainer_state.json, and the row-by-row comparison with an earlier CSV that checks a rerun."""
 
 import csv
+import gzip
 import json
 import math
 import os
@@ -451,10 +452,20 @@ def test_keep_copies_what_the_report_reads_and_checks_it(tmp_path):
     assert keep_record(run, dest, "eval/exact_match") == 8
     assert question_results(dest, "eval/exact_match") == {0: {0: 0.0, 1: 1.0, 2: 0.0, 3: 0.0},
                                                           10: {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}}
-    kept = [json.loads(line) for line in open(os.path.join(dest, "rollouts", "eval-step-000010.jsonl"))]
+    # every kept file is gzipped (a clone carries code more than records), and read as it is
+    assert sorted(os.listdir(dest)) == ["log.txt.gz", "rollouts", "trainer_state.json.gz"]
+    assert sorted(os.listdir(os.path.join(dest, "rollouts"))) == ["eval-step-000000.jsonl.gz", "eval-step-000010.jsonl.gz"]
+    kept = [json.loads(line) for line in gzip.open(os.path.join(dest, "rollouts", "eval-step-000010.jsonl.gz"), "rt")]
     assert len(kept) == 4 and not any("tokens" in r or "prompt_text" in r for r in kept)
-    assert open(os.path.join(dest, "log.txt")).read() == "Run finished. Output folder: <run>\nscript ./mt_grpo_trainer.py\n"
-    assert open(os.path.join(dest, "trainer_state.json")).read() == open(os.path.join(run, "trainer_state.json")).read()
+    log = gzip.open(os.path.join(dest, "log.txt.gz"), "rt").read()
+    assert log == "Run finished. Output folder: <run>\nscript ./mt_grpo_trainer.py\n"
+    state = gzip.open(os.path.join(dest, "trainer_state.json.gz"), "rt").read()
+    assert state == open(os.path.join(run, "trainer_state.json")).read()
+    # the same records kept again are the same bytes (no time stamp in the gzip header)
+    again = str(tmp_path / "kept_again" / "mt_grpo-s1")
+    keep_record(run, again, "eval/exact_match")
+    for name in ("trainer_state.json.gz", "log.txt.gz", "rollouts/eval-step-000010.jsonl.gz"):
+        assert open(os.path.join(dest, name), "rb").read() == open(os.path.join(again, name), "rb").read(), name
     # an evaluation whose records are not the logged one (a question lost): refused, not committed silently
     path = os.path.join(run, "rollouts", "eval-step-000010.jsonl")
     lines = open(path).readlines()
