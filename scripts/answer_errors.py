@@ -40,7 +40,7 @@ from rewards.answers import contains_answer, matches_answer  # noqa: E402
 from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
 from rewards.triviaqa_reward import _contains as contains  # noqa: E402
 from rewards.triviaqa_reward import normalize_answer  # noqa: E402
-from view_rollouts import (load_rollouts, open_record, parse_steps, record_file,  # noqa: E402  (scripts/, beside this file)
+from view_rollouts import (load_rollouts, open_record, parse_steps, record_file,  # noqa: E402  (scripts/, here)
                            without_tokens, write_gzipped)
 
 RESULT = re.compile(re.escape(XMLProtocol.RESULT_OPEN) + "(.*?)" + re.escape(XMLProtocol.RESULT_CLOSE), re.S)

@@ -296,8 +296,8 @@ def test_the_seed_level_test_by_hand():
     assert math.isclose(low, 0.2 - 0.248414, abs_tol=1e-6) and math.isclose(high, 0.2 + 0.248414, abs_tol=1e-6)
     assert p == 0.25
     assert seed_test([0.05] * 4) == pytest.approx((0.05, 0.05, 0.125))
-    # the audit: per_turn - outcome_only at step 30, seeds 11-15: p = 4/32 (-0.074 flipped is as far), t-interval
-    # [-0.003, 0.340]: it includes 0 where the bootstrap's [0.040, 0.261] did not
+    # the audit: per_turn - outcome_only at step 30, seeds 11-15: p = 4/32 (-0.074 flipped is as far),
+    # t-interval [-0.003, 0.340]: it includes 0 where the bootstrap's [0.040, 0.261] did not
     low, high, p = seed_test([0.274, 0.200, 0.211, 0.232, -0.074])
     assert p == 0.125 and (round(low, 3), round(high, 3)) == (-0.003, 0.341)
     assert seed_test([0.1, -0.1])[2] == 1.0 and all(math.isnan(v) for v in seed_test([0.3]))
