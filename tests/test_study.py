@@ -199,6 +199,9 @@ def test_every_levers_command_is_a_recipe_the_trainer_parses():
         cmd = lever_command(lever, 1, "outputs/x", [])
         script_args, training_args, _ = parse_args(cmd[2:])
         assert training_args.max_steps == 30 and script_args.advantage_mode == "mt_grpo", lever
+        # questions per step: TRL's generation batch (micro-batch x accumulation) over the group size
+        questions = training_args.generation_batch_size // training_args.num_generations
+        assert questions == (2 if lever == "two_questions" else 1), lever
         if lever == "grounded_answer":
             assert "grounded_answer_reward_func" in script_args.outcome_reward_funcs
 
