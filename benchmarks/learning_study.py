@@ -327,7 +327,8 @@ DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", 
                ("per_turn", "outcome_only")]
 PLANNED = {("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo")}
 INTERVAL_COLUMNS = ["kind", "name", "plan", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
-                    "mean", "low", "high", "verdict", "t_low", "t_high", "sign_flip_p"]
+                    "mean", "low", "high", "verdict", "t_low", "t_high", "sign_flip_p", "seed_sd", "seeds_for_effect"]
+EFFECT, POWER = 0.05, 0.8  # the sized study: resolve a 0.05 difference of exact match with 80% power (docs/results.md)
 SIGN_FLIP_EXACT = 16  # seeds up to which the sign-flip p enumerates all 2^n signs; past it, SIGN_FLIP_DRAWS draws
 SIGN_FLIP_DRAWS = 200_000
 RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl(\.gz)?$")  # the trainer's evaluation records (evaluation.py)
@@ -499,6 +500,31 @@ def seed_test(values: list[float], seed: int = BOOTSTRAP_SEED) -> tuple[float, f
     return float(x.mean() - half), float(x.mean() + half), p
 
 
+def t_test_power(n: int, sd: float, effect: float = EFFECT, draws: int = 20_000, seed: int = BOOTSTRAP_SEED) -> float:
+    """The power of the paired t-test over `n` seeds (two-sided, 0.05: seed_test's t-interval excludes 0) when the
+    true mean difference is `effect` and a seed's difference has SD `sd`: the share of `draws` simulated studies of
+    normal per-seed differences (generator `seed`, so the same call gives the same number) that find it."""
+    if n < 2:
+        return 0.0
+    if sd <= 0:
+        return 1.0
+    x = np.random.default_rng(seed).normal(effect, sd, size=(draws, n))  # (draws, n): a simulated study per row
+    t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(n))
+    return float((np.abs(t) > t_quantile(0.975, n - 1)).mean())
+
+
+def seeds_needed(sd: float, effect: float = EFFECT, power: float = POWER, most: int = 1000) -> int:
+    """The fewest seeds per mode at which the paired t-test reaches `power` for `effect` (t_test_power), given a
+    seed's SD; `most` + 1 when not even `most` seeds do. Seeds 0.111 apart (mt_grpo - merged, step 30): 41."""
+    guess = max(2, math.floor(((1.96 + 0.84) * sd / effect) ** 2))  # the normal approximation, a lower bound
+    n = guess
+    while n <= most and t_test_power(n, sd, effect) < power:
+        n += 1
+    while n > 2 and t_test_power(n - 1, sd, effect) >= power:  # the approximation overshot (few seeds)
+        n -= 1
+    return n
+
+
 def verdict(low: float, high: float, seeds_only: int = 0) -> str:
     """Whether a difference's interval includes 0; `seeds_only`: the number of seeds it rests on alone (two seeds
     that agree give an interval of one point, which excludes 0 without saying much)."""
@@ -528,14 +554,18 @@ def intervals(rows: list[dict], results: dict[tuple[str, int], dict], metric: st
             mean = float(np.mean([g.mean() for g in groups]))
             low, high = (np.percentile(two_level_bootstrap(groups, n, seed), [2.5, 97.5])
                          if len(groups) > 1 or resampled != "seeds only" else (math.nan, math.nan))
-            t_low, t_high, p = seed_test([g.mean() for g in groups], seed)
+            per_seed = [g.mean() for g in groups]
+            t_low, t_high, p = seed_test(per_seed, seed)
+            sd = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else math.nan
             table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name,
                           "plan": "" if len(modes) == 1 else "planned" if modes in PLANNED else "exploratory",
                           "metric": metric, "step": label, "seeds": "/".join(map(str, point[0])),
                           "questions": questions, "dropped_questions": dropped, "bootstrap": resampled, "mean": mean,
                           "low": float(low), "high": float(high), "verdict": "" if len(modes) == 1 else
                           verdict(low, high, len(groups) if resampled == "seeds only" else 0),
-                          "t_low": t_low, "t_high": t_high, "sign_flip_p": math.nan if len(modes) == 1 else p})
+                          "t_low": t_low, "t_high": t_high, "sign_flip_p": math.nan if len(modes) == 1 else p,
+                          "seed_sd": sd, "seeds_for_effect": "" if len(modes) == 1 or math.isnan(sd) else
+                          seeds_needed(sd)})
     return table
 
 
@@ -551,10 +581,13 @@ def print_intervals(table: list[dict], n: int) -> None:
                 "dropped), with the bootstrap's 95% interval and the seed-level test (a paired t-interval over the "
                 "seeds' mean differences and the exact sign-flip p over seeds)",
                 ["difference", "plan", "step", "mean [95% interval]", "t-interval over seeds", "sign-flip p", "seeds",
-                 "questions per seed", "dropped", "bootstrap", "verdict"],
+                 "questions per seed", "dropped", "bootstrap", "verdict", "seed SD", f"seeds for {EFFECT}"],
                 [[r["name"], r["plan"], r["step"], cell(r), f"[{r['t_low']:.3f}, {r['t_high']:.3f}]",
                   f"{r['sign_flip_p']:.4f}", r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
-                  r["bootstrap"], r["verdict"]] for r in table if r["kind"] == "difference"])
+                  r["bootstrap"], r["verdict"], f"{r['seed_sd']:.3f}", r["seeds_for_effect"]]
+                 for r in table if r["kind"] == "difference"])
+    print(f"seeds for {EFFECT}: the seeds per mode at which the paired t-test finds a true difference of {EFFECT} "
+          f"with {POWER:.0%} power, if a seed's difference has the SD measured here (seeds_needed)")
     if any(r["bootstrap"] == "seeds only" for r in table):
         print("seeds only: some runs recorded no per-question results (rollouts/eval-step-*.jsonl, written with "
               "--save_rollouts_steps, which the study passes), or their records do not hold the metric; those "

@@ -308,6 +308,19 @@ def test_the_seed_level_test_by_hand():
     assert seed_test([0.1] * 24)[2] == 1 / 200_001
 
 
+def test_the_seeds_a_study_needs_for_its_effect():
+    """The sized study's arithmetic (docs/results.md): at a seed SD of 0.111 the paired t-test finds a true 0.05 with
+    80% power at 41 seeds and not at 40; by the normal approximation, (1.96 + 0.84)^2 * (0.111 / 0.05)^2 = 38.6, a
+    lower bound at few seeds. The simulated power is that of a known case: with SD 0 any effect is found, and with no
+    effect the test rejects 5% of the time (its size)."""
+    from learning_study import seeds_needed, t_test_power
+
+    assert t_test_power(41, 0.111) >= 0.8 > t_test_power(40, 0.111)
+    assert seeds_needed(0.111) == 41 and seeds_needed(0.111 / 2) < 41 / 2 and seeds_needed(0.0) == 2
+    assert abs(t_test_power(10, 0.1, effect=0.0) - 0.05) < 0.006
+    assert 0.11 < t_test_power(5, 0.111) < 0.14  # the study as run: 5 seeds had about 1 chance in 8
+
+
 def test_identical_modes_differ_by_zero_and_a_better_mode_excludes_zero(tmp_path):
     """mt_grpo and merged get the same answers: difference 0, interval [0, 0]. outcome_only is wrong on 16 of the
     32 questions where mt_grpo is right, and never right where it is wrong: +0.5, its interval well above 0."""
