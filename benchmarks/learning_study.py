@@ -517,6 +517,8 @@ def seeds_needed(sd: float, effect: float = EFFECT, power: float = POWER, most: 
     """The fewest seeds per mode at which the paired t-test reaches `power` for `effect` (t_test_power), given a
     seed's SD; `most` + 1 when not even `most` seeds do. Seeds 0.111 apart (mt_grpo - merged, step 30): 41."""
     guess = max(2, math.floor(((1.96 + 0.84) * sd / effect) ** 2))  # the normal approximation, a lower bound
+    if guess > most:
+        return most + 1
     n = guess
     while n <= most and t_test_power(n, sd, effect) < power:
         n += 1
