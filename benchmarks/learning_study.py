@@ -513,7 +513,7 @@ def t_test_power(n: int, sd: float, effect: float = EFFECT, draws: int = 20_000,
     return float((np.abs(t) > t_quantile(0.975, n - 1)).mean())
 
 
-def seeds_needed(sd: float, effect: float = EFFECT, power: float = POWER, most: int = 1000) -> int:
+def seeds_needed(sd: float, effect: float = EFFECT, power: float = POWER, most: int = 400) -> int:
     """The fewest seeds per mode at which the paired t-test reaches `power` for `effect` (t_test_power), given a
     seed's SD; `most` + 1 when not even `most` seeds do. Seeds 0.111 apart (mt_grpo - merged, step 30): 41."""
     guess = max(2, math.floor(((1.96 + 0.84) * sd / effect) ** 2))  # the normal approximation, a lower bound
