@@ -36,7 +36,7 @@ LEVERS = {
                          "a group whose advantages are all 0 is replaced by a new question's group (DAPO)"),
     "lr_5e-5": (["--learning_rate", "5e-5"], "2.5x the learning rate: the rare exact answers move the policy more"),
     "num_iterations_2": (["--num_iterations", "2"], "each rollout serves 2 optimizer steps: half the rollouts per step"),
-    "two_questions": (["--gradient_accumulation_steps", "16"],
+    "two_questions": (["--gradient_accumulation_steps", "2"],  # the recipe's micro-batch is one group of 8
                       "2 questions x 8 episodes per step: twice the chances of an exact answer per update"),
     "grounded_answer": (["--outcome_reward_funcs", "exact_match_reward_func", "exist_answer_reward_func",
                          "grounded_answer_reward_func", "format_reward_func"],

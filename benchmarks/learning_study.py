@@ -26,9 +26,12 @@ then prints, evaluation by evaluation, how far this study lands from the committ
 Intervals (issue 41): for each mode and evaluation, the mean of the first `--metrics` (eval exact match) over
 seeds with a 95% interval from a two-level bootstrap (seeds drawn with replacement, then each drawn seed's
 questions; `--bootstrap` draws from a fixed generator seed, so a rerun prints the same bounds), and the paired
-differences mt_grpo - merged, mt_grpo - outcome_only, per_turn - mt_grpo and per_turn - outcome_only (those whose
-modes both ran; same seed, same question: a question that only one mode evaluated is dropped and counted), each
-with its interval and whether it includes 0. Printed last, and written to OUT_intervals.csv (INTERVAL_COLUMNS). The
+differences mt_grpo - merged, mt_grpo - outcome_only, per_turn - mt_grpo (the three planned: PLANNED) and
+per_turn - outcome_only (exploratory), those whose modes both ran (same seed, same question: a question that only
+one mode evaluated is dropped and counted), each with its interval and whether it includes 0. Beside the bootstrap,
+the seed-level test (seed_test): a paired t-interval over the seeds' mean differences and the exact sign-flip p over
+seeds; the seeds' spread dominates here, and the bootstrap's interval is the narrower. Printed last, and written to
+OUT_intervals.csv (INTERVAL_COLUMNS). The
 per-question results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the
 study asks the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the
 stripped runs in docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only`
@@ -37,9 +40,9 @@ trains nothing: it reads the runs already in --runs, prints the tables and write
     .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
 
 `--keep DEST` copies each finished run's record to DEST/<mode>-s<seed>/, small enough to commit (keep_record:
-trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt), after checking that it
-gives the run's per-question results and logged means. A study spread over several machines commits each run's
-record as it finishes, and the same command with `--runs DEST` then trains nothing and reports on them all.
+trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt, each gzipped), after
+checking that it gives the run's per-question results and logged means. A study spread over several machines commits
+each run's record as it finishes, and the same command with `--runs DEST` then trains nothing and reports on them.
 """
 
 import argparse
@@ -62,7 +65,7 @@ from common import ROOT, print_table
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from plot_runs import load_log_history  # noqa: E402
-from view_rollouts import without_tokens  # noqa: E402
+from view_rollouts import open_record, record_file, without_tokens, write_gzipped  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
 MODE_FLAGS = {
@@ -83,10 +86,10 @@ def run_dir(out_root: str, mode: str, seed: int) -> str:
 def finished(path: str) -> bool:
     """Whether the run trained all its steps (a run stopped by --deadline saved its state and a checkpoint
     at an earlier step: it resumes from that checkpoint when the study is run again)."""
-    state = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(state):
+    state = record_file(os.path.join(path, "trainer_state.json"))  # a kept run's is gzipped
+    if state is None:
         return False
-    with open(state) as f:
+    with open_record(state) as f:
         state = json.load(f)
     return state["global_step"] >= state["max_steps"]
 
@@ -316,12 +319,19 @@ def compare(rows: list[dict], reference: str) -> tuple[int, list[list]]:
 # Intervals (issue 41): how sure is a mode's mean, and a difference between modes, at each evaluation
 # ------------------------------------------------------------------------------------------------
 BOOTSTRAP_SEED = 0  # every interval draws from its own generator with this seed: a rerun prints the same table
-# the differences the study is about, each taken where both modes ran
+# the differences the study reports, each taken where both modes ran, with what they contrast: the first three were
+# planned before the entity-split runs (commit 86ccc5e), the fourth is exploratory. per_turn trains on other turn
+# rewards than mt_grpo (MODE_FLAGS: per-turn execution and answer-in-result rewards and a -0.2 penalty for a
+# repeated query), so per_turn - mt_grpo contrasts reward and credit together, not credit alone.
 DIFFERENCES = [("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo"),
                ("per_turn", "outcome_only")]
-INTERVAL_COLUMNS = ["kind", "name", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
-                    "mean", "low", "high", "verdict"]
-RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl$")  # the trainer's evaluation records (evaluation.py)
+PLANNED = {("mt_grpo", "merged"), ("mt_grpo", "outcome_only"), ("per_turn", "mt_grpo")}
+INTERVAL_COLUMNS = ["kind", "name", "plan", "metric", "step", "seeds", "questions", "dropped_questions", "bootstrap",
+                    "mean", "low", "high", "verdict", "t_low", "t_high", "sign_flip_p", "seed_sd", "seeds_for_effect"]
+EFFECT, POWER = 0.05, 0.8  # the sized study: resolve a 0.05 difference of exact match with 80% power (docs/results.md)
+SIGN_FLIP_EXACT = 16  # seeds up to which the sign-flip p enumerates all 2^n signs; past it, SIGN_FLIP_DRAWS draws
+SIGN_FLIP_DRAWS = 200_000
+RECORDED_EVAL = re.compile(r"^eval-step-(\d+)\.jsonl(\.gz)?$")  # the trainer's evaluation records (evaluation.py)
 
 
 def record_flags(recipe: str) -> list[str]:
@@ -366,7 +376,7 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
         if (match := RECORDED_EVAL.match(name)) is None:
             continue
         episodes: dict[int, list[float]] = {}
-        with open(os.path.join(folder, name)) as f:
+        with open_record(os.path.join(folder, name)) as f:
             for line in filter(str.strip, f):
                 record = json.loads(line)
                 if (value := episode_value(record, metric)) is None:
@@ -377,25 +387,26 @@ def question_results(path: str, metric: str) -> dict[int, dict[int, float]]:
 
 
 def keep_record(path: str, dest: str, metric: str) -> int:
-    """Copy what the study's report reads of a finished run to `dest`, small enough to commit: trainer_state.json
-    (the logged means; `done` reads it, so the study command with `--runs` over the kept folders reports without
-    training), rollouts/eval-step-NNNNNN.jsonl without token arrays and prompt text (`without_tokens`; the
-    per-question results) and log.txt with this machine's paths made relative. Checks that the kept records give the run's own per-question
-    results and logged means of `metric`; returns the number of evaluation episodes kept."""
+    """Copy what the study's report reads of a finished run to `dest`, small enough to commit, each file gzipped
+    (write_gzipped; every reader opens them directly): trainer_state.json.gz (the logged means; `done` reads it, so
+    the study command with `--runs` over the kept folders reports without training), rollouts/eval-step-NNNNNN.jsonl.gz
+    without token arrays and prompt text (`without_tokens`; the per-question results) and log.txt.gz with this
+    machine's paths made relative. Checks that the kept records give the run's own per-question results and logged
+    means of `metric`; returns the number of evaluation episodes kept."""
     os.makedirs(os.path.join(dest, "rollouts"), exist_ok=True)
-    shutil.copy(os.path.join(path, "trainer_state.json"), dest)
+    with open_record(record_file(os.path.join(path, "trainer_state.json"))) as f:
+        write_gzipped(os.path.join(dest, "trainer_state.json.gz"), f.read())
     kept = 0
     for name in sorted(os.listdir(os.path.join(path, "rollouts"))):
         if RECORDED_EVAL.match(name):
-            with open(os.path.join(path, "rollouts", name)) as f, open(os.path.join(dest, "rollouts", name), "w") as out:
-                for line in filter(str.strip, f):
-                    out.write(json.dumps(without_tokens(json.loads(line))) + "\n")
-                    kept += 1
-    if os.path.isfile(os.path.join(path, "log.txt")):
-        with open(os.path.join(path, "log.txt")) as f:
-            log = f.read().replace(os.path.abspath(path), "<run>").replace(ROOT, ".")
-        with open(os.path.join(dest, "log.txt"), "w") as f:
-            f.write(log)
+            with open_record(os.path.join(path, "rollouts", name)) as f:
+                lines = [json.dumps(without_tokens(json.loads(line))) + "\n" for line in filter(str.strip, f)]
+            write_gzipped(os.path.join(dest, "rollouts", name.removesuffix(".gz") + ".gz"), "".join(lines))
+            kept += len(lines)
+    if (log := record_file(os.path.join(path, "log.txt"))) is not None:
+        with open_record(log) as f:
+            text = f.read().replace(os.path.abspath(path), "<run>").replace(ROOT, ".")
+        write_gzipped(os.path.join(dest, "log.txt.gz"), text)
     results = question_results(dest, metric)
     if results != question_results(path, metric):
         raise SystemExit(f"The records kept in {dest} do not give {path}'s per-question results of {metric}.")
@@ -444,6 +455,78 @@ def point_groups(modes: tuple[str, ...], point: list[dict[int, int]], logged: di
     return groups, "", 0, "seeds only"
 
 
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `df` degrees of freedom: its density integrated by Simpson's rule
+    (4,000 panels on [0, x]) and the bound found by bisection, to about 1e-7 (numpy has no t quantile, and the
+    project carries no scipy). t_quantile(0.975, 4) = 2.7764."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError(f"t_quantile needs df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float) -> float:
+        grid = np.linspace(0.0, x, 4001)
+        density = scale * (1 + grid**2 / df) ** (-(df + 1) / 2)
+        return 0.5 + (x / 4000 / 3) * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def seed_test(values: list[float], seed: int = BOOTSTRAP_SEED) -> tuple[float, float, float]:
+    """The seed-level test of a mean over seeds (one value per seed: a mode's mean exact match, or a paired
+    difference's mean over the seed's questions): the 95% t-interval, mean +- t(0.975, n-1) * SD / sqrt(n), and the
+    two-sided sign-flip (randomisation) p: the share of the 2^n ways to flip the signs of the n values whose mean is
+    at least as far from 0 as the one observed; exact (every sign vector) for up to SIGN_FLIP_EXACT seeds, past that
+    (k + 1) / (draws + 1) with k of SIGN_FLIP_DRAWS random sign vectors (generator `seed`) as far. Seeds are the
+    unit that varies between reruns (every run answers the same questions), so this tests whether a difference holds
+    over seeds; with n seeds the smallest p is 2 / 2^n (0.0625 at 5). Returns (t_low, t_high, p), NaN for one seed.
+    """
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    half = t_quantile(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)
+    if n <= SIGN_FLIP_EXACT:
+        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n): every sign vector
+    else:
+        signs = np.random.default_rng(seed).choice([-1, 1], size=(SIGN_FLIP_DRAWS, n))
+    as_far = int((np.abs(signs @ x) >= abs(x.sum()) - 1e-12).sum())
+    p = as_far / len(signs) if n <= SIGN_FLIP_EXACT else (as_far + 1) / (len(signs) + 1)  # drawn: never 0
+    return float(x.mean() - half), float(x.mean() + half), p
+
+
+def t_test_power(n: int, sd: float, effect: float = EFFECT, draws: int = 20_000, seed: int = BOOTSTRAP_SEED) -> float:
+    """The power of the paired t-test over `n` seeds (two-sided, 0.05: seed_test's t-interval excludes 0) when the
+    true mean difference is `effect` and a seed's difference has SD `sd`: the share of `draws` simulated studies of
+    normal per-seed differences (generator `seed`, so the same call gives the same number) that find it."""
+    if n < 2:
+        return 0.0
+    if sd <= 0:
+        return 1.0
+    x = np.random.default_rng(seed).normal(effect, sd, size=(draws, n))  # (draws, n): a simulated study per row
+    t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(n))
+    return float((np.abs(t) > t_quantile(0.975, n - 1)).mean())
+
+
+def seeds_needed(sd: float, effect: float = EFFECT, power: float = POWER, most: int = 400) -> int:
+    """The fewest seeds per mode at which the paired t-test reaches `power` for `effect` (t_test_power), given a
+    seed's SD; `most` + 1 when not even `most` seeds do. Seeds 0.111 apart (mt_grpo - merged, step 30): 41."""
+    guess = max(2, math.floor(((1.96 + 0.84) * sd / effect) ** 2))  # the normal approximation, a lower bound
+    if guess > most:
+        return most + 1
+    n = guess
+    while n <= most and t_test_power(n, sd, effect) < power:
+        n += 1
+    while n > 2 and t_test_power(n - 1, sd, effect) >= power:  # the approximation overshot (few seeds)
+        n -= 1
+    return n
+
+
 def verdict(low: float, high: float, seeds_only: int = 0) -> str:
     """Whether a difference's interval includes 0; `seeds_only`: the number of seeds it rests on alone (two seeds
     that agree give an interval of one point, which excludes 0 without saying much)."""
@@ -473,11 +556,18 @@ def intervals(rows: list[dict], results: dict[tuple[str, int], dict], metric: st
             mean = float(np.mean([g.mean() for g in groups]))
             low, high = (np.percentile(two_level_bootstrap(groups, n, seed), [2.5, 97.5])
                          if len(groups) > 1 or resampled != "seeds only" else (math.nan, math.nan))
-            table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name, "metric": metric,
-                          "step": label, "seeds": "/".join(map(str, point[0])), "questions": questions,
-                          "dropped_questions": dropped, "bootstrap": resampled, "mean": mean, "low": float(low),
-                          "high": float(high), "verdict": "" if len(modes) == 1 else
-                          verdict(low, high, len(groups) if resampled == "seeds only" else 0)})
+            per_seed = [g.mean() for g in groups]
+            t_low, t_high, p = seed_test(per_seed, seed)
+            sd = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else math.nan
+            table.append({"kind": "mode" if len(modes) == 1 else "difference", "name": name,
+                          "plan": "" if len(modes) == 1 else "planned" if modes in PLANNED else "exploratory",
+                          "metric": metric, "step": label, "seeds": "/".join(map(str, point[0])),
+                          "questions": questions, "dropped_questions": dropped, "bootstrap": resampled, "mean": mean,
+                          "low": float(low), "high": float(high), "verdict": "" if len(modes) == 1 else
+                          verdict(low, high, len(groups) if resampled == "seeds only" else 0),
+                          "t_low": t_low, "t_high": t_high, "sign_flip_p": math.nan if len(modes) == 1 else p,
+                          "seed_sd": sd, "seeds_for_effect": "" if len(modes) == 1 or math.isnan(sd) else
+                          seeds_needed(sd)})
     return table
 
 
@@ -490,11 +580,16 @@ def print_intervals(table: list[dict], n: int) -> None:
                 [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["bootstrap"]]
                  for r in table if r["kind"] == "mode"])
     print_table(f"{metric}: differences, paired by seed and question (a question only one mode evaluated is "
-                "dropped), with a 95% interval",
-                ["difference", "step", "mean [95% interval]", "seeds", "questions per seed", "dropped", "bootstrap",
-                 "verdict"],
-                [[r["name"], r["step"], cell(r), r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
-                  r["bootstrap"], r["verdict"]] for r in table if r["kind"] == "difference"])
+                "dropped), with the bootstrap's 95% interval and the seed-level test (a paired t-interval over the "
+                "seeds' mean differences and the exact sign-flip p over seeds)",
+                ["difference", "plan", "step", "mean [95% interval]", "t-interval over seeds", "sign-flip p", "seeds",
+                 "questions per seed", "dropped", "bootstrap", "verdict", "seed SD", f"seeds for {EFFECT}"],
+                [[r["name"], r["plan"], r["step"], cell(r), f"[{r['t_low']:.3f}, {r['t_high']:.3f}]",
+                  f"{r['sign_flip_p']:.4f}", r["seeds"], r["questions"] or "n/a", r["dropped_questions"],
+                  r["bootstrap"], r["verdict"], f"{r['seed_sd']:.3f}", r["seeds_for_effect"]]
+                 for r in table if r["kind"] == "difference"])
+    print(f"seeds for {EFFECT}: the seeds per mode at which the paired t-test finds a true difference of {EFFECT} "
+          f"with {POWER:.0%} power, if a seed's difference has the SD measured here (seeds_needed)")
     if any(r["bootstrap"] == "seeds only" for r in table):
         print("seeds only: some runs recorded no per-question results (rollouts/eval-step-*.jsonl, written with "
               "--save_rollouts_steps, which the study passes), or their records do not hold the metric; those "
@@ -536,7 +631,7 @@ def main():
     budgeted = args.budget is not None
     start, todo, failed = time.monotonic(), [], []
     if args.report_only:  # every run that logged, finished or stopped: nothing is trained or resumed
-        ran = [j for j in jobs if os.path.isfile(os.path.join(j[2], "trainer_state.json"))]
+        ran = [j for j in jobs if record_file(os.path.join(j[2], "trainer_state.json"))]
     else:
         todo = [j for j in jobs if args.fresh or not done(j[2], budgeted)]
         if args.fresh:

@@ -23,13 +23,12 @@ line, as `tools.search` writes them; the XML protocol's tags are assumed.
 
 `--strip OUT` keeps a run small enough to commit for this reading: it writes the training episodes
 (RUN_DIR/rollouts/step-*.jsonl) to OUT/rollouts/ without their token arrays and prompt text (about a
-sixth of the size), and copies RUN_DIR/trainer_state.json; docs/*_runs/ were made so.
+sixth of the size), and copies RUN_DIR/trainer_state.json, each gzipped (.gz), as docs/*_runs/ keep them.
 """
 
 import argparse
 import json
 import os
-import shutil
 import re
 import sys
 from collections import Counter
@@ -41,7 +40,8 @@ from rewards.answers import contains_answer, matches_answer  # noqa: E402
 from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
 from rewards.triviaqa_reward import _contains as contains  # noqa: E402
 from rewards.triviaqa_reward import normalize_answer  # noqa: E402
-from view_rollouts import load_rollouts, parse_steps, without_tokens  # noqa: E402  (scripts/, beside this file)
+from view_rollouts import (load_rollouts, open_record, parse_steps, record_file,  # noqa: E402  (scripts/, here)
+                           without_tokens, write_gzipped)
 
 RESULT = re.compile(re.escape(XMLProtocol.RESULT_OPEN) + "(.*?)" + re.escape(XMLProtocol.RESULT_CLOSE), re.S)
 TAG = re.compile(r"<[^>]*>")  # removed before normalising: it drops punctuation, so "Gate.</reasoning>" would fuse
@@ -100,18 +100,17 @@ def tally(episodes: list[dict]) -> list[tuple[str, int]]:
 
 def strip_run(run_dir: str, out: str, steps: tuple[int, int] | None = None) -> int:
     """Copy the run's training episodes without `tokens` and `prompt_text`, and its trainer_state.json, to
-    `out`; returns the number of episodes written. The viewer needs the tokens; this script does not."""
+    `out`, gzipped; returns the number of episodes written. The viewer needs the tokens; this script does not."""
     rollouts = {key: records for key, records in load_rollouts(run_dir, steps).items() if key.startswith("train")}
     if not rollouts:
         raise SystemExit(f"No recorded training episodes in {run_dir}/rollouts: run with --save_rollouts_steps N.")
     os.makedirs(os.path.join(out, "rollouts"), exist_ok=True)
     for key, records in rollouts.items():
-        with open(os.path.join(out, "rollouts", f"step-{int(key.split('-')[1]):06d}.jsonl"), "w") as f:
-            for record in records:
-                f.write(json.dumps(without_tokens(record)) + "\n")
-    state = os.path.join(run_dir, "trainer_state.json")
-    if os.path.exists(state):
-        shutil.copy(state, out)
+        write_gzipped(os.path.join(out, "rollouts", f"step-{int(key.split('-')[1]):06d}.jsonl.gz"),
+                      "".join(json.dumps(without_tokens(record)) + "\n" for record in records))
+    if (state := record_file(os.path.join(run_dir, "trainer_state.json"))) is not None:
+        with open_record(state) as f:
+            write_gzipped(os.path.join(out, "trainer_state.json.gz"), f.read())
     return sum(len(records) for records in rollouts.values())
 
 

@@ -19,6 +19,8 @@ import os
 
 from matplotlib.figure import Figure  # no pyplot: no global backend state, PNGs go through Agg
 
+from view_rollouts import open_record, record_file  # run records, plain or gzipped (docs/*_runs/)
+
 # (title, metric names; a name ending in "/" stands for every metric under it)
 PANELS = [
     ("turn rewards", ["rewards/turn/"]),
@@ -36,14 +38,15 @@ LINE_STYLES = ["-", "--", ":", "-."]
 
 
 def load_log_history(run_dir: str) -> list[dict]:
-    """log_history of RUN_DIR/trainer_state.json, else of the newest checkpoint-*/trainer_state.json."""
-    path = os.path.join(run_dir, "trainer_state.json")
-    if not os.path.isfile(path):
+    """log_history of RUN_DIR/trainer_state.json (or .json.gz, as docs/*_runs/ keep it), else of the newest
+    checkpoint-*/trainer_state.json."""
+    path = record_file(os.path.join(run_dir, "trainer_state.json"))
+    if path is None:
         checkpoints = glob.glob(os.path.join(run_dir, "checkpoint-*", "trainer_state.json"))
         if not checkpoints:
             raise SystemExit(f"No trainer_state.json in {run_dir} or its checkpoint-* folders.")
         path = max(checkpoints, key=lambda p: int(p.split("checkpoint-")[-1].split(os.sep)[0]))
-    with open(path) as f:
+    with open_record(path) as f:
         return json.load(f)["log_history"]
 
 

@@ -28,18 +28,36 @@ pass --steps and/or --max-episodes-per-step (64 episodes = ~3.5 MB a step); a st
 
 import argparse
 import glob
+import gzip
 import html
 import json
 import math
 import os
 import re
 
-FILE_NAME = re.compile(r"^(eval-)?step-(\d+)\.jsonl$")
+FILE_NAME = re.compile(r"^(eval-)?step-(\d+)\.jsonl(\.gz)?$")
 
 
 # ------------------------------------------------------------------------------------------------
 # Reading and packing the records
 # ------------------------------------------------------------------------------------------------
+def record_file(path: str) -> str | None:
+    """`path` or its gzipped copy `path.gz`, whichever exists (None if neither): the trainer writes a run's records
+    plain, and the runs kept in docs/*_runs/ store them gzipped, so that a clone carries code more than records."""
+    return next((p for p in (path, path + ".gz") if os.path.isfile(p)), None)
+
+
+def open_record(path: str):
+    """A run's record (trainer_state.json, a rollouts/*.jsonl, log.txt), opened to read as text, plain or .gz."""
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
+
+
+def write_gzipped(path: str, text: str) -> None:
+    """`text` to `path` (a .gz name), gzipped without a time stamp in its header: the same text, the same bytes."""
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+        f.write(text.encode())
+
+
 def without_tokens(record: dict) -> dict:
     """A record without its token arrays and prompt text, most of its size: what a run's committed copy keeps
     (answer_errors.py --strip, learning_study.py --keep); this viewer needs them, the reports do not."""
@@ -53,22 +71,22 @@ def step_key(mode: str, step: int) -> str:
 def load_rollouts(run_dir: str, steps: tuple[int, int] | None = None) -> dict[str, list[dict]]:
     """{step_key: episodes sorted by (group, sample)}, train steps first, then eval, each in step order: the
     trainer's RUN_DIR/rollouts/*.jsonl, and scripts/evaluate.py's RUN_DIR/eval_episodes.jsonl as an evaluation
-    at the step its records name."""
+    at the step its records name; each file plain or gzipped (.jsonl.gz, as docs/*_runs/ keep them)."""
     files = []  # (mode, step, path)
-    for path in glob.glob(os.path.join(run_dir, "rollouts", "*.jsonl")):
+    for path in glob.glob(os.path.join(run_dir, "rollouts", "*.jsonl*")):
         match = FILE_NAME.match(os.path.basename(path))
         if match is not None:
             files.append(("eval" if match.group(1) else "train", int(match.group(2)), path))
-    evaluated = os.path.join(run_dir, "eval_episodes.jsonl")
-    if os.path.isfile(evaluated):
-        with open(evaluated) as f:
+    evaluated = record_file(os.path.join(run_dir, "eval_episodes.jsonl"))
+    if evaluated is not None:
+        with open_record(evaluated) as f:
             first = f.readline()
         files.append(("eval", json.loads(first)["step"] if first.strip() else 0, evaluated))
     found = [(mode != "train", step, mode, path) for mode, step, path in files
              if steps is None or steps[0] <= step <= steps[1]]
     rollouts = {}
     for _, step, mode, path in sorted(found):
-        with open(path) as f:
+        with open_record(path) as f:
             episodes = [json.loads(line) for line in f if line.strip()]
         rollouts[step_key(mode, step)] = sorted(episodes, key=lambda e: (e.get("group", 0), e.get("sample", 0)))
     return rollouts

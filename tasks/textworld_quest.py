@@ -47,7 +47,8 @@ On an episode not lost, the step rewards add up to 1 - L / L0: the same number a
 `load(split, n, seed)` gives the rows {"seed", "prompt"}: training games from the seeds SPLIT_SEEDS["train"],
 held-out ones from SPLIT_SEEDS["test"], which do not overlap. The same seed gives the same game in any process.
 The task also brings its part of the system prompt (GAME_TASK_PROMPT), a worked game (`game_examples`) and its
-eval metric, `eval/won` (TASK_EVAL_METRICS: the share of held-out games won).
+eval metric, `eval/won` (TASK_EVAL_METRICS: the share of held-out games won). `valid_command_rate` reads the share
+of commands the game accepted from an evaluation's recorded episodes (`scripts/game_baseline.py --records RUN`).
 """
 
 import functools
@@ -68,6 +69,7 @@ QUEST_LENGTH = 3
 LOSS_REWARD = -1.0
 INVALID_REWARD = 0.0  # see the module docstring: a malformed call earns its turn 0 too
 UNLISTED_VERBS = ("examine", "look", "inventory")  # valid, but change nothing and tell nothing the view does not
+DONE = "Done: "  # how act's reply to a command the game carried out begins (`accepted`, valid_command_rate)
 
 PROMPT = "Play this text game: reach the goal by calling the act tool, one action per call."
 GAME_TASK_PROMPT = ("You play a text adventure game. Each turn, call the act tool with one of the actions the game "
@@ -120,7 +122,7 @@ class TextWorldQuest:
             return (f"{command!r} is not an action you can take here. Nothing happens. Choose one of: "
                     f"{', '.join(self._listed_commands())}.")
         self._progress.update(action)
-        return f"Done: {command}.\n" + self._score_step()  # the command as the game writes it
+        return f"{DONE}{command}.\n" + self._score_step()  # the command as the game writes it
 
     def get_reward(self) -> float:
         """1.0 if the quest is complete, 0.0 if lost, else the share of it done (module docstring)."""
@@ -272,6 +274,23 @@ def load(split: str = "train", n: int | None = None, seed: int = 0) -> datasets.
 # ------------------------------------------------------------------------------------------------
 # Evaluation: `eval/won` is the share of held-out games won (tasks.load_task registers it)
 # ------------------------------------------------------------------------------------------------
+def accepted(reply: str) -> bool:
+    """Whether an `act` reply says the game carried the command out: not an invalid command (answered, so the call
+    ran), not a call after the game ended (an error), not a call that never reached the game."""
+    return reply.startswith(DONE)
+
+
+def valid_command_rate(records: list[dict]) -> float:
+    """The share of `act` calls whose command the game accepted, over recorded episodes (the trainer's
+    rollouts/*.jsonl records, kept copies included): each env turn's `tool_calls` holds the calls it answers with
+    the game's reply (`output`). `eval/tool_success_rate` counts an invalid command as a call that ran, since the game
+    answers it; here it is not valid, and neither is a call after the game ended or one that did not parse. NaN when
+    no episode called `act`."""
+    calls = [call for record in records for turn in record["turns"] if turn["role"] != "model"
+             for call in turn.get("tool_calls", []) if call["name"] == "act"]
+    return sum(accepted(call["output"]) for call in calls) / len(calls) if calls else float("nan")
+
+
 def won(prompts, completions, environments, **kwargs) -> list[float | None]:
     """1.0 for an episode whose game was won, else 0.0 (None for another environment's episode)."""
     return [float(env.get_reward() == 1.0) if isinstance(env, TextWorldQuest) else None for env in environments]

@@ -2,6 +2,7 @@
 read from trainer_state.json, and the row-by-row comparison with an earlier CSV that checks a rerun."""
 
 import csv
+import gzip
 import json
 import math
 import os
@@ -198,6 +199,9 @@ def test_every_levers_command_is_a_recipe_the_trainer_parses():
         cmd = lever_command(lever, 1, "outputs/x", [])
         script_args, training_args, _ = parse_args(cmd[2:])
         assert training_args.max_steps == 30 and script_args.advantage_mode == "mt_grpo", lever
+        # questions per step: TRL's generation batch (micro-batch x accumulation) over the group size
+        questions = training_args.generation_batch_size // training_args.num_generations
+        assert questions == (2 if lever == "two_questions" else 1), lever
         if lever == "grounded_answer":
             assert "grounded_answer_reward_func" in script_args.outcome_reward_funcs
 
@@ -284,6 +288,40 @@ def test_the_two_level_bootstrap_gives_the_known_spread_at_each_level():
     assert np.percentile(draws, 2.5) == 0.0 and np.percentile(draws, 97.5) == 1.0
 
 
+def test_the_seed_level_test_by_hand():
+    """Per-seed differences 0.1, 0.2, 0.3: mean 0.2, SD 0.1, t(0.975, 2) = 4.302653, so 0.2 +- 4.302653 * 0.1 /
+    sqrt(3) = 0.2 +- 0.248414. Of the 8 sign vectors only all + (sum 0.6) and all - (-0.6) are as far from 0 as the
+    observed sum; -0.1+0.2+0.3 = 0.4 is not: p = 2/8. Four equal seeds: SD 0, and p = 2/16, the least 4 seeds give."""
+    from learning_study import seed_test, t_quantile
+
+    assert [round(t_quantile(0.975, df), 4) for df in (1, 2, 4, 9)] == [12.7062, 4.3027, 2.7764, 2.2622]
+    low, high, p = seed_test([0.1, 0.2, 0.3])
+    assert math.isclose(low, 0.2 - 0.248414, abs_tol=1e-6) and math.isclose(high, 0.2 + 0.248414, abs_tol=1e-6)
+    assert p == 0.25
+    assert seed_test([0.05] * 4) == pytest.approx((0.05, 0.05, 0.125))
+    # the issue's audit: per_turn - outcome_only at step 30, seeds 11-15: p = 4/32 (-0.074 flipped is as far),
+    # t-interval [-0.003, 0.340]: it includes 0 where the bootstrap's [0.040, 0.261] did not
+    low, high, p = seed_test([0.274, 0.200, 0.211, 0.232, -0.074])
+    assert p == 0.125 and (round(low, 3), round(high, 3)) == (-0.003, 0.341)
+    assert seed_test([0.1, -0.1])[2] == 1.0 and all(math.isnan(v) for v in seed_test([0.3]))
+    # past 16 seeds the signs are drawn: 24 equal seeds, none of 200,000 draws all one sign, p = 1 / 200,001
+    assert seed_test([0.1] * 24)[2] == 1 / 200_001
+
+
+def test_the_seeds_a_study_needs_for_its_effect():
+    """The sized study's arithmetic (docs/results.md): at a seed SD of 0.111 the paired t-test finds a true 0.05 with
+    80% power at 41 seeds and not at 40; by the normal approximation, (1.96 + 0.84)^2 * (0.111 / 0.05)^2 = 38.6, a
+    lower bound at few seeds. The simulated power is that of a known case: with SD 0 any effect is found, and with no
+    effect the test rejects 5% of the time (its size)."""
+    from learning_study import seeds_needed, t_test_power
+
+    assert t_test_power(41, 0.111) >= 0.8 > t_test_power(40, 0.111)
+    assert seeds_needed(0.111) == 41 and seeds_needed(0.111 / 2) < 41 / 2 and seeds_needed(0.0) == 2
+    assert seeds_needed(2.0) == 401  # a metric on another scale (calls per episode): past `most`, not simulated
+    assert abs(t_test_power(10, 0.1, effect=0.0) - 0.05) < 0.006
+    assert 0.11 < t_test_power(5, 0.111) < 0.14  # the study as run: 5 seeds had about 1 chance in 8
+
+
 def test_identical_modes_differ_by_zero_and_a_better_mode_excludes_zero(tmp_path):
     """mt_grpo and merged get the same answers: difference 0, interval [0, 0]. outcome_only is wrong on 16 of the
     32 questions where mt_grpo is right, and never right where it is wrong: +0.5, its interval well above 0."""
@@ -297,8 +335,11 @@ def test_identical_modes_differ_by_zero_and_a_better_mode_excludes_zero(tmp_path
     same = table[("mt_grpo - merged", "10")]
     assert (same["mean"], same["low"], same["high"]) == (0.0, 0.0, 0.0) and same["verdict"] == "interval includes 0"
     assert same["bootstrap"] == "seeds x questions" and same["seeds"] == "1/2" and same["questions"] == "32/32"
+    assert same["plan"] == "planned" and (same["t_low"], same["t_high"], same["sign_flip_p"]) == (0.0, 0.0, 1.0)
     better = table[("mt_grpo - outcome_only", "10")]
     assert better["mean"] == 0.5 and 0.25 < better["low"] < 0.5 < better["high"] < 0.75
+    # two seeds at +0.5 each: SD 0, the t-interval is the point; 2 of the 4 sign vectors are as far: p = 0.5
+    assert (better["t_low"], better["t_high"], better["sign_flip_p"]) == (0.5, 0.5, 0.5)
     assert better["verdict"] == f"excludes 0 (lower bound {better['low']:.3f})"
     mode = table[("mt_grpo", "10")]
     assert mode["mean"] == 0.5 and mode["low"] < 0.5 < mode["high"] and mode["kind"] == "mode"
@@ -319,7 +360,9 @@ def test_an_outcome_reward_is_read_per_question_and_per_turn_pairs_with_outcome_
         10: {0: 1.0, 1: 0.0, 3: 1.0}}
     assert question_results(str(tmp_path / "run"), "eval/rewards/outcome/TextWorldQuest") == {}
     table = study_intervals(tmp_path / "study", {("per_turn", 1): {10: [1] * 32}, ("outcome_only", 1): {10: [0] * 32}})
-    assert table[("per_turn - outcome_only", "10")]["mean"] == 1.0
+    pair = table[("per_turn - outcome_only", "10")]
+    assert pair["mean"] == 1.0 and pair["plan"] == "exploratory"  # not among the three the design planned
+    assert math.isnan(pair["t_low"]) and math.isnan(pair["sign_flip_p"])  # one seed: no seed-level test
 
 
 def test_a_question_one_mode_did_not_evaluate_is_dropped_from_the_pair(tmp_path):
@@ -426,10 +469,20 @@ def test_keep_copies_what_the_report_reads_and_checks_it(tmp_path):
     assert keep_record(run, dest, "eval/exact_match") == 8
     assert question_results(dest, "eval/exact_match") == {0: {0: 0.0, 1: 1.0, 2: 0.0, 3: 0.0},
                                                           10: {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}}
-    kept = [json.loads(line) for line in open(os.path.join(dest, "rollouts", "eval-step-000010.jsonl"))]
+    # every kept file is gzipped (a clone carries code more than records), and read as it is
+    assert sorted(os.listdir(dest)) == ["log.txt.gz", "rollouts", "trainer_state.json.gz"]
+    assert sorted(os.listdir(os.path.join(dest, "rollouts"))) == ["eval-step-000000.jsonl.gz", "eval-step-000010.jsonl.gz"]
+    kept = [json.loads(line) for line in gzip.open(os.path.join(dest, "rollouts", "eval-step-000010.jsonl.gz"), "rt")]
     assert len(kept) == 4 and not any("tokens" in r or "prompt_text" in r for r in kept)
-    assert open(os.path.join(dest, "log.txt")).read() == "Run finished. Output folder: <run>\nscript ./mt_grpo_trainer.py\n"
-    assert open(os.path.join(dest, "trainer_state.json")).read() == open(os.path.join(run, "trainer_state.json")).read()
+    log = gzip.open(os.path.join(dest, "log.txt.gz"), "rt").read()
+    assert log == "Run finished. Output folder: <run>\nscript ./mt_grpo_trainer.py\n"
+    state = gzip.open(os.path.join(dest, "trainer_state.json.gz"), "rt").read()
+    assert state == open(os.path.join(run, "trainer_state.json")).read()
+    # the same records kept again are the same bytes (no time stamp in the gzip header)
+    again = str(tmp_path / "kept_again" / "mt_grpo-s1")
+    keep_record(run, again, "eval/exact_match")
+    for name in ("trainer_state.json.gz", "log.txt.gz", "rollouts/eval-step-000010.jsonl.gz"):
+        assert open(os.path.join(dest, name), "rb").read() == open(os.path.join(again, name), "rb").read(), name
     # an evaluation whose records are not the logged one (a question lost): refused, not committed silently
     path = os.path.join(run, "rollouts", "eval-step-000010.jsonl")
     lines = open(path).readlines()

@@ -6,6 +6,9 @@ the worked example. Seed 0's game, as its goal says: open the Henderson's box in
 it, drop the shadfly (L0 = 3, so one step of the quest is worth 1/3)."""
 
 import inspect
+import json
+import math
+import os
 
 import pytest
 from transformers.utils import get_json_schema
@@ -13,7 +16,7 @@ from transformers.utils import get_json_schema
 from environments import check_environment, tool_methods
 from protocol import check_examples
 from tasks.textworld_quest import (EXAMPLE_GAME, INVALID_REWARD, LOSS_REWARD, PROMPT, SPLIT_SEEDS, TextWorldQuest,
-                                   game_examples, load, won)
+                                   accepted, game_examples, load, valid_command_rate, won)
 
 THIRD = pytest.approx(1 / 3)
 SOLUTION = ["open Henderson's box", "take shadfly from Henderson's box", "drop shadfly"]  # seed 0's quest
@@ -100,6 +103,71 @@ def test_a_call_after_the_game_ended_raises(env):
     with pytest.raises(ValueError, match="The game is over: you won. Do not call act again"):
         env.act("take worm")
     assert env.step_rewards[-1] == INVALID_REWARD and env.get_reward() == 1.0
+
+
+def recorded_episode(calls: list[tuple[str, str]]) -> dict:
+    """A recorded episode (reporting.episode_records' fields that valid_command_rate reads): a model turn and an env
+    turn per call, the env turn holding the call's name and the game's reply."""
+    turns = []
+    for name, output in calls:
+        turns += [{"role": "model", "text": "<tool>...</tool>"},
+                  {"role": "env", "text": f"<result>{output}</result>",
+                   "tool_calls": [{"name": name, "output": output}]}]
+    return {"turns": turns, "tool_calls": [{"name": name} for name, _ in calls]}
+
+
+def test_the_valid_command_rate_counts_the_commands_the_game_carried_out(env):
+    """Episode 1: 'dance' (invalid: answered, a call that ran), the quest's first action (accepted), a call that did
+    not parse (no tool name: not a command) -> 1 of 2 act calls. Episode 2 plays the quest out (3 accepted) and calls
+    again after the win (an error) -> 3 of 4. Over both: 4 of 6. No act call at all: NaN."""
+    first = [("act", env.act("dance")), ("act", env.act(SOLUTION[0])), ("", "Error: the call did not parse")]
+    assert [accepted(reply) for _, reply in first] == [False, True, False]
+    assert valid_command_rate([recorded_episode(first)]) == 0.5
+    game = TextWorldQuest()
+    game.reset(seed=0)
+    second = [("act", game.act(command)) for command in SOLUTION]
+    with pytest.raises(ValueError) as over:
+        game.act("take worm")
+    second.append(("act", f"Error: {over.value}"))
+    assert valid_command_rate([recorded_episode(second)]) == 0.75
+    assert valid_command_rate([recorded_episode(first), recorded_episode(second)]) == 4 / 6
+    assert math.isnan(valid_command_rate([recorded_episode([])]))
+
+
+def test_the_baseline_script_reads_a_runs_recorded_evaluations(tmp_path):
+    """scripts/game_baseline.py --records: per recorded evaluation (gzipped, as --keep keeps it), the games won, the
+    mean quest progress (the recorded TextWorldQuest reward), the step rewards, calls per episode and the share of
+    commands accepted. Two games: won in 3 accepted calls; 'dance' twice and one action (progress 1/3)."""
+    from game_baseline import play, recorded_evaluations, summarize
+    from view_rollouts import write_gzipped
+
+    game = TextWorldQuest()
+    game.reset(seed=0)
+    won_calls = [("act", game.act(command)) for command in SOLUTION]
+    other = TextWorldQuest()
+    other.reset(seed=0)
+    part_calls = [("act", other.act(c)) for c in ("dance", "dance", SOLUTION[0])]
+    records = []
+    episodes = ((won_calls, 1.0, [1 / 3] * 3), (part_calls, 1 / 3, [0.0, 0.0, 1 / 3]))
+    for group, (calls, reward, steps) in enumerate(episodes):
+        record = recorded_episode(calls)
+        for turn, step_reward in zip([t for t in record["turns"] if t["role"] == "env"], steps):
+            turn["step_rewards"] = [step_reward]
+        records.append({**record, "step": 10, "mode": "eval", "group": group, "sample": 0,
+                        "rewards": {"outcome": {"TextWorldQuest": reward}}})
+    os.makedirs(tmp_path / "run" / "rollouts")
+    write_gzipped(str(tmp_path / "run" / "rollouts" / "eval-step-000010.jsonl.gz"),
+                  "".join(json.dumps(r) + "\n" for r in records))
+    ((step, row),) = recorded_evaluations(str(tmp_path / "run"))
+    assert step == 10 and row["games"] == 2 and row["solved"] == 0.5 and row["calls"] == 3.0
+    assert row["reward"] == pytest.approx(2 / 3) and row["steps"] == pytest.approx(2 / 3)
+    assert row["valid"] == 4 / 6
+    # random play among the listed actions only plays valid commands; the oracle wins in its 3
+    import random
+
+    assert summarize([play(TextWorldQuest(), {"seed": 0}, "random_valid", 6, random.Random(0))])["valid"] == 1.0
+    oracle = play(TextWorldQuest(), {"seed": 0}, "oracle", 6, random.Random(0))
+    assert (oracle["solved"], oracle["calls"], oracle["accepted"]) == (True, 3, 3)
 
 
 def apple_game():

@@ -5,6 +5,7 @@ checked; the page itself is loaded in headless Chromium over the DevTools protoc
 chromium where it can (root with apt); elsewhere that test skips, and on CI (CI=true) it fails instead."""
 
 import base64
+import gzip
 import json
 import os
 import shutil
@@ -374,6 +375,26 @@ def test_answer_errors_classes():
     assert classify(qa_episode(sum_q, ["35"], None, "<answer>3.5</answer>"))[0] == "in no result"
 
 
+def test_the_kept_runs_are_read_gzipped():
+    """The runs kept in docs/*_runs/ store every record gzipped; the readers open them as they are: answer_errors
+    (through load_rollouts) gives one_document-s1's counts that docs/results.md quotes (48 training episodes of 6
+    steps: the gold seen in a result in 28, exact 2, no answer 15, 15 wrong with the gold in their reasoning), and
+    plot_runs reads its trainer_state.json.gz."""
+    from answer_errors import tally
+    from plot_runs import load_log_history
+    from view_rollouts import load_rollouts
+
+    run = os.path.join(ROOT, "docs", "ablation_runs", "one_document-s1")
+    assert not any(name.endswith((".json", ".jsonl", ".txt")) for _, _, names in os.walk(run) for name in names)
+    rollouts = load_rollouts(run)
+    assert sorted(rollouts) == [f"train-{s:06d}" for s in (1, 6, 11, 16, 21, 26)]
+    counts = dict(tally([e for episodes in rollouts.values() for e in episodes]))
+    assert sum(len(e) for e in rollouts.values()) == 48
+    assert (counts["exact"], counts["no answer"], counts["gold in a result it saw"],
+            counts["wrong answer, gold in its reasoning"]) == (2, 15, 28, 15)
+    assert max(h["step"] for h in load_log_history(run)) == 27
+
+
 def test_answer_errors_cli(tmp_path):
     """On the fixture run (tests/rollout_records.py), per step: 3 searches then the exact answer, 4 answers of
     "Paris" found in no result, 1 episode out of turns; 4 episodes saw the gold in a result."""
@@ -395,11 +416,11 @@ def test_answer_errors_cli(tmp_path):
                                "--strip", small], capture_output=True, text=True, check=True).stdout
     assert stripped.startswith("16 training episodes written") and "eval:" not in stripped
     assert stripped.split("\n", 1)[1] == train
-    assert sorted(os.listdir(os.path.join(small, "rollouts"))) == ["step-000001.jsonl", "step-000002.jsonl"]
-    with open(os.path.join(small, "rollouts", "step-000001.jsonl")) as f:
+    assert sorted(os.listdir(os.path.join(small, "rollouts"))) == ["step-000001.jsonl.gz", "step-000002.jsonl.gz"]
+    with gzip.open(os.path.join(small, "rollouts", "step-000001.jsonl.gz"), "rt") as f:
         record = json.loads(f.readline())
     assert "tokens" not in record and "prompt_text" not in record and record["turns"]
-    assert os.path.exists(os.path.join(small, "trainer_state.json"))
+    assert os.path.exists(os.path.join(small, "trainer_state.json.gz"))
     empty = tmp_path / "empty"
     empty.mkdir()
     failed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "answer_errors.py"), str(empty)],
