@@ -212,9 +212,7 @@ def check_environment_args(sa, args, train_dataset) -> None:
     if train_dataset is None and sa.dataset_name == "fictional_kb":  # the field's default: surely not meant
         raise ValueError("`environment_factory` without a dataset, and `dataset_name` is still its default, the "
                          "knowledge base. Pass `train_dataset`, set `dataset_name` to your data, or set "
-                         "`dataset_name` to None (null) so that reset gives each prompt; and set `tools`, "
-                         "`turn_reward_funcs` and `outcome_reward_funcs` (their defaults are the knowledge base's "
-                         "search and rewards; [] leaves the environment's own).")
+                         "`dataset_name` to None (null) so that reset gives each prompt.")
     if train_dataset is None and sa.dataset_name is None and args.max_steps <= 0:
         raise ValueError("No dataset (`dataset_name: null`): the environment's reset gives each prompt, and "
                          "`max_steps` sets the run's length, as in TRL. Set `max_steps` to a positive number of "

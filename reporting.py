@@ -156,7 +156,11 @@ def rolled_out_rows(passes: list, group_size: int) -> tuple:
     first = passes[0][0]
     rows = [(torch.tensor(groups, dtype=torch.long)[:, None] * group_size + torch.arange(group_size)).flatten()
             .to(first.R_O.device) for _, _, groups in passes]  # each pass's rows: its groups', group-major
-    stacked = {f.name: torch.cat([getattr(scores, f.name)[r] for (scores, _, _), r in zip(passes, rows)])
+    # per_turn: a pass has a column per tool turn of its longest episode; fewer columns are padded with NaN (no turn)
+    K = max(scores.R_T.shape[-1] for scores, _, _ in passes)
+    pad = lambda x, name: torch.nn.functional.pad(x, (0, K - x.shape[-1]), value=float("nan")) \
+        if name in ("turn_per_func", "R_T") else x  # noqa: E731
+    stacked = {f.name: torch.cat([pad(getattr(scores, f.name), f.name)[r] for (scores, _, _), r in zip(passes, rows)])
                for f in dataclasses.fields(first)}
     return type(first)(**stacked), torch.cat([signal[groups] for _, signal, groups in passes])
 

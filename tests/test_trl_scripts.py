@@ -1,8 +1,9 @@
-"""A script written for TRL 1.16's GRPOTrainer trains here with only its import line changed (issue 59): TRL's own
-2048 example (tests/trl_scripts/grpo_2048.py: a game in `environment_factory`, a `prompt`-only dataset, one
-`reward_funcs` callable that requires `environments`, `peft_config`) runs under TRL itself and under this trainer;
-both allow the same calls and describe the tool alike; a scripted player's 8 moves all run under both trainers'
-defaults; no default of the knowledge base reaches another task; and TRL's reward keywords reach every reward."""
+"""A script written for TRL 1.16's GRPOTrainer trains here with only its import line changed (issue 59): a game
+script in the shape of TRL's environment_factory examples (tests/trl_scripts/grid_walk.py: a walk of at least 5
+moves in `environment_factory`, a `prompt`-only dataset, one `reward_funcs` callable that requires `environments`,
+`peft_config`) runs under TRL itself and under this trainer; both allow the same calls and describe the tool
+alike; a scripted player's 8 moves all run under both trainers' defaults; no default of the knowledge base reaches
+another task; and TRL's reward keywords reach every reward."""
 
 import importlib.util
 import json
@@ -14,10 +15,10 @@ import sys
 import pytest
 from helpers import ROOT, make_chat_template_agent
 
-SCRIPT = os.path.join(ROOT, "tests", "trl_scripts", "grpo_2048.py")
+SCRIPT = os.path.join(ROOT, "tests", "trl_scripts", "grid_walk.py")
 TRL_IMPORT = "from trl import GRPOConfig, GRPOTrainer"
 OUR_IMPORT = "from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer"
-MOVES = ["left", "up", "right", "down"] * 2
+MOVES = ["right"] * 4 + ["down"] * 4  # the shortest walk to the treasure
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def model_dir(tiny_agent_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def game():
     """The script's module (its game, reward and prompt), imported without running it."""
-    spec = importlib.util.spec_from_file_location("grpo_2048", SCRIPT)
+    spec = importlib.util.spec_from_file_location("grid_walk", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +41,7 @@ def swapped_script(tmp_path) -> str:
     with open(SCRIPT) as f:
         text = f.read()
     assert text.count(TRL_IMPORT) == 1
-    path = tmp_path / "grpo_2048_mt_grpo.py"
+    path = tmp_path / "grid_walk_mt_grpo.py"
     path.write_text(text.replace(TRL_IMPORT, OUR_IMPORT))
     changed = [(a, b) for a, b in zip(text.splitlines(), path.read_text().splitlines()) if a != b]
     assert changed == [(TRL_IMPORT, OUR_IMPORT)]
@@ -48,7 +49,7 @@ def swapped_script(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("trainer", ["trl", "mt_grpo"])
-def test_trls_2048_script_trains_under_both_trainers_with_only_its_import_changed(trainer, model_dir, tmp_path):
+def test_a_trl_game_script_trains_under_both_trainers_with_only_its_import_changed(trainer, model_dir, tmp_path):
     script = SCRIPT if trainer == "trl" else swapped_script(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -62,7 +63,7 @@ def test_trls_2048_script_trains_under_both_trainers_with_only_its_import_change
         steps = [h for h in json.load(f) if "loss" in h]
     assert len(steps) == 1 and math.isfinite(steps[0]["loss"]) and math.isfinite(steps[0]["grad_norm"])
     # the game's reward, under its function's name in TRL's key and in ours
-    key = "rewards/reward_score/mean" if trainer == "trl" else "rewards/outcome/reward_score"
+    key = "rewards/reward_walk/mean" if trainer == "trl" else "rewards/outcome/reward_walk"
     assert key in steps[0]
 
 
@@ -86,20 +87,20 @@ def trl_config(tmp_path):
 def counting(game):
     """The script's game, counting the moves of its current episode."""
 
-    class Counted(game.Game2048Env):
+    class Counted(game.GridWalkEnv):
         def reset(self, **kwargs):
             self.moves = 0
             return super().reset(**kwargs)
 
-        def move(self, direction: str) -> str:
+        def step(self, direction: str) -> str:
             """
-            Play one move in 2048.
+            Take one step on the grid.
 
             Args:
                 direction: One of "up", "down", "left", "right".
             """
             self.moves += 1
-            return super().move(direction)
+            return super().step(direction)
 
     return Counted
 
@@ -118,21 +119,21 @@ def test_both_trainers_allow_the_same_calls_and_show_the_tool_the_same_descripti
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
 
-    theirs = GRPOTrainer(model=model_dir, reward_funcs=game.reward_score, args=trl_config(tmp_path),
-                         train_dataset=dataset(game), environment_factory=game.Game2048Env)
-    ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_score, args=our_config(tmp_path),
-                            train_dataset=dataset(game), environment_factory=game.Game2048Env)
+    theirs = GRPOTrainer(model=model_dir, reward_funcs=game.reward_walk, args=trl_config(tmp_path),
+                         train_dataset=dataset(game), environment_factory=game.GridWalkEnv)
+    ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, args=our_config(tmp_path),
+                            train_dataset=dataset(game), environment_factory=game.GridWalkEnv)
     assert theirs.max_tool_calling_iterations == sys.maxsize and ours.env.max_env_steps == math.inf
     assert ours.env.max_tokens_per_turn == ours.env.max_tool_response_tokens == 2048
     schema = get_json_schema(theirs.tools[0])["function"]
     assert schema["parameters"]["properties"]["direction"]["description"] == 'One of "up", "down", "left", "right".'
     system = ours.env.prompt(dataset(game)[0]["prompt"], ours.env.environments.tools())[0]["content"]
-    assert f"move(direction: str) -> str: {schema['description']}" in system
+    assert f"step(direction: str) -> str: {schema['description']}" in system
     assert f"    direction: {schema['parameters']['properties']['direction']['description']}" in system
     # with the model's own tool calls, the template gets the very schema TRL gives it
-    native = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_score, train_dataset=dataset(game),
+    native = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, train_dataset=dataset(game),
                               args=our_config(tmp_path, tool_format="chat_template"),
-                              environment_factory=game.Game2048Env)
+                              environment_factory=game.GridWalkEnv)
     assert native.env.environments.template_tools[None] == [get_json_schema(t) for t in theirs.tools]
 
 
@@ -144,9 +145,9 @@ def test_a_scripted_player_makes_all_8_moves_under_both_trainers_defaults(game, 
     from scripted_policy import ScriptedPolicy
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hermes = [f'<tool_call>\n{{"name": "move", "arguments": {{"direction": "{d}"}}}}\n</tool_call><|im_end|>'
+    hermes = [f'<tool_call>\n{{"name": "step", "arguments": {{"direction": "{d}"}}}}\n</tool_call><|im_end|>'
               for d in MOVES]
-    xml = [f'<reasoning>Go {d}.</reasoning><tool>{{"name": "move", "args": {{"direction": "{d}"}}}}</tool>'
+    xml = [f'<reasoning>Go {d}.</reasoning><tool>{{"name": "step", "args": {{"direction": "{d}"}}}}</tool>'
            for d in MOVES]
     done = "I have played my moves.<|im_end|>"
 
@@ -159,11 +160,11 @@ def test_a_scripted_player_makes_all_8_moves_under_both_trainers_defaults(game, 
             return [tokenizer.encode(self.player.turn_text(ids), add_special_tokens=False) for ids in prompt_ids], None
 
     Counted = counting(game)
-    theirs = ScriptedTRL(model=model_dir, reward_funcs=game.reward_score, args=trl_config(tmp_path),
+    theirs = ScriptedTRL(model=model_dir, reward_funcs=game.reward_walk, args=trl_config(tmp_path),
                          train_dataset=dataset(game), environment_factory=Counted)
     theirs.train()
     assert [env.moves for env in theirs._environment_pool[None]] == [8, 8]
-    ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_score, args=our_config(tmp_path),
+    ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, args=our_config(tmp_path),
                             train_dataset=dataset(game), environment_factory=Counted,
                             backend=ScriptedPolicy(tokenizer, {game.PROMPT: xml + [done]}))
     ours.train()
@@ -195,9 +196,9 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Multiply 6 by 7 with the tool."}]] * 2})
     built = [MTGRPOEnvTrainer(model=model_dir, reward_funcs=reward, args=our_config(tmp_path), train_dataset=prompts,
                               tools=[multiply]),
-             MTGRPOEnvTrainer(model=model_dir, reward_funcs=reward, environment_factory=game.Game2048Env,
+             MTGRPOEnvTrainer(model=model_dir, reward_funcs=reward, environment_factory=game.GridWalkEnv,
                               args=our_config(tmp_path, dataset_name=None))]
-    for trainer, tools in zip(built, (["multiply"], ["move"])):
+    for trainer, tools in zip(built, (["multiply"], ["step"])):
         env = trainer.env
         names = sorted(env.tools) if env.environments is None else [t.__name__ for t in env.environments.tools()]
         assert names == tools
@@ -208,25 +209,25 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
         for kb_text in (SEARCH_TASK_PROMPT, "answer questions", "<answer>", "search"):
             assert kb_text not in text, kb_text
     # an environment with step_rewards: per-turn credit, from its own rewards only
-    class Scored(game.Game2048Env):
+    class Scored(game.GridWalkEnv):
         def reset(self, **kwargs):
             self.step_rewards = []
             return super().reset(**kwargs)
 
-        def move(self, direction: str) -> str:
+        def step(self, direction: str) -> str:
             """
-            Play one move in 2048.
+            Take one step on the grid.
 
             Args:
                 direction: One of "up", "down", "left", "right".
             """
-            before = self.score
-            out = super().move(direction)
-            self.step_rewards.append(self.score - before)
+            before = self._distance()
+            out = super().step(direction)
+            self.step_rewards.append(float(before - self._distance()))
             return out
 
     Scored.step_rewards = []  # the probe instance is never reset: the class says it keeps the list
-    stepped = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_score, environment_factory=Scored,
+    stepped = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, environment_factory=Scored,
                                args=our_config(tmp_path, dataset_name=None))
     assert stepped.script_args.advantage_mode == "per_turn"
     assert [f.__name__ for f in stepped.turn_reward_funcs] == ["Scored_steps"]
