@@ -229,6 +229,7 @@ def run_async(value):
 
 
 STEP_REWARD_TYPES = (list, tuple)  # a list appended to, or a tuple replaced by a longer one
+_LOGGED_FAILURES: set[str] = set()  # the environment methods whose first failure was logged
 
 
 @dataclass
@@ -279,8 +280,12 @@ class Toolset:
         earned.extend(self.step_rewards()[before:])  # its thread has ended: every append it made is in
         result = slot[0]
         if not result.ok and thread is not None:
-            self.failures.append(f"{type(self.environment).__name__}.{call.name} ({self.label}): {result.output}")
-            logger.warning("Environment tool failed: %s", self.failures[-1])
+            method = f"{type(self.environment).__name__}.{call.name}"
+            self.failures.append(f"{method} ({self.label}): {result.output}")
+            if method not in _LOGGED_FAILURES:  # once per method: a policy's bad calls are many
+                _LOGGED_FAILURES.add(method)
+                logger.warning("Environment tool failed (the first failure of %s; the model sees each): %s", method,
+                               self.failures[-1])
         return result
 
     def settle(self, timeout: float | None = None) -> bool:
