@@ -424,8 +424,8 @@ class Judge:
         """One POST /completions with retries: (reply text, "") or, after the last retry, (None, the last error).
         Each attempt may take `timeout` seconds, its whole reply included (`_post`). Timeouts, connection errors,
         408, 429 and 5xx are retried after BACKOFF * 2**k seconds, or the server's Retry-After when longer, all
-        within (max_retries + 1) * timeout seconds; a wait that would pass that deadline is not begun. Other
-        statuses raise."""
+        within (max_retries + 1) * timeout seconds: a wait that would pass that deadline is not begun, and the
+        last attempt ends at it. Other statuses raise."""
         url = f"{self.base_url}/completions"
         body = {"model": self.model, "prompt": prompt, "temperature": self.temperature, "max_tokens": max_tokens}
         deadline = time.monotonic() + (self.max_retries + 1) * self.timeout
@@ -439,14 +439,14 @@ class Judge:
                 self.sleep(wait)
             start, wait = time.monotonic(), 0.0
             try:
-                status, text, retry_after = self._post(url, body)
+                status, text, asked_wait = self._post(url, body, min(self.timeout, deadline - start))
             except httpx.TransportError as e:  # timeouts included
                 error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue
             finally:
                 self.count(calls=1, latency=time.monotonic() - start)
             if status in RETRIED_STATUSES or status >= 500:
-                error, wait = f"status {status}: {text[:200]!r}", retry_after or 0.0
+                error, wait = f"status {status}: {text[:200]!r}", asked_wait or 0.0
                 continue
             if status != 200:
                 raise JudgeRejected(f"The judge at {url} rejected a request ({status}): {text[:500]!r}. Not "
@@ -456,12 +456,13 @@ class Judge:
         self.count(failures=1)
         return None, error
 
-    def _post(self, url: str, body: dict) -> tuple[int, str, float | None]:
-        """(status, body text, Retry-After seconds or None) of one POST that ends within `timeout` seconds,
-        its body included: httpx's timeout bounds each read, so a server that trickles its reply is cut off by a
+    def _post(self, url: str, body: dict, limit: float) -> tuple[int, str, float | None]:
+        """(status, body text, Retry-After seconds or None) of one POST that ends within `limit` seconds, its
+        body included: httpx's timeout bounds each read, so a server that trickles its reply is cut off by a
         timer that shuts the socket down at the deadline (httpx.ReadTimeout)."""
-        deadline = time.monotonic() + self.timeout
-        with self.http.stream("POST", url, json=body) as response:
+        deadline = time.monotonic() + limit
+        timeout = httpx.Timeout(limit, connect=min(limit, 10.0))
+        with self.http.stream("POST", url, json=body, timeout=timeout) as response:
             stream = response.extensions.get("network_stream")
             sock = stream.get_extra_info("socket") if stream is not None else None
             timer = threading.Timer(max(deadline - time.monotonic(), 0.0), _shut, (sock,))
@@ -471,11 +472,11 @@ class Judge:
             except httpx.TransportError as e:
                 if time.monotonic() < deadline:
                     raise
-                raise httpx.ReadTimeout(f"the reply took over judge_timeout ({self.timeout} s)") from e
+                raise httpx.ReadTimeout(f"the reply took over {limit:g} s (judge_timeout)") from e
             finally:
                 timer.cancel()
             if time.monotonic() > deadline:  # the last bytes came after it
-                raise httpx.ReadTimeout(f"the reply took over judge_timeout ({self.timeout} s)")
+                raise httpx.ReadTimeout(f"the reply took over {limit:g} s (judge_timeout)")
             return response.status_code, data.decode("utf-8", "replace"), retry_after(response.headers)
 
     def _reply_text(self, url: str, body: str) -> str:

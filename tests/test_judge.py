@@ -99,7 +99,8 @@ class JudgeServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and left
                 finally:
-                    server.done.set()
+                    if trickle is not None:
+                        server.done.set()
 
             def do_GET(self):
                 with server.lock:
