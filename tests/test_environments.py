@@ -188,6 +188,20 @@ def test_step_rewards_created_in_reset_are_found_at_start_up(gated):
     assert [f.__name__ for f in outcome] == ["Gated"] and [f.__name__ for f in turn] == ["Gated_steps"]
 
 
+def test_a_trainer_with_step_rewards_made_in_reset_gets_its_turn_reward(tiny_agent_dir, tmp_path):
+    """With `turn_reward_funcs: []`, the environment's `<Class>_steps` is the turn reward (it once was missed, and
+    the run stopped with "turn_reward_funcs is empty")."""
+    from env_examples import Gated
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    args = MTGRPOConfig(output_dir=str(tmp_path), dataset_name=None, tools=[], turn_reward_funcs=[],
+                        outcome_reward_funcs=[], num_generations=4, per_device_train_batch_size=4, use_cpu=True,
+                        bf16=False, report_to="none", max_steps=1)
+    trainer = MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Gated)
+    assert [f.__name__ for f in trainer.turn_reward_funcs] == ["Gated_steps"]
+    assert [f.__name__ for f in trainer.outcome_reward_funcs] == ["Gated"]
+
+
 def test_a_slow_call_within_the_timeout_is_credited_to_its_own_turn(gated):
     from env_examples import Gated
 
