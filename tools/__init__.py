@@ -172,7 +172,7 @@ def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Th
     def run():
         begun = time.monotonic()
         try:
-            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): on the shared loop
+            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
             slot.append(ToolResult(str(output), True, time.monotonic() - begun))
         except TypeError as e:
             slot.append(ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False,
