@@ -44,14 +44,13 @@ class Trickle:
 class JudgeServer:
     """/v1/models lists `models`; /v1/completions answers a prompt with `reply(prompt)`: the completion text,
     or an int, an HTTP status to answer with instead. `usage` counts whitespace-separated words. Records each
-    completion request's body, arrival time and headers, the GETs, and the most requests ever in flight; or a
+    completion request's body and headers, the GETs, and the most requests ever in flight; or a
     Status (with headers) or a Trickle (a body sent slowly; `sent` and `sizes` record the bytes sent of each,
     `done` is set when one ends)."""
 
     def __init__(self, reply, models=("judge-model",)):
         self.reply, self.models = reply, list(models)
         self.requests: list[dict] = []
-        self.arrivals: list[float] = []
         self.headers: list[dict] = []
         self.gets: list[str] = []
         self.in_flight = self.max_in_flight = 0
@@ -115,7 +114,6 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.requests.append(body)
-                    server.arrivals.append(time.monotonic())
                     server.headers.append({k.lower(): v for k, v in self.headers.items()})
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
@@ -373,11 +371,11 @@ def test_cache_answers_a_repeated_prompt_without_a_request(serve, judge_at):
 def test_5xx_is_retried_with_exponential_backoff_then_succeeds(serve):
     answers = iter([503, 500, "<score>8</score>"])
     server = serve(lambda prompt: next(answers))
-    judge = Judge(server.url, max_retries=2, backoff=0.1)
+    slept = []
+    judge = Judge(server.url, max_retries=2, backoff=0.1, sleep=slept.append)
     try:
         assert judge.complete(["p"]) == ["<score>8</score>"]
-        first, second, third = server.arrivals
-        assert second - first >= 0.1 and third - second >= 0.2  # 0.1 s, then 0.1 * 2
+        assert slept == [0.1, 0.2] and len(server.requests) == 3  # 0.1 s, then 0.1 * 2
         metrics = judge.pop_metrics()
         assert metrics["judge/calls"] == 3 and metrics["judge/failures"] == 0
     finally:
