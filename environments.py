@@ -192,6 +192,11 @@ class EnvironmentPool:
                 if getattr(instance, "step_rewards", None) is None:
                     raise ValueError(f"{type(instance).__name__} sets `step_rewards`, but has none after reset for "
                                      f"{label}: set `self.step_rewards = []` in `reset`.")
+            elif getattr(instance, "step_rewards", None) is not None:  # made where has_step_rewards could not see
+                raise ValueError(f"{type(instance).__name__} has `step_rewards` after reset, but neither a new "
+                                 "instance nor the class's source showed it at start-up, so no turn reward reads it: "
+                                 "create it in `__init__` (`self.step_rewards = []`), or declare `step_rewards: "
+                                 "list[float]` on the class.")
             self.handed_out[id(instance)] = (name, toolsets[-1])
             out_prompts.append(prompt)
         return out_prompts, toolsets

@@ -293,6 +293,23 @@ def test_a_tuple_step_rewards_is_read_and_a_wrong_type_fails_naming_the_class():
         start_episode(EnvironmentPool(ResetDictSteps, [], XMLProtocol()))
 
 
+def test_step_rewards_the_start_up_could_not_see_fail_at_the_first_reset():
+    """A class without readable source (made at run time) that creates step_rewards in reset: the first reset
+    stops the run with the fix, instead of training without the turn reward."""
+    from environments import EnvironmentPool
+    from env_examples import Counter
+    from protocol import XMLProtocol
+
+    def reset(self, **kwargs):
+        self.value, self.step_rewards = 0, []
+
+    Made = type("Made", (Counter,), {"reset": reset, "__module__": "nowhere"})
+    pool = EnvironmentPool(Made, [], XMLProtocol())
+    assert pool.reward_funcs == ([], [])
+    with pytest.raises(ValueError, match=r"Made has `step_rewards` after reset, but .* create it in `__init__`"):
+        start_episode(pool)
+
+
 def test_a_reset_that_raises_names_the_class_and_the_row():
     from environments import EnvironmentPool
     from env_examples import MissingColumn
