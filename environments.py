@@ -13,23 +13,28 @@ module:Class`, or the constructor's argument) does what TRL does:
 
 The extension, which TRL ignores (an attribute is not a method, so TRL exposes no tool for it):
     step_rewards: list[float]  the environment appends one value per tool step it judged (a game's score change,
-                               a test that now passes); reset it to [] in `reset`. The values appended during a
-                               model turn, summed, are that turn's reward R_T, through a per-turn reward function
+                               a test that now passes); create it in `__init__` or in `reset` (found in the
+                               class's source: has_step_rewards). The values a model turn's calls appended while
+                               they ran, summed, are that turn's reward R_T, through a per-turn reward function
                                named `<Class>_steps` (weight 1): every tool turn's in `per_turn` mode, the first
                                turn's in `mt_grpo`. A turn whose calls appended nothing earned 0.
 
 Tool calls of one episode run one at a time, in order (they share the instance's state); episodes run
-concurrently. See docs/guide.md, "Bring your own environment".
+concurrently. A call past `tool_timeout` is waited for before the instance is touched again, and what it
+appends late is credited to no turn; one that hangs past a second `tool_timeout` leaves its episode's rewards
+None and its instance out of the pool (tools.Toolset). See docs/guide.md, "Bring your own environment".
 """
 
+import ast
 import inspect
+import textwrap
 import typing
 from typing import Callable
 
 from registry import resolve
 from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_turn
-from tools import Toolset, run_async
+from tools import STEP_REWARD_TYPES, Toolset, run_async
 
 CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
 RESERVED = ("reset", "get_reward")
@@ -39,6 +44,9 @@ def episode_columns(inputs: list[dict], episodes: list) -> dict[str, list]:
     """What every reward function receives besides prompts and completions: the dataset's columns and, as TRL
     passes them, `environments`, each episode's environment instance (when the run has an environment_factory)."""
     columns = reward_columns(inputs)
+    for ep in episodes:  # a timed-out call still running ends before any reward reads the instance
+        if getattr(ep.toolset, "environment", None) is not None:
+            ep.toolset.settle()
     if any(getattr(ep.toolset, "environment", None) is not None for ep in episodes):
         columns["environments"] = [ep.toolset.environment for ep in episodes]
     return columns
@@ -119,9 +127,11 @@ class EnvironmentPool:
         self.handed_out: dict[int, tuple] = {}  # id(instance) -> (name, the Toolset of its current episode)
         self.probe_tools: dict = {}  # name -> the probe instance's tools
         self.template_tools: dict = {}  # name -> their schemas for the chat template, made once
+        self.steps: dict = {}  # name -> whether its class keeps step_rewards (has_step_rewards)
         for name, make in self.factories.items():
             instance = make()
             self.probe_tools[name] = check_environment(instance, name, self.standalone)
+            self.steps[name] = has_step_rewards(instance)
             self.free[name] = [instance]
             self.template_tools[name] = protocol.template_tools(self.tools(name))
         self.reward_funcs = self._reward_funcs()
@@ -159,29 +169,51 @@ class EnvironmentPool:
             raise ValueError("An env with an environment_factory resets each episode's instance with its dataset row: "
                              "pass `rows=` (one dict per prompt) to MultiTurnToolEnv.rollout.")
         out_prompts, toolsets = [], []
-        for row, prompt in zip(rows, prompts):
+        for position, (row, prompt) in enumerate(zip(rows, prompts)):
             name = self.environment_name(row)
             instance = self.free[name].pop() if self.free[name] else self.factories[name]()
+            label = row_label(row, position)
             kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
-            observation = instance.reset(**{**kwargs, "prompt": prompt})
+            try:
+                observation = run_async(instance.reset(**{**kwargs, "prompt": prompt}))
+            except Exception as e:
+                raise RuntimeError(f"{type(instance).__name__}.reset raised {type(e).__name__}: {e}, for {label}. Fix "
+                                   "the class, or the row (reset receives the row's columns as keyword "
+                                   "arguments).") from e
             if observation is not None:
                 if not isinstance(observation, str):
-                    raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__}; "
-                                     "return the first observation as a string, or None.")
+                    raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__} for "
+                                     f"{label}; return the first observation as a string, or None.")
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             functions = {fn.__name__: fn for fn in self.standalone + tool_methods(instance)}
-            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance))
+            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance, label=label))
+            if self.steps[name]:
+                toolsets[-1].step_rewards()  # a wrong type, or none after reset, fails here, naming the class
+                if getattr(instance, "step_rewards", None) is None:
+                    raise ValueError(f"{type(instance).__name__} sets `step_rewards`, but has none after reset for "
+                                     f"{label}: set `self.step_rewards = []` in `reset`.")
+            elif getattr(instance, "step_rewards", None) is not None:  # made where has_step_rewards could not see
+                raise ValueError(f"{type(instance).__name__} has `step_rewards` after reset, but neither a new "
+                                 "instance nor the class's source showed it at start-up, so no turn reward reads it: "
+                                 "create it in `__init__` (`self.step_rewards = []`), or declare `step_rewards: "
+                                 "list[float]` on the class.")
             self.handed_out[id(instance)] = (name, toolsets[-1])
             out_prompts.append(prompt)
         return out_prompts, toolsets
 
     def release(self, toolsets: list) -> None:
-        """Return the episodes' instances once their rewards are read (a reward may read the final state)."""
+        """Return the episodes' instances once their rewards are read (a reward may read the final state). An
+        instance still running a timed-out call (Toolset.settle) is dropped: a new one takes its place."""
         for toolset in toolsets:
             instance = getattr(toolset, "environment", None)
             if instance is not None and id(instance) in self.handed_out:
                 name, _ = self.handed_out.pop(id(instance))
-                self.free[name].append(instance)
+                if toolset.settle():
+                    self.free[name].append(instance)
+
+    def stuck(self, instance) -> bool:
+        """Whether `instance`'s episode left a timed-out call running past the grace (its rewards are None)."""
+        return self.handed_out[id(instance)][1].stuck if id(instance) in self.handed_out else False
 
     def turn_rewards(self, instance) -> list[list[float]]:
         """What `instance` reported per tool turn of its current episode (Toolset.turn_rewards)."""
@@ -190,25 +222,59 @@ class EnvironmentPool:
     # -- rewards ------------------------------------------------------------------------------------
     def _reward_funcs(self) -> tuple[list[Callable], list[Callable]]:
         """(outcome, turn) reward functions the environments bring: per class with `get_reward`, one named after
-        the class; per class with `step_rewards`, a per-turn one named `<Class>_steps`."""
+        the class; per class with `step_rewards` (self.steps), a per-turn one named `<Class>_steps`."""
         outcome, turn = [], []
-        for name, tools in self.probe_tools.items():
+        for name in self.probe_tools:
             cls = type(self.free[name][0])
             if callable(getattr(cls, "get_reward", None)) and cls.__name__ not in [f.__name__ for f in outcome]:
-                outcome.append(_get_reward_func(cls))
-            if isinstance(getattr(self.free[name][0], "step_rewards", None), list) and \
-                    f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
+                outcome.append(_get_reward_func(cls, self))
+            if self.steps[name] and f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
                 turn.append(_step_reward_func(cls, self))
         return outcome, turn
 
 
-def _get_reward_func(cls: type) -> Callable:
-    """`get_reward()` of each episode whose environment is exactly `cls` (None for the others), as TRL scores it."""
+def has_step_rewards(instance) -> bool:
+    """Whether the class keeps `step_rewards`: the new instance has it, or a method of the class (or of a base)
+    assigns `self.step_rewards` (in `reset`, say), or the class declares `step_rewards: list[float]`. Read from
+    the source, so that no episode need start: the trainer picks its defaults from it at start-up. A wrong type
+    on the new instance fails here, naming the class."""
+    steps = getattr(instance, "step_rewards", None)
+    if steps is not None:
+        if not isinstance(steps, STEP_REWARD_TYPES):
+            raise ValueError(f"{type(instance).__name__}.step_rewards is a {type(steps).__name__}; make it a list "
+                             "of numbers (one appended per tool step), set to [] in `__init__` or `reset`.")
+        return True
+    for klass in type(instance).__mro__[:-1]:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source to read (a class made at run time): only the instance tells
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            named = [n for t in targets for n in ast.walk(t)]  # `self.a, self.step_rewards = ...` too
+            if any(isinstance(n, ast.Attribute) and n.attr == "step_rewards" or
+                   isinstance(n, ast.Name) and n.id == "step_rewards" and isinstance(node, ast.AnnAssign)
+                   for n in named):
+                return True
+    return False
+
+
+def row_label(row: dict, position: int) -> str:
+    """A row as an error names it: its index in the dataset (else in the batch) and its first fields, cut."""
+    index = f"row {row['row']}" if "row" in row else f"the batch's row {position}"
+    fields = [(k, v) for k, v in row.items() if k not in ("row", "prompt")][:3]
+    return index + " (" + ", ".join(f"{k}={str(v)[:40]!r}" for k, v in fields) + ")"
+
+
+def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
+    """`get_reward()` of each episode whose environment is exactly `cls` (None for the others, and for an episode
+    whose timed-out call still runs: its state is not settled), as TRL scores it."""
 
     def get_reward(prompts=None, completions=None, environments=None, **kwargs):
         values = []
         for env in environments or []:
-            value = run_async(env.get_reward()) if type(env) is cls else None
+            value = run_async(env.get_reward()) if type(env) is cls and not pool.stuck(env) else None
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"{cls.__name__}.get_reward returned {value!r} ({type(value).__name__}); it must "
                                  "return a number (float), the episode's reward.")
@@ -227,7 +293,7 @@ def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
         values = []
         for completion, env in zip(completions, environments, strict=True):
             turns = count_tool_turns(completion)
-            if type(env) is not cls:
+            if type(env) is not cls or pool.stuck(env):
                 values.append([None] * turns)
                 continue
             recorded = pool.turn_rewards(env)[:turns]

@@ -77,7 +77,7 @@ from packing import PackedForward, prefilled_inputs
 from rewards import failing_sample
 from rewards.judge import JudgeArguments
 from environments import episode_columns
-from tools import Toolset, ToolResult, run_turns
+from tools import Toolset, ToolResult, cut_tool_output, run_turns
 from turn_samples import next_sample_prompt, scored_parts
 from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
 
@@ -909,12 +909,8 @@ class MultiTurnToolEnv:
         text = self.render(base + tool_messages, add_generation_prompt=True)
         return self.tokenizer.encode(text[text.rindex(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False)
 
-    def truncate_tool_output(self, text: str) -> str:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= self.max_tool_response_tokens:
-            return text
-        kept = self.tokenizer.decode(ids[: self.max_tool_response_tokens])
-        return f"{kept}\n[truncated: {self.max_tool_response_tokens} of {len(ids)} tokens shown]"
+    def truncate_tool_output(self, text: str) -> str:  # cut by characters first: a 10 MB output is not tokenized whole
+        return cut_tool_output(text, self.tokenizer, self.max_tool_response_tokens)
 
     # -- the loop ----------------------------------------------------------------------------------
     def rollout(self, prompts: list[list[dict]], backend, params: SamplingParams | None = None,

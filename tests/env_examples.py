@@ -2,6 +2,7 @@
 importable by dotted path (`tests.env_examples:Lock`)."""
 
 import asyncio
+import threading
 
 
 class Lock:
@@ -119,3 +120,87 @@ class Clashing(Lock):
 class BadReward(Lock):
     def get_reward(self) -> str:
         return "high"
+
+
+class Gated:
+    """Step rewards created only in `reset`, and an action held at a gate the test opens: `act(worth)` waits for
+    `gate`, then appends `worth`. `events` records when each action starts and ends, in order, across instances."""
+
+    gate = threading.Event()
+    events: list[str] = []
+
+    def reset(self, **kwargs) -> None:
+        self.step_rewards, self.done = [], []
+
+    def act(self, worth: float) -> str:
+        """Do something worth `worth`, once the gate is open.
+
+        Args:
+            worth: the step reward it earns.
+        """
+        Gated.events.append(f"start {worth:g}")
+        Gated.gate.wait()
+        self.step_rewards.append(worth)
+        self.done.append(worth)
+        Gated.events.append(f"end {worth:g}")
+        return f"done {worth:g}"
+
+    def quick(self, worth: float) -> str:
+        """Do something worth `worth` at once.
+
+        Args:
+            worth: the step reward it earns.
+        """
+        Gated.events.append(f"start quick {worth:g}")
+        self.step_rewards.append(worth)
+        self.done.append(worth)
+        Gated.events.append(f"end quick {worth:g}")
+        return f"done {worth:g}"
+
+    def get_reward(self) -> float:
+        return float(sum(self.done))
+
+
+class TupleSteps(Counter):
+    """step_rewards as a tuple, replaced by a longer one at each step."""
+
+    def reset(self, **kwargs) -> None:
+        self.value, self.step_rewards = 0, ()
+
+    def add(self, amount: int) -> str:
+        """Add to the counter.
+
+        Args:
+            amount: how much to add.
+        """
+        self.value += amount
+        self.step_rewards = self.step_rewards + (float(amount),)
+        return f"The counter is {self.value}."
+
+
+class DictSteps(Counter):
+    def __init__(self):
+        super().__init__()
+        self.step_rewards = {}
+
+
+class ResetDictSteps(Counter):
+    def reset(self, **kwargs) -> None:
+        self.value, self.step_rewards = 0, {"turn": 0}
+
+
+class MissingColumn(Counter):
+    """A reset that reads a column the dataset lacks."""
+
+    def reset(self, **kwargs) -> None:
+        self.value = int(kwargs["missing_column"])
+
+
+class FailingTool(Counter):
+    def add(self, amount: int) -> str:
+        """Add to the counter.
+
+        Args:
+            amount: how much to add.
+        """
+        raise ValueError(f"unknown amount {amount}; use 1 to 9")

@@ -5,6 +5,8 @@ fail at start-up naming the fix; and one class trained by the recipe field and b
 import json
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -149,6 +151,186 @@ def test_a_turn_that_appended_nothing_earned_zero_and_a_non_number_fails(smollm2
     with pytest.raises(RuntimeError, match=r"step_rewards holds 'a lot'"):
         compute_rewards_per_func([steps], ["p"], [ep.messages], {"environments": [ep.toolset.environment]},
                                  [1], 1)
+
+
+# -- timeouts, slow calls and pooled instances: each reward to its own turn and episode ------------------------
+def call(name: str, **arguments):
+    from protocol import ToolCall
+
+    return ToolCall(name=name, arguments=arguments)
+
+
+@pytest.fixture
+def gated():
+    """A pool of Gated environments (step_rewards created in reset), the gate closed and the events cleared;
+    the gate is opened at the end, so that no action is left waiting."""
+    from environments import EnvironmentPool
+    from env_examples import Gated
+    from protocol import XMLProtocol
+
+    Gated.gate.clear()
+    Gated.events.clear()
+    yield EnvironmentPool(Gated, [], XMLProtocol())
+    Gated.gate.set()
+
+
+def start_episode(pool, code="0"):
+    prompts, (toolset,) = pool.start([{"prompt": "Act.", "row": 7, "code": code}], [[{"role": "user",
+                                                                                      "content": "Act."}]])
+    return toolset
+
+
+def test_step_rewards_created_in_reset_are_found_at_start_up(gated):
+    from env_examples import Gated
+
+    assert not hasattr(Gated(), "step_rewards")  # the probe instance, never reset, has none
+    outcome, turn = gated.reward_funcs
+    assert [f.__name__ for f in outcome] == ["Gated"] and [f.__name__ for f in turn] == ["Gated_steps"]
+
+
+def test_a_trainer_with_step_rewards_made_in_reset_gets_its_turn_reward(tiny_agent_dir, tmp_path):
+    """With `turn_reward_funcs: []`, the environment's `<Class>_steps` is the turn reward (it once was missed, and
+    the run stopped with "turn_reward_funcs is empty")."""
+    from env_examples import Gated
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    args = MTGRPOConfig(output_dir=str(tmp_path), dataset_name=None, tools=[], turn_reward_funcs=[],
+                        outcome_reward_funcs=[], num_generations=4, per_device_train_batch_size=4, use_cpu=True,
+                        bf16=False, report_to="none", max_steps=1)
+    trainer = MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Gated)
+    assert [f.__name__ for f in trainer.turn_reward_funcs] == ["Gated_steps"]
+    assert [f.__name__ for f in trainer.outcome_reward_funcs] == ["Gated"]
+
+
+def test_a_slow_call_within_the_timeout_is_credited_to_its_own_turn(gated):
+    from env_examples import Gated
+
+    toolset = start_episode(gated)
+    opener = threading.Thread(target=lambda: (wait_for(lambda: Gated.events == ["start 5"]), Gated.gate.set()))
+    opener.start()
+    first = toolset.run([call("act", worth=5.0)], timeout=30.0, max_workers=4)
+    opener.join()
+    second = toolset.run([call("quick", worth=1.0)], timeout=30.0, max_workers=4)
+    assert [r.output for r in first + second] == ["done 5", "done 1"]
+    assert toolset.turn_rewards == [[5.0], [1.0]]
+
+
+def test_a_timed_out_call_is_waited_for_and_its_late_append_is_credited_to_no_turn(gated):
+    """The issue's case: turn 1's action (worth 5) runs past tool_timeout; it ends while turn 2 waits to start. Turn 2's
+    action (worth 1) starts only after it, and each turn holds only what its own calls appended in time."""
+    from env_examples import Gated
+
+    toolset = start_episode(gated)
+    first = toolset.run([call("act", worth=5.0)], timeout=0.05, max_workers=4)
+    assert first[0].output == "Error: tool 'act' timed out after 0.05s" and not first[0].ok
+    Gated.gate.set()  # the late call now ends, after its turn
+    second = toolset.run([call("quick", worth=1.0)], timeout=30.0, max_workers=4)
+    assert second[0].output == "done 1"
+    assert Gated.events == ["start 5", "end 5", "start quick 1", "end quick 1"]  # never at once
+    assert toolset.turn_rewards == [[], [1.0]]  # the late 5 is credited to no turn
+    steps = gated.reward_funcs[1][0]
+    completion = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "x"}] * 2
+    assert steps(completions=[completion], environments=[toolset.environment]) == [[0.0, 1.0]]
+
+
+def test_a_call_still_running_after_the_grace_fails_the_rest_and_its_instance_is_not_reused(gated):
+    from env_examples import Gated
+
+    toolset = start_episode(gated)
+    toolset.run([call("act", worth=5.0)], timeout=0.05, max_workers=4)
+    second = toolset.run([call("quick", worth=1.0)], timeout=0.05, max_workers=4)  # the first still holds it
+    assert toolset.stuck and second[0].output.startswith("Error: tool 'quick' was not run: an earlier call")
+    assert toolset.turn_rewards == [[], []] and Gated.events == ["start 5"]  # quick never ran
+    instance = toolset.environment
+    outcome, turn = gated.reward_funcs
+    assert outcome[0](environments=[instance]) == [None]  # its state is not settled: no reward from it
+    gated.release([toolset])
+    Gated.gate.set()
+    wait_for(lambda: Gated.events[-1] == "end 5")  # the late call ends on the dropped instance
+    fresh = start_episode(gated)
+    assert fresh.environment is not instance and fresh.environment.step_rewards == []
+    fresh.run([call("quick", worth=2.0)], timeout=30.0, max_workers=4)
+    assert fresh.turn_rewards == [[2.0]] and outcome[0](environments=[fresh.environment]) == [2.0]
+
+
+def test_a_pooled_instance_reused_after_a_timeout_starts_clean(gated):
+    """Episode 1 times out and ends; its instance is released (the late call waited for: settled) and reset for
+    episode 2, whose rewards hold only its own steps."""
+    from env_examples import Gated
+
+    first = start_episode(gated)
+    first.run([call("act", worth=5.0)], timeout=0.05, max_workers=4)
+    Gated.gate.set()
+    gated.release([first])  # waits for the late call, then returns the instance
+    second = start_episode(gated)
+    assert second.environment is first.environment and second.environment.done == []
+    second.run([call("quick", worth=1.0)], timeout=30.0, max_workers=4)
+    assert second.turn_rewards == [[1.0]] and gated.reward_funcs[0][0](environments=[second.environment]) == [1.0]
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    """Wait until `condition()` holds, polling; fail after `timeout` seconds (a hang, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.005)
+
+
+# -- step_rewards types, and errors that name the class, the method and the row -------------------------------
+def test_a_tuple_step_rewards_is_read_and_a_wrong_type_fails_naming_the_class():
+    from environments import EnvironmentPool
+    from env_examples import DictSteps, ResetDictSteps, TupleSteps
+    from protocol import XMLProtocol
+
+    pool = EnvironmentPool(TupleSteps, [], XMLProtocol())
+    assert [f.__name__ for f in pool.reward_funcs[1]] == ["TupleSteps_steps"]
+    toolset = start_episode(pool)
+    toolset.run([call("add", amount=2), call("add", amount=3)], timeout=30.0, max_workers=4)
+    assert toolset.turn_rewards == [[2.0, 3.0]]
+    with pytest.raises(ValueError, match=r"DictSteps.step_rewards is a dict; make it a list of numbers"):
+        EnvironmentPool(DictSteps, [], XMLProtocol())
+    with pytest.raises(TypeError, match=r"ResetDictSteps.step_rewards is a dict \(row 7 \(code='0'\)\); make it"):
+        start_episode(EnvironmentPool(ResetDictSteps, [], XMLProtocol()))
+
+
+def test_step_rewards_the_start_up_could_not_see_fail_at_the_first_reset():
+    """A class without readable source (made at run time) that creates step_rewards in reset: the first reset
+    stops the run with the fix, instead of training without the turn reward."""
+    from environments import EnvironmentPool
+    from env_examples import Counter
+    from protocol import XMLProtocol
+
+    def reset(self, **kwargs):
+        self.value, self.step_rewards = 0, []
+
+    Made = type("Made", (Counter,), {"reset": reset, "__module__": "nowhere"})
+    pool = EnvironmentPool(Made, [], XMLProtocol())
+    assert pool.reward_funcs == ([], [])
+    with pytest.raises(ValueError, match=r"Made has `step_rewards` after reset, but .* create it in `__init__`"):
+        start_episode(pool)
+
+
+def test_a_reset_that_raises_names_the_class_and_the_row():
+    from environments import EnvironmentPool
+    from env_examples import MissingColumn
+    from protocol import XMLProtocol
+
+    pool = EnvironmentPool(MissingColumn, [], XMLProtocol())
+    with pytest.raises(RuntimeError, match=r"MissingColumn.reset raised KeyError: 'missing_column', for row 7 "
+                                           r"\(code='0'\)") as error:
+        start_episode(pool)
+    assert isinstance(error.value.__cause__, KeyError)
+
+
+def test_a_tool_that_raises_shows_the_model_its_message_and_names_the_class_method_and_row():
+    from environments import EnvironmentPool
+    from env_examples import FailingTool
+    from protocol import XMLProtocol
+
+    toolset = start_episode(EnvironmentPool(FailingTool, [], XMLProtocol()))
+    result, = toolset.run([call("add", amount=12)], timeout=30.0, max_workers=4)
+    assert result.output == "Error: tool 'add' raised ValueError: unknown amount 12; use 1 to 9"
+    assert toolset.failures == ["FailingTool.add (row 7 (code='0')): " + result.output]
 
 
 # -- bad input fails at start-up, naming the fix ------------------------------------------------------------

@@ -58,7 +58,8 @@ def test_a_training_batch_is_scored_by_the_live_judge(judge_server, tiny_agent_d
     advantages after the tool result are those scores normalised within the group; the judge's work is logged."""
     trainer = judge_trainer(tiny_agent_dir, tmp_path, type("Server", (), {"url": judge_server[0]}),
                             "--outcome_reward_funcs", "judge_outcome", "--turn_reward_funcs", "judge_turn",
-                            "--judge_max_parse_failure_rate", "1.0")  # a 135M judge misses some grades
+                            "--judge_max_parse_failure_rate", "1.0",  # a 135M judge misses some grades
+                            "--judge_injection_probe", "false")  # and whether it obeys is not what this test checks
     trainer.model.train()
     inputs = [dict(trainer.train_dataset[0]) for _ in range(4)]
     batch = trainer._generate_and_score_completions(inputs)

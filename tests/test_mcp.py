@@ -45,12 +45,12 @@ def stdio_tools():
 
 
 @contextlib.contextmanager
-def http_server(port: int | None = None):
-    """The URL of a new knowledge base server over streamable HTTP (on `port`, else a free one), once it accepts
-    connections."""
+def http_server(port: int | None = None, command: list[str] | None = None):
+    """The URL of a new knowledge base server over streamable HTTP (on `port`, else a free one; started by
+    `command`, else with the test tools), once it accepts connections."""
     port = port or free_port()
-    process = subprocess.Popen([sys.executable, SERVER, "--transport", "http", "--port", str(port), "--crashable"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = command or [sys.executable, SERVER, "--transport", "http", "--port", str(port), "--crashable"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -138,11 +138,11 @@ def test_concurrent_calls_share_the_session(stdio_tools, http_tools, local_searc
 
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 def test_a_slow_call_times_out_promptly_and_the_server_goes_on(request, transport):
+    """The call waits TIMEOUT, not the tool's 60 s: the error says so (it is raised by that wait, and the test's own
+    timeout would stop a hang); no wall-clock assertion, which a loaded machine could fail."""
     tools = request.getfixturevalue(f"{transport}_tools")
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match=f"MCP tool 'sleep' of server .* gave no result within {TIMEOUT:g}s"):
         tools["sleep"](seconds=60)
-    assert time.monotonic() - start < TIMEOUT + 1.0
     assert tools["sleep"](seconds=0.1) == "slept 0.1s"
     assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
 
@@ -151,36 +151,123 @@ def test_a_slow_call_times_out_promptly_and_the_server_goes_on(request, transpor
 # a crash, and the restart after it
 # ------------------------------------------------------------------------------------------------
 def test_a_crashed_stdio_server_fails_the_next_call_at_once_and_is_restarted_after(stdio_tools):
-    start = time.monotonic()
     with pytest.raises(MCPServerDown, match="is down: .*; the next call will restart it"):
         stdio_tools["crash"]()
-    assert time.monotonic() - start < 1.0
-    start = time.monotonic()
     assert stdio_tools["search"](query="capital of Ratomora").startswith(RATOMORA)  # a new process
-    assert time.monotonic() - start < 30.0
+
+
+class Clock:
+    """The retry schedule's clock (tools.mcp.clock), moved by the test: no wait depends on the machine's speed."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_an_http_server_that_goes_down_fails_calls_at_once_and_is_reconnected_when_back(monkeypatch):
-    """Servers of its own. The call that crashes one fails at once, and so does the next one, after a reconnect
-    that finds nothing listening. A server started again on the port is reconnected to once RETRY_INTERVAL has
-    passed. One restarted between two calls has forgotten the session: the first call after fails, the next
-    reconnects."""
-    monkeypatch.setattr("tools.mcp.RETRY_INTERVAL", 1.0)  # less than a server takes to start
+    """Servers of its own, and a clock the test moves. The call that crashes one fails at once; the next one tries
+    to reconnect, finds nothing listening and fails; calls before the next try (1 s later) fail without trying;
+    the try at 1 s fails too, and the next waits 2 s. A server started again on the port is reconnected to at the
+    next try. One restarted between two calls has forgotten the session: the first call after fails, the next
+    reconnects at once."""
+    clock = Clock()
+    monkeypatch.setattr("tools.mcp.clock", clock)
     port = free_port()
     with http_server(port) as url:
         tools = {fn.__name__: fn for fn in mcp_tools([url], timeout=TIMEOUT)}
-        start = time.monotonic()
         with pytest.raises(MCPServerDown, match="is down: .*; the next call will reconnect it"):
             tools["crash"]()
-        with pytest.raises(MCPServerDown, match="the reconnect failed: ConnectError.*; calls fail at once until"):
+        with pytest.raises(MCPServerDown, match="the reconnect failed: ConnectError.*; calls fail at once until the "
+                                                "next try, 1s after it"):
             tools["search"](query="capital of Ratomora")
-        assert time.monotonic() - start < 2.0
+    clock.now += 0.9
+    with http_server(port):  # back, but before the next try: not tried
+        with pytest.raises(MCPServerDown, match="calls fail at once until the next try, 1s after it"):
+            tools["search"](query="capital of Ratomora")
+    clock.now += 0.1
+    with pytest.raises(MCPServerDown, match="the reconnect failed: ConnectError.*next try, 2s after it"):
+        tools["search"](query="capital of Ratomora")  # tried at 1 s, nothing listening: the wait doubles
     with http_server(port):
+        clock.now += 2.0
         assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
     with http_server(port):
         with pytest.raises(MCPServerDown, match="is down: it stopped answering"):
             tools["search"](query="capital of Ratomora")
-        assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
+        assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)  # the schedule starts over
+
+
+USER_SERVER = '''
+import sys
+sys.path.insert(0, {root!r})
+from mcp.server.mcpserver import MCPServer
+from tools.mcp import errors_for_the_model
+
+
+def convert_units(value: float, unit: str) -> str:
+    """Convert a length to metres.
+
+    Args:
+        value: the length.
+        unit: its unit, m or km.
+    """
+    factors = {{"m": 1.0, "km": 1000.0}}
+    if unit not in factors:
+        raise ValueError(f"unknown unit {{unit!r}}; use one of {{', '.join(factors)}}")
+    return f"{{value * factors[unit]:g}} m"
+
+
+def convert_units_unwrapped(value: float, unit: str) -> str:
+    """The same, without the wrapper.
+
+    Args:
+        value: the length.
+        unit: its unit, m or km.
+    """
+    return convert_units(value, unit)
+
+
+server = MCPServer("units", log_level="WARNING")
+server.add_tool(errors_for_the_model(convert_units))
+server.add_tool(convert_units_unwrapped)
+server.run("stdio")
+'''
+
+
+def test_a_users_tool_error_reaches_the_model_with_its_message(tmp_path):
+    """A user's own server, started with `python` as a shell would not have it (the trainer's interpreter runs it).
+    Its tool raises ValueError: wrapped by errors_for_the_model, the model reads the message; unwrapped, the SDK
+    keeps it on the server."""
+    script = tmp_path / "units_server.py"
+    script.write_text(USER_SERVER.format(root=ROOT))
+    tools = {fn.__name__: fn for fn in mcp_tools([f"python {script}"], timeout=10.0)}
+    assert tools["convert_units"](value=2, unit="km") == "2000 m"
+    calls = [ToolCall("convert_units", {"value": 2, "unit": "mi"}),
+             ToolCall("convert_units_unwrapped", {"value": 2, "unit": "mi"})]
+    wrapped, unwrapped = run_tool_calls(tools, calls, timeout=10.0, max_workers=2)
+    assert wrapped.output == ("Error: tool 'convert_units' raised MCPToolError: ValueError: unknown unit 'mi'; use "
+                              "one of m, km")
+    assert unwrapped.output == ("Error: tool 'convert_units_unwrapped' raised MCPToolError: Error executing tool "
+                                "convert_units_unwrapped")
+
+
+def test_the_guides_mcp_commands_run_as_written(monkeypatch):
+    """docs/guide.md's MCP example, from the repository's root: the stdio entry of its recipe line, and the shell
+    command that starts the HTTP server (on a free port instead of 8765), each serving `search`."""
+    with open(os.path.join(ROOT, "docs", "guide.md")) as f:
+        guide = f.read()
+    section = guide[guide.index("**Tools behind MCP servers.**"):guide.index("## LLM-judge rewards")]
+    stdio = re.search(r'^mcp_servers: \["(.+?)"\]', section, re.MULTILINE).group(1)
+    shell = re.search(r"^(\.venv/bin/python tools/kb_mcp_server.py --transport http --port 8765)", section,
+                      re.MULTILINE).group(1)
+    monkeypatch.chdir(ROOT)
+    tools = {fn.__name__: fn for fn in mcp_tools([stdio], timeout=TIMEOUT)}
+    assert tools["search"](query="capital of Ratomora").startswith(RATOMORA)
+    port = free_port()
+    with http_server(port, command=shlex.split(shell.replace("8765", str(port)))) as url:
+        http = {fn.__name__: fn for fn in mcp_tools([url], timeout=TIMEOUT)}
+        assert http["search"](query="capital of Ratomora").startswith(RATOMORA)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,10 +281,8 @@ def test_an_http_server_that_goes_down_fails_calls_at_once_and_is_reconnected_wh
 ])
 def test_a_server_that_does_not_start_is_named_with_the_fix(entry, problem, fix):
     entry = entry.format(port=free_port())
-    start = time.monotonic()
     with pytest.raises(ValueError) as e:
         mcp_tools([entry], timeout=TIMEOUT)
-    assert time.monotonic() - start < 5.0
     message = str(e.value)
     assert message.startswith(f"MCP server {entry!r} (mcp_servers) did not start: ")
     assert problem in message and fix in message
@@ -205,10 +290,8 @@ def test_a_server_that_does_not_start_is_named_with_the_fix(entry, problem, fix)
 
 def test_a_server_that_never_answers_fails_after_the_start_timeout():
     silent = shlex.join([sys.executable, "-c", "import sys; sys.stdin.read()"])  # reads, never answers
-    start = time.monotonic()
     with pytest.raises(ValueError, match="did not answer `initialize` within 1s"):
         mcp_tools([silent], timeout=TIMEOUT, start_timeout=1.0)
-    assert time.monotonic() - start < 3.0
 
 
 def test_two_servers_with_a_tool_of_one_name_are_named(http_url):
@@ -221,10 +304,11 @@ def test_two_servers_with_a_tool_of_one_name_are_named(http_url):
 
 
 @pytest.mark.parametrize("entry, command, env, url", [
-    ("python server.py --seed 0", ["python", "server.py", "--seed", "0"], {}, ""),
+    ("python server.py --seed 0", [sys.executable, "server.py", "--seed", "0"], {}, ""),  # the trainer's python
+    ("/usr/bin/python3 server.py", ["/usr/bin/python3", "server.py"], {}, ""),  # a path: as written
     ("https://example.org/mcp", [], {}, "https://example.org/mcp"),
-    ({"command": ["python", "server.py"], "env": {"KEY": "1"}}, ["python", "server.py"], {"KEY": "1"}, ""),
-    ({"command": "python 'my server.py'"}, ["python", "my server.py"], {}, ""),
+    ({"command": ["python3", "server.py"], "env": {"KEY": "1"}}, [sys.executable, "server.py"], {"KEY": "1"}, ""),
+    ({"command": "node 'my server.js'"}, ["node", "my server.js"], {}, ""),
     ({"url": "http://127.0.0.1:8000/mcp"}, [], {}, "http://127.0.0.1:8000/mcp"),
 ])
 def test_server_entries(entry, command, env, url):

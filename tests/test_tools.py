@@ -290,3 +290,62 @@ def test_wiki_search_server_that_never_answers_times_out(local_wikipedia, monkey
 def test_wiki_search_rejects_bad_arguments_before_any_request(query, num_results, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         tools.wiki_search.wiki_search(query, num_results=num_results)
+
+
+# ------------------------------------------------------------------------------------------------
+# A huge tool output: cut by characters before it is tokenized
+# ------------------------------------------------------------------------------------------------
+def test_a_10_mb_tool_output_reaches_the_model_cut_without_being_tokenized_whole(smollm2_tokenizer, monkeypatch):
+    """A tool that returns 10 MB: the model's tool message holds its first max_tool_response_tokens tokens and a
+    marker, and no text the tokenizer is given during the episode is longer than a few thousand characters (the
+    whole output once took 44 s to tokenize)."""
+    from helpers import fake_search, make_env, xml_answer, xml_call
+    from scripted_policy import ScriptedPolicy
+    from tools import CHARS_PER_TOKEN, MIN_WINDOW, cut_tool_output
+
+    huge = "Veltria is a country. " * (10_000_000 // 22)
+    env = make_env(smollm2_tokenizer, [fake_search(lambda q: huge)], max_tool_response_tokens=32,
+                   max_completion_length=600)
+    encoded = []
+    encode = smollm2_tokenizer.encode
+    monkeypatch.setattr(smollm2_tokenizer, "encode", lambda text, *a, **k: encoded.append(len(text)) or
+                        encode(text, *a, **k))
+    script = {"Q": [xml_call("Veltria"), xml_answer("Morvane")]}
+    (episode,) = env.rollout([env.prompt("Q")], ScriptedPolicy(smollm2_tokenizer, script))
+    reply = next(m["content"] for m in episode.messages if m["role"] == "tool")
+    kept, marker = reply.rsplit("\n", 1)
+    assert marker == f"[truncated: 32 tokens of {len(huge)} characters shown]"
+    assert huge.startswith(kept) and len(encode(kept, add_special_tokens=False)) == 32
+    assert encoded and max(encoded) < 20_000  # the window, and the rendered prompts; the output is 10,000,000
+    # the window's first 32 tokens are the whole text's: the cut of the 10 MB equals that of its first 20,000
+    # characters, which fit in one window and are tokenized whole
+    start = huge[:20_000]
+    assert cut_tool_output(start, smollm2_tokenizer, 32).rsplit("\n", 1)[0] == kept == \
+        smollm2_tokenizer.decode(encode(start, add_special_tokens=False)[:32])
+    assert MIN_WINDOW < 20_000 and 32 * CHARS_PER_TOKEN < MIN_WINDOW
+
+
+def test_an_output_of_long_tokens_grows_the_window_until_it_holds_enough():
+    """A tokenizer whose tokens are 100 characters each (more than CHARS_PER_TOKEN): the window doubles until it
+    holds more than the tokens kept, and the cut is still the first tokens. An output shorter than the window is
+    tokenized whole, and its marker counts its tokens."""
+    from tools import cut_tool_output
+
+    class HundredCharTokens:  # the two methods cut_tool_output uses, as a tokenizer has them
+        def __init__(self):
+            self.lengths = []
+
+        def encode(self, text, add_special_tokens=False):
+            self.lengths.append(len(text))
+            return [text[i:i + 100] for i in range(0, len(text), 100)]
+
+        def decode(self, ids):
+            return "".join(ids)
+
+    tokenizer = HundredCharTokens()
+    text = "".join(chr(65 + i % 26) * 100 for i in range(1000))  # 1000 tokens of 100 characters
+    cut = cut_tool_output(text, tokenizer, 200)
+    assert cut == text[:20_000] + "\n[truncated: 200 tokens of 100000 characters shown]"
+    assert tokenizer.lengths == [16_384, 32_768]  # MIN_WINDOW (164 tokens), doubled until it holds 201
+    assert cut_tool_output(text[:5000], tokenizer, 10) == text[:1000] + "\n[truncated: 10 of 50 tokens shown]"
+    assert cut_tool_output(text[:1000], tokenizer, 10) == text[:1000]  # 10 tokens: not cut

@@ -35,6 +35,7 @@ returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at st
 import asyncio
 import concurrent.futures
 import inspect
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from typing import Callable
 
 from protocol import ToolCall, error_text
 from registry import resolve
+
+logger = logging.getLogger("mt_grpo")
 
 # A tool or reward may use JAX (bm25s did, at import: tools/search.py). JAX's GPU backend reserves 75% of the
 # card when it starts, inside the trainer's process, where the policy needs it; JAX reads this when its backend
@@ -108,6 +111,32 @@ def build_tool(name: str, corpus: list[dict] | None) -> Callable:
     return entry(corpus)
 
 
+# A token of a chat model's tokenizer rarely spans more characters than this (a run of spaces or of `=` may):
+# a tool output is cut to max_tokens * CHARS_PER_TOKEN characters (at least MIN_WINDOW: an output that short is
+# tokenized whole, as before) before it is tokenized, and the window grows only when those characters hold
+# fewer tokens than kept. A 10 MB output then costs 16 KB's tokenization (milliseconds), not 10 MB's (44 s).
+CHARS_PER_TOKEN, MIN_WINDOW = 16, 16_384
+
+
+def cut_tool_output(text: str, tokenizer, max_tokens: int) -> str:
+    """`text` cut to its first `max_tokens` tokens, with a marker saying how much was shown; as it is when
+    shorter. Only a window of the text's start is tokenized (CHARS_PER_TOKEN characters a token, at least
+    MIN_WINDOW, doubled while it holds too few tokens); the marker counts the tokens of the whole text when the
+    window held all of it, else its characters."""
+    window = max(max_tokens * CHARS_PER_TOKEN + CHARS_PER_TOKEN, MIN_WINDOW)
+    while True:
+        ids = tokenizer.encode(text[:window], add_special_tokens=False)
+        if window >= len(text) or len(ids) > max_tokens + 1:  # one token more: the cut cannot split a kept one
+            break
+        window *= 2
+    if window >= len(text) and len(ids) <= max_tokens:
+        return text
+    kept = tokenizer.decode(ids[:max_tokens])
+    shown = f"{max_tokens} of {len(ids)} tokens" if window >= len(text) else \
+        f"{max_tokens} tokens of {len(text)} characters"
+    return f"{kept}\n[truncated: {shown} shown]"
+
+
 @dataclass
 class ToolResult:
     output: str
@@ -122,43 +151,54 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     never returns is abandoned after its timeout and can neither stall later calls nor keep the
     process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run."""
     results: list[ToolResult] = [ToolResult("", False)] * len(calls)
-    timed_out: set[int] = set()
-
-    def call(i: int, fn: Callable, args: dict):
-        start = time.monotonic()
-        try:
-            output = run_async(fn(**args))  # an async tool (an environment's async method): on the shared loop
-            results[i] = ToolResult(str(output), True, time.monotonic() - start)
-        except TypeError as e:
-            results[i] = ToolResult(error_text(f"bad arguments for tool '{calls[i].name}': {e}"), False,
-                                    time.monotonic() - start)
-        except Exception as e:  # the model sees the error and the turn reward counts a failure
-            results[i] = ToolResult(error_text(f"tool '{calls[i].name}' raised {type(e).__name__}: {e}"),
-                                    False, time.monotonic() - start)
-
     for start in range(0, len(calls), max_workers):
-        wave, deadline = [], time.monotonic() + timeout
-        for i in range(start, min(start + max_workers, len(calls))):
-            if calls[i].error:
-                results[i] = ToolResult(error_text(calls[i].error), False)
-            elif calls[i].name not in tools:
-                results[i] = ToolResult(
-                    error_text(f"unknown tool '{calls[i].name}'; available tools: {sorted(tools)}"), False)
-            else:
-                thread = threading.Thread(target=call, args=(i, tools[calls[i].name], calls[i].arguments),
-                                          daemon=True)
-                thread.start()
-                wave.append((i, thread))
-        for i, thread in wave:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                timed_out.add(i)
-    # A timed-out thread may still finish and write its slot later: answer from a snapshot.
-    final = list(results)
-    for i in timed_out:
-        final[i] = ToolResult(error_text(f"tool '{calls[i].name}' timed out after {timeout:g}s"), False,
-                              timeout)
-    return final
+        wave = [start_call(tools, call) for call in calls[start:start + max_workers]]
+        deadline = time.monotonic() + timeout
+        for i, (thread, slot) in enumerate(wave, start):
+            results[i] = finish_call(calls[i], thread, slot, max(0.0, deadline - time.monotonic()), timeout)
+    return results
+
+
+def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Thread | None, list[ToolResult]]:
+    """(the daemon thread running `call`, the one-item list its result lands in); no thread for a call that is
+    malformed or names no tool, whose error is the result at once."""
+    if call.error:
+        return None, [ToolResult(error_text(call.error), False)]
+    if call.name not in tools:
+        return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False)]
+    slot: list[ToolResult] = []
+    fn = tools[call.name]
+
+    def run():
+        begun = time.monotonic()
+        try:
+            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
+            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
+        except TypeError as e:
+            slot.append(ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False,
+                                   time.monotonic() - begun))
+        except Exception as e:  # the model sees the error and the turn reward counts a failure
+            slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
+                                   time.monotonic() - begun))
+
+    thread = threading.Thread(target=run, daemon=True, name=f"tool-{call.name}")
+    thread.start()
+    return thread, slot
+
+
+def finish_call(call: ToolCall, thread: threading.Thread | None, slot: list, wait: float,
+                timeout: float) -> ToolResult:
+    """The call's result after waiting up to `wait` seconds for its thread; a timeout error when it still runs
+    (the thread is abandoned: a late result never reaches the model)."""
+    if thread is not None:
+        thread.join(wait)
+        if thread.is_alive():
+            return timed_out(call, timeout)
+    return slot[0]
+
+
+def timed_out(call: ToolCall, timeout: float) -> ToolResult:
+    return ToolResult(error_text(f"tool '{call.name}' timed out after {timeout:g}s"), False, timeout)
 
 
 async def _as_coroutine(awaitable):
@@ -188,28 +228,87 @@ def run_async(value):
     return asyncio.run_coroutine_threadsafe(_as_coroutine(value), event_loop()).result()
 
 
+STEP_REWARD_TYPES = (list, tuple)  # a list appended to, or a tuple replaced by a longer one
+_LOGGED_FAILURES: set[str] = set()  # the environment methods whose first failure was logged
+
+
 @dataclass
 class Toolset:
     """The tools one episode may call: `functions` by the name the model calls, `template_tools` their schemas
     for the chat template (Protocol.template_tools). Without an `environment` the tools are stateless and calls
     run concurrently; an environment's methods share its state, so its calls run one at a time, in order
-    (environments.py). `turn_rewards`: per tool turn run, what the environment reported (its step rewards)."""
+    (environments.py). `turn_rewards`: per tool turn run, the step rewards its own calls appended.
+
+    A call that times out is waited for before anything else touches the instance (the next call, the rewards,
+    a reset for another episode: `settle`), so calls never overlap, and what it appends late is credited to no
+    turn: the model was told that it failed. One still running `timeout` seconds after that marks the instance
+    `stuck`: the episode's further calls fail unrun, and the pool makes a new instance instead of reusing it."""
 
     functions: dict[str, Callable]
     template_tools: list[dict] | None = None
     environment: object = None
     turn_rewards: list[list[float]] = field(default_factory=list)
+    label: str = ""  # the class and the row, for the errors a user reads (EnvironmentPool.start)
+    running: threading.Thread | None = None  # a timed-out call of the environment that may still run
+    stuck: bool = False
+    failures: list[str] = field(default_factory=list)  # the calls that raised: class.method (row): the error
+    timeout: float = 10.0  # the last call's bound, and the grace `settle` gives a timed-out call
 
     def run(self, calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
         """One model turn's calls."""
         if self.environment is None:
             return run_tool_calls(self.functions, calls, timeout, max_workers)
-        steps = getattr(self.environment, "step_rewards", None)
-        before = len(steps) if isinstance(steps, list) else 0
-        results = [run_tool_calls(self.functions, [call], timeout, 1)[0] for call in calls]
-        steps = getattr(self.environment, "step_rewards", None)
-        self.turn_rewards.append(list(steps[before:]) if isinstance(steps, list) else [])
+        earned: list = []
+        self.timeout = timeout
+        results = [self._run_one(call, timeout, earned) for call in calls]
+        self.turn_rewards.append(earned)
         return results
+
+    def _run_one(self, call: ToolCall, timeout: float, earned: list) -> ToolResult:
+        """One call on the environment, after any timed-out one has ended; what it appended to step_rewards while
+        it ran goes to `earned`, unless it timed out."""
+        if not self.settle(timeout):
+            return ToolResult(error_text(f"tool '{call.name}' was not run: an earlier call of this episode timed "
+                                         "out and is still running"), False)
+        before = len(self.step_rewards())
+        thread, slot = start_call(self.functions, call)
+        if thread is not None:
+            thread.join(timeout)
+        if thread is not None and thread.is_alive():
+            self.running = thread  # judged timed out here, so nothing it appends from now on is credited
+            return timed_out(call, timeout)
+        earned.extend(self.step_rewards()[before:])  # its thread has ended: every append it made is in
+        result = slot[0]
+        if not result.ok and thread is not None:
+            method = f"{type(self.environment).__name__}.{call.name}"
+            self.failures.append(f"{method} ({self.label}): {result.output}")
+            if method not in _LOGGED_FAILURES:  # once per method: a policy's bad calls are many
+                _LOGGED_FAILURES.add(method)
+                logger.warning("Environment tool failed (the first failure of %s; the model sees each): %s", method,
+                               self.failures[-1])
+        return result
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: the last call's timeout) for a timed-out call still running; False
+        (and `stuck`) if it still is."""
+        if self.running is not None:
+            self.running.join(self.timeout if timeout is None else timeout)
+            if self.running.is_alive():
+                self.stuck = True
+            else:
+                self.running = None
+        return not self.stuck
+
+    def step_rewards(self) -> list | tuple:
+        """The environment's step_rewards as it is now ([] when it has none); a wrong type fails naming it."""
+        steps = getattr(self.environment, "step_rewards", None)
+        if steps is None:
+            return []
+        if not isinstance(steps, STEP_REWARD_TYPES):
+            raise TypeError(f"{type(self.environment).__name__}.step_rewards is a {type(steps).__name__} "
+                            f"({self.label or 'during an episode'}); make it a list of numbers (one appended per "
+                            "tool step), reset to [] in `reset`.")
+        return steps
 
 
 def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,

@@ -4,10 +4,14 @@ of mcp 1.x), for `mcp_servers` in a recipe and for the tests of tools/mcp.py.
 It serves the same BM25 `search` that tools/search.py builds in process, over the knowledge base of `--seed`
 (tasks/fictional_kb.py), so a run that gets `search` from this server shows the model the same tool.
 
-    python tools/kb_mcp_server.py --seed 0                                  # stdio (what `mcp_servers` starts)
-    python tools/kb_mcp_server.py --transport http --port 8765              # streamable HTTP at /mcp
-    mcp_servers: ["python tools/kb_mcp_server.py --seed 0"]                 # in a recipe
+    .venv/bin/python tools/kb_mcp_server.py --seed 0                        # stdio (what `mcp_servers` starts)
+    .venv/bin/python tools/kb_mcp_server.py --transport http --port 8765    # streamable HTTP at /mcp
+    mcp_servers: [".venv/bin/python tools/kb_mcp_server.py --seed 0"]       # in a recipe
     mcp_servers: ["http://127.0.0.1:8765/mcp"]
+
+(In `mcp_servers`, a leading `python` also runs with the trainer's interpreter, tools/mcp.py; in a shell, the
+venv's python has the `mcp` package.) Its tools are wrapped by `errors_for_the_model`, so that the model reads
+the message of any exception a tool raises (an empty query, say).
 
 `--crashable` adds tools that only tests want: `crash()` kills the server and `sleep(seconds)` answers late.
 Without the flag the server lists `search` alone.
@@ -15,7 +19,6 @@ Without the flag the server lists `search` alone.
 
 import argparse
 import asyncio
-import functools
 import inspect
 import os
 import sys
@@ -26,25 +29,10 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from mcp.server.mcpserver import MCPServer  # noqa: E402
-from mcp.server.mcpserver.exceptions import ToolError  # noqa: E402
 
 from tasks.fictional_kb import build_fictional_kb  # noqa: E402
+from tools.mcp import errors_for_the_model  # noqa: E402
 from tools.search import make_search_tool  # noqa: E402
-
-
-def errors_for_the_model(tool):
-    """`tool`, raising its ValueErrors as ToolErrors. The server sends the text of a ToolError back as the
-    call's error; any other exception reaches the client as a bare "Error executing tool search", and the
-    model could not learn what was wrong with its call."""
-
-    @functools.wraps(tool)  # the same name, docstring and signature: the same schema
-    def wrapped(*args, **kwargs):
-        try:
-            return tool(*args, **kwargs)
-        except ValueError as e:
-            raise ToolError(str(e)) from None
-
-    return wrapped
 
 
 def crash() -> str:

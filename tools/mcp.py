@@ -2,6 +2,8 @@
 
     from tools.mcp import mcp_tools
     tools = mcp_tools(["python tools/kb_mcp_server.py --seed 0", "http://127.0.0.1:8765/mcp"], timeout=10.0)
+    # (a leading `python` runs with this interpreter; start the HTTP one first:
+    #  .venv/bin/python tools/kb_mcp_server.py --transport http --port 8765)
     tools[0](query="capital of Ratomora")  # the server's text; an error result raises with the server's text
 
 A server is a stdio command line (split like a shell would) or the URL of a streamable-HTTP server, or a dict
@@ -11,11 +13,20 @@ tool's name, description, a signature built from its input schema (what the xml 
 itself as `json_schema` (what the chat_template protocol gives the template), so the trainer calls it like
 any tool of tools/.
 
+A stdio command that starts with `python` or `python3` runs with the trainer's own interpreter
+(sys.executable), which has the `mcp` package; a shell's `python` may not. Give a full path for another one.
+
 The sessions live on one event loop in a daemon thread of this module; a call waits for its result at most
 `timeout` seconds. A server that crashes fails the call that finds it down, at once; the next call restarts it
-(a stdio server) or reconnects (an HTTP one); if that fails, calls fail at once for RETRY_INTERVAL. A stdio
-server's stderr goes to a log file (named in the errors), not to the training log. Everything is closed at
-interpreter exit, or by `close_mcp_servers()`.
+(a stdio server) or reconnects (an HTTP one); if that fails, calls fail at once until the next try, RETRY_FIRST
+seconds later, then twice as long after each failure, up to RETRY_MAX. Calls that fail while a server is down
+are failed tool calls the model sees and is trained on, as any tool's error. A stdio server's stderr goes to a
+log file (named in the errors), not to the training log. Everything is closed at interpreter exit, or by
+`close_mcp_servers()`.
+
+A server's own tool errors: the SDK's server (MCPServer, FastMCP) sends the message of a `ToolError` to the
+client, and only "Error executing tool NAME" for any other exception. `errors_for_the_model(tool)` wraps a
+tool so that every exception reaches the model as `Type: message` (tools/kb_mcp_server.py uses it).
 
 Left out on purpose: resources, prompts, sampling and elicitation (the agent only calls tools), and tools a
 server adds after start-up (the model's prompt is fixed for the run).
@@ -23,12 +34,14 @@ server adds after start-up (the model's prompt is fixed for the run).
 
 import asyncio
 import atexit
+import functools
 import inspect
 import json
 import keyword
 import logging
 import os
 import shlex
+import sys
 import tempfile
 import threading
 import time
@@ -41,7 +54,10 @@ from tools import event_loop
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 START_TIMEOUT = 30.0  # seconds a server may take to start by default: a process imports, loads its data
 CLOSE_TIMEOUT = 10.0  # seconds to let every server shut down at exit; the SDK kills a stdio server after ~4 s
-RETRY_INTERVAL = 60.0  # seconds after a failed restart before the next call tries again; calls fail at once meanwhile
+# After a failed restart calls fail at once until the next try: RETRY_FIRST seconds after the first failure, twice
+# as long after each next one, at most RETRY_MAX (an HTTP server back after 5 s is reconnected within 4 s of it).
+RETRY_FIRST, RETRY_MAX = 1.0, 60.0
+clock = time.monotonic  # the retry schedule's time: a test sets its own
 # An HTTP server that restarted since the session began answers 404, which the spec says means "start a new
 # session": the SDK reports it as the server's JSON-RPC error, else with its own message.
 LOST_SESSION = ("Session not found", "Session terminated")
@@ -76,7 +92,7 @@ def parse_server(entry) -> ServerSpec:
     if isinstance(entry, str) and entry.strip():
         if entry.startswith(("http://", "https://")):
             return ServerSpec(entry, url=entry)
-        return ServerSpec(entry, command=shlex.split(entry))
+        return ServerSpec(entry, command=_interpreter(shlex.split(entry)))
     if isinstance(entry, dict) and set(entry) in ({"url"}, {"command"}, {"command", "env"}):
         if "url" in entry and isinstance(entry["url"], str) and entry["url"].startswith(("http://", "https://")):
             return ServerSpec(entry["url"], url=entry["url"])
@@ -85,8 +101,40 @@ def parse_server(entry) -> ServerSpec:
         env = entry.get("env") or {}
         if (isinstance(command, list) and command and all(isinstance(c, str) for c in command)
                 and isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
-            return ServerSpec(shlex.join(command), command=command, env=env)
+            return ServerSpec(shlex.join(command), command=_interpreter(command), env=env)
     raise ValueError(f"mcp_servers entry {entry!r} is not a server; write {ENTRY_SHAPE} (env values are strings).")
+
+
+def _interpreter(command: list[str]) -> list[str]:
+    """`command` with a leading `python` or `python3` replaced by this interpreter (module docstring)."""
+    return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
+
+
+def errors_for_the_model(tool: Callable) -> Callable:
+    """`tool` (sync or async) for an MCP server built with the `mcp` package's MCPServer: any exception it raises
+    is raised again as the SDK's ToolError, `Type: message`, which the server sends to the client, so the model
+    reads what was wrong with its call (the SDK sends only "Error executing tool NAME" for other exceptions)."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    def reported(e: Exception) -> ToolError:
+        return ToolError(str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}")
+
+    if inspect.iscoroutinefunction(tool):
+        @functools.wraps(tool)  # the same name, docstring and signature: the same schema
+        async def wrapped(*args, **kwargs):
+            try:
+                return await tool(*args, **kwargs)
+            except Exception as e:
+                raise reported(e) from None
+    else:
+        @functools.wraps(tool)
+        def wrapped(*args, **kwargs):
+            try:
+                return tool(*args, **kwargs)
+            except Exception as e:
+                raise reported(e) from None
+
+    return wrapped
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +264,8 @@ class _Server:
         self.connection: _Connection | None = None
         self.down = ""  # why the server went down; "" while it is up
         self.restart_error = ""  # why the last restart failed; "" if none did since it went down
-        self.retry_at = 0.0  # time.monotonic() before which no restart is tried (after a failed one)
+        self.retry_at = 0.0  # clock() before which no restart is tried (after a failed one)
+        self.failed_restarts = 0  # since the server went down: sets the next wait (RETRY_FIRST, doubled each time)
         self.restarting: asyncio.Future | None = None  # the restart in progress, which concurrent calls share
         self.closing = False  # close_mcp_servers ran: nothing starts it again
 
@@ -257,14 +306,17 @@ class _Server:
         except (OSError, EOFError) as e:
             raise self.went_down(connection, _reason(e)) from None
         if result.is_error:
-            raise MCPToolError(result_text(result) or f"the server gave an error result with no text for {name}")
+            text = result_text(result)
+            # the SDK's servers put their own words before the tool's message: the model needs the message
+            text = text.removeprefix(f"Error executing tool {name}: ")
+            raise MCPToolError(text or f"the server gave an error result with no text for {name}")
         return result_text(result)
 
     async def up(self) -> _Connection:
         """The live connection, restarting a server that went down; MCPServerDown if it stays down."""
         if not self.down:
             return self.connection
-        if self.closing or time.monotonic() < self.retry_at:
+        if self.closing or clock() < self.retry_at:
             raise MCPServerDown(self.down_message())
         if self.restarting is None:  # the first call to find it down restarts it; the others wait for that
             self.restarting = asyncio.ensure_future(self.restart())
@@ -277,11 +329,17 @@ class _Server:
         try:
             await self.start()
             self.down = self.restart_error = ""
+            self.failed_restarts = 0
         except ConnectionError as e:  # start's, which says why
             self.restart_error = str(e)
-            self.retry_at = time.monotonic() + RETRY_INTERVAL
+            self.retry_at = clock() + self.retry_wait()
+            self.failed_restarts += 1
         finally:
             self.restarting = None
+
+    def retry_wait(self) -> float:
+        """Seconds from the last failed restart to the next try."""
+        return min(RETRY_FIRST * 2 ** self.failed_restarts, RETRY_MAX)
 
     def went_down(self, connection: _Connection, reason: str) -> MCPServerDown:
         if connection is not self.connection:  # a late error from the connection before a restart
@@ -298,7 +356,7 @@ class _Server:
             then = ""
         elif self.restart_error:
             then = (f"; the {restart} failed: {self.restart_error}; calls fail at once until the next try, "
-                    f"{RETRY_INTERVAL:g}s after it")
+                    f"{min(RETRY_FIRST * 2 ** (self.failed_restarts - 1), RETRY_MAX):g}s after it")
         else:
             then = f"; the next call will {restart} it"
         return f"MCP server {self.spec.label!r} is down: {self.down}{then}.{self.log_hint()}"
