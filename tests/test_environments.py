@@ -475,8 +475,7 @@ def test_environment_config_errors(tiny_agent_dir, tmp_path):
 def test_one_class_gives_trl_and_us_the_same_prompts_and_tool_schemas(tiny_model_dir, tmp_path, monkeypatch):
     """Lock under TRL 1.16's GRPOTrainer(environment_factory=Lock) for a step, its chat template calls recorded;
     then under ours, chat_template tool format. The tool schemas are equal, the user's message after reset is
-    equal, and our prompt is TRL's conversation rendered with the same tools after the system message we add
-    (the answer format): nothing else differs."""
+    equal, and our prompt is TRL's conversation rendered with the same tools: nothing differs."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from transformers.utils import get_json_schema
@@ -515,9 +514,8 @@ def test_one_class_gives_trl_and_us_the_same_prompts_and_tool_schemas(tiny_model
     (prompt,), (toolset,) = ours.env.environments.start([row], [row["prompt"]])
     assert toolset.template_tools == [get_json_schema(fn) for fn in trl_tools]  # the same schemas
     assert prompt[-1] == trl_conversation[-1] == {"role": "user", "content": "Open the lock. The lock has 2 digits."}
-    system = prompt[0]
-    assert system["role"] == "system" and "<answer>" in system["content"]
-    expected = render([system, *trl_conversation], tools=trl_tools, tokenize=False, add_generation_prompt=True)
+    assert prompt == trl_conversation  # a TRL prompt with no task prompt of its own: no system message is added
+    expected = render(trl_conversation, tools=trl_tools, tokenize=False, add_generation_prompt=True)
     assert ours.env.render(prompt, add_generation_prompt=True, toolset=toolset) == expected
     assert row["code"] == "12" and toolset.environment.code == "12"  # reset received the row
 
