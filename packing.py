@@ -18,10 +18,14 @@ the reference model): only the labelled positions go through the LM head, in til
 entropies, and everything TRL's loss makes of them (ratios, clipping, KL, the importance weights) are those of the
 padded path, up to float summation order. Tests: tests/test_packing.py.
 
-Attention: SDPA (or eager) with a dense boolean (1, 1, N, N) mask of the trie, on every device. TRL's AsyncGRPO
-runs the same layout through a varlen FlashAttention-3 kernel (`tree_attention`) that it downloads from the Hub;
-that needs a Hopper GPU and the Hub, so it is not used here. The mask costs N^2 bits: 0.6 MB at N = 2,300 (a study
-group), 32 MB at N = 16k.
+Attention: one rule, `trie_sees` (a query sees the keys on its root path, and for a sliding-window layer only the
+last `window` of them, counted along the path), laid out for the model's attention implementation: a dense boolean
+(1, 1, N, N) mask for SDPA, an additive float one for eager (which adds the mask to the scores), and, where layer
+types have different windows (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss), one mask per layer type. The
+flash-attention kernels take no such mask and are refused with the fix (check_attention, which reads the model
+through DDP, FSDP, DeepSpeed and PEFT). TRL's AsyncGRPO runs the same layout through a varlen FlashAttention-3
+kernel (`tree_attention`) that it downloads from the Hub; that needs a Hopper GPU and the Hub, so it is not used
+here. The dense mask costs N^2 bits: 0.6 MB at N = 2,300 (a study group), 32 MB at N = 16k.
 
 Token budget: a trie takes episodes while its unique tokens stay within `budget` (TreeRow.fits); an episode that
 does not fit starts a new trie, and each trie is forwarded on its own. With activation checkpointing the autograd
@@ -47,9 +51,9 @@ class PackedRow:
     """One trie laid out as one row of N unique tokens, and where its M scored log-probs go in the (B, T) layout."""
 
     input_ids: torch.Tensor  # (1, N)
-    position_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N): each token's depth in the trie, its position in its episodes
     shift_labels: torch.Tensor  # (1, N): the next token of each position that predicts a scored one, else -100
-    attention_mask: torch.Tensor  # (1, 1, N, N) bool: True where a query token (row) sees a key token (column)
+    subtree_end: torch.Tensor  # (N,): the packed position after the last token that sees each token (trie_sees)
     token_index: torch.Tensor  # (M,): the packed position whose prediction is each scored token
     rows: torch.Tensor  # (M,): the batch row of each scored token
     cols: torch.Tensor  # (M,): its completion column
@@ -112,22 +116,72 @@ def shared_prefix(trie: TreeRow, tokens: list[int]) -> int:
 
 
 def layout(trie: TreeRow, placed: list[tuple[int, list[int]]], device) -> PackedRow:
-    """TreeRow's pre-order layout of the trie, its attention mask, and each scored token's (row, column)."""
+    """TreeRow's pre-order layout of the trie, where each token's subtree ends, and each scored token's (row, column).
+
+    In a pre-order layout a token's descendants (the tokens that see it) follow it contiguously, up to the end of the
+    last segment whose root path holds it: TreeRow lists those paths (`tree_kv_index`), so one scatter over them gives
+    every token's `subtree_end`, O(total path length) work and O(N) memory."""
     p = trie.pack()
-    n = len(p["input_ids"])
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    cu_q, cu_k, kv = p["tree_cu_seqlens_q"].tolist(), p["tree_cu_seqlens_k"].tolist(), p["tree_kv_index"]
-    for s in range(len(cu_q) - 1):  # a segment sees its ancestors' tokens, and its own ones causally
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        mask[q0:q1, kv[k0:k1 - (q1 - q0)]] = True
-        mask[q0:q1, q0:q1] = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
+    cu_q, cu_k, kv = p["tree_cu_seqlens_q"].long(), p["tree_cu_seqlens_k"].long(), p["tree_kv_index"]
+    segment_end = torch.repeat_interleave(cu_q[1:], cu_k[1:] - cu_k[:-1])  # (K,): the end of each path's segment
+    end = torch.zeros(len(p["input_ids"]), dtype=torch.long).scatter_reduce_(0, kv, segment_end, "amax")
     # TreeRow.pack lists the scored tokens episode by episode, each in order: the same order as `placed`
     rows = [row for row, cols in placed for _ in cols]
     cols = [c for _, cs in placed for c in cs]
     return PackedRow(input_ids=p["input_ids"][None].to(device), position_ids=p["position_ids"][None].to(device),
-                     shift_labels=p["shift_labels"][None].to(device), attention_mask=mask[None, None].to(device),
+                     shift_labels=p["shift_labels"][None].to(device), subtree_end=end.to(device),
                      token_index=p["token_index"].to(device), rows=torch.tensor(rows, device=device),
                      cols=torch.tensor(cols, device=device))
+
+
+# ------------------------------------------------------------------------------------------------
+# The trie's attention: one rule (trie_sees), laid out as each attention implementation takes it
+# ------------------------------------------------------------------------------------------------
+def trie_sees(q, k, end: torch.Tensor, depth: torch.Tensor, window: int | None):
+    """Whether packed position `q` (a query) sees packed position `k` (a key): k is on q's root path, i.e. q lies in
+    k's subtree (k <= q < end[k], the pre-order layout), and, for a sliding-window layer, fewer than `window` tokens
+    back along that path (depth[q] - depth[k] < window: transformers' `kv_idx > q_idx - sliding_window`, counted in
+    the episode, not in the packed row). Broadcasts over tensors of positions; flex_attention's mask_mod is this."""
+    seen = (k <= q) & (q < end[k])
+    return seen if window is None else seen & (depth[q] - depth[k] < window)
+
+
+def layer_windows(config) -> dict[str | None, int | None]:
+    """Each attention layer type's sliding window (None: full causal attention), the way transformers reads them:
+    `layer_types` (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss: {"full_attention": None, "sliding_attention":
+    W}), else one `sliding_window` for every layer (Mistral, Mixtral, Phi-3), keyed None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return {None: getattr(text, "sliding_window", None)}
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
+                         f"`turn_samples`) support full and sliding-window attention layers; this model has layers of "
+                         f"type {unknown}. Set `padding_free: false` and `turn_samples: interleaved`.")
+    return {t: text.sliding_window if t == "sliding_attention" else None for t in sorted(set(types))}
+
+
+def dense_trie_mask(row: PackedRow, window: int | None, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(1, 1, N, N): True where a query (row) sees a key (column), for SDPA; or, with `additive_dtype`, 0 there and
+    the dtype's minimum elsewhere, for eager attention, which adds the mask to the scores (a boolean mask added
+    would be +1 and 0: nothing masked). N^2 entries: 0.6 MB as booleans at N = 2,300 (a study group), 32 MB at 16k."""
+    n, device = row.input_ids.shape[1], row.input_ids.device
+    positions = torch.arange(n, device=device)
+    sees = trie_sees(positions[:, None], positions[None, :], row.subtree_end, row.position_ids[0], window)
+    if additive_dtype is None:
+        return sees[None, None]
+    return torch.zeros(n, n, dtype=additive_dtype, device=device).masked_fill_(
+        ~sees, torch.finfo(additive_dtype).min)[None, None]
+
+
+def trie_attention_mask(row: PackedRow, attention: str, windows: dict[str | None, int | None], dtype: torch.dtype):
+    """The row's mask as the model's `attention` implementation takes it: one 4D mask, or, where layer types have
+    different windows, {layer type: mask} (the models with per-layer mask types read a dict as theirs)."""
+    additive = dtype if attention == "eager" else None
+    if len(set(windows.values())) == 1:  # one window for every layer: one mask, which every model takes
+        return dense_trie_mask(row, next(iter(windows.values())), additive)
+    return {t: dense_trie_mask(row, w, additive) for t, w in windows.items()}
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -136,6 +190,9 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
+    attention = check_attention(model)
+    inner = unwrapped(model)
+    windows = layer_windows(inner.config)
     B, T = input_ids.shape[0], logits_to_keep
     tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
     logps = torch.zeros(B, T, device=input_ids.device)
@@ -144,8 +201,9 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     for trie, episodes in zip(tries, placed):
         row = layout(trie, episodes, input_ids.device)
         forwarded += row.input_ids.shape[1]
+        mask = trie_attention_mask(row, attention, windows, inner.dtype)
         with autocast() if autocast is not None else nullcontext():
-            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask,
                         shift_labels=row.shift_labels, fused_lm_head=True)
         # index_put, not in-place assignment on a leaf: the gradient flows back through the packed positions
         logps = logps.index_put((row.rows, row.cols), out.log_probs[0, row.token_index].float())
@@ -155,17 +213,34 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     return logps, entropies, (raw, forwarded)
 
 
-PACKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a ready 4D mask as it is
+PACKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a ready 4D mask of the trie
 
 
-def check_attention(model) -> None:
-    """The packed row's attention mask is a dense 4D mask; flash-attention kernels take none."""
-    found = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if found is not None and found not in PACKED_ATTENTION:
+def unwrapped(model):
+    """The transformers model inside DDP, FSDP, a DeepSpeed engine or torch.compile (accelerate's unwrapping), and
+    inside PEFT: the one whose config says which attention runs."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_attention(model) -> str:
+    """The attention implementation packed forwards run on `model` (through its wrappers), refused with the fix
+    where it takes no mask of the trie (the flash-attention kernels), or where its layer types are not all full or
+    sliding-window attention (layer_windows)."""
+    config = getattr(unwrapped(model), "config", None)
+    if config is None:
+        raise ValueError(f"Packed forwards need a transformers model (one with a `config`); got "
+                         f"{type(unwrapped(model)).__name__}.")
+    found = getattr(config, "_attn_implementation", None)
+    if found not in PACKED_ATTENTION:
         raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
-                         f"`turn_samples`) need an attention implementation that takes a 4D mask "
+                         f"`turn_samples`) need an attention implementation that takes a mask of the trie "
                          f"({' or '.join(PACKED_ATTENTION)}); the model runs {found!r}. Set "
                          "`attn_implementation: sdpa`, or `padding_free: false` and `turn_samples: interleaved`.")
+    layer_windows(config)
+    return found
 
 
 class PackedForward:
@@ -200,7 +275,6 @@ class PackedForward:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
-        check_attention(model)
         logps, entropies, (raw, forwarded) = packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, self.script_args.max_tokens_per_microbatch,
             compute_entropy, self.accelerator.autocast, starts)

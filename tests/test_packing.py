@@ -77,17 +77,6 @@ def test_an_episode_longer_than_the_budget_is_refused_with_the_fix(tiny_model_di
     assert "`max_tokens_per_microbatch: 20`" in str(info.value) and "24 tokens" in str(info.value)
 
 
-def test_an_attention_that_takes_no_4d_mask_is_refused_with_the_fix():
-    from types import SimpleNamespace
-
-    from packing import check_attention
-
-    check_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa")))
-    with pytest.raises(ValueError) as info:
-        check_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2")))
-    assert "'flash_attention_2'" in str(info.value) and "`attn_implementation: sdpa`" in str(info.value)
-
-
 def test_micro_batches_that_split_groups_are_warned_about(tiny_agent_dir, tmp_path, caplog):
     """TRL shuffles a generation batch's rows over its micro-batches: with several, groups share less."""
     import logging
