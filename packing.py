@@ -33,12 +33,14 @@ graph keeps only each layer's input per token, so the budget bounds what a forwa
 attention and MLP over at most `budget` tokens), not the batch's row count times its longest episode.
 """
 
+import logging
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger("mt_grpo")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
@@ -175,13 +177,73 @@ def dense_trie_mask(row: PackedRow, window: int | None, additive_dtype: torch.dt
         ~sees, torch.finfo(additive_dtype).min)[None, None]
 
 
+FLEX_BLOCK = 128  # flex_attention's tile (its default): a BlockMask says which tiles of queries x keys to compute
+
+
+def flex_bucket(n: int, block: int = FLEX_BLOCK) -> int:
+    """N rounded up to one of 8 sizes per doubling (multiples of the tile), so the compiled flex kernel meets a few
+    shapes, not one per step; the padding is at most 1/8 of the row (pad_row)."""
+    step = max(block, 1 << max((n - 1).bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
+def pad_row(row: PackedRow, n: int) -> PackedRow:
+    """The row with padding tokens up to length `n`: each sees only itself (its subtree ends after it) and no real
+    token sees it (it comes after them all), predicts nothing, and is never read (token_index)."""
+    extra = n - row.input_ids.shape[1]
+    device = row.input_ids.device
+    tail = lambda value: torch.full((1, extra), value, dtype=torch.long, device=device)  # noqa: E731
+    end = torch.arange(row.input_ids.shape[1] + 1, n + 1, device=device)
+    return PackedRow(input_ids=torch.cat([row.input_ids, tail(0)], 1), position_ids=torch.cat([row.position_ids,
+                     tail(0)], 1), shift_labels=torch.cat([row.shift_labels, tail(-100)], 1),
+                     subtree_end=torch.cat([row.subtree_end, end]), token_index=row.token_index, rows=row.rows,
+                     cols=row.cols)
+
+
+def trie_block_mask(row: PackedRow, window: int | None, block: int = FLEX_BLOCK):
+    """flex_attention's BlockMask of trie_sees over a row of N (a multiple of `block`) tokens, built from the O(N)
+    per-token ids with no N x N tensor: per tile of `block` queries x `block` keys, how many pairs are seen is the
+    overlap of each key's subtree [k, end[k]) with the query block, summed over the keys. A tile none of whose pairs
+    is seen is skipped, one where all are (and the window cuts none) is computed without the mask_mod, the others
+    apply trie_sees per pair. Work O(N^2 / block), memory at most 4M counts at a time."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, device = row.input_ids.shape[1], row.input_ids.device
+    nb, end, depth = n // block, row.subtree_end, row.position_ids[0]
+    keys = torch.arange(n, device=device)
+    seen, step = [], max(1, (1 << 22) // n)
+    for first in range(0, nb, step):  # query blocks, `step` at a time
+        q0 = torch.arange(first, min(nb, first + step), device=device)[:, None] * block
+        overlap = (torch.minimum(end[None], q0 + block) - torch.maximum(keys[None], q0)).clamp(min=0)
+        seen.append(overlap.view(len(q0), nb, block).sum(-1))
+    seen = torch.cat(seen)  # (nb, nb): the pairs of each tile that are seen, the window aside
+    full = seen == block * block
+    partial = seen > 0
+    if window is not None:
+        tiles = depth.view(nb, block)
+        lowest, deepest = tiles.min(-1).values, tiles.max(-1).values
+        full &= deepest[:, None] - lowest[None, :] < window  # every pair of the tile within the window
+        partial &= ~(lowest[:, None] - deepest[None, :] >= window)  # some pair within it
+    partial &= ~full
+
+    def ordered(tiles):  # per query block: how many key blocks, and which (the chosen ones first)
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+        return tiles.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, seq_lengths=(n, n),
+                                    mask_mod=lambda b, h, q, k: trie_sees(q, k, end, depth, window))
+
+
 def trie_attention_mask(row: PackedRow, attention: str, windows: dict[str | None, int | None], dtype: torch.dtype):
-    """The row's mask as the model's `attention` implementation takes it: one 4D mask, or, where layer types have
-    different windows, {layer type: mask} (the models with per-layer mask types read a dict as theirs)."""
-    additive = dtype if attention == "eager" else None
+    """The row's mask as the `attention` packed forwards run (packed_attention) takes it: one mask, or, where layer
+    types have different windows, {layer type: mask} (the models with per-layer mask types read a dict as theirs)."""
+    if attention == "flex":
+        build = lambda window: trie_block_mask(row, window)  # noqa: E731
+    else:
+        build = lambda window: dense_trie_mask(row, window, dtype if attention == "eager" else None)  # noqa: E731
     if len(set(windows.values())) == 1:  # one window for every layer: one mask, which every model takes
-        return dense_trie_mask(row, next(iter(windows.values())), additive)
-    return {t: dense_trie_mask(row, w, additive) for t, w in windows.items()}
+        return build(next(iter(windows.values())))
+    return {t: build(w) for t, w in windows.items()}
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -190,7 +252,7 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
-    attention = check_attention(model)
+    attention = packed_attention(model, input_ids.device)
     inner = unwrapped(model)
     windows = layer_windows(inner.config)
     B, T = input_ids.shape[0], logits_to_keep
@@ -201,6 +263,8 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     for trie, episodes in zip(tries, placed):
         row = layout(trie, episodes, input_ids.device)
         forwarded += row.input_ids.shape[1]
+        if attention == "flex":
+            row = pad_row(row, flex_bucket(row.input_ids.shape[1]))
         mask = trie_attention_mask(row, attention, windows, inner.dtype)
         with autocast() if autocast is not None else nullcontext():
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask,
@@ -213,7 +277,8 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     return logps, entropies, (raw, forwarded)
 
 
-PACKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a ready 4D mask of the trie
+PACKED_FLEX = "sdpa_packed_flex"  # SDPA, but flex_attention for a BlockMask: registered in transformers by use_flex
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", PACKED_FLEX)  # the implementations that take a trie's mask
 
 
 def unwrapped(model):
@@ -237,10 +302,56 @@ def check_attention(model) -> str:
     if found not in PACKED_ATTENTION:
         raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
                          f"`turn_samples`) need an attention implementation that takes a mask of the trie "
-                         f"({' or '.join(PACKED_ATTENTION)}); the model runs {found!r}. Set "
+                         f"({' or '.join(PACKED_ATTENTION[:3])}); the model runs {found!r}. Set "
                          "`attn_implementation: sdpa`, or `padding_free: false` and `turn_samples: interleaved`.")
     layer_windows(config)
     return found
+
+
+def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):
+    """PACKED_FLEX: flex_attention where the mask is a BlockMask (the packed forwards), SDPA for every other forward
+    (generation, padded forwards, whose masks transformers builds as SDPA's)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    forward = flex_attention_forward if isinstance(attention_mask, BlockMask) else sdpa_attention_forward
+    return forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_flex(model) -> None:
+    """Switch `model` (unwrapped) from SDPA to PACKED_FLEX: the packed forwards then run flex_attention, which
+    computes only the tiles of the trie that some token sees, and everything else runs SDPA as before."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_FLEX, sdpa_or_flex)
+    AttentionMaskInterface.register(PACKED_FLEX, sdpa_mask)
+    model.set_attn_implementation(PACKED_FLEX)
+
+
+def packed_attention(model, device: torch.device) -> str:
+    """How the packed forwards of `model` attend, chosen once per model and named in the log: "flex" (a BlockMask
+    of the trie; by default on CUDA, where flex_attention has a fused forward and backward), "sdpa" (the dense
+    boolean mask: on CPU, where flex_attention has no backward) or "eager" (the dense additive mask)."""
+    found = check_attention(model)
+    inner = unwrapped(model)
+    if found == "sdpa" and device.type == "cuda":
+        use_flex(inner)
+        found = PACKED_FLEX
+    if found == "flex_attention" and device.type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("`attn_implementation: flex_attention` has no backward on CPU; set `attn_implementation: "
+                         "sdpa` (packed forwards then run flex_attention on CUDA, and a dense mask on CPU).")
+    chosen = "flex" if found in ("flex_attention", PACKED_FLEX) else found
+    if getattr(inner, "_packed_attention", None) != chosen:
+        inner._packed_attention = chosen
+        logger.info("Packed forwards of %s attend with %s.", type(inner).__name__, {
+            "flex": f"flex_attention, a BlockMask of the trie (rows padded to {FLEX_BLOCK}-token tiles, 8 sizes per "
+                    "doubling); the other forwards with SDPA",
+            "sdpa": "SDPA and a dense boolean mask of the trie" + (" (flex_attention has no backward on CPU)"
+                                                                    if device.type == "cpu" else ""),
+            "eager": "eager attention and a dense additive mask of the trie"}[chosen])
+    return chosen
 
 
 class PackedForward:

@@ -118,3 +118,88 @@ def test_the_attention_is_read_and_refused_through_the_wrappers(tiny_model_dir, 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("window", [None, "per_layer"])
+def test_flex_packed_equals_the_dense_mask_and_the_padded_forward(tiny_model_dir, monkeypatch, caplog, window):
+    """The choice on CUDA (SDPA switched to flex_attention for the packed forwards, a BlockMask of the trie), run on
+    CPU, where flex has a forward only. 8 episodes of a 200-token prompt, 722 unique tokens padded to a bucket of
+    768: 6 x 6 tiles of 128, some skipped (between branches), some computed whole (the prompt), the rest masked per
+    pair. Its log-probs equal the dense mask's under SDPA and the padded path's (no window: the padded path has the
+    same causal mask; with one: each sequence alone), to float summation order. transformers compiles
+    flex_attention, which on CPU takes minutes: here it runs uncompiled (the same mask, the reference kernel)."""
+    import logging
+
+    import packing
+    from packing import PACKED_FLEX, packed_logps_and_entropies, plan_rows, trie_block_mask
+    from test_packing import padded
+
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_attention(query, key, value, **kwargs))
+    model = load(tiny_model_dir, "sdpa", window)
+    ids, att, T = shared_prompt_batch(model.config.vocab_size, 200, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
+    with torch.no_grad():
+        dense, dense_entropy, (_, forwarded) = packed_logps_and_entropies(model, ids, att, T, compute_entropy=True)
+        reference = padded(model, ids, att, T)[0] if window is None else per_sequence_reference(model, ids, att, T)
+        flex_masks = []
+        monkeypatch.setattr(packing, "trie_block_mask", lambda *a: flex_masks.append(trie_block_mask(*a)) or
+                            flex_masks[-1])
+        with caplog.at_level(logging.INFO, logger="mt_grpo"):
+            assert packing.packed_attention(model, torch.device("cuda")) == "flex"
+        flex, flex_entropy, _ = packed_logps_and_entropies(model, ids, att, T, compute_entropy=True)
+    assert model.config._attn_implementation == PACKED_FLEX and "flex_attention, a BlockMask" in caplog.text
+    assert forwarded == 722 and len(plan_rows(ids, att, T, None)[0]) == 1
+    assert [m.shape[-1] for m in flex_masks] == [768] * (1 if window is None else 2)
+    assert all(0 < m.sparsity() < 100 for m in flex_masks)  # tiles skipped, and tiles computed
+    assert window or flex_masks[0].full_kv_num_blocks.sum() > 0  # and, without a window, tiles seen whole
+    scored = att[:, -T:].bool()
+    torch.testing.assert_close(flex[scored], dense[scored], rtol=1e-5, atol=0)
+    torch.testing.assert_close(flex_entropy[scored], dense_entropy[scored], rtol=1e-5, atol=0)
+    torch.testing.assert_close(flex[scored], reference[scored], rtol=1e-5, atol=0)
+    assert flex[~scored].eq(0).all()
+
+
+@pytest.mark.parametrize("window", [None, 6, 40])
+@pytest.mark.parametrize("block", [16, 128])
+def test_the_block_mask_skips_only_unseen_tiles_and_computes_whole_only_seen_ones(window, block):
+    """flex_attention on CPU applies the mask_mod to every computed tile, so a tile wrongly marked as seen whole
+    would pass the forward test above; on a GPU it would not. Here the BlockMask's tiles against the dense rule
+    (dense_trie_mask): a skipped tile has no pair seen, a tile computed whole has every pair seen, and without a
+    window the tiles are exactly those."""
+    from packing import dense_trie_mask, flex_bucket, layout, pad_row, plan_rows, trie_block_mask
+
+    ids, att, T = shared_prompt_batch(1000, 200, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
+    (trie,), (placed,) = plan_rows(ids, att, T, None)
+    row = layout(trie, placed, "cpu")
+    row = pad_row(row, flex_bucket(row.input_ids.shape[1], block))
+    n = row.input_ids.shape[1]
+    mask, nb = trie_block_mask(row, window, block), n // block
+    tiles = dense_trie_mask(row, window)[0, 0].view(nb, block, nb, block).transpose(1, 2)
+    seen_any, seen_all = tiles.any(-1).any(-1), tiles.all(-1).all(-1)
+
+    def chosen(num, index):  # the (query block, key block) tiles a BlockMask lists
+        out = torch.zeros(nb, nb, dtype=torch.bool)
+        for i in range(nb):
+            out[i, index[0, 0, i, : num[0, 0, i]].long()] = True
+        return out
+
+    partial = chosen(mask.kv_num_blocks, mask.kv_indices)
+    full = chosen(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & full).any() and (seen_all | ~full).all() and (~seen_any | partial | full).all()
+    if window is None:
+        assert full.eq(seen_all).all() and (partial | full).eq(seen_any).all() and full.any()
+    assert (partial | full).sum() < nb * nb  # tiles skipped
+
+
+def test_flex_attention_chosen_by_the_user_is_refused_for_a_cpu_backward(tiny_model_dir):
+    from packing import packed_attention
+
+    model = load(tiny_model_dir, "flex_attention")
+    with torch.no_grad():
+        assert packed_attention(model, torch.device("cpu")) == "flex"  # a forward runs there
+    with pytest.raises(ValueError) as info:
+        packed_attention(model, torch.device("cpu"))
+    assert "no backward on CPU" in str(info.value) and "`attn_implementation: sdpa`" in str(info.value)
