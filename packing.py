@@ -43,7 +43,6 @@ import torch
 logger = logging.getLogger("mt_grpo")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
-from trl.trainer.utils import pad  # noqa: E402
 
 from turn_samples import scored_parts  # noqa: E402
 
@@ -246,26 +245,32 @@ def trie_attention_mask(row: PackedRow, attention: str, windows: dict[str | None
     return {t: build(w) for t, w in windows.items()}
 
 
+def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                  budget: int | None = None, sample_starts: torch.Tensor | None = None):
+    """Each trie of the batch as `model` takes it: (its PackedRow, its attention mask, its unique tokens), the row
+    padded to a bucket for flex (flex_bucket)."""
+    attention = packed_attention(model, input_ids.device)
+    inner = unwrapped(model)
+    windows = layer_windows(inner.config)
+    for trie, episodes in zip(*plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)):
+        row = layout(trie, episodes, input_ids.device)
+        if attention == "flex":
+            row = pad_row(row, flex_bucket(len(trie.tokens)))
+        yield row, trie_attention_mask(row, attention, windows, inner.dtype), len(trie.tokens)
+
+
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                budget: int | None = None, compute_entropy: bool = False, autocast=None,
                                sample_starts: torch.Tensor | None = None):
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
-    attention = packed_attention(model, input_ids.device)
-    inner = unwrapped(model)
-    windows = layer_windows(inner.config)
     B, T = input_ids.shape[0], logits_to_keep
-    tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     forwarded = 0
-    for trie, episodes in zip(tries, placed):
-        row = layout(trie, episodes, input_ids.device)
-        forwarded += row.input_ids.shape[1]
-        if attention == "flex":
-            row = pad_row(row, flex_bucket(row.input_ids.shape[1]))
-        mask = trie_attention_mask(row, attention, windows, inner.dtype)
+    for row, mask, unique in packed_inputs(model, input_ids, attention_mask, logits_to_keep, budget, sample_starts):
+        forwarded += unique
         with autocast() if autocast is not None else nullcontext():
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask,
                         shift_labels=row.shift_labels, fused_lm_head=True)
@@ -284,8 +289,10 @@ PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", PACKED_FLEX)  # the imple
 def unwrapped(model):
     """The transformers model inside DDP, FSDP, a DeepSpeed engine or torch.compile (accelerate's unwrapping), and
     inside PEFT: the one whose config says which attention runs."""
-    from accelerate.utils import extract_model_from_parallel
-
+    try:
+        from accelerate.utils import extract_model_from_parallel
+    except ImportError:  # benchmarks/packed_forward.py runs on torch and transformers alone, and wraps nothing
+        extract_model_from_parallel = lambda model: model  # noqa: E731
     model = extract_model_from_parallel(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -417,6 +424,7 @@ def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: b
     `share=False` (a fixed cache_implementation, which generate builds itself), a single row or no common prefix:
     the plain left-padded layout and no cache."""
     from transformers import DynamicCache
+    from trl.trainer.utils import pad
 
     prefix = common_prefix_length(rows) if share and len(rows) > 1 else 0
     own = [torch.tensor(row[prefix:], device=device) for row in rows]

@@ -203,3 +203,30 @@ def test_flex_attention_chosen_by_the_user_is_refused_for_a_cpu_backward(tiny_mo
     with pytest.raises(ValueError) as info:
         packed_attention(model, torch.device("cpu"))
     assert "no backward on CPU" in str(info.value) and "`attn_implementation: sdpa`" in str(info.value)
+
+
+def test_the_packed_forward_benchmark_runs_without_trl(tmp_path):
+    """benchmarks/packed_forward.py on a machine without TRL: `trl` unimportable, TreeRow read from a wheel (here a
+    zip of the installed module, at its path in TRL's wheel). One group of 2 episodes that share a 16-token prompt:
+    the packed arm forwards the prompt once."""
+    import re
+    import subprocess
+    import sys
+    import zipfile
+
+    import trl.experimental.async_grpo.packing as tree_row_module
+
+    from helpers import ROOT
+
+    wheel = tmp_path / "trl-1.16.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(tree_row_module.__file__, "trl/experimental/async_grpo/packing.py")
+    argv = ["packed_forward.py", "--models", "tiny", "--generations", "2", "--prompt", "16",
+            "--min-completion", "4", "--max-completion", "8", "--repeats", "1", "--trl-wheel", str(wheel)]
+    code = (f"import runpy, sys; sys.modules['trl'] = None; sys.argv = {argv!r}; "
+            "runpy.run_path('benchmarks/packed_forward.py', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    real, unique = map(int, re.search(r"(\d+) real tokens, \d+ padded, (\d+) packed", out.stdout).groups())
+    assert unique == real - 16 + 1  # the prompt once; the trie forks one token before the episodes part
+    assert float(re.search(r"packed/padded tiny: ([\d.]+)", out.stdout).group(1)) > 0
