@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from test_packing import shared_prompt_batch
+from test_scoring_path import task_files  # noqa: F401 (a fixture)
 
 
 def sample_starts(B: int, T: int) -> torch.Tensor:
@@ -230,3 +231,34 @@ def test_the_packed_forward_benchmark_runs_without_trl(tmp_path):
     real, unique = map(int, re.search(r"(\d+) real tokens, \d+ padded, (\d+) packed", out.stdout).groups())
     assert unique == real - 16 + 1  # the prompt once; the trie forks one token before the episodes part
     assert float(re.search(r"packed/padded tiny: ([\d.]+)", out.stdout).group(1)) > 0
+
+
+def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(tiny_agent_dir, task_files,  # noqa: F811
+                                                                             tmp_path, monkeypatch):
+    """benchmarks/step_anatomy.py's arms on a recipe with `padding_free: true` and rows split into per-turn samples
+    (which the trainer forwards packed whatever `padding_free` says): the packed arm's forwards are all packed, the
+    padded arm's none. Counted at packing's forward, on the tiny agent's scripted episodes."""
+    import os
+    import sys
+
+    import packing
+    from helpers import ROOT
+    from test_packing import scripted_trainer
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from step_anatomy import Phases, train_on
+
+    trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--turn_samples", "per_turn")
+    assert trainer.script_args.padding_free and batch["sample_starts"].any()
+    calls = []
+    packed = packing.packed_logps_and_entropies
+    monkeypatch.setattr(packing, "packed_logps_and_entropies", lambda *a, **k: calls.append(1) or packed(*a, **k))
+    optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+    phases = Phases()
+    try:
+        for padding_free, expected in ((False, 0), (True, 1)):  # the loss's forward, one micro-batch of 8 rows
+            calls.clear()
+            train_on(trainer, batch, padding_free, 8, optimizer, phases, "arm")
+            assert len(calls) == expected, padding_free
+    finally:
+        phases.stop = True
