@@ -19,13 +19,20 @@ entropies, and everything TRL's loss makes of them (ratios, clipping, KL, the im
 padded path, up to float summation order. Tests: tests/test_packing.py.
 
 Attention: one rule, `trie_sees` (a query sees the keys on its root path, and for a sliding-window layer only the
-last `window` of them, counted along the path), laid out for the model's attention implementation: a dense boolean
-(1, 1, N, N) mask for SDPA, an additive float one for eager (which adds the mask to the scores), and, where layer
-types have different windows (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss), one mask per layer type. The
-flash-attention kernels take no such mask and are refused with the fix (check_attention, which reads the model
+last `window` of them, counted along the path), laid out for the attention the packed forwards run
+(packed_attention, which names its choice in the log):
+  - on CUDA, with the default SDPA: flex_attention over a BlockMask of the trie (trie_block_mask), built from each
+    token's subtree end and depth, O(N) ids and no N x N tensor, so the tiles no token sees are skipped. The model
+    switches to `sdpa_packed_flex` (flex for a BlockMask, SDPA for every other forward), and rows are padded to 8
+    sizes per doubling (flex_bucket) so the compiled kernel meets few shapes;
+  - on CPU, where flex_attention has no backward: SDPA with a dense boolean (1, 1, N, N) mask, N^2 bits (0.6 MB at
+    N = 2,300, a study group; 32 MB at 16k);
+  - eager: a dense additive float mask (eager attention adds the mask to the scores);
+  - layer types with different windows (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss): one mask per type.
+The flash-attention kernels take no such mask and are refused with the fix (check_attention, which reads the model
 through DDP, FSDP, DeepSpeed and PEFT). TRL's AsyncGRPO runs the same layout through a varlen FlashAttention-3
 kernel (`tree_attention`) that it downloads from the Hub; that needs a Hopper GPU and the Hub, so it is not used
-here. The dense mask costs N^2 bits: 0.6 MB at N = 2,300 (a study group), 32 MB at N = 16k.
+here. Tests: tests/test_packed_attention.py.
 
 Token budget: a trie takes episodes while its unique tokens stay within `budget` (TreeRow.fits); an episode that
 does not fit starts a new trie, and each trie is forwarded on its own. With activation checkpointing the autograd
