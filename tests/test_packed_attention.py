@@ -143,15 +143,18 @@ def test_flex_packed_equals_the_dense_mask_and_the_padded_forward(tiny_model_dir
     model = load(tiny_model_dir, "sdpa", window)
     ids, att, T = shared_prompt_batch(model.config.vocab_size, 200, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
     with torch.no_grad():
+        padded_before = padded(model, ids, att, T)[0]
         dense, dense_entropy, (_, forwarded) = packed_logps_and_entropies(model, ids, att, T, compute_entropy=True)
-        reference = padded(model, ids, att, T)[0] if window is None else per_sequence_reference(model, ids, att, T)
+        reference = padded_before if window is None else per_sequence_reference(model, ids, att, T)
         flex_masks = []
         monkeypatch.setattr(packing, "trie_block_mask", lambda *a: flex_masks.append(trie_block_mask(*a)) or
                             flex_masks[-1])
         with caplog.at_level(logging.INFO, logger="mt_grpo"):
             assert packing.packed_attention(model, torch.device("cuda")) == "flex"
         flex, flex_entropy, _ = packed_logps_and_entropies(model, ids, att, T, compute_entropy=True)
+        padded_after = padded(model, ids, att, T)[0]  # every other forward: SDPA, as before the switch
     assert model.config._attn_implementation == PACKED_FLEX and "flex_attention, a BlockMask" in caplog.text
+    assert torch.equal(padded_after, padded_before)
     assert forwarded == 722 and len(plan_rows(ids, att, T, None)[0]) == 1
     assert [m.shape[-1] for m in flex_masks] == [768] * (1 if window is None else 2)
     assert all(0 < m.sparsity() < 100 for m in flex_masks)  # tiles skipped, and tiles computed
