@@ -18,10 +18,21 @@ the reference model): only the labelled positions go through the LM head, in til
 entropies, and everything TRL's loss makes of them (ratios, clipping, KL, the importance weights) are those of the
 padded path, up to float summation order. Tests: tests/test_packing.py.
 
-Attention: SDPA (or eager) with a dense boolean (1, 1, N, N) mask of the trie, on every device. TRL's AsyncGRPO
-runs the same layout through a varlen FlashAttention-3 kernel (`tree_attention`) that it downloads from the Hub;
-that needs a Hopper GPU and the Hub, so it is not used here. The mask costs N^2 bits: 0.6 MB at N = 2,300 (a study
-group), 32 MB at N = 16k.
+Attention: one rule, `trie_sees` (a query sees the keys on its root path, and for a sliding-window layer only the
+last `window` of them, counted along the path), laid out for the attention the packed forwards run
+(packed_attention, which names its choice in the log):
+  - on CUDA, with the default SDPA: flex_attention over a BlockMask of the trie (trie_block_mask), built from each
+    token's subtree end and depth, O(N) ids and no N x N tensor, so the tiles no token sees are skipped. The model
+    switches to `sdpa_packed_flex` (flex for a BlockMask, SDPA for every other forward), and rows are padded to 8
+    sizes per doubling (flex_bucket) so the compiled kernel meets few shapes;
+  - on CPU, where flex_attention has no backward: SDPA with a dense boolean (1, 1, N, N) mask, N^2 bits (0.6 MB at
+    N = 2,300, a study group; 32 MB at 16k);
+  - eager: a dense additive float mask (eager attention adds the mask to the scores);
+  - layer types with different windows (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss): one mask per type.
+The flash-attention kernels take no such mask and are refused with the fix (check_attention, which reads the model
+through DDP, FSDP, DeepSpeed and PEFT). TRL's AsyncGRPO runs the same layout through a varlen FlashAttention-3
+kernel (`tree_attention`) that it downloads from the Hub; that needs a Hopper GPU and the Hub, so it is not used
+here. Tests: tests/test_packed_attention.py.
 
 Token budget: a trie takes episodes while its unique tokens stay within `budget` (TreeRow.fits); an episode that
 does not fit starts a new trie, and each trie is forwarded on its own. With activation checkpointing the autograd
@@ -29,15 +40,16 @@ graph keeps only each layer's input per token, so the budget bounds what a forwa
 attention and MLP over at most `budget` tokens), not the batch's row count times its longest episode.
 """
 
+import logging
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger("mt_grpo")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TreeRow is experimental in TRL; the pinned 1.16 is tested
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
-from trl.trainer.utils import pad  # noqa: E402
 
 from turn_samples import scored_parts  # noqa: E402
 
@@ -47,9 +59,9 @@ class PackedRow:
     """One trie laid out as one row of N unique tokens, and where its M scored log-probs go in the (B, T) layout."""
 
     input_ids: torch.Tensor  # (1, N)
-    position_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N): each token's depth in the trie, its position in its episodes
     shift_labels: torch.Tensor  # (1, N): the next token of each position that predicts a scored one, else -100
-    attention_mask: torch.Tensor  # (1, 1, N, N) bool: True where a query token (row) sees a key token (column)
+    subtree_end: torch.Tensor  # (N,): the packed position after the last token that sees each token (trie_sees)
     token_index: torch.Tensor  # (M,): the packed position whose prediction is each scored token
     rows: torch.Tensor  # (M,): the batch row of each scored token
     cols: torch.Tensor  # (M,): its completion column
@@ -112,22 +124,146 @@ def shared_prefix(trie: TreeRow, tokens: list[int]) -> int:
 
 
 def layout(trie: TreeRow, placed: list[tuple[int, list[int]]], device) -> PackedRow:
-    """TreeRow's pre-order layout of the trie, its attention mask, and each scored token's (row, column)."""
+    """TreeRow's pre-order layout of the trie, where each token's subtree ends, and each scored token's (row, column).
+
+    In a pre-order layout a token's descendants (the tokens that see it) follow it contiguously, up to the end of the
+    last segment whose root path holds it: TreeRow lists those paths (`tree_kv_index`), so one scatter over them gives
+    every token's `subtree_end`, O(total path length) work and O(N) memory."""
     p = trie.pack()
-    n = len(p["input_ids"])
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    cu_q, cu_k, kv = p["tree_cu_seqlens_q"].tolist(), p["tree_cu_seqlens_k"].tolist(), p["tree_kv_index"]
-    for s in range(len(cu_q) - 1):  # a segment sees its ancestors' tokens, and its own ones causally
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        mask[q0:q1, kv[k0:k1 - (q1 - q0)]] = True
-        mask[q0:q1, q0:q1] = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
+    cu_q, cu_k, kv = p["tree_cu_seqlens_q"].long(), p["tree_cu_seqlens_k"].long(), p["tree_kv_index"]
+    segment_end = torch.repeat_interleave(cu_q[1:], cu_k[1:] - cu_k[:-1])  # (K,): the end of each path's segment
+    end = torch.zeros(len(p["input_ids"]), dtype=torch.long).scatter_reduce_(0, kv, segment_end, "amax")
     # TreeRow.pack lists the scored tokens episode by episode, each in order: the same order as `placed`
     rows = [row for row, cols in placed for _ in cols]
     cols = [c for _, cs in placed for c in cs]
     return PackedRow(input_ids=p["input_ids"][None].to(device), position_ids=p["position_ids"][None].to(device),
-                     shift_labels=p["shift_labels"][None].to(device), attention_mask=mask[None, None].to(device),
+                     shift_labels=p["shift_labels"][None].to(device), subtree_end=end.to(device),
                      token_index=p["token_index"].to(device), rows=torch.tensor(rows, device=device),
                      cols=torch.tensor(cols, device=device))
+
+
+# ------------------------------------------------------------------------------------------------
+# The trie's attention: one rule (trie_sees), laid out as each attention implementation takes it
+# ------------------------------------------------------------------------------------------------
+def trie_sees(q, k, end: torch.Tensor, depth: torch.Tensor, window: int | None):
+    """Whether packed position `q` (a query) sees packed position `k` (a key): k is on q's root path, i.e. q lies in
+    k's subtree (k <= q < end[k], the pre-order layout), and, for a sliding-window layer, fewer than `window` tokens
+    back along that path (depth[q] - depth[k] < window: transformers' `kv_idx > q_idx - sliding_window`, counted in
+    the episode, not in the packed row). Broadcasts over tensors of positions; flex_attention's mask_mod is this."""
+    seen = (k <= q) & (q < end[k])
+    return seen if window is None else seen & (depth[q] - depth[k] < window)
+
+
+def layer_windows(config) -> dict[str | None, int | None]:
+    """Each attention layer type's sliding window (None: full causal attention), the way transformers reads them:
+    `layer_types` (Qwen2 with use_sliding_window, Gemma 2/3, gpt-oss: {"full_attention": None, "sliding_attention":
+    W}), else one `sliding_window` for every layer (Mistral, Mixtral, Phi-3), keyed None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return {None: getattr(text, "sliding_window", None)}
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
+                         f"`turn_samples`) support full and sliding-window attention layers; this model has layers of "
+                         f"type {unknown}. Set `padding_free: false` and `turn_samples: interleaved`.")
+    return {t: text.sliding_window if t == "sliding_attention" else None for t in sorted(set(types))}
+
+
+def dense_trie_mask(row: PackedRow, window: int | None, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(1, 1, N, N): True where a query (row) sees a key (column), for SDPA; or, with `additive_dtype`, 0 there and
+    the dtype's minimum elsewhere, for eager attention, which adds the mask to the scores (a boolean mask added
+    would be +1 and 0: nothing masked). N^2 entries: 0.6 MB as booleans at N = 2,300 (a study group), 32 MB at 16k."""
+    n, device = row.input_ids.shape[1], row.input_ids.device
+    positions = torch.arange(n, device=device)
+    sees = trie_sees(positions[:, None], positions[None, :], row.subtree_end, row.position_ids[0], window)
+    if additive_dtype is None:
+        return sees[None, None]
+    return torch.zeros(n, n, dtype=additive_dtype, device=device).masked_fill_(
+        ~sees, torch.finfo(additive_dtype).min)[None, None]
+
+
+FLEX_BLOCK = 128  # flex_attention's tile (its default): a BlockMask says which tiles of queries x keys to compute
+
+
+def flex_bucket(n: int, block: int = FLEX_BLOCK) -> int:
+    """N rounded up to one of 8 sizes per doubling (multiples of the tile), so the compiled flex kernel meets a few
+    shapes, not one per step; the padding is at most 1/8 of the row (pad_row)."""
+    step = max(block, 1 << max((n - 1).bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
+def pad_row(row: PackedRow, n: int) -> PackedRow:
+    """The row with padding tokens up to length `n`: each sees only itself (its subtree ends after it) and no real
+    token sees it (it comes after them all), predicts nothing, and is never read (token_index)."""
+    extra = n - row.input_ids.shape[1]
+    device = row.input_ids.device
+    tail = lambda value: torch.full((1, extra), value, dtype=torch.long, device=device)  # noqa: E731
+    end = torch.arange(row.input_ids.shape[1] + 1, n + 1, device=device)
+    return PackedRow(input_ids=torch.cat([row.input_ids, tail(0)], 1), position_ids=torch.cat([row.position_ids,
+                     tail(0)], 1), shift_labels=torch.cat([row.shift_labels, tail(-100)], 1),
+                     subtree_end=torch.cat([row.subtree_end, end]), token_index=row.token_index, rows=row.rows,
+                     cols=row.cols)
+
+
+def trie_block_mask(row: PackedRow, window: int | None, block: int = FLEX_BLOCK):
+    """flex_attention's BlockMask of trie_sees over a row of N (a multiple of `block`) tokens, built from the O(N)
+    per-token ids with no N x N tensor: per tile of `block` queries x `block` keys, how many pairs are seen is the
+    overlap of each key's subtree [k, end[k]) with the query block, summed over the keys. A tile none of whose pairs
+    is seen is skipped, one where all are (and the window cuts none) is computed without the mask_mod, the others
+    apply trie_sees per pair. Work O(N^2 / block), memory at most 4M counts at a time."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, device = row.input_ids.shape[1], row.input_ids.device
+    nb, end, depth = n // block, row.subtree_end, row.position_ids[0]
+    keys = torch.arange(n, device=device)
+    seen, step = [], max(1, (1 << 22) // n)
+    for first in range(0, nb, step):  # query blocks, `step` at a time
+        q0 = torch.arange(first, min(nb, first + step), device=device)[:, None] * block
+        overlap = (torch.minimum(end[None], q0 + block) - torch.maximum(keys[None], q0)).clamp(min=0)
+        seen.append(overlap.view(len(q0), nb, block).sum(-1))
+    seen = torch.cat(seen)  # (nb, nb): the pairs of each tile that are seen, the window aside
+    full = seen == block * block
+    partial = seen > 0
+    if window is not None:
+        tiles = depth.view(nb, block)
+        lowest, deepest = tiles.min(-1).values, tiles.max(-1).values
+        full &= deepest[:, None] - lowest[None, :] < window  # every pair of the tile within the window
+        partial &= ~(lowest[:, None] - deepest[None, :] >= window)  # some pair within it
+    partial &= ~full
+
+    def ordered(tiles):  # per query block: how many key blocks, and which (the chosen ones first)
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+        return tiles.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, seq_lengths=(n, n),
+                                    mask_mod=lambda b, h, q, k: trie_sees(q, k, end, depth, window))
+
+
+def trie_attention_mask(row: PackedRow, attention: str, windows: dict[str | None, int | None], dtype: torch.dtype):
+    """The row's mask as the `attention` packed forwards run (packed_attention) takes it: one mask, or, where layer
+    types have different windows, {layer type: mask} (the models with per-layer mask types read a dict as theirs)."""
+    if attention == "flex":
+        build = lambda window: trie_block_mask(row, window)  # noqa: E731
+    else:
+        build = lambda window: dense_trie_mask(row, window, dtype if attention == "eager" else None)  # noqa: E731
+    if len(set(windows.values())) == 1:  # one window for every layer: one mask, which every model takes
+        return build(next(iter(windows.values())))
+    return {t: build(w) for t, w in windows.items()}
+
+
+def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                  budget: int | None = None, sample_starts: torch.Tensor | None = None):
+    """Each trie of the batch as `model` takes it: (its PackedRow, its attention mask, its unique tokens), the row
+    padded to a bucket for flex (flex_bucket)."""
+    attention = packed_attention(model, input_ids.device)
+    inner = unwrapped(model)
+    windows = layer_windows(inner.config)
+    for trie, episodes in zip(*plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)):
+        row = layout(trie, episodes, input_ids.device)
+        if attention == "flex":
+            row = pad_row(row, flex_bucket(len(trie.tokens)))
+        yield row, trie_attention_mask(row, attention, windows, inner.dtype), len(trie.tokens)
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -137,15 +273,13 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
     B, T = input_ids.shape[0], logits_to_keep
-    tries, placed = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     forwarded = 0
-    for trie, episodes in zip(tries, placed):
-        row = layout(trie, episodes, input_ids.device)
-        forwarded += row.input_ids.shape[1]
+    for row, mask, unique in packed_inputs(model, input_ids, attention_mask, logits_to_keep, budget, sample_starts):
+        forwarded += unique
         with autocast() if autocast is not None else nullcontext():
-            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask,
                         shift_labels=row.shift_labels, fused_lm_head=True)
         # index_put, not in-place assignment on a leaf: the gradient flows back through the packed positions
         logps = logps.index_put((row.rows, row.cols), out.log_probs[0, row.token_index].float())
@@ -155,17 +289,83 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     return logps, entropies, (raw, forwarded)
 
 
-PACKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a ready 4D mask as it is
+PACKED_FLEX = "sdpa_packed_flex"  # SDPA, but flex_attention for a BlockMask: registered in transformers by use_flex
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", PACKED_FLEX)  # the implementations that take a trie's mask
 
 
-def check_attention(model) -> None:
-    """The packed row's attention mask is a dense 4D mask; flash-attention kernels take none."""
-    found = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if found is not None and found not in PACKED_ATTENTION:
+def unwrapped(model):
+    """The transformers model inside DDP, FSDP, a DeepSpeed engine or torch.compile (accelerate's unwrapping), and
+    inside PEFT: the one whose config says which attention runs."""
+    try:
+        from accelerate.utils import extract_model_from_parallel
+    except ImportError:  # benchmarks/packed_forward.py runs on torch and transformers alone, and wraps nothing
+        extract_model_from_parallel = lambda model: model  # noqa: E731
+    model = extract_model_from_parallel(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_attention(model) -> str:
+    """The attention implementation packed forwards run on `model` (through its wrappers), refused with the fix
+    where it takes no mask of the trie (the flash-attention kernels), or where its layer types are not all full or
+    sliding-window attention (layer_windows)."""
+    config = getattr(unwrapped(model), "config", None)
+    if config is None:
+        raise ValueError(f"Packed forwards need a transformers model (one with a `config`); got "
+                         f"{type(unwrapped(model)).__name__}.")
+    found = getattr(config, "_attn_implementation", None)
+    if found not in PACKED_ATTENTION:
         raise ValueError(f"Packed forwards (`padding_free: true`, and rows split into per-turn samples by "
-                         f"`turn_samples`) need an attention implementation that takes a 4D mask "
-                         f"({' or '.join(PACKED_ATTENTION)}); the model runs {found!r}. Set "
+                         f"`turn_samples`) need an attention implementation that takes a mask of the trie "
+                         f"({' or '.join(PACKED_ATTENTION[:3])}); the model runs {found!r}. Set "
                          "`attn_implementation: sdpa`, or `padding_free: false` and `turn_samples: interleaved`.")
+    layer_windows(config)
+    return found
+
+
+def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):
+    """PACKED_FLEX: flex_attention where the mask is a BlockMask (the packed forwards), SDPA for every other forward
+    (generation, padded forwards, whose masks transformers builds as SDPA's)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    forward = flex_attention_forward if isinstance(attention_mask, BlockMask) else sdpa_attention_forward
+    return forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_flex(model) -> None:
+    """Switch `model` (unwrapped) from SDPA to PACKED_FLEX: the packed forwards then run flex_attention, which
+    computes only the tiles of the trie that some token sees, and everything else runs SDPA as before."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_FLEX, sdpa_or_flex)
+    AttentionMaskInterface.register(PACKED_FLEX, sdpa_mask)
+    model.set_attn_implementation(PACKED_FLEX)
+
+
+def packed_attention(model, device: torch.device) -> str:
+    """How the packed forwards of `model` attend, chosen once per model and named in the log: "flex" (a BlockMask
+    of the trie; by default on CUDA, where flex_attention has a fused forward and backward), "sdpa" (the dense
+    boolean mask: on CPU, where flex_attention has no backward) or "eager" (the dense additive mask)."""
+    found = check_attention(model)
+    inner = unwrapped(model)
+    if found == "sdpa" and device.type == "cuda":
+        use_flex(inner)
+        found = PACKED_FLEX
+    if found == "flex_attention" and device.type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("`attn_implementation: flex_attention` has no backward on CPU; set `attn_implementation: "
+                         "sdpa` (packed forwards then run flex_attention on CUDA, and a dense mask on CPU).")
+    chosen = "flex" if found in ("flex_attention", PACKED_FLEX) else found
+    if getattr(inner, "_packed_attention", None) != chosen:
+        inner._packed_attention = chosen
+        logger.info("Packed forwards of %s attend with %s.", type(inner).__name__, {
+            "flex": f"flex_attention, a BlockMask of the trie (rows padded to {FLEX_BLOCK}-token tiles, 8 sizes per "
+                    "doubling); the other forwards with SDPA",
+            "sdpa": "SDPA and a dense boolean mask of the trie" + (" (flex_attention has no backward on CPU)"
+                                                                    if device.type == "cpu" else ""),
+            "eager": "eager attention and a dense additive mask of the trie"}[chosen])
+    return chosen
 
 
 class PackedForward:
@@ -200,7 +400,6 @@ class PackedForward:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
-        check_attention(model)
         logps, entropies, (raw, forwarded) = packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, self.script_args.max_tokens_per_microbatch,
             compute_entropy, self.accelerator.autocast, starts)
@@ -232,6 +431,7 @@ def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: b
     `share=False` (a fixed cache_implementation, which generate builds itself), a single row or no common prefix:
     the plain left-padded layout and no cache."""
     from transformers import DynamicCache
+    from trl.trainer.utils import pad
 
     prefix = common_prefix_length(rows) if share and len(rows) > 1 else 0
     own = [torch.tensor(row[prefix:], device=device) for row in rows]

@@ -10,8 +10,9 @@ the time of a forward and backward does not depend on the weights. Activation ch
 trainer. Each group is one micro-batch, in both arms:
   - padded: `num_generations` rows padded to the batch's longest episode, a 2D attention mask (what TRL's
     GRPOTrainer forwards);
-  - packed: the group folded into a prefix trie (TRL's TreeRow, packing.py's layout and 4D mask): the prompt
-    once, no padding.
+  - packed: the group folded into a prefix trie (TRL's TreeRow, packing.py's layout and mask): the prompt
+    once, no padding; on a GPU flex_attention over a BlockMask of the trie, on CPU SDPA with a dense mask, as the
+    trainer chooses (packing.packed_attention, which names its choice in the log).
 Both score the completion positions through the same LM head (chunks of 4,096 positions, log-softmax, the
 label's log-prob), so the two arms differ only in what the backbone forwards. Per model and arm it prints the
 seconds per micro-batch (mean of `--repeats` after a warm-up), real tokens per second, the model FLOPs
@@ -20,11 +21,13 @@ lower bound) and the peak memory, then `packed/padded <model>: <ratio>`. The tra
 from benchmarks/step_anatomy.py.
 
 It needs torch and transformers only: where TRL is not installed (the project's GPU machine), TreeRow is loaded
-from TRL's wheel in --trl-wheel, since importing `trl` itself pulls in datasets and accelerate.
+from TRL's wheel in --trl-wheel, since importing `trl` itself pulls in datasets and accelerate (packing.py imports
+nothing else of TRL at import time; tests/test_packed_attention.py runs this file with `trl` unimportable).
 """
 
 import argparse
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -36,8 +39,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Published configs (Hugging Face model cards), built with random weights
+# Published configs (Hugging Face model cards), built with random weights; "tiny" is for smoke runs
 MODELS = {
+    "tiny": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=1000, max_position_embeddings=4096)),
     "smollm2-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                          max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000)),
@@ -81,8 +86,11 @@ def make_model(name: str, device, dtype):
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # the trainer's default
+    kwargs = {"use_reentrant": False}  # the trainer's default; transformers renamed the method and its argument
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
     return model.train()
 
@@ -115,16 +123,16 @@ def padded_step(model, ids, att, T) -> None:
 
 
 def packed_step(model, ids, att, T) -> int:
-    from packing import layout, plan_rows
+    from packing import packed_inputs
 
-    tries, placed = plan_rows(ids.cpu(), att.cpu(), T, None)
-    for trie, episodes in zip(tries, placed):
-        row = layout(trie, episodes, ids.device)
+    unique = 0
+    for row, mask, tokens in packed_inputs(model, ids, att, T):  # the trainer's tries, layout and mask
         hidden = model.model(input_ids=row.input_ids, position_ids=row.position_ids,
-                             attention_mask=row.attention_mask).last_hidden_state[0]
+                             attention_mask=mask).last_hidden_state[0]
         labels = row.shift_labels[0, row.token_index]
         head_logps(model, hidden[row.token_index], labels).sum().backward()
-    return sum(len(t.tokens) for t in tries)
+        unique += tokens
+    return unique
 
 
 def measure(fn, repeats: int, cuda: bool) -> tuple[float, float]:
@@ -154,6 +162,7 @@ def main():
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: by device name)")
     args = ap.parse_args()
     load_tree_row(args.trl_wheel)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # packing names the attention it chose
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

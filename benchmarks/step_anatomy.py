@@ -173,10 +173,21 @@ def raw_train_step(model, batch, phases: Phases) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def arm_batch(trainer, batch: dict, packed: bool) -> dict:
+    """Set the trainer to forward `batch` packed or padded, whatever the recipe says: `padding_free`, and, for the
+    padded arm, rows split into per-turn samples (turn_samples), which the trainer forwards packed whatever
+    `padding_free` says, forwarded whole (each sample then sees the ones before it: the cost of the padded layout,
+    not its loss)."""
+    trainer.script_args.padding_free = packed
+    if packed or batch.get("sample_starts") is None:
+        return batch
+    return {**batch, "sample_starts": torch.zeros_like(batch["sample_starts"])}  # no row split
+
+
 def train_on(trainer, batch, padding_free: bool, rows: int, optimizer, phases: Phases, name: str) -> float:
     """The non-rollout work of a step on `batch`, as the trainer does it: the old / reference logprobs (when the
     recipe needs them), the loss's forward and backward per micro-batch of `rows` rows, AdamW. Returns the loss."""
-    trainer.script_args.padding_free = padding_free
+    batch = arm_batch(trainer, batch, padding_free)
     B = len(batch["completion_ids"])
     micro = [list(range(i, min(i + rows, B))) for i in range(0, B, rows)]
     trainer.current_gradient_accumulation_steps = len(micro)
@@ -222,6 +233,8 @@ def compare_packing(trainer, batch, phases: Phases, scoring: float, budget: int 
             seconds[name] = phases.seconds[name] + scoring
             if repeat == 0:
                 peaks[name] = (phases.peak[name] - start) / GiB if not phases.cuda else phases.peak[name] / GiB
+    if batch.get("sample_starts") is not None and batch["sample_starts"].any():
+        print("rows split into per-turn samples: the padded arms forward them whole (their loss differs)")
     padded_name = min((a[0] for a in arms[1:]), key=seconds.get)
     rows_ = [[name, seconds[name], f"{peaks[name]:.2f}", f"{losses[name]:.6f}", seconds[name] / seconds[padded_name]]
              for name, _, _ in arms]
