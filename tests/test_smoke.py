@@ -3,6 +3,7 @@ Also the same on 2 CPU processes (torchrun, gloo), where ranks' episodes take di
 turns. (`accelerate launch --cpu --num_processes 2` starts a single process: torchrun is the launcher
 that really starts two.)"""
 
+import json
 import os
 
 import pytest
@@ -58,13 +59,16 @@ def test_two_processes(tiny_agent_dir, tmp_path):
 
 def test_two_processes_stop_together_at_the_time_budget(tiny_agent_dir, tmp_path):
     """`max_train_minutes` on 2 ranks: rank 0's clock decides, so both stop after the same step (a rank
-    that went on alone would hang in the next collective) and the run exits 0 with one checkpoint."""
-    out = str(tmp_path / "out")
-    run([*launch(2), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", out, "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_strategy", "no",
-         "--max_train_minutes", "0.001"], tmp_path)
-    assert [h["step"] for h in final_metrics(out) if "loss" in h] == [1]
-    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-1"]
+    that went on alone would hang in the next collective) and the run exits 0 with one checkpoint. The clocks
+    are the test's (run_trainer.py budget): rank 1's is past the 1-minute budget after step 1, rank 0's only
+    after step 2, so both train 2 steps."""
+    out, clocks = str(tmp_path / "out"), tmp_path / "clocks.json"
+    clocks.write_text(json.dumps([[0, 30, 90, 120, 150], [0, 90, 120, 150, 180]]))
+    run([*launch(2), "tests/run_trainer.py", "budget", str(clocks), "--config", RECIPE, "--model_name_or_path",
+         tiny_agent_dir, "--output_dir", out, "--per_device_train_batch_size", "4", "--max_steps", "4",
+         "--save_strategy", "no", "--max_train_minutes", "1"], tmp_path)
+    assert [h["step"] for h in final_metrics(out) if "loss" in h] == [1, 2]
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-2"]
 
 
 def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):
