@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -202,18 +201,16 @@ def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
     """The reload works once (the first sync), then silently does nothing: the probe must catch the
     server still serving the previous step's weights, and both ranks must stop."""
     out = str(tmp_path / "out")
-    start = time.monotonic()
     cmd = [*launch(2), "tests/run_trainer.py", "stale", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
            "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
            "--vllm_server_port", str(untied_server.port), "--weight_sync", "disk", "--sync_probe_tolerance", "10",
            "--per_device_train_batch_size", "4", "--max_steps", "3"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,  # a hung rank fails here
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # one traceback per rank; the tolerance is loose on purpose: only the relative check can catch this
     assert log.count("RuntimeError: After weight sync #2 (disk): stale weights") == 2, log[-4000:]
-    assert time.monotonic() - start < 600
 
 
 def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
@@ -269,7 +266,6 @@ def kill_server_mid_run(server, model_dir, tmp_path, *flags):
         if line.startswith("step    1 |"):
             break
     server.stop()
-    killed_at = time.monotonic()
     try:
         rest, _ = trainer.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -277,7 +273,6 @@ def kill_server_mid_run(server, model_dir, tmp_path, *flags):
         pytest.fail("the trainer hung after the vLLM server died")
     log = "".join(lines) + rest
     assert trainer.returncode != 0
-    assert time.monotonic() - killed_at < 120
     assert f"vLLM server at http://127.0.0.1:{port} failed" in log, log[-3000:]
 
 
