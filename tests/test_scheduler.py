@@ -120,6 +120,7 @@ def test_prompt_stream_lays_out_groups_and_ranks_like_trl_and_depends_only_on_th
 ASYNC_GRID = [(1, 1, 1), (4, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 2)]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("ga, spg, iterations", ASYNC_GRID)
 def test_async_rollout_trains_each_batch_once_in_order(tiny_agent_dir, tmp_path, ga, spg, iterations):
     """A real training run on TRL's micro-step schedule, with a scripted server: the batches handed to the
