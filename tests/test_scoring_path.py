@@ -11,6 +11,8 @@ from transformers import AutoTokenizer
 import run_trainer
 from helpers import RECIPE, launch, run, xml_answer, xml_call
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
+
 QA, QB = "What is the capital of Veltria?", "Who founded the city of Morvane?"
 
 
