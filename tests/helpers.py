@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,11 +85,13 @@ def template_call(query: str = "capital of Veltria", name: str = "search") -> st
     return ChatTemplateProtocol().format_call(name, {"query": query})
 
 
-def fake_search(reply, slow: dict | None = None, log: list | None = None):
+def fake_search(reply, after: dict | None = None, log: list | None = None):
     """A `search` tool as the model sees one (name, signature and docstring: the xml protocol shows the first
-    line, the chat_template protocol the whole schema) that answers `query` with `reply(query)`. It first
-    sleeps `slow[query]` seconds where `slow` names the query, and appends (query, start, end) to `log`, if
-    given, for every call it runs."""
+    line, the chat_template protocol the whole schema) that answers `query` with `reply(query)`. A call for a
+    query that `after` names first waits until a call for the query it maps to has finished (an event, not a
+    sleep, so that the order does not depend on the machine's speed; it gives up after 60 s), and every call
+    appends (query, start, end) to `log`, if given, as it finishes."""
+    finished: dict[str, threading.Event] = {}  # query -> set once a call for it has finished
 
     def search(query: str) -> str:
         """Search the knowledge base.
@@ -97,10 +100,11 @@ def fake_search(reply, slow: dict | None = None, log: list | None = None):
             query: words to look up, e.g. "capital of Veltria".
         """
         start = time.monotonic()
-        if slow and query in slow:
-            time.sleep(slow[query])
+        if after and query in after:
+            finished.setdefault(after[query], threading.Event()).wait(timeout=60)
         if log is not None:
             log.append((query, start, time.monotonic()))
+        finished.setdefault(query, threading.Event()).set()
         return reply(query)
 
     return search

@@ -13,6 +13,9 @@ launch` can start it on several processes:
         first sync (the server keeps the weights it had at the start)
     python tests/run_trainer.py stale_adapter base|first <trainer flags>
         LoRA adapter sync whose requests keep naming the base model, or the first adapter version
+    python tests/run_trainer.py budget CLOCKS.json <trainer flags with --max_train_minutes>
+        trains as mt_grpo_trainer.py does, with the time budget reading a clock the test sets: process r's clock
+        reads CLOCKS.json's list r at index global_step (seconds at the start of training, after step 1, ...)
 """
 
 import json
@@ -23,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from mt_grpo_trainer import MTGRPOEnvTrainer, build_trainer, end_processes  # noqa: E402
+from reporting import TimeBudget  # noqa: E402
 from scripted_policy import ScriptedTransformersBackend  # noqa: E402
 
 
@@ -98,6 +102,20 @@ def stale_adapter(kind: str, flags: list[str]) -> MTGRPOEnvTrainer:
     return trainer
 
 
+def budget(clocks_path: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    """A run of main()'s steps whose TimeBudget reads the test's clock for this process, not the wall clock:
+    the test decides after which step the budget is passed, whatever the machine's speed."""
+    trainer = build_trainer(flags)
+    with open(clocks_path) as f:
+        seconds = json.load(f)[trainer.accelerator.process_index]
+    (time_budget,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, TimeBudget)]
+    time_budget.clock = lambda: seconds[trainer.state.global_step]
+    trainer.train()
+    trainer.save_model(trainer.args.output_dir)
+    trainer.save_state()
+    return trainer
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "score":
         trainer = score(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -107,6 +125,8 @@ if __name__ == "__main__":
         trainer = stale(sys.argv[2:])
     elif sys.argv[1] == "stale_adapter":
         trainer = stale_adapter(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "budget":
+        trainer = budget(sys.argv[2], sys.argv[3:])
     else:
         raise SystemExit(__doc__)
     end_processes(trainer)  # without it a rank can abort at exit (see end_processes)

@@ -4,6 +4,7 @@ and chat_template_kwargs on every render."""
 
 import shutil
 
+import pytest
 import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -12,6 +13,8 @@ from helpers import RECIPE, chat_template
 from mt_grpo_trainer import SamplingParams, TransformersBackend, build_trainer
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
 
 
 def test_in_process_samples_follow_the_recipe_not_the_generation_config(tiny_agent_dir):

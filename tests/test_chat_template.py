@@ -53,13 +53,13 @@ def tokenizers(tiny_model_dir):
 # the tool and the script
 # ------------------------------------------------------------------------------------------------
 FACTS = {"capital of Veltria": VELTRIA, "Quorvath founded": "Quorvath: Quorvath is a city founded in 1740."}
-SLOW = {"Quorvath founded": 0.5}  # seconds; this call comes first in its turn and finishes last
+AFTER = {"Quorvath founded": "capital of Veltria"}  # this call comes first in its turn and waits for the other
 
 
 def make_search(log: list):
-    """The search tool of these episodes: it answers from FACTS, and appends (query, start, end) to `log` for
-    every call it runs."""
-    return fake_search(lambda query: FACTS.get(query, f"No documents match the query {query!r}."), SLOW, log)
+    """The search tool of these episodes: it answers from FACTS (a Quorvath search once a Veltria search has
+    finished: AFTER), and appends (query, start, end) to `log` for every call it runs."""
+    return fake_search(lambda query: FACTS.get(query, f"No documents match the query {query!r}."), AFTER, log)
 
 
 ONE = template_call("capital of Veltria")
@@ -219,7 +219,7 @@ def test_two_calls_in_a_turn_run_concurrently_and_come_back_in_order(tokenizers)
                                                                          FACTS["capital of Veltria"]]
     assert [(c.turn, c.name, c.args, c.ok) for c in ep.calls] == [
         (0, "search", {"query": "Quorvath founded"}, True), (0, "search", {"query": "capital of Veltria"}, True)]
-    assert ep.calls[0].seconds >= SLOW["Quorvath founded"] > ep.calls[1].seconds
+    assert [c.seconds >= ran[c.args["query"]][1] - ran[c.args["query"]][0] for c in ep.calls] == [True, True]
 
 
 def test_malformed_calls_are_failed_calls_not_a_crash(tokenizers):

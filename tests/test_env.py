@@ -2,7 +2,7 @@
 budgets, and the tool-call parser."""
 
 import copy
-import time
+import threading
 
 import pytest
 
@@ -147,27 +147,37 @@ def test_xml_parse_of_a_turn_without_action(text):
 
 
 def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
-    def slow(seconds: float) -> str:
-        time.sleep(seconds)
+    """Events, not sleeps, so that nothing depends on the machine's speed: four calls that can only return
+    together (a barrier of four) return, so they ran at once; a call stuck until the test lets it go times out,
+    and run_tool_calls returns while it is still stuck (it waited for the timeout, not for the call)."""
+    together, release, finished = threading.Barrier(4), threading.Event(), []
+
+    def meet() -> str:
+        together.wait(timeout=60)  # BrokenBarrierError, a failed call, had the four not run at once
         return "done"
+
+    def stuck() -> str:
+        release.wait()
+        finished.append("stuck")
+        return "late"
 
     def broken() -> str:
         raise KeyError("boom")
 
-    tools = {"slow": slow, "broken": broken}
-    calls = [ToolCall("slow", {"seconds": 0.3}) for _ in range(4)] + [
-        ToolCall("slow", {"seconds": 60}), ToolCall("broken"), ToolCall("slow", {"secs": 1}),
-        ToolCall("", error="the tool call is not valid JSON.")]
-    start = time.monotonic()
-    results = run_tool_calls(tools, calls, timeout=1.0, max_workers=8)
-    elapsed = time.monotonic() - start
+    tools = {"meet": meet, "stuck": stuck, "broken": broken}
+    calls = [ToolCall("meet") for _ in range(4)] + [ToolCall("broken"), ToolCall("meet", {"secs": 1}),
+                                                    ToolCall("", error="the tool call is not valid JSON.")]
+    results = run_tool_calls(tools, calls, timeout=120, max_workers=8)
     assert [(r.output, r.ok) for r in results[:4]] == [("done", True)] * 4
-    assert all(0.3 <= r.seconds < 1.0 for r in results[:4])
-    assert results[4] == ToolResult("Error: tool 'slow' timed out after 1s", False, 1.0)
-    assert results[5].output.startswith("Error: tool 'broken' raised KeyError") and not results[5].ok
-    assert results[6].output.startswith("Error: bad arguments for tool 'slow'")
-    assert results[7] == ToolResult("Error: the tool call is not valid JSON.", False)  # malformed: never run
-    assert elapsed < 5  # bounded by the timeout, not the stuck call's 60 s (generous for slow CI)
+    assert results[4].output.startswith("Error: tool 'broken' raised KeyError") and not results[4].ok
+    assert results[5].output.startswith("Error: bad arguments for tool 'meet'")
+    assert results[6] == ToolResult("Error: the tool call is not valid JSON.", False)  # malformed: never run
+    try:
+        (result,) = run_tool_calls(tools, [ToolCall("stuck")], timeout=0.5, max_workers=8)
+        assert finished == []  # returned while the call is still stuck
+    finally:
+        release.set()
+    assert result == ToolResult("Error: tool 'stuck' timed out after 0.5s", False, 0.5)
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])

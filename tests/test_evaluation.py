@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import run_trainer
 from helpers import RECIPE, ROOT, final_metrics, launch, rollout_records, run, xml_answer, xml_call
 
 E1, E2, E3 = "What is the capital of Veltria?", "Who founded the city of Morvane?", "What is the main river of Veltria?"
@@ -45,11 +46,14 @@ def evaluate(tiny_agent_dir, files, tmp_path, processes, *flags):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"script": SCRIPT}))
     out = tmp_path / "dump"
-    run([*launch(processes), "tests/run_trainer.py", "eval", str(spec), str(out), "--config", RECIPE,
-         "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
-         "--dataset_name", str(files / "train.jsonl"), "--eval_dataset_name", str(files / "eval.jsonl"),
-         "--corpus_path", str(files / "corpus.jsonl"), "--max_completion_length", "512", "--max_tokens_per_turn",
-         "128", "--max_tool_response_tokens", "64", *flags], tmp_path)
+    flags = ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path / "out"),
+             "--dataset_name", str(files / "train.jsonl"), "--eval_dataset_name", str(files / "eval.jsonl"),
+             "--corpus_path", str(files / "corpus.jsonl"), "--max_completion_length", "512", "--max_tokens_per_turn",
+             "128", "--max_tool_response_tokens", "64", *flags]
+    if processes == 1:  # the same script's function, in this process: no interpreter to start
+        run_trainer.evaluate(str(spec), str(out), flags)
+    else:
+        run([*launch(processes), "tests/run_trainer.py", "eval", str(spec), str(out), *flags], tmp_path)
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(processes)]
     return json.loads((out / "metrics.json").read_text()), ranks
 
@@ -82,18 +86,25 @@ def test_two_processes_share_the_questions_and_run_the_same_rounds(tiny_agent_di
     assert [rank["rounds"] for rank in ranks] == [2, 2]  # rank 1's one question ends after one round
 
 
-def test_eval_strategy_logs_from_step_zero_and_rollouts_are_recorded(tiny_agent_dir, tmp_path):
+def test_eval_strategy_logs_from_step_zero_records_rollouts_and_keeps_the_best_model(tiny_agent_dir, tmp_path):
     """A real run: eval before the first step and after each; every rollout and eval recorded; the
-    viewer turns the records into a page."""
+    viewer turns the records into a page. Greedy evaluation (the default) takes any eval batch size (here 3; TRL's
+    check wants one divisible by num_generations), and `metric_for_best_model` may name an eval metric as it is
+    logged."""
     out = tmp_path / "out"
     run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", "1", "--eval_max_samples", "4",
+         "--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", "1", "--eval_max_samples", "3",
+         "--per_device_eval_batch_size", "3", "--save_strategy", "steps", "--save_steps", "1",
+         "--load_best_model_at_end", "true", "--metric_for_best_model", "eval/first_search_hit",
          "--save_rollouts_steps", "1"], tmp_path)
-    evals = [h for h in final_metrics(str(out)) if "eval/exact_match" in h]
-    assert [h["step"] for h in evals] == [0, 1, 2]
+    state = json.loads((out / "trainer_state.json").read_text())
+    evals = [h for h in state["log_history"] if "eval/exact_match" in h]
+    assert [h["step"] for h in evals] == [0, 1, 2] and all(h["eval/episodes"] == 3 for h in evals)
     for key in ("eval/answered_ratio", "eval/tool_calls_per_episode", "eval/first_search_hit",
                 "eval/rewards/outcome/exact_match_reward_func"):
         assert all(key in h for h in evals), key
+    assert state["best_metric"] == max(h["eval/first_search_hit"] for h in evals[1:])
+    assert os.path.isdir(state["best_model_checkpoint"])
     files = sorted(os.listdir(out / "rollouts"))
     assert files == ["eval-step-000000.jsonl", "eval-step-000001.jsonl", "eval-step-000002.jsonl",
                      "step-000001.jsonl", "step-000002.jsonl"]
@@ -120,17 +131,3 @@ def test_evaluation_command_on_a_saved_model(tiny_agent_dir, tmp_path):
     assert summary["metrics"]["eval/episodes"] == 3 and "eval/exact_match" in summary["metrics"]
     episodes = [json.loads(line) for line in (out / "eval_episodes.jsonl").read_text().splitlines()]
     assert len(episodes) == 3 and all(e["mode"] == "eval" and e["answer"] for e in episodes)
-
-
-def test_best_model_by_an_eval_metric_with_an_eval_batch_not_divisible_by_the_group(tiny_agent_dir, tmp_path):
-    """Greedy evaluation (the default) takes any eval batch size (TRL's check wants one divisible by
-    num_generations), and `metric_for_best_model` may name an eval metric as it is logged."""
-    out = tmp_path / "out"
-    run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", "1", "--eval_max_samples", "3",
-         "--per_device_eval_batch_size", "3", "--save_strategy", "steps", "--save_steps", "1",
-         "--load_best_model_at_end", "true", "--metric_for_best_model", "eval/first_search_hit"], tmp_path)
-    state = json.loads((out / "trainer_state.json").read_text())
-    evals = {h["step"]: h["eval/first_search_hit"] for h in state["log_history"] if "eval/first_search_hit" in h}
-    assert state["best_metric"] == max(evals[1], evals[2])
-    assert os.path.isdir(state["best_model_checkpoint"])

@@ -1,6 +1,7 @@
 """Bad input fails at start-up with a message that names the field; a run stopped with SIGTERM
 resumes from its checkpoint exactly where it stopped."""
 
+import json
 import os
 import signal
 import subprocess
@@ -145,14 +146,17 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(tiny_agent_dir,
 
 
 def test_a_time_budget_evaluates_saves_and_stops_at_the_step_that_passes_it(tiny_agent_dir, tmp_path):
-    """`max_train_minutes`: the run stops after the first step past the budget (here the first step, the
-    budget being 0.6 s), with an evaluation at that step, not only at step 0, and a checkpoint there."""
-    out = str(tmp_path / "out")
-    run([sys.executable, "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--max_steps", "4", "--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "10",
-         "--eval_max_samples", "2", "--max_train_minutes", "0.01", "--output_dir", out], tmp_path)
+    """`max_train_minutes`: the run stops after the first step past the budget, with an evaluation at that step,
+    not only at step 0, and a checkpoint there. The budget reads a clock the test sets (run_trainer.py budget):
+    1 minute, 30 s after step 1 and 90 s after step 2, so the run trains steps 1 and 2 on any machine."""
+    out, clocks = str(tmp_path / "out"), tmp_path / "clocks.json"
+    clocks.write_text(json.dumps([[0, 30, 90, 120, 150]]))
+    run([sys.executable, "tests/run_trainer.py", "budget", str(clocks), "--config", RECIPE,
+         "--model_name_or_path", tiny_agent_dir, "--max_steps", "4", "--save_strategy", "no", "--eval_strategy",
+         "steps", "--eval_steps", "10", "--eval_max_samples", "2", "--max_train_minutes", "1", "--output_dir", out],
+        tmp_path)
     history = final_metrics(out)
     trained = [h["step"] for h in history if "loss" in h]
     evaluated = [h["step"] for h in history if "eval/exact_match" in h]
-    assert trained == [1] and evaluated == [0, 1]
-    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert trained == [1, 2] and evaluated == [0, 2]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-2"]

@@ -157,6 +157,7 @@ def test_sampler_probe_verdict():
     assert "differ from the trainer's" in sampler_probe_verdict(theirs, processed, raw, 0.1)[0]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("settings", SAMPLER_GRID + [dict(temperature=0.7, top_p=0.8, top_k=20, ties="triton")],
                          ids=sampler_id)
 def test_in_process_importance_weights_are_one_on_policy(agent, settings):

@@ -1,6 +1,8 @@
 """The per-episode scheduler (no round barriers) against lock-step rounds: identical episodes, token
 for token, from the same scripted policy; a slow tool holds up only its own conversation."""
 
+import threading
+
 import pytest
 
 from helpers import fake_search, make_env, xml_answer, xml_call
@@ -20,7 +22,7 @@ SCRIPT = {
 }
 
 
-search = fake_search(lambda query: f"Result for {query}.", slow={"slow": 1.0})
+search = fake_search(lambda query: f"Result for {query}.")
 LIMITS = dict(max_env_steps=3, max_tokens_per_turn=64, max_completion_length=600, max_tool_response_tokens=32)
 
 
@@ -55,24 +57,37 @@ def test_auto_picks_per_episode_for_a_backend_that_submits_requests(smollm2_toke
 
 def test_a_slow_tool_holds_up_only_its_own_conversation(smollm2_tokenizer):
     """With rounds, a fast three-turn conversation waits for a slow tool call in every round; per
-    episode, it finishes while the slow call is still running."""
+    episode, it finishes while the slow call is still running. The slow call runs until the fast conversation
+    has finished (an event, so that nothing depends on the machine's speed), or gives up: with rounds the fast
+    one cannot finish meanwhile, so it gives up after 0.2 s; per episode it is let go at once (60 s would be a
+    hang)."""
     script = {"Q-slow": [xml_call("slow"), xml_answer("S")], "Q-fast": [xml_call("1"), xml_call("2"), xml_answer("F")]}
-    finished = []
+
+    def slow_search(query: str) -> str:
+        """Search the knowledge base."""
+        if query == "slow":
+            let_go.append(fast_done.wait(timeout=patience))
+        return f"Result for {query}."
 
     class Recording(MultiTurnToolEnv):
         def _record_model_turn(self, ep, sample):
             calls = super()._record_model_turn(ep, sample)
             if ep.done:
-                finished.append(self.tokenizer.decode(ep.prompt_ids).count("Q-fast"))
+                fast = self.tokenizer.decode(ep.prompt_ids).count("Q-fast")
+                finished.append(fast)
+                if fast:
+                    fast_done.set()
             return calls
 
-    for scheduler, expected in (("rounds", [0, 1]), ("per_episode", [1, 0])):
-        finished.clear()
-        env = Recording(tokenizer=smollm2_tokenizer, protocol=XMLProtocol(), tools=[search], scheduler=scheduler,
+    slow_search.__name__ = "search"
+    for scheduler, patience, expected in (("rounds", 0.2, [0, 1]), ("per_episode", 60, [1, 0])):
+        finished, fast_done, let_go = [], threading.Event(), []  # what the tool and Recording see on this pass
+        env = Recording(tokenizer=smollm2_tokenizer, protocol=XMLProtocol(), tools=[slow_search], scheduler=scheduler,
                         **LIMITS)
         backend = ScriptedPolicy(smollm2_tokenizer, script) if scheduler == "rounds" else ScriptedServer(smollm2_tokenizer, script)
         env.rollout([env.prompt("Q-slow"), env.prompt("Q-fast")], backend)
         assert finished == expected, scheduler  # 1 = the fast conversation finished
+        assert let_go == [scheduler == "per_episode"], scheduler  # the slow call ended when the fast one did
 
 
 def test_prompt_stream_lays_out_groups_and_ranks_like_trl_and_depends_only_on_the_batch_index():
@@ -105,6 +120,7 @@ def test_prompt_stream_lays_out_groups_and_ranks_like_trl_and_depends_only_on_th
 ASYNC_GRID = [(1, 1, 1), (4, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 2)]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("ga, spg, iterations", ASYNC_GRID)
 def test_async_rollout_trains_each_batch_once_in_order(tiny_agent_dir, tmp_path, ga, spg, iterations):
     """A real training run on TRL's micro-step schedule, with a scripted server: the batches handed to the

@@ -8,7 +8,10 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
+import run_trainer
 from helpers import RECIPE, launch, run, xml_answer, xml_call
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
 
 QA, QB = "What is the capital of Veltria?", "Who founded the city of Morvane?"
 
@@ -52,7 +55,10 @@ def score(tiny_agent_dir, task_files, tmp_path, processes: int, rows: list[list[
              "--turn_reward_funcs", "tool_execution_reward_func", "--outcome_reward_funcs", "exact_match_reward_func",
              "--max_completion_length", "512", "--max_tokens_per_turn", "128", "--max_tool_response_tokens", "64",
              "--tokenization_check", "strict", "--per_device_train_batch_size", str(8 // processes)]
-    run([*launch(processes), "tests/run_trainer.py", "score", str(spec), str(out), *flags], tmp_path)
+    if processes == 1:  # the same script's function, in this process: no interpreter to start
+        run_trainer.score(str(spec), str(out), flags)
+    else:
+        run([*launch(processes), "tests/run_trainer.py", "score", str(spec), str(out), *flags], tmp_path)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(processes)]
 
 

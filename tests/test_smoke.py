@@ -3,6 +3,7 @@ Also the same on 2 CPU processes (torchrun, gloo), where ranks' episodes take di
 turns. (`accelerate launch --cpu --num_processes 2` starts a single process: torchrun is the launcher
 that really starts two.)"""
 
+import json
 import os
 
 import pytest
@@ -10,8 +11,8 @@ import pytest
 from helpers import RECIPE, changed_parameters, final_metrics, launch, rollout_records, run, smoke_run
 
 
+# the default (mt_grpo, no flags) is test_the_console_has_no_warning_of_ours's run
 @pytest.mark.parametrize("mode, flags", [
-    ("mt_grpo", []),
     ("outcome_only", []),
     ("merged", ["--num_iterations", "2", "--beta", "0.02"]),  # old logprobs, the reference model and KL
     ("mt_grpo", ["--dynamic_sampling", "true"]),  # DAPO's dynamic sampling: empty groups rolled out again
@@ -21,6 +22,11 @@ from helpers import RECIPE, changed_parameters, final_metrics, launch, rollout_r
 ])
 def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, flags):
     out, _, steps = smoke_run(tiny_agent_dir, tmp_path, "--advantage_mode", mode, *flags)
+    check_two_steps(tiny_agent_dir, out, steps, mode, flags)
+
+
+def check_two_steps(tiny_agent_dir, out, steps, mode, flags):
+    """What every 2-step run of `mode` with `flags` logs, and that it trained."""
     assert len(steps) == 2
     # a rollout at every step, except that num_iterations 2 trains twice on each rollout
     rollout_steps = steps[::2] if "--num_iterations" in flags else steps
@@ -42,39 +48,35 @@ def test_two_steps_train_and_log_the_metrics(tiny_agent_dir, tmp_path, mode, fla
     assert changed_parameters(tiny_agent_dir, out), "no parameter changed after 2 optimizer steps"
 
 
-def test_two_processes(tiny_agent_dir, tmp_path):
+def test_two_processes_train_and_stop_together_at_the_time_budget(tiny_agent_dir, tmp_path):
     """2 ranks, gloo: each rank's episodes end after different numbers of turns (random policy),
-    and nothing may hang on a collective inside the rollout."""
-    out = str(tmp_path / "out")
-    run([*launch(2), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", out, "--per_device_train_batch_size", "4", "--save_rollouts_steps", "1"], tmp_path)
+    and nothing may hang on a collective inside the rollout. `max_train_minutes` (one run for both): rank 0's
+    clock decides, so both stop after the same step (a rank that went on alone would hang in the next
+    collective) and the run exits 0 with one checkpoint. The clocks are the test's (run_trainer.py budget):
+    rank 1's is past the 1-minute budget after step 1, rank 0's only after step 2, so both train 2 of 4 steps."""
+    out, clocks = str(tmp_path / "out"), tmp_path / "clocks.json"
+    clocks.write_text(json.dumps([[0, 30, 90, 120, 150], [0, 90, 120, 150, 180]]))
+    run([*launch(2), "tests/run_trainer.py", "budget", str(clocks), "--config", RECIPE, "--model_name_or_path",
+         tiny_agent_dir, "--output_dir", out, "--per_device_train_batch_size", "4", "--max_steps", "4",
+         "--save_strategy", "no", "--max_train_minutes", "1", "--save_rollouts_steps", "1"], tmp_path)
     assert len(rollout_records(out)) == 8  # 4 episodes from each of the 2 processes
     steps = [h for h in final_metrics(out) if "loss" in h]
-    assert len(steps) == 2
+    assert [h["step"] for h in steps] == [1, 2]
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-2"]
     # episodes ended after different numbers of turns (a mean that is not a whole number)
     assert any(h["rollout/turns_per_episode"] % 1 for h in steps), [h["rollout/turns_per_episode"] for h in steps]
     assert changed_parameters(tiny_agent_dir, out)
-
-
-def test_two_processes_stop_together_at_the_time_budget(tiny_agent_dir, tmp_path):
-    """`max_train_minutes` on 2 ranks: rank 0's clock decides, so both stop after the same step (a rank
-    that went on alone would hang in the next collective) and the run exits 0 with one checkpoint."""
-    out = str(tmp_path / "out")
-    run([*launch(2), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", out, "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_strategy", "no",
-         "--max_train_minutes", "0.001"], tmp_path)
-    assert [h["step"] for h in final_metrics(out) if "loss" in h] == [1]
-    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-1"]
 
 
 def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):
     r"""A run with greedy evaluation and the progress bars on, its output sent to a pipe as to a log file, prints
     one line per step, our INFO lines and the closing lines: no bar (a redraw's `\r`, a nested bar's cursor-up
     `\x1b[A`), and no warning that our code or recipe causes (transformers' generation-flag warning, TRL's
-    gradient_checkpointing deprecation, dill's pickling warning, bm25s' DEBUG lines were all seen once)."""
-    out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--max_steps", "1", "--eval_strategy", "steps",
-                                "--eval_steps", "1", "--eval_max_samples", "4", "--disable_tqdm", "false")
-    assert len(steps) == 1
+    gradient_checkpointing deprecation, dill's pickling warning, bm25s' DEBUG lines were all seen once). It is
+    also the default mode's 2-step run (test_two_steps_train_and_log_the_metrics's checks)."""
+    out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--eval_strategy", "steps", "--eval_steps", "1",
+                                "--eval_max_samples", "4", "--disable_tqdm", "false")
+    check_two_steps(tiny_agent_dir, out, steps, "mt_grpo", [])
     assert "step    1 |" in log  # StepPrinter's one line per step
     assert "\r" not in log and "\x1b[" not in log  # no bar of ours or of the libraries (quiet_library_bars)
     assert f"Run finished. Output folder: {out}\n  model: {out} " in log  # reporting.report_outputs

@@ -328,23 +328,31 @@ def test_corpus_path_errors(tmp_path, lines, error, message):
 # ----------------------------------------------------------------------------------------------------------------
 # TriviaQA without the hub
 
+OFFLINE = {  # a call, and what its error says
+    "load_task('triviaqa')": ["RuntimeError: TriviaQA (mandarjoshi/trivia_qa) could not be loaded: the dataset hub "
+                              "could not be reached", "dataset_name: fictional_kb", ".jsonl"],
+    "load_task('mt-grpo-tests/no-such-dataset', dataset_config='main')":
+        ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: the dataset hub could "
+         "not be reached and the dataset is not in the local cache"],
+}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("call, expected", [
-    ("load_task('triviaqa')", ["RuntimeError: TriviaQA (mandarjoshi/trivia_qa) could not be loaded: the dataset hub "
-                               "could not be reached", "dataset_name: fictional_kb", ".jsonl"]),
-    ("load_task('mt-grpo-tests/no-such-dataset', dataset_config='main')",
-     ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: the dataset hub could not "
-      "be reached and the dataset is not in the local cache"]),
-])
-def test_a_hub_dataset_offline_fails_with_a_clear_error(call, expected):
+def test_a_hub_dataset_offline_fails_with_a_clear_error():
     """Offline, a hub dataset fails at once with what to do instead (the subprocess's timeout catches a hang:
     huggingface_hub would retry an unreachable hub). `datasets` reads HF_HUB_OFFLINE / HF_DATASETS_OFFLINE when
-    it is imported, not when load_dataset runs, and this process imported it long ago: so a fresh interpreter."""
-    code = f"from tasks import load_task\ntry:\n    {call}\nexcept RuntimeError as e:\n    print('RuntimeError:', e)\n"
+    it is imported, not when load_dataset runs, and this process imported it long ago: so a fresh interpreter,
+    one for all the calls of OFFLINE (each prints its error after a line of its own)."""
+    code = "from tasks import load_task\n" + "".join(
+        f"print('--- {i}')\ntry:\n    {call}\nexcept RuntimeError as e:\n    print('RuntimeError:', e)\n"
+        for i, call in enumerate(OFFLINE))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert all(text in done.stdout for text in expected), done.stdout + done.stderr[-2000:]
+    printed = done.stdout.split("--- ")[1:]
+    assert len(printed) == len(OFFLINE), done.stdout
+    for out, (call, expected) in zip(printed, OFFLINE.items()):
+        assert all(text in out for text in expected), (call, done.stdout + done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("answer, aliases", [

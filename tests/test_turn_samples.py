@@ -21,6 +21,8 @@ from test_packing import gradient, scripted_trainer
 from test_scoring_path import task_files  # noqa: F401 (a fixture)
 from turn_samples import episode_samples, next_sample_prompt, sample_bounds, scored_parts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
+
 MODES = ("per_turn", "auto")
 
 
