@@ -28,7 +28,7 @@ CASES = [
     ("", ["--advantage_mode", "bogus"], ValueError, "`advantage_mode` is 'bogus'; choose one of"),
     ("", ["--weight_sync", "ftp"], ValueError, "`weight_sync` is 'ftp'"),
     ("", ["--turn_reward_weights", "1.0"], ValueError, "`turn_reward_weights` has 1 values but `turn_reward_funcs` has 2"),
-    ("turn_reward_funcs: []\n", [], ValueError, "`turn_advantage_coef` is 1.0 but `turn_reward_funcs` is empty"),
+    ("turn_reward_funcs: []\n", [], ValueError, "`advantage_mode: mt_grpo` credits turns, but the run has no turn reward"),
     ("", ["--per_device_train_batch_size", "6"], ValueError, "generation_batch_size (6) must be divisible by num_generations (4)"),
     ("", ["--max_tokens_per_turn", "500"], ValueError, "`max_tokens_per_turn` (500) exceeds `max_completion_length` (128)"),
     ("", ["--max_tool_response_tokens", "128"], ValueError, "`max_tool_response_tokens` (128) must be below"),
@@ -62,9 +62,10 @@ CASES = [
     ("", ["--loss_type", "vespo", "--vllm_importance_sampling_mode", "sequence_mask"], ValueError,
      "`loss_type: vespo` folds token-level importance weights"),
     # GRPOConfig fields this trainer replaces: each is refused with the name of ours
-    ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` ([1.0, 1.0, 1.0, 1.0, 1.0]) is not used by this trainer: set `turn_reward_weights`"),
+    # TRL's reward_weights weigh TRL's reward_funcs (here none); TRL's max_tool_calling_iterations is max_env_steps
+    ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` has 5 values but `reward_funcs` has 0 functions"),
     ("multi_objective_aggregation: normalize_then_sum\n", [], ValueError, "`multi_objective_aggregation` ('normalize_then_sum') is not used"),
-    ("max_tool_calling_iterations: 3\n", [], ValueError, "`max_tool_calling_iterations` (3) is not used by this trainer: set `max_env_steps`"),
+    ("max_tool_calling_iterations: 3\n", [], ValueError, "`max_env_steps` (2) and TRL's `max_tool_calling_iterations` (3) are one limit and disagree"),
     ("generation_kwargs: {no_repeat_ngram_size: 2}\n", [], ValueError, "`generation_kwargs` ({'no_repeat_ngram_size': 2}) is not used by this trainer: set the sampling fields"),
     ("vllm_mode: server\n", [], ValueError, "`vllm_mode` ('server') is not used by this trainer"),
     ("vllm_model_impl: transformers\n", [], ValueError, "`vllm_model_impl` ('transformers') is not used"),
