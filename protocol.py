@@ -94,9 +94,13 @@ def describe_tools(tools: list[Callable]) -> str:
         except ValueError:
             doc = (inspect.getdoc(fn) or "").strip().splitlines()
             schema = {"description": doc[0] if doc else "", "parameters": {}}
-        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {schema.get('description', '')}".rstrip())
+        # an MCP server's description is the whole docstring, and its arguments' text is in the Args section
+        description, *sections = re.split(r"\n\s*(?:Args|Arguments|Returns|Raises):", schema.get("description") or "")
+        documented = dict(re.findall(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)$", sections[0], re.M)) if sections else {}
+        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {description.strip()}".rstrip())
         for name, p in (schema.get("parameters") or {}).get("properties", {}).items():
-            text = p.get("description", "") + (f" (one of {', '.join(map(str, p['enum']))})" if "enum" in p else "")
+            text = p.get("description", documented.get(name, "")) + \
+                (f" (one of {', '.join(map(str, p['enum']))})" if "enum" in p else "")
             if text:
                 lines.append(f"    {name}: {text}")
     return "\n".join(lines)

@@ -366,9 +366,12 @@ def test_neutral_arguments_of_the_servers_tools(stdio_tools):
 
 def test_the_xml_prompt_describes_the_servers_search_as_the_local_one(stdio_tools, local_search):
     search = stdio_tools["search"]
+    # each argument's description too: from the local docstring's schema, and from the Args section of the
+    # description the server sends (its input schema has none)
     assert describe_tools([search]) == describe_tools([local_search]) == (
         "- search(query: str, num_results: int = 3) -> str: Search the knowledge base and return the best-matching "
-        "documents.")
+        "documents.\n    query: words to look up, e.g. \"capital of Veltria\".\n"
+        "    num_results: how many documents to return, from 1 to 10.")
     assert XMLProtocol().system_prompt([search]) == XMLProtocol().system_prompt([local_search])
 
 
