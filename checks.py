@@ -363,7 +363,7 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
                          "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
 
 
-# What TRL 1.16 passes every reward function besides the dataset's columns (reward_keywords gives the values here);
+# What TRL 1.16 passes every reward function besides the dataset's columns (the trainer's `_score` passes them here);
 # `environments` only in a run with an environment_factory, as in TRL.
 TRL_REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_extra",
                        "log_metric")

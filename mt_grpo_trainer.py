@@ -1612,8 +1612,9 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         columns = {**episode_columns(inputs, episodes), "completion_ids": [ep.completion_ids for ep in episodes]}
         keywords = dict(trainer_state=self.state, log_extra=self._log_completion_extra, log_metric=self._log_metric)
         tool_turns = [ep.tool_turns for ep in episodes]
-        longest = collect(torch.tensor([max(tool_turns, default=0)], device=device)).max().item()  # every process
-        K = turns or (max(1, longest) if self.script_args.advantage_mode == "per_turn" else 1)  # a column per tool turn
+        longest = lambda: collect(torch.tensor([max(tool_turns, default=0)], device=device)).max().item()  # noqa: E731
+        K = turns or (max(1, longest()) if self.script_args.advantage_mode == "per_turn" else 1)  # per_turn: a column
+        # per tool turn of the batch's longest episode (over every process: one mode on all, so all gather or none)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
                                                tool_turns, K, keywords).to(device))
         outcome = collect(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,

@@ -35,6 +35,7 @@ examples live in tasks/fictional_kb.py.
 To add a protocol: subclass Protocol, fill in its methods, and add it to PROTOCOLS.
 """
 
+import functools
 import inspect
 import json
 import os
@@ -86,23 +87,42 @@ def describe_tools(tools: list[Callable]) -> str:
     """Per tool, its signature and what TRL's JSON schema tells the model (tool_schemas): the description, then
     a line per argument with its description (and its choices, for an enum). A tool whose docstring gives no
     schema falls back to the docstring's first line (the xml format needs no schema)."""
-    lines = []
-    for fn in tools:
-        try:
-            schema = tool_schemas([fn])[0]
-            schema = schema.get("function", schema)
-        except ValueError:
-            doc = (inspect.getdoc(fn) or "").strip().splitlines()
-            schema = {"description": doc[0] if doc else "", "parameters": {}}
-        # an MCP server's description is the whole docstring, and its arguments' text is in the Args section
-        description, *sections = re.split(r"\n\s*(?:Args|Arguments|Returns|Raises):", schema.get("description") or "")
-        documented = dict(re.findall(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)$", sections[0], re.M)) if sections else {}
-        lines.append(f"- {fn.__name__}{inspect.signature(fn)}: {description.strip()}".rstrip())
-        for name, p in (schema.get("parameters") or {}).get("properties", {}).items():
-            text = p.get("description", documented.get(name, "")) + \
-                (f" (one of {', '.join(map(str, p['enum']))})" if "enum" in p else "")
-            if text:
-                lines.append(f"    {name}: {text}")
+    return "\n".join(_described(fn) for fn in tools)
+
+
+def _described(fn: Callable) -> str:
+    """describe_tools' text of one tool, made once per tool: every row's prompt lists the same tools, and a schema
+    takes about 4 ms to build from a docstring (4 s of start-up for a thousand rows). An unhashable callable is
+    described each time."""
+    try:
+        return _described_once(fn)
+    except TypeError:
+        if getattr(type(fn), "__hash__", None) is not None:
+            raise
+        return _describe_tool(fn)
+
+
+@functools.lru_cache(maxsize=1024)
+def _described_once(fn: Callable) -> str:
+    return _describe_tool(fn)
+
+
+def _describe_tool(fn: Callable) -> str:
+    try:
+        schema = tool_schemas([fn])[0]
+        schema = schema.get("function", schema)
+    except ValueError:
+        doc = (inspect.getdoc(fn) or "").strip().splitlines()
+        schema = {"description": doc[0] if doc else "", "parameters": {}}
+    # an MCP server's description is the whole docstring, and its arguments' text is in the Args section
+    description, *sections = re.split(r"\n\s*(?:Args|Arguments|Returns|Raises):", schema.get("description") or "")
+    documented = dict(re.findall(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)$", sections[0], re.M)) if sections else {}
+    lines = [f"- {fn.__name__}{inspect.signature(fn)}: {description.strip()}".rstrip()]
+    for name, p in (schema.get("parameters") or {}).get("properties", {}).items():
+        text = p.get("description", documented.get(name, "")) + \
+            (f" (one of {', '.join(map(str, p['enum']))})" if "enum" in p else "")
+        if text:
+            lines.append(f"    {name}: {text}")
     return "\n".join(lines)
 
 
