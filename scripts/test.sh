@@ -10,5 +10,9 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
     || echo "chromium could not be installed: the browser test will skip (and fail on CI)"
 fi
-# --durations: the slowest tests at the end of every run, to keep the suite short
-exec .venv/bin/python -m pytest tests -q --timeout=900 --durations=25 "$@"
+# Several pytest-xdist workers (MTGRPO_TEST_WORKERS; default one per core, at most 4), each test file on one of
+# them: a file's module fixtures (a vLLM server) start once, and its tests run in their order. Most of a test's
+# time is one thread (a subprocess's imports, a server's start-up), so 2 cores run 2 files at once.
+# --durations: the slowest tests at the end of every run, to keep the suite short.
+workers="${MTGRPO_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+exec .venv/bin/python -m pytest tests -q --timeout=900 --durations=25 -n "$workers" --dist loadfile "$@"

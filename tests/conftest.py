@@ -12,12 +12,54 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
+# The files that take minutes (live vLLM servers, SmolLM2 on CPU), slowest first: run first, so that no xdist
+# worker starts one of them while the others have finished everything else.
+LONG_FILES = ["test_vllm_server.py", "test_server_pool.py", "test_numerics_gap.py", "test_judge_live.py",
+              "test_packing.py", "test_mcp.py", "test_reliability.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: each file keeps its own order (a test that kills its server stays last)
+
+
+def shared_folder(tmp_path_factory, name: str, build) -> str:
+    """`build(folder)` once for the whole run, its folder shared by every pytest-xdist worker (scripts/test.sh
+    runs the suite in several): the first worker builds it under a lock, the others wait and read the same files,
+    so every worker tests the same models. Without xdist, the session's own temporary folder."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / name
+    done = root / (name + ".done")  # beside the folder: a model folder holds the model's files only
+    with FileLock(str(root / (name + ".lock"))):
+        if not done.exists():
+            build(str(folder))
+            done.touch()
+    return str(folder)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def threads_per_worker():
+    """One torch thread per xdist worker (as helpers.run gives every subprocess): two workers' threads spinning
+    on 2 cores, beside servers and subprocesses, would slow every test by more than the workers gain."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_agent_dir(tmp_path_factory):
     """The tiny model taught a little of the protocol: its episodes mix answers, tool calls and errors."""
     from prepare_models import make_tiny_agent_model
 
-    return make_tiny_agent_model(str(tmp_path_factory.mktemp("tiny-agent")))
+    return shared_folder(tmp_path_factory, "tiny-agent", make_tiny_agent_model)
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +67,7 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny random Qwen2 (untied embeddings) with a locally built ChatML tokenizer."""
     from prepare_models import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+    return shared_folder(tmp_path_factory, "tiny", make_tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +88,7 @@ def smollm2_dir(tmp_path_factory):
     folder = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
-    return convert_smollm2(str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"))
+    return shared_folder(tmp_path_factory, "SmolLM2-135M-Instruct", convert_smollm2)
 
 
 @pytest.fixture(scope="session")

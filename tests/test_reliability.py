@@ -113,9 +113,12 @@ def test_over_long_prompts_are_dropped_with_a_count(tiny_agent_dir, caplog):
 def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(tiny_agent_dir, tmp_path):
     flags = ["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--max_steps", "4", "--save_strategy", "no"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    # the reference: 4 steps in one go
+    # the reference: 4 steps in one go, beside the stopped run (each run is one thread)
     ref = str(tmp_path / "ref")
-    run([sys.executable, "mt_grpo_trainer.py", *flags, "--output_dir", ref], tmp_path)
+    reference_log = tmp_path / "reference.log"
+    with open(reference_log, "w") as f:  # a file, not a pipe: nothing reads it until the stopped run is done
+        reference_run = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", *flags, "--output_dir", ref],
+                                         cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     # stopped with SIGTERM after step 2 has been logged
     out = str(tmp_path / "out")
     proc = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", *flags, "--output_dir", out], cwd=ROOT, env=env,
@@ -126,6 +129,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(tiny_agent_dir,
             break
     proc.communicate(timeout=300)
     assert proc.returncode == 0
+    assert reference_run.wait(timeout=300) == 0, reference_log.read_text()[-6000:]
     checkpoints = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
     assert len(checkpoints) == 1
     stopped_at = int(checkpoints[0].split("-")[1])

@@ -36,9 +36,13 @@ def untied_server(tiny_agent_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_agent_dir(tmp_path_factory):
+    """The tiny agent with tied embeddings, taught the chat template's tool calls (helpers.make_chat_template_agent):
+    one server for the tied-weights tests, which use the xml protocol, and the chat_template test (a server start
+    is about a minute on 2 cores)."""
     from prepare_models import make_tiny_agent_model
 
-    return make_tiny_agent_model(str(tmp_path_factory.mktemp("tiny-agent-tied")), tie_word_embeddings=True)
+    tied = make_tiny_agent_model(str(tmp_path_factory.mktemp("tiny-agent-tied")), tie_word_embeddings=True)
+    return make_chat_template_agent(tied, str(tmp_path_factory.mktemp("tiny-agent-tied-template")))
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +219,12 @@ def test_stale_weights_stop_every_rank(untied_server, tiny_agent_dir, tmp_path):
     assert log.count("RuntimeError: After weight sync #2 (disk): stale weights") == 2, log[-4000:]
 
 
-def test_two_steps_with_chat_template_tool_calls(tiny_agent_dir, tmp_path):
-    """tool_format chat_template against a server of its own, serving a copy of the tiny agent whose tokenizer
+def test_two_steps_with_chat_template_tool_calls(tied_server, tied_agent_dir, tmp_path):
+    """tool_format chat_template against the tied server, serving a copy of the tiny agent whose tokenizer
     has Qwen2.5's template and <tool_call> tokens, taught a little to call tools through them
     (helpers.make_chat_template_agent): the weights stay in sync and the tool calls are answered."""
-    model_dir = make_chat_template_agent(tiny_agent_dir, str(tmp_path / "model"))
-    with cpu_server(model_dir, tmp_path / "server.log") as server:
-        steps = train_against(server.port, model_dir, tmp_path, "--save_rollouts_steps", "1", *CHAT_TEMPLATE_FLAGS)
+    steps = train_against(tied_server.port, tied_agent_dir, tmp_path, "--save_rollouts_steps", "1",
+                          *CHAT_TEMPLATE_FLAGS)
     # the prompts carry the tools as the template renders them (the xml protocol lists them in its system prompt)
     assert all("<tools>" in r["prompt_text"] for r in rollout_records(tmp_path / "out"))
     assert_synced_each_step(steps)
