@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 
 from fields import arg
+from weight_sync import WeightSync
 
 logger = logging.getLogger("mt_grpo")
 
@@ -42,8 +43,9 @@ class ServerPoolArguments:
     their rules."""
 
     vllm_server_urls: list[str] = arg([], "vllm_server: several vLLM servers, e.g. [http://node1:8000, "
-                                      "http://node2:8000]: each group goes to one, the weights reach all (server_pool.py;"
-                                      " scripts/slurm_launch.sh writes it). []: the one server of vllm_server_host:port.")
+                                      "http://node2:8000]: each group goes to one, the weights reach all "
+                                      "(server_pool.py; scripts/slurm_launch.sh writes it). []: the one server of "
+                                      "vllm_server_host:port.")
     vllm_server_loss: str = arg("retry", "vllm_server_urls: a server that stops answering: retry (its requests go to "
                                 "the others, synced alike; it stays out) | stop (the run stops naming it).")
 
@@ -51,7 +53,8 @@ class ServerPoolArguments:
 class GroupRouter:
     """Which server serves a conversation (pure bookkeeping, no HTTP). A group is known by its prompt ids; a context
     that starts with a known prompt goes where that prompt went, while that server lives. `load[i]`: tokens
-    outstanding on server i (`start` adds a request's, `finish` takes them off)."""
+    outstanding on server i (`route` adds a conversation's as it chooses, under one lock, so that requests routed at
+    once see each other; `finish` takes them off)."""
 
     def __init__(self, servers: int, max_groups: int = 65536):
         self.alive = [True] * servers
@@ -62,17 +65,23 @@ class GroupRouter:
         self._lengths: collections.Counter[int] = collections.Counter()  # prompt lengths among the known groups
         self._lock = threading.Lock()
 
-    def route(self, ids: list[int]) -> int:
-        """The server for a conversation whose context is `ids`: its group's, or a new group's (the least loaded)."""
+    def route(self, ids: list[int], tokens: int = 0) -> int:
+        """The server for a conversation whose context is `ids`: its group's, or a new group's (the least loaded);
+        `tokens` (what the request asks of it, request_tokens) join that server's load until `finish`."""
         with self._lock:
-            for length in sorted(self._lengths, reverse=True):  # the longest known prompt that `ids` starts with
-                key = (length, hash(tuple(ids[:length]))) if length <= len(ids) else None
-                if key in self._groups:
-                    if self.alive[server := self._groups[key]]:
-                        self._groups.move_to_end(key)
-                        return server
-                    return self._assign(key)  # its server was lost: the group moves, once, to a live one
-            return self._assign((len(ids), hash(tuple(ids))))
+            server = self._route(ids)
+            self.load[server] += tokens
+            return server
+
+    def _route(self, ids: list[int]) -> int:
+        for length in sorted(self._lengths, reverse=True):  # the longest known prompt that `ids` starts with
+            key = (length, hash(tuple(ids[:length]))) if length <= len(ids) else None
+            if key in self._groups:
+                if self.alive[server := self._groups[key]]:
+                    self._groups.move_to_end(key)
+                    return server
+                return self._assign(key)  # its server was lost: the group moves, once, to a live one
+        return self._assign((len(ids), hash(tuple(ids))))
 
     def _assign(self, key: tuple[int, int]) -> int:
         live = [i for i, ok in enumerate(self.alive) if ok]
@@ -93,10 +102,6 @@ class GroupRouter:
         self._lengths[length] -= 1
         if not self._lengths[length]:
             del self._lengths[length]
-
-    def start(self, server: int, tokens: int) -> None:
-        with self._lock:
-            self.load[server] += tokens
 
     def finish(self, server: int, tokens: int) -> None:
         with self._lock:
@@ -129,14 +134,16 @@ class ServerPool:
     can_submit = True
 
     def __init__(self, clients: list, on_loss: str = "retry"):
-        from weight_sync import WeightSync
-
         if on_loss not in SERVER_LOSS:
             raise ValueError(f"vllm_server_loss must be one of {', '.join(SERVER_LOSS)}; got {on_loss!r}.")
         models = {c.base_url: c.base_model_name for c in clients}
         if len(set(models.values())) > 1:
             raise ValueError(f"The servers of `vllm_server_urls` serve different models ({models}): start every one "
                              "with the same --model, the trainer's.")
+        if any(c.params != clients[0].params for c in clients):  # ties: from each server's device (server_sampler)
+            raise ValueError("The servers of `vllm_server_urls` truncate top-k/top-p ties differently ("
+                             f"{ {c.base_url: c.params.ties for c in clients} }): run them on one kind of device, "
+                             "or set `vllm_tie_rule`.")
         self.clients, self.on_loss = list(clients), on_loss
         self.router = GroupRouter(len(clients))
         first = clients[0]
@@ -198,7 +205,8 @@ class ServerPool:
         while todo:
             by_server: dict[int, list[int]] = {}
             for i in todo:
-                by_server.setdefault(self.router.route(prompts[i]), []).append(i)
+                tokens = request_tokens([prompts[i]], [max_tokens[i]], n)
+                by_server.setdefault(self.router.route(prompts[i], tokens), []).append(i)
             jobs = {self.parts.submit(self._on_server, s, [prompts[i] for i in idx], [max_tokens[i] for i in idx],
                                       n, params): (s, idx) for s, idx in by_server.items()}
             todo = []
@@ -209,17 +217,17 @@ class ServerPool:
                 except ConnectionError as error:
                     self._lost(server, error)  # raises unless the pool goes on without it
                     todo += idx
-                    self.retried_requests += 1
+                    with self.router._lock:
+                        self.retried_requests += 1
         return [s for samples in out for s in samples]
 
     def _on_server(self, server: int, prompts: list[list[int]], max_tokens: list[int], n: int, params) -> list:
-        """The client's samples of `prompts`, grouped back by prompt (n each)."""
-        tokens = request_tokens(prompts, max_tokens, n)
-        self.router.start(server, tokens)
+        """The client's samples of `prompts`, grouped back by prompt (n each); their tokens leave the server's load
+        when it answers or fails."""
         try:
             samples = self.clients[server].generate(prompts, max_tokens, n, params)
         finally:
-            self.router.finish(server, tokens)
+            self.router.finish(server, request_tokens(prompts, max_tokens, n))
         return [samples[j * n : (j + 1) * n] for j in range(len(prompts))]
 
     def _lost(self, server: int, error: Exception) -> None:

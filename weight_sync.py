@@ -229,9 +229,11 @@ class WeightSync:
         trainer's under the same processing (policy_sampler_logprobs), not the raw model's (sampler_probe_verdict).
         Catches a server started without `--logprobs-mode processed_logprobs` that /server_info could not tell, and
         processing the two sides do differently. Every rank runs the trainer forward; every rank judges and stops."""
-        metrics = {}
-        for server in each_server(self.client):  # every server of a pool (server_pool.py)
-            metrics = self._check_sampler_on(server, model, accelerator, tokens) or metrics
+        metrics, key = {}, "sync/sampler_probe_logprob_sum_diff"
+        for server in each_server(self.client):  # every server of a pool (server_pool.py); the metrics: the worst's
+            judged = self._check_sampler_on(server, model, accelerator, tokens)
+            if judged and abs(judged[key]) >= abs(metrics.get(key, 0.0)):
+                metrics = judged
         return metrics
 
     def _check_sampler_on(self, server, model, accelerator, tokens: int) -> dict:
