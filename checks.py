@@ -84,6 +84,7 @@ def check_script_args(args) -> None:
     check_choice("vllm_tie_rule", TIE_RULES)
     check_choice("answer_type", ANSWER_TYPES)
     check_judge_args(args)
+    check_server_urls(args)
     for kind in ("turn", "outcome"):
         funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
         if weights is not None and funcs is None:
@@ -123,6 +124,32 @@ def check_script_args(args) -> None:
     if args.save_rollouts_steps < 0:
         raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, "
                          f"got {args.save_rollouts_steps}.")
+
+
+def check_server_urls(args) -> None:
+    """`vllm_server_urls` and `vllm_server_loss` (server_pool.py), against TRL's one-server fields when the config has
+    them (MTGRPOConfig; the script arguments alone do not)."""
+    from server_pool import SERVER_LOSS
+
+    urls = args.vllm_server_urls
+    if args.vllm_server_loss not in SERVER_LOSS:
+        raise ValueError(f"`vllm_server_loss` is {args.vllm_server_loss!r}; choose one of {list(SERVER_LOSS)}.")
+    if not urls:
+        return
+    if args.generation_backend != "vllm_server":
+        raise ValueError(f"`vllm_server_urls` is set but `generation_backend` is {args.generation_backend!r}: set "
+                         "`generation_backend: vllm_server`, or remove `vllm_server_urls`.")
+    if bad := [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]:
+        raise ValueError(f"`vllm_server_urls` holds {bad}: give each server as http://HOST:PORT.")
+    if len({u.rstrip("/") for u in urls}) < len(urls):
+        raise ValueError(f"`vllm_server_urls` names a server twice ({urls}): list each once.")
+    one_server = {name: getattr(args, name) for name, default in
+                  (("vllm_server_base_url", None), ("vllm_server_host", "0.0.0.0"), ("vllm_server_port", 8000))
+                  if getattr(args, name, default) != default}
+    if one_server:
+        raise ValueError(f"`vllm_server_urls` and {', '.join(f'`{k}: {v}`' for k, v in one_server.items())} both say "
+                         "where the server is: put every server in `vllm_server_urls` and remove "
+                         f"{', '.join(f'`{k}`' for k in one_server)} (TRL's one-server fields).")
 
 
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # MT-GRPO on one node: vLLM serves generation on the last GPU(s), accelerate trains on the others.
+# Several nodes under SLURM: scripts/slurm_launch.sh.
 #
 #   ./launch.sh [--dry-run] RECIPE.yaml [trainer flags...]
 #   NUM_GPUS=8 ./launch.sh --dry-run hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
@@ -53,26 +54,10 @@ fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
 JUDGE_DEVICES=$(seq -s, "$TRAIN_GPUS" $((TRAIN_GPUS + JUDGE_GPUS - 1)))
 VLLM_DEVICES=$(seq -s, $((TRAIN_GPUS + JUDGE_GPUS)) $((NUM_GPUS - 1)))
-recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
+source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, show
 MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
-
-# LoRA (use_peft: true in the recipe, or --use_peft true among the flags): the server loads each synced
-# adapter at run time (lora_sync: adapter), of rank up to lora_r (TRL's default 16) rounded up to a rank
-# vLLM accepts; two versions loaded at once (async_rollout keeps the previous one until its batch ends).
-flag_value() { local key=$1; shift; local prev=""; for a in "$@"; do [ "$prev" = "--$key" ] && echo "$a"; prev=$a; done; }
-USE_PEFT=$(flag_value use_peft "$@"); USE_PEFT=${USE_PEFT:-$(recipe_value use_peft)}
-LORA_ENV=() LORA_ARGS=()
-if [ "$USE_PEFT" = "true" ]; then
-  LORA_R=$(flag_value lora_r "$@"); LORA_R=${LORA_R:-$(recipe_value lora_r)}; LORA_R=${LORA_R:-16}
-  MAX_LORA_RANK=""
-  for r in 1 8 16 32 64 128 256 320 512; do
-    if [ "$r" -ge "$LORA_R" ]; then MAX_LORA_RANK=$r; break; fi
-  done
-  [ -n "$MAX_LORA_RANK" ] || { echo "launch.sh: lora_r $LORA_R is above 512, the largest rank vLLM serves" >&2; exit 2; }
-  LORA_ENV=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
-  LORA_ARGS=(--enable-lora --max-lora-rank "$MAX_LORA_RANK" --max-loras 2)
-fi
+lora_server_flags "$@"  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
 
 VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
   "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
@@ -93,13 +78,6 @@ TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server
   --vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT" "${JUDGE_FLAGS[@]}" "$@")
 
-show() {  # print a command so that it can be pasted into a shell
-  local out=() a
-  for a in "$@"; do
-    if [[ "$a" =~ ^[A-Za-z0-9_,./:=+@-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
-  done
-  echo "${out[*]}"
-}
 if [ "$DRY_RUN" = 1 ]; then
   TOOL_FORMAT=$(recipe_value tool_format)
   echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands

@@ -76,6 +76,7 @@ from fields import arg, parse_recipe
 from packing import PackedForward, prefilled_inputs
 from rewards import failing_sample
 from rewards.judge import JudgeArguments
+from server_pool import ServerPool, ServerPoolArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, cut_tool_output, run_turns
 from turn_samples import next_sample_prompt, scored_parts
@@ -88,7 +89,7 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(JudgeArguments):
+class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
     """Arguments of the multi-turn environment and of MT-GRPO, and the LLM judge's (rewards/judge.py). Training
     arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
     ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
@@ -1729,21 +1730,20 @@ def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> Mul
 
 
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):
-    params = SamplingParams.from_config(args)
-    stop_strings, eos_token_ids = env.protocol.stop_strings, env.eos_token_ids
+    params, stop_strings, eos_token_ids = SamplingParams.from_config(args), env.protocol.stop_strings, env.eos_token_ids
     if script_args.generation_backend == "transformers":
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
                                    stop_strings=stop_strings,
                                    gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
-    return VLLMServerClient(
-        base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}",
+    client = lambda url: VLLMServerClient(base_url=url,  # noqa: E731
         params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
         startup_timeout=args.vllm_server_timeout, request_timeout=script_args.vllm_request_timeout,
         max_concurrent_requests=script_args.vllm_max_concurrent_requests,
         max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
         weight_sync=WeightSyncConfig.from_args(script_args, args), probes=Probes.render(env.render_ids),
         tie_rule=script_args.vllm_tie_rule)
+    return ServerPool.connect(script_args, args, client)  # one server: its client; several: a pool that routes
 
 
 def parse_args(argv: list[str] | None = None):

@@ -5,7 +5,8 @@ it held before (`probe_verdict`); after the first, the logprobs it reports for 1
 open question (`SAMPLING_PROBE`) must add up to the trainer's under the recipe's sampling processing, not to the raw
 model's (`sampler_probe_verdict`). A failed check stops every rank.
 `VLLMServerClient` (mt_grpo_trainer.py) owns one `WeightSync` and calls it before each rollout that follows
-an optimizer step; the HTTP calls stay on the client."""
+an optimizer step; the HTTP calls stay on the client. Over several servers (`ServerPool`, server_pool.py) each call
+reaches every server, and each server is probed on its own."""
 
 import contextlib
 import logging
@@ -94,7 +95,7 @@ class WeightSync:
         self.syncs = 0
         self._nccl = None
         self._probe_reference: torch.Tensor | None = None  # trainer's probe logprobs at the last verified sync
-        self._probe_noise = 0.0  # server-vs-trainer RMS difference at that sync
+        self._probe_noise: dict[str, float] = {}  # per server URL: server-vs-trainer RMS difference at that sync
         self.adapters: list[tuple[str, str]] = []  # (name, folder) of the adapter versions loaded, oldest first
         self._run_tag: str | None = None  # in adapter names: unique to this run
 
@@ -182,12 +183,14 @@ class WeightSync:
         hint = ("Check that the server runs with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                 f"'{{\"backend\": \"nccl\"}}', and that it can reach "
                 f"{cfg.nccl_master_address}:{cfg.nccl_master_port}.")
-        if self._nccl is None:
-            self._nccl = run_with_timeout(
-                lambda: make_nccl_weight_sync(self.client, model, accelerator.process_index, cfg.nccl_master_address,
-                                              cfg.nccl_master_port),
-                cfg.timeout, "NCCL weight-transfer setup", hint)
-        run_with_timeout(self._nccl.send_weights, cfg.timeout, "NCCL weight sync", hint)
+        if self._nccl is None:  # one group per server, on ports nccl_master_port, + 1, ... (server_pool.py)
+            self._nccl = [run_with_timeout(
+                lambda: make_nccl_weight_sync(server, model, accelerator.process_index, cfg.nccl_master_address,
+                                              cfg.nccl_master_port + i),
+                cfg.timeout, f"NCCL weight-transfer setup with {server.base_url}", hint)
+                for i, server in enumerate(each_server(self.client))]
+        for group in self._nccl:
+            run_with_timeout(group.send_weights, cfg.timeout, "NCCL weight sync", hint)
         if accelerator.is_main_process:
             self.client.reset_prefix_cache()
 
@@ -199,17 +202,21 @@ class WeightSync:
         with torch.no_grad():
             ours = policy_prompt_logprobs(model, self.probes.weights)
         verdict = [None, {}]
-        if accelerator.is_main_process:
-            theirs = torch.tensor(self.client.prompt_logprobs(self.probes.weights))
+        if accelerator.is_main_process:  # every server of a pool is judged; the metrics are the worst server's
             reference = self._probe_reference if self._probe_reference is not None else ours
-            error, metrics, verified = probe_verdict(ours, reference, theirs, self._probe_noise,
-                                                     self.config.probe_tolerance)
-            if verified:
+            servers, judged = each_server(self.client), []
+            for server in servers:
+                theirs = torch.tensor(server.prompt_logprobs(self.probes.weights))
+                judged.append(probe_verdict(ours, reference, theirs, self._probe_noise.get(server.base_url, 0.0),
+                                            self.config.probe_tolerance))
+                if judged[-1][2]:
+                    self._probe_noise[server.base_url] = judged[-1][1]["sync/probe_rms_diff"]
+            if all(verified for _, _, verified in judged):
                 self._probe_reference = ours
-                self._probe_noise = metrics["sync/probe_rms_diff"]
-            if error:
-                error = f"After weight sync #{self.syncs} ({self.config.method}): {error}"
-            verdict = [error, metrics]
+            error = next((f"After weight sync #{self.syncs} ({self.config.method})"
+                          f"{f', the vLLM server at {s.base_url}' if len(servers) > 1 else ''}: {e}"
+                          for s, (e, _, _) in zip(servers, judged) if e), None)
+            verdict = [error, {k: max(m[k] for _, m, _ in judged) for k in judged[0][1]}]
         verdict = broadcast_object_list(verdict) if accelerator.num_processes > 1 else verdict
         if verdict[0]:
             raise RuntimeError(verdict[0])
@@ -222,10 +229,18 @@ class WeightSync:
         trainer's under the same processing (policy_sampler_logprobs), not the raw model's (sampler_probe_verdict).
         Catches a server started without `--logprobs-mode processed_logprobs` that /server_info could not tell, and
         processing the two sides do differently. Every rank runs the trainer forward; every rank judges and stops."""
+        metrics, key = {}, "sync/sampler_probe_logprob_sum_diff"
+        for server in each_server(self.client):  # every server of a pool (server_pool.py); the metrics: the worst's
+            judged = self._check_sampler_on(server, model, accelerator, tokens)
+            if judged and abs(judged[key]) >= abs(metrics.get(key, 0.0)):
+                metrics = judged
+        return metrics
+
+    def _check_sampler_on(self, server, model, accelerator, tokens: int) -> dict:
         sample = [None]
         if accelerator.is_main_process:
-            (sample[0],) = self.client._complete([self.probes.sampling], tokens, 1, self.client.params, stop=[],
-                                                 stop_token_ids=[], ignore_eos=True)[0]
+            (sample[0],) = server._complete([self.probes.sampling], tokens, 1, server.params, stop=[],
+                                            stop_token_ids=[], ignore_eos=True)[0]
         sample = broadcast_object_list(sample) if accelerator.num_processes > 1 else sample
         ids, theirs = sample[0].token_ids, torch.tensor(sample[0].logprobs)
         if not ids:
@@ -238,7 +253,7 @@ class WeightSync:
             raw = self.score_sampled(model, *args, processed=False)[0].cpu()
         error, metrics = sampler_probe_verdict(theirs, processed, raw, self.config.probe_tolerance)
         if error:
-            raise RuntimeError(f"Sampling probe against the vLLM server at {self.client.base_url}: {error}")
+            raise RuntimeError(f"Sampling probe against the vLLM server at {server.base_url}: {error}")
         gap, n = metrics["sync/sampler_probe_raw_sum_gap"], len(ids)
         if gap != 0 and abs(gap) <= raw_sum_gap_needed(self.config.probe_tolerance, n) and accelerator.is_main_process:
             logger.warning("The sampling probe cannot tell whether the vLLM server reports processed or raw logprobs: "
@@ -248,6 +263,11 @@ class WeightSync:
                            n, gap, raw_sum_gap_needed(self.config.probe_tolerance, n), self.config.probe_tolerance)
         return metrics
 
+
+
+def each_server(client) -> list:
+    """The servers a sync reaches and the probes ask: a ServerPool's live clients (server_pool.py), or the client."""
+    return getattr(client, "servers", None) or [client]
 
 
 def policy_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -93,3 +93,75 @@ def test_a_judge_gets_its_own_server_and_gpu():
     assert two[1].startswith("env CUDA_VISIBLE_DEVICES=5,6 ") and "--tensor-parallel-size 2" in two[1]
     crowded = dry_run(RECIPE, NUM_GPUS="2", JUDGE_MODEL="m")
     assert crowded.returncode == 2 and "1 for the judge (JUDGE_GPUS)" in crowded.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# scripts/slurm_launch.sh --dry-run under a fake SLURM allocation
+# ------------------------------------------------------------------------------------------------
+def slurm_dry_run(tmp_path, nodelist, *args, scontrol: str | None = None, **env):
+    """The dry run with SLURM's variables set and a PATH of the few tools it needs: no scontrol (the script expands
+    the node list itself), or a stub scontrol that prints `scontrol`'s lines."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("bash", "seq", "awk", "sed", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    if scontrol is not None:
+        (bin_dir / "scontrol").write_text(f"#!{shutil.which('bash')}\nprintf '%s\\n' {scontrol}\n")
+        (bin_dir / "scontrol").chmod(0o755)
+    return subprocess.run(["bash", "scripts/slurm_launch.sh", "--dry-run", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30, env={"PATH": str(bin_dir), "SLURM_JOB_NODELIST": nodelist, **env})
+
+
+def test_slurm_dry_run_prints_each_nodes_commands(tmp_path):
+    """Three nodes of two GPUs, the last serving: two servers there (one GPU and port each), and accelerate on the
+    two others with machine ranks 0 and 1, the first node as main process and NCCL rendezvous, every server's URL."""
+    out = slurm_dry_run(tmp_path, "gpu[07-08],gpu10", RECIPE, "--max_steps", "3", SLURM_GPUS_ON_NODE="2")
+    assert out.returncode == 0, out.stderr
+    server = ("srun --nodes=1 --ntasks=1 --nodelist=gpu10 --overlap env CUDA_VISIBLE_DEVICES={gpu} VLLM_SERVER_DEV_MODE=1 "
+              "python -m vllm.entrypoints.openai.api_server --model Qwen/Qwen2.5-7B-Instruct --host 0.0.0.0 --port {port} "
+              "--tensor-parallel-size 1 --gpu-memory-utilization 0.9 --max-model-len 4096 --logprobs-mode "
+              "processed_logprobs --generation-config vllm --weight-transfer-config '{{\"backend\": \"nccl\"}}' &")
+    train = ("srun --nodes=1 --ntasks=1 --nodelist={node} --overlap python -m accelerate.commands.launch --config_file "
+             "accelerate_configs/zero3_multinode.yaml --num_machines 2 --num_processes 4 --machine_rank {rank} "
+             f"--main_process_ip gpu07 --main_process_port 29500 mt_grpo_trainer.py --config {RECIPE} "
+             "--generation_backend vllm_server --vllm_server_urls http://gpu10:8000 http://gpu10:8001 "
+             "--nccl_master_address gpu07 --nccl_master_port 51216 --max_steps 3 &")
+    assert out.stdout.splitlines() == [
+        "# gpu10: vLLM server http://gpu10:8000", server.format(gpu=0, port=8000),
+        "# gpu10: vLLM server http://gpu10:8001", server.format(gpu=1, port=8001),
+        "# wait for http://gpu10:8000/health http://gpu10:8001/health (at most 900s), then:",
+        "# gpu07: training, machine_rank 0", train.format(node="gpu07", rank=0),
+        "# gpu08: training, machine_rank 1", train.format(node="gpu08", rank=1),
+        "# wait for the training steps; on exit, failure or cancel, stop every step"]
+
+
+def test_slurm_dry_run_with_tensor_parallel_servers_lora_and_scontrol(tmp_path):
+    """VLLM_TP=2 on nodes of four GPUs: two servers a node on GPUs 0,1 and 2,3; two vLLM nodes; a LoRA recipe's
+    servers load adapters; the node list from a stub scontrol, not from SLURM_JOB_NODELIST."""
+    out = slurm_dry_run(tmp_path, "ignored[1-9]", "hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo_lora.yaml",
+                        scontrol="a1 b2 c3", GPUS_PER_NODE="4", VLLM_TP="2", VLLM_NODES="2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    servers = [line for line in lines if "vllm.entrypoints" in line]
+    assert [(s.split("--nodelist=")[1].split()[0], s.split("CUDA_VISIBLE_DEVICES=")[1].split()[0],
+             s.split("--port ")[1].split()[0]) for s in servers] == [
+        ("b2", "0,1", "8000"), ("b2", "2,3", "8001"), ("c3", "0,1", "8000"), ("c3", "2,3", "8001")]
+    assert all("--tensor-parallel-size 2 " in s and s.endswith("--enable-lora --max-lora-rank 64 --max-loras 2 &")
+               for s in servers)
+    (train,) = [line for line in lines if "accelerate.commands.launch" in line]
+    assert "--nodelist=a1 " in train and "--num_machines 1 --num_processes 4 --machine_rank 0 " in train
+    assert "--vllm_server_urls http://b2:8000 http://b2:8001 http://c3:8000 http://c3:8001 " in train
+
+
+@pytest.mark.parametrize("nodelist, env, message", [
+    ("gpu1", {}, "1 node(s) (gpu1) and VLLM_NODES=1: at least one node must serve and one train"),
+    ("gpu[1-2]", {"VLLM_NODES": "2"}, "at least one node must serve and one train"),
+    ("gpu[1-2]", {"GPUS_PER_NODE": "8", "VLLM_TP": "3"}, "VLLM_TP=3 does not divide GPUS_PER_NODE=8"),
+    ("rack[1-2]-n[1-2]", {}, "cannot expand 'rack[1-2]-n[1-2]' without scontrol"),
+    ("", {}, "SLURM_JOB_NODELIST is not set"),
+])
+def test_slurm_bad_settings_fail_clearly(tmp_path, nodelist, env, message):
+    out = slurm_dry_run(tmp_path, nodelist, RECIPE, **env)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -61,6 +61,15 @@ CASES = [
     ("", ["--mask_zero_advantage_groups", "true", "--loss_type", "unknown"], ValueError, "loss_type"),
     ("", ["--loss_type", "vespo", "--vllm_importance_sampling_mode", "sequence_mask"], ValueError,
      "`loss_type: vespo` folds token-level importance weights"),
+    # several servers (server_pool.py): the one-server fields beside them, another backend, a bad URL or loss setting
+    ("vllm_server_urls: [http://127.0.0.1:1, http://127.0.0.1:2]\n", ["--generation_backend", "vllm_server",
+     "--vllm_server_port", "8001"], ValueError, "put every server in `vllm_server_urls` and remove `vllm_server_port`"),
+    ("vllm_server_urls: [http://127.0.0.1:1, http://127.0.0.1:2]\n", ["--generation_backend", "transformers"],
+     ValueError, "`vllm_server_urls` is set but `generation_backend` is 'transformers': set `generation_backend: "
+                 "vllm_server`"),
+    ("vllm_server_urls: [127.0.0.1:1, http://127.0.0.1:2]\n", ["--generation_backend", "vllm_server"], ValueError,
+     "`vllm_server_urls` holds ['127.0.0.1:1']: give each server as http://HOST:PORT"),
+    ("", ["--vllm_server_loss", "ignore"], ValueError, "`vllm_server_loss` is 'ignore'; choose one of ['retry', 'stop']"),
     # GRPOConfig fields this trainer replaces: each is refused with the name of ours
     # TRL's reward_weights weigh TRL's reward_funcs (here none); TRL's max_tool_calling_iterations is max_env_steps
     ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` has 5 values but `reward_funcs` has 0 functions"),
