@@ -266,6 +266,17 @@ def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         yield row, trie_attention_mask(row, attention, windows, inner.dtype), len(trie.tokens)
 
 
+def rank_max(n: int, device: torch.device) -> int:
+    """The largest `n` over the ranks (one small all-reduce); `n` on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return n
+    count = torch.tensor([n], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def matched_forwards(items: list, device: torch.device):
     """This rank's `items` (one forward each), then None until every rank has had as many: the one rule that keeps
     the collectives of a step matched across ranks. Under ZeRO-3 and FSDP every forward gathers each layer's
@@ -273,14 +284,9 @@ def matched_forwards(items: list, device: torch.device):
     times; but how many forwards a rank makes depends on its own episodes (one per trie under
     `max_tokens_per_microbatch`, one per sample in policy_sampler_logprobs). So the count is reduced to its maximum
     over ranks (one small all-reduce), and at each None the caller runs an empty forward: a tiny input through the
-    same model, whose output adds nothing to any result or gradient. On one process, nothing is added."""
-    import torch.distributed as dist
-
-    most = len(items)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        count = torch.tensor([most], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        most = int(count.item())
+    same model, whose output adds nothing to any result or gradient. On one process, nothing is added. Which path a
+    batch takes (packed or padded) is chosen the same way on every rank (PackedForward.row_samples)."""
+    most = rank_max(len(items), device)
     yield from items
     yield from [None] * (most - len(items))
 
@@ -408,8 +414,10 @@ class PackedForward:
     @contextmanager
     def row_samples(self, sample_starts: torch.Tensor | None):
         """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
-        the forward with ids and masks only, so the layout reaches it here."""
-        self._sample_starts = sample_starts if sample_starts is not None and bool(sample_starts.any()) else None
+        the forward with ids and masks only, so the layout reaches it here. Packed on every rank if any rank's rows
+        are split (rank_max): a rank on the padded path would make other forwards, and other collectives."""
+        split = sample_starts is not None and rank_max(int(sample_starts.any()), sample_starts.device)
+        self._sample_starts = sample_starts if split else None
         try:
             yield
         finally:
