@@ -13,6 +13,11 @@ launch` can start it on several processes:
         first sync (the server keeps the weights it had at the start)
     python tests/run_trainer.py stale_adapter base|first <trainer flags>
         LoRA adapter sync whose requests keep naming the base model, or the first adapter version
+    python tests/run_trainer.py sharded SCRIPT.json OUT_DIR <trainer flags>
+        trains (max_steps) with the scripted policy as an external sampler under top-p 0.9 / top-k 20, so that the
+        importance weights score the samples with policy_sampler_logprobs; under `accelerate launch` with a DeepSpeed
+        config on CPU (DS_ACCELERATOR=cpu). Writes OUT_DIR/rank-r.json: its forwards and collectives
+        (counted_collectives) and the steps it trained
     python tests/run_trainer.py fsdp2 MODEL_DIR OUT_DIR
         the trainer's forwards of one step (policy_sampler_logprobs under top-p / top-k, packed log-probs of rows split
         into samples under a token budget, an importance-weighted loss, its backward) on a model sharded by FSDP2
@@ -152,6 +157,27 @@ def sharded_batch(vocab: int):
     return ids, att, parts[0][2], starts
 
 
+def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    from mt_grpo_trainer import SamplingParams
+    from scripted_policy import ScriptedSampler
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        import deepspeed.ops  # its shared-memory all-reduce is a C++ op that compiled for 8+ minutes here: gloo's
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    with open(script_path) as f:
+        script = json.load(f)["script"]
+    params = SamplingParams(top_p=0.9, top_k=20)
+    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedSampler(env.tokenizer, script, params))
+    counts = {}
+    counted_collectives(trainer.model, counts)
+    trainer.train()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank-{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({**counts, "steps": trainer.state.global_step}, f)
+    return trainer
+
+
 def fsdp2(model_dir: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -223,6 +249,8 @@ if __name__ == "__main__":
         trainer = stale(sys.argv[2:])
     elif sys.argv[1] == "stale_adapter":
         trainer = stale_adapter(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "sharded":
+        trainer = sharded(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "fsdp2":
         fsdp2(sys.argv[2], sys.argv[3])
         raise SystemExit(0)

@@ -2,7 +2,8 @@
 backward reduces gradients, so all ranks must make the same forwards, however many samples and tries their own
 episodes give. packing.matched_forwards is the one rule; here a model sharded by FSDP2 over gloo, on 2 CPU processes
 with unequal rows (tests/run_trainer.py fsdp2), makes the same forwards and collectives on both, does not hang, and
-gives the gradient one unsharded process gives on the whole batch."""
+gives the gradient one unsharded process gives on the whole batch; and the trainer under the shipped zero3.yaml
+trains 2 steps on 2 CPU processes with unequal episodes (DeepSpeed installed)."""
 
 import json
 
@@ -48,3 +49,53 @@ def test_the_sharded_gradient_is_the_one_process_gradient(fsdp2_step):
     assert largest > 0
     for name in single:
         assert (sharded[name] - single[name]).abs().max() <= 1e-6 * largest, name
+
+
+def test_zero3_trains_two_steps_with_unequal_episodes_on_two_cpu_processes(tiny_agent_dir, tmp_path):
+    """The shipped accelerate_configs/zero3.yaml, rewritten only where a CPU needs it (2 processes, no bf16), under
+    `accelerate launch` with DeepSpeed's CPU accelerator: the trainer with an external scripted sampler (top-p,
+    top-k: the importance weights' sampler forwards), rows split per turn, a budget of 1,000 tokens. Rank 0's group
+    answers at once, rank 1's calls two tools: 1 trie against 8, 4 samples against 12; both make the maximum, and
+    train 2 steps without a hang (the launch's timeout fails the test)."""
+    pytest.importorskip("deepspeed")
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from helpers import ROOT
+    from test_scoring_path import QA, QB, SCRIPT
+
+    config = yaml.safe_load(open(os.path.join(ROOT, "accelerate_configs", "zero3.yaml")))
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
+    config.update(num_processes=2, mixed_precision="no")
+    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "spec.json").write_text(json.dumps({"script": SCRIPT}))
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n"
+                                         + json.dumps({"question": QB, "answer": ["Ada Lovelace"]}) + "\n")
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"title": "Morvane", "text": "Morvane was founded by Ada."}))
+    flags = ["--config", "tests/recipes/tiny.yaml", "--model_name_or_path", tiny_agent_dir,
+             "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "data.jsonl"),
+             "--corpus_path", str(tmp_path / "corpus.jsonl"), "--turn_reward_funcs", "tool_execution_reward_func",
+             "--outcome_reward_funcs", "exact_match_reward_func", "--max_completion_length", "512",
+             "--max_tokens_per_turn", "128", "--max_tool_response_tokens", "64", "--per_device_train_batch_size", "4",
+             "--shuffle_dataset", "false", "--turn_samples", "per_turn", "--max_tokens_per_microbatch", "1000",
+             "--top_p", "0.9", "--top_k", "20"]
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml"),
+             "tests/run_trainer.py", "sharded", str(tmp_path / "spec.json"), str(tmp_path / "dump"), *flags],
+            tmp_path, timeout=400)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the 2-process ZeRO-3 run hung")
+    finally:
+        del os.environ["DS_ACCELERATOR"]
+    rank0, rank1 = [json.loads((tmp_path / "dump" / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert rank0["steps"] == rank1["steps"] == 2
+    assert [made for _, made in rank0["matched"]] == [made for _, made in rank1["matched"]]
+    assert any(own0 < own1 for (own0, _), (own1, _) in zip(rank0["matched"], rank1["matched"]))
+    assert all(made == max(own0, own1) for (own0, made), (own1, _) in zip(rank0["matched"], rank1["matched"]))
+    assert rank0["forwards"] == rank1["forwards"]
+    # DeepSpeed keeps its own references to the gathers (not counted here); the rule's all-reduces are
+    assert rank0["all_reduce"] == rank1["all_reduce"] >= len(rank0["matched"]) > 0
