@@ -283,8 +283,8 @@ def matched_forwards(items: list, device: torch.device):
     parameters (and its backward reduces their gradients), a collective that all ranks must make the same number of
     times; but how many forwards a rank makes depends on its own episodes (one per trie under
     `max_tokens_per_microbatch`, one per sample in policy_sampler_logprobs). So the count is reduced to its maximum
-    over ranks (one small all-reduce), and at each None the caller runs an empty forward: a tiny input through the
-    same model, whose output adds nothing to any result or gradient. On one process, nothing is added. Which path a
+    over ranks (rank_max), and at each None the caller runs an empty forward: a small input through the same model,
+    whose output adds nothing to any result or gradient. On one process, nothing is added. Which path a
     batch takes (packed or padded) is chosen the same way on every rank (PackedForward.row_samples)."""
     most = rank_max(len(items), device)
     yield from items
@@ -297,7 +297,7 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
     (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head). Every rank
-    makes as many forwards (matched_forwards): an empty one is a trie of one token scored once, times 0."""
+    makes as many forwards (matched_forwards): an empty one is a trie of two tokens, one scored, times 0."""
     B, T = input_ids.shape[0], logits_to_keep
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
