@@ -2,8 +2,9 @@
 backward reduces gradients, so all ranks must make the same forwards, however many samples and tries their own
 episodes give. packing.matched_forwards is the one rule; here a model sharded by FSDP2 over gloo, on 2 CPU processes
 with unequal rows (tests/run_trainer.py fsdp2), makes the same forwards and collectives on both, does not hang, and
-gives the gradient one unsharded process gives on the whole batch; and the trainer under the shipped zero3.yaml
-trains 2 steps on 2 CPU processes with unequal episodes (DeepSpeed installed)."""
+gives the gradient one unsharded process gives on the whole batch; and the trainer under each shipped accelerate
+config (zero2, zero3, zero3_multinode) trains 2 steps on 2 CPU processes with unequal episodes (DeepSpeed
+installed)."""
 
 import json
 
@@ -51,14 +52,22 @@ def test_the_sharded_gradient_is_the_one_process_gradient(fsdp2_step):
         assert (sharded[name] - single[name]).abs().max() <= 1e-6 * largest, name
 
 
-def test_zero3_trains_two_steps_with_unequal_episodes_on_two_cpu_processes(tiny_agent_dir, tmp_path):
-    """The shipped accelerate_configs/zero3.yaml, rewritten only where a CPU needs it (2 processes, no bf16), under
-    `accelerate launch` with DeepSpeed's CPU accelerator: the trainer with an external scripted sampler (top-p,
-    top-k: the importance weights' sampler forwards), rows split per turn, a budget of 1,000 tokens. Rank 0's group
-    answers at once, rank 1's calls two tools: 1 trie against 8, 4 samples against 12; both make the maximum, and
-    train 2 steps without a hang (the launch's timeout fails the test)."""
+# What a CPU test rewrites in each shipped config: 2 processes on this machine, no bf16, a free port
+CPU_REWRITES = {"zero2.yaml": {}, "zero3.yaml": {},
+                "zero3_multinode.yaml": {"num_machines": 1, "machine_rank": 0, "main_process_ip": "127.0.0.1"}}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_REWRITES))
+def test_each_shipped_deepspeed_config_trains_two_steps_with_unequal_episodes_on_two_cpu_processes(
+        name, tiny_agent_dir, tmp_path):
+    """Each shipped accelerate config, rewritten only where a CPU needs it (2 processes, no bf16, a free port; the
+    multi-node one on one machine), under `accelerate launch` with DeepSpeed's CPU accelerator: the trainer with an
+    external scripted sampler (top-p, top-k: the importance weights' sampler forwards), rows split per turn, a budget
+    of 1,000 tokens. Rank 0's group answers at once, rank 1's calls two tools: 1 trie against 8, 4 samples against
+    12; both make the maximum, and train 2 steps without a hang (the launch's timeout fails the test)."""
     pytest.importorskip("deepspeed")
     import os
+    import socket
     import subprocess
     import sys
 
@@ -67,10 +76,14 @@ def test_zero3_trains_two_steps_with_unequal_episodes_on_two_cpu_processes(tiny_
     from helpers import ROOT
     from test_scoring_path import QA, QB, SCRIPT
 
-    config = yaml.safe_load(open(os.path.join(ROOT, "accelerate_configs", "zero3.yaml")))
-    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
-    config.update(num_processes=2, mixed_precision="no")
-    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    config = yaml.safe_load(open(os.path.join(ROOT, "accelerate_configs", name)))
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == (
+        2 if name == "zero2.yaml" else 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config.update(num_processes=2, mixed_precision="no", main_process_port=port, **CPU_REWRITES[name])
+    (tmp_path / name).write_text(yaml.safe_dump(config))
     (tmp_path / "spec.json").write_text(json.dumps({"script": SCRIPT}))
     (tmp_path / "data.jsonl").write_text(json.dumps({"question": QA, "answer": "Morvane"}) + "\n"
                                          + json.dumps({"question": QB, "answer": ["Ada Lovelace"]}) + "\n")
@@ -84,11 +97,11 @@ def test_zero3_trains_two_steps_with_unequal_episodes_on_two_cpu_processes(tiny_
              "--top_p", "0.9", "--top_k", "20"]
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml"),
+        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / name),
              "tests/run_trainer.py", "sharded", str(tmp_path / "spec.json"), str(tmp_path / "dump"), *flags],
             tmp_path, timeout=400)
     except subprocess.TimeoutExpired:
-        pytest.fail("the 2-process ZeRO-3 run hung")
+        pytest.fail(f"the 2-process run under {name} hung")
     finally:
         del os.environ["DS_ACCELERATOR"]
     rank0, rank1 = [json.loads((tmp_path / "dump" / f"rank-{r}.json").read_text()) for r in range(2)]
