@@ -73,7 +73,7 @@ from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_proces
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
 from evaluation import TrainerEvaluation
 from fields import arg, parse_recipe
-from packing import PackedForward, prefilled_inputs
+from packing import PackedForward, matched_forwards, prefilled_inputs
 from rewards import failing_sample
 from rewards.judge import JudgeArguments
 from server_pool import ServerPool, ServerPoolArguments
@@ -507,19 +507,19 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
     pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
     differ from the softmax at the temperature. One row at a time, without padding: the processing needs
-    full-vocabulary logits, (length, V) per row. Every rank calls it for the same number of rows (under
-    ZeRO-3 each forward is a collective). 0 on padding."""
+    full-vocabulary logits, (length, V) per row. Ranks make as many forwards (matched_forwards). 0 on padding."""
     out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
-    for r in range(completion_ids.shape[0]):
-        n = int(completion_mask[r].sum())
-        for a, first, b in scored_parts(starts[r].nonzero().flatten().tolist(), n):  # each in its own context
-            prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
-            ids = torch.cat([prompt, completion_ids[r, first:b]])
-            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
-            seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
-            drawn = ids[len(prompt):]
-            out[r, first:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
+    parts = [(r, *part) for r in range(completion_ids.shape[0])  # each sample in its own context
+             for part in scored_parts(starts[r].nonzero().flatten().tolist(), int(completion_mask[r].sum()))]
+    # (0, 0, 0, 0), an empty forward: row 0's prompt, nothing scored
+    for r, a, first, b in (part or (0, 0, 0, 0) for part in matched_forwards(parts, completion_ids.device)):
+        prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
+        ids = torch.cat([prompt, completion_ids[r, first:b]])
+        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
+        seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
+        drawn = ids[len(prompt):]
+        out[r, first:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
     return out
 
 

@@ -266,21 +266,56 @@ def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         yield row, trie_attention_mask(row, attention, windows, inner.dtype), len(trie.tokens)
 
 
+def rank_max(n: int, device: torch.device) -> int:
+    """The largest `n` over the ranks (one small all-reduce); `n` on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return n
+    count = torch.tensor([n], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def matched_forwards(items: list, device: torch.device):
+    """This rank's `items` (one forward each), then None until every rank has had as many: the one rule that keeps
+    the collectives of a step matched across ranks. Under ZeRO-3 and FSDP every forward gathers each layer's
+    parameters (and its backward reduces their gradients), a collective that all ranks must make the same number of
+    times; but how many forwards a rank makes depends on its own episodes (one per trie under
+    `max_tokens_per_microbatch`, one per sample in policy_sampler_logprobs). So the count is reduced to its maximum
+    over ranks (rank_max), and at each None the caller runs an empty forward: a small input through the same model,
+    whose output adds nothing to any result or gradient. On one process, nothing is added. Which path a
+    batch takes (packed or padded) is chosen the same way on every rank (PackedForward.row_samples)."""
+    most = rank_max(len(items), device)
+    yield from items
+    yield from [None] * (most - len(items))
+
+
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                budget: int | None = None, compute_entropy: bool = False, autocast=None,
                                sample_starts: torch.Tensor | None = None):
     """GRPOTrainer._get_per_token_logps_and_entropies on packed tries: (B, T) log-probs of the completion tokens
     (0 at padding), and their entropies when `compute_entropy`. Also returns the packing's token counts
-    (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head)."""
+    (raw real tokens, unique tokens forwarded). `model` carries TRL's fused LM head (add_fused_lm_head). Every rank
+    makes as many forwards (matched_forwards): an empty one is a trie of two tokens, one scored, times 0."""
     B, T = input_ids.shape[0], logits_to_keep
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     forwarded = 0
-    for row, mask, unique in packed_inputs(model, input_ids, attention_mask, logits_to_keep, budget, sample_starts):
-        forwarded += unique
+    tries = list(packed_inputs(model, input_ids, attention_mask, logits_to_keep, budget, sample_starts))
+    for packed in matched_forwards(tries, input_ids.device):
+        empty = packed is None
+        if empty:  # the batch's first token twice, the second scored: through every layer and the LM head
+            one = input_ids[:1, :1].expand(1, 2)
+            packed = next(packed_inputs(model, one, torch.ones_like(one), 1))
+        row, mask, unique = packed
+        forwarded += 0 if empty else unique
         with autocast() if autocast is not None else nullcontext():
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask,
                         shift_labels=row.shift_labels, fused_lm_head=True)
+        if empty:  # in the graph, so that its backward (another collective) runs too; 0 in every value
+            logps = logps + 0.0 * out.log_probs.float().sum()
+            continue
         # index_put, not in-place assignment on a leaf: the gradient flows back through the packed positions
         logps = logps.index_put((row.rows, row.cols), out.log_probs[0, row.token_index].float())
         if compute_entropy:
@@ -379,8 +414,10 @@ class PackedForward:
     @contextmanager
     def row_samples(self, sample_starts: torch.Tensor | None):
         """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
-        the forward with ids and masks only, so the layout reaches it here."""
-        self._sample_starts = sample_starts if sample_starts is not None and bool(sample_starts.any()) else None
+        the forward with ids and masks only, so the layout reaches it here. Packed on every rank if any rank's rows
+        are split (rank_max): a rank on the padded path would make other forwards, and other collectives."""
+        split = sample_starts is not None and rank_max(int(sample_starts.any()), sample_starts.device)
+        self._sample_starts = sample_starts if split else None
         try:
             yield
         finally:

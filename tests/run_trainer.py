@@ -13,6 +13,17 @@ launch` can start it on several processes:
         first sync (the server keeps the weights it had at the start)
     python tests/run_trainer.py stale_adapter base|first <trainer flags>
         LoRA adapter sync whose requests keep naming the base model, or the first adapter version
+    python tests/run_trainer.py sharded SCRIPT.json OUT_DIR <trainer flags>
+        trains (max_steps) with the scripted policy as an external sampler under top-p 0.9 / top-k 20, so that the
+        importance weights score the samples with policy_sampler_logprobs; under `accelerate launch` with a DeepSpeed
+        config on CPU (DS_ACCELERATOR=cpu). Writes OUT_DIR/rank-r.json: its forwards and collectives
+        (counted_collectives) and the steps it trained
+    python tests/run_trainer.py fsdp2 MODEL_DIR OUT_DIR
+        the trainer's forwards of one step (policy_sampler_logprobs under top-p / top-k, packed log-probs of rows split
+        into samples under a token budget, an importance-weighted loss, its backward) on a model sharded by FSDP2
+        (fully_shard over gloo), each process on its own rows of one global batch (sharded_batch); one process runs
+        the whole batch unsharded. Writes OUT_DIR/rank-r.json (its forwards and collectives: counted_collectives) and,
+        on the main process, OUT_DIR/grad.pt (the whole gradient)
     python tests/run_trainer.py budget CLOCKS.json <trainer flags with --max_train_minutes>
         trains as mt_grpo_trainer.py does, with the time budget reading a clock the test sets: process r's clock
         reads CLOCKS.json's list r at index global_step (seconds at the start of training, after step 1, ...)
@@ -102,6 +113,119 @@ def stale_adapter(kind: str, flags: list[str]) -> MTGRPOEnvTrainer:
     return trainer
 
 
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_reduce")
+
+
+def counted_collectives(model, counts: dict) -> None:
+    """Count, into `counts`, the forwards of `model`, the collectives FSDP2 and ZeRO-3 call (all-gather,
+    reduce-scatter, all-reduce), and each matched_forwards call's (this rank's forwards, the forwards made)."""
+    import torch.distributed as dist
+
+    import mt_grpo_trainer
+    import packing
+
+    names = [n for n in COLLECTIVES if hasattr(dist, n)]  # torch 2.13's FSDP2 calls the *_single ones
+    counts.update({"forwards": 0, "matched": [], **{n: 0 for n in names}})
+    for name in names:
+        def counted(*args, _name=name, _inner=getattr(dist, name), **kwargs):
+            counts[_name] += 1
+            return _inner(*args, **kwargs)
+        setattr(dist, name, counted)
+    inner = packing.matched_forwards
+
+    def matched(items, device):
+        made = list(inner(items, device))
+        counts["matched"].append((len(items), len(made)))
+        return iter(made)
+
+    packing.matched_forwards = mt_grpo_trainer.matched_forwards = matched
+    packing.unwrapped(model).register_forward_pre_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
+
+
+def sharded_batch(vocab: int):
+    """One global batch of 4 rows (ids, attention, T, sample_starts): rows 0-1 one sample each, rows 2-3 split into
+    three (tests/test_turn_samples.py's split_row, two seeds). Process r of 2 takes rows 2r, 2r+1: process 1 has
+    three times the samples, and more tries under a budget of 40 tokens."""
+    import torch
+    from test_turn_samples import split_row
+
+    parts = [split_row(vocab, seed) for seed in (0, 1)]
+    ids = torch.cat([parts[0][0][1:], parts[1][0][1:], parts[0][0][:1], parts[1][0][:1]])
+    att = torch.cat([parts[0][1][1:], parts[1][1][1:], parts[0][1][:1], parts[1][1][:1]])
+    starts = torch.cat([parts[0][3][1:], parts[1][3][1:], parts[0][3][:1], parts[1][3][:1]])
+    return ids, att, parts[0][2], starts
+
+
+def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    from mt_grpo_trainer import SamplingParams
+    from scripted_policy import ScriptedSampler
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        import deepspeed.ops  # its shared-memory all-reduce is a C++ op that compiled for 8+ minutes here: gloo's
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    with open(script_path) as f:
+        script = json.load(f)["script"]
+    params = SamplingParams(top_p=0.9, top_k=20)
+    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedSampler(env.tokenizer, script, params))
+    counts = {}
+    counted_collectives(trainer.model, counts)
+    trainer.train()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank-{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({**counts, "steps": trainer.state.global_step}, f)
+    return trainer
+
+
+def fsdp2(model_dir: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from mt_grpo_trainer import SamplingParams, policy_sampler_logprobs
+    from packing import packed_logps_and_entropies
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    counts = {}
+    if world > 1:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        counted_collectives(model, counts)
+    ids, att, T, starts = sharded_batch(model.config.vocab_size)
+    tokens = att[:, -T:].sum()  # the global batch's, as TRL's dapo normaliser
+    rows = slice(2 * rank, 2 * rank + 2) if world > 1 else slice(None)
+    ids, att, starts = ids[rows], att[rows], starts[rows]
+    P = ids.shape[1] - T
+    with torch.no_grad():  # pi_trainer of the importance weights, under the sampler's truncation
+        trainer_sampler = policy_sampler_logprobs(model, ids[:, :P], att[:, :P], ids[:, P:], att[:, P:],
+                                                  SamplingParams(temperature=1.0, top_p=0.9, top_k=20), starts)
+    logps, _, _ = packed_logps_and_entropies(model, ids, att, T, 40, sample_starts=starts)
+    weights = torch.exp(trainer_sampler - (-0.5)).clamp(max=2.0) * att[:, P:]  # the sampler said -0.5 a token
+    advantages = torch.linspace(-1.0, 1.0, 4)[rows, None]
+    # FSDP2 averages the processes' gradients: each process's share of the global mean, times the processes
+    loss = -(advantages * weights * torch.exp(logps - logps.detach())).sum() / tokens * world
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
+             for n, p in model.named_parameters()}
+    os.makedirs(out_dir, exist_ok=True)
+    if rank == 0:
+        torch.save(grads, os.path.join(out_dir, "grad.pt"))
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump(counts, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
 def budget(clocks_path: str, flags: list[str]) -> MTGRPOEnvTrainer:
     """A run of main()'s steps whose TimeBudget reads the test's clock for this process, not the wall clock:
     the test decides after which step the budget is passed, whatever the machine's speed."""
@@ -125,6 +249,11 @@ if __name__ == "__main__":
         trainer = stale(sys.argv[2:])
     elif sys.argv[1] == "stale_adapter":
         trainer = stale_adapter(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "sharded":
+        trainer = sharded(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "fsdp2":
+        fsdp2(sys.argv[2], sys.argv[3])
+        raise SystemExit(0)
     elif sys.argv[1] == "budget":
         trainer = budget(sys.argv[2], sys.argv[3:])
     else:

@@ -104,3 +104,16 @@ class ScriptedServer(ScriptedPolicy):
             return samples
 
         return self.pool.submit(answer)
+
+
+class ScriptedSampler(ScriptedPolicy):
+    """The scripted policy as an external sampler (a server's capabilities, without its HTTP): the trainer corrects
+    for the mismatch with importance weights, and with truncating `params` (top-p, top-k) scores the samples with
+    policy_sampler_logprobs. No lock-step: each rank runs its own rounds, as against a server."""
+
+    external = True
+    aborted_requests = 0
+
+    def __init__(self, tokenizer, script: dict, params):
+        super().__init__(tokenizer, script)
+        self.params = params
