@@ -1681,7 +1681,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         if "zero_signal_scale" in inputs:
             inputs = dict(inputs)
             inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
-        with self.row_samples(inputs.get("sample_starts")):  # rows split into samples are forwarded packed
+        with self.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # packing.py: the rows' layout
             return super()._compute_loss(model, inputs)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
