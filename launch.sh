@@ -74,12 +74,17 @@ if [ "$USE_PEFT" = "true" ]; then
   LORA_ARGS=(--enable-lora --max-lora-rank "$MAX_LORA_RANK" --max-loras 2)
 fi
 
+# FP16 (fp16: true in the recipe or among the flags): the server samples in float16 too, else in the
+# checkpoint's dtype (docs/guide.md, "Mixed precision")
+FP16=$(flag_value fp16 "$@"); FP16=${FP16:-$(recipe_value fp16)}
+DTYPE_ARGS=(); [ "$FP16" = "true" ] && DTYPE_ARGS=(--dtype float16)
+
 VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
   "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
   --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
   --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
   --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
-  "${LORA_ARGS[@]}")
+  "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")
 JUDGE_CMD=() JUDGE_FLAGS=()
 if [ -n "$JUDGE_MODEL" ]; then  # a plain server: the judge's weights never change, so no sync flags
   JUDGE_CMD=(env CUDA_VISIBLE_DEVICES="$JUDGE_DEVICES"
