@@ -310,7 +310,7 @@ def test_a_float16_server_trains_two_steps_with_the_correction_on(fp16_server, t
                           "--top_k", "20", "--sync_probe_tolerance", "0.1")
     assert len(steps) == 2
     for h in steps:
-        # measured 0.0045 and 0.0098, weights 1.001 and 1.007, mean |diff| 0.0005 (a float32 server: ~1e-6)
+        # measured 0.0045 and 0.0098, weights 1.001 and 1.007, mean |diff| 0.0005 (float32 servers: below 1e-3)
         assert 0 < h["sync/probe_max_abs_logprob_diff"] <= 0.05
         assert h["sampling/importance_weight_mean"] == pytest.approx(1.0, abs=0.02)
         assert 0 < h["sampling/logprob_diff_first_turn"] < 0.01
