@@ -368,6 +368,23 @@ def check_backend(script_args, peft_config, backend: type, args: GRPOConfig) -> 
         # the NCCL source walks the PEFT model's parameters, whose names and shapes are not the served model's
         raise ValueError("`lora_sync: merged` goes through the disk sync: set `weight_sync: disk` (or `auto`), "
                          "or `lora_sync: adapter`.")
+    check_precision(args, peft_config)
+
+
+def check_precision(args: GRPOConfig, peft_config) -> None:
+    """`fp16: true` (fp16 autocast with accelerate's loss scaler) where it can run: a GPU, and master weights the
+    scaler can unscale (docs/guide.md, "Precision")."""
+    if not args.fp16:
+        return
+    dtype = str((args.model_init_kwargs or {}).get("dtype", "auto")).removeprefix("torch.")
+    if peft_config is None and dtype in ("float16", "half"):
+        raise ValueError("`fp16: true` with `dtype: float16`: the loss scaler cannot unscale float16 gradients "
+                         "(torch: 'Attempting to unscale FP16 gradients.'). Set `dtype: float32` (float32 master "
+                         "weights, the forward in fp16 under autocast), or train a LoRA adapter (`use_peft: true`).")
+    if args.use_cpu or not torch.cuda.is_available():
+        raise ValueError("`fp16: true` (fp16 autocast with a loss scaler) needs a GPU: accelerate refuses fp16 mixed "
+                         "precision on a CPU. On a CPU set `fp16: false` (float32, or `bf16: true`); a server's "
+                         "`--dtype float16` does not need it.")
 
 
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:

@@ -59,12 +59,17 @@ MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
 lora_server_flags "$@"  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
 
+# FP16 (fp16: true in the recipe or among the flags): the server samples in float16 too, else in the
+# checkpoint's dtype (docs/guide.md, "Mixed precision")
+FP16=$(flag_value fp16 "$@"); FP16=${FP16:-$(recipe_value fp16)}
+DTYPE_ARGS=(); [ "$FP16" = "true" ] && DTYPE_ARGS=(--dtype float16)
+
 VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
   "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
   --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
   --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
   --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
-  "${LORA_ARGS[@]}")
+  "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")
 JUDGE_CMD=() JUDGE_FLAGS=()
 if [ -n "$JUDGE_MODEL" ]; then  # a plain server: the judge's weights never change, so no sync flags
   JUDGE_CMD=(env CUDA_VISIBLE_DEVICES="$JUDGE_DEVICES"

@@ -1559,8 +1559,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         batch = pad_episodes(episodes, self.processing_class.pad_token_id,
                              self.args.mask_truncated_completions, self.pad_to_multiple_of)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        # TRL's name (off-policy masking reads it)
-        batch["sampling_per_token_logps"] = batch.pop("sampler_logps")
+        batch["sampling_per_token_logps"] = batch.pop("sampler_logps")  # TRL's name (off-policy masking reads it)
         self._add_old_and_ref_logps(batch)
         return batch
 
@@ -1571,14 +1570,15 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         T, bs = batch["completion_ids"].shape[1], self.args.per_device_train_batch_size
         generate_every = self.args.steps_per_generation * self.num_iterations
-        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler()
+        frame = self.args.off_policy_mask_threshold is not None and self.backend.params.truncates  # its frame: below
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler() or frame
         logps = lambda model: self._get_per_token_logps_and_entropies(  # noqa: E731
             model, ids, attention, T, batch_size=bs)[0]
         with torch.no_grad(), self.row_samples(batch["sample_starts"]):
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
-            if self._corrects_sampler():
-                # pi_trainer of the importance weights: of the distribution the sampler drew from
+            if self._corrects_sampler() or frame:
+                # pi_trainer of the IS weights and of the off-policy mask: of the distribution the sampler drew from
                 params = self.backend.params
                 if params.truncates:
                     with self.accelerator.autocast():
@@ -1652,18 +1652,18 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
     def _correct_for_sampler(self, batch: dict, mode: str) -> torch.Tensor | None:
         """Scale the advantages by the importance weights of an external sampler (vLLM), as TRL's
         `vllm_importance_sampling_*` fields say; log the trainer-vs-sampler mismatch per turn. Returns
-        the (B, T) weights, or None when there is no correction."""
+        the (B, T) weights, or None when there is no correction (in-process, or the correction off)."""
+        old, sampler = batch.pop("trainer_sampler_logps", None), batch["sampling_per_token_logps"]
+        if old is not None and self.backend.params.truncates and self.args.off_policy_mask_threshold is not None:
+            # TRL's off-policy mask compares these with the untruncated policy: truncation alone would read as
+            # a positive gap on every token, so move them to that frame (the mismatch itself is kept), always
+            batch["sampling_per_token_logps"] = sampler - old + batch["old_per_token_logps"]
         if not self._corrects_sampler():
             return None
-        old, sampler = batch.pop("trainer_sampler_logps"), batch["sampling_per_token_logps"]
         mask = loss_mask(batch)
         weights = importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_mode,
                                      self.args.vllm_importance_sampling_clip_min,
                                      self.args.vllm_importance_sampling_clip_max)
-        if self.backend.params.truncates and self.args.off_policy_mask_threshold is not None:
-            # TRL's off-policy mask compares these with the untruncated policy: truncation alone would read as
-            # a positive gap on every token, so move them to that frame (the mismatch itself is kept)
-            batch["sampling_per_token_logps"] = sampler - old + batch["old_per_token_logps"]
         if self.loss_type == "vespo":  # VESPO takes the weights into its sequence weight phi(w), not as a factor
             batch["importance_sampling_ratio"] = weights
         else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
@@ -1682,7 +1682,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         if "zero_signal_scale" in inputs:
             inputs = dict(inputs)
             inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
-        with self.row_samples(inputs.get("sample_starts")):  # rows split into samples are forwarded packed
+        with self.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # packing.py: the rows' layout
             return super()._compute_loss(model, inputs)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -410,18 +410,29 @@ class PackedForward:
     let a sample see the samples before it."""
 
     _sample_starts: torch.Tensor | None = None
+    _row_signal: torch.Tensor | None = None
 
     @contextmanager
-    def row_samples(self, sample_starts: torch.Tensor | None):
+    def row_samples(self, sample_starts: torch.Tensor | None, advantages: torch.Tensor | None = None):
         """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
-        the forward with ids and masks only, so the layout reaches it here. Packed on every rank if any rank's rows
-        are split (rank_max): a rank on the padded path would make other forwards, and other collectives."""
+        the forward with ids and masks only, so the layout reaches it here; so do the rows' `advantages` (B, ...),
+        for the entropy quantile (get_high_entropy_mask). Packed on every rank if any rank's rows are split
+        (rank_max): a rank on the padded path would make other forwards, and other collectives."""
         split = sample_starts is not None and rank_max(int(sample_starts.any()), sample_starts.device)
         self._sample_starts = sample_starts if split else None
+        self._row_signal = None if advantages is None else advantages.reshape(len(advantages), -1).ne(0).any(1)
         try:
             yield
         finally:
-            self._sample_starts = None
+            self._sample_starts = self._row_signal = None
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's `top_entropy_quantile` mask, with the quantile taken over the tokens of rows with signal (an
+        advantage other than 0) only: a zero-signal group's tokens carry no policy gradient, yet counted they
+        would move the threshold. Those rows leave the mask (their policy term is 0; the entropy bonus, which
+        follows the mask, acts on the rows with signal)."""
+        signal = self._row_signal
+        return super().get_high_entropy_mask(entropies, mask if signal is None else mask * signal[:, None], threshold)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):

@@ -23,11 +23,11 @@ class VLLMCPUServer:
     with `lora_rank`, LoRA adapters of up to that rank loaded at run time. `dev_mode=False`: none of dev mode's
     endpoints, as a production server. `enforce_eager`: no torch.compile at start-up (SmolLM2's took 2.5 of its 4
     minutes to start on 2 cores); `kv_cache_gib`: a KV cache of that size instead of a share of the machine's memory
-    (the tests' servers: several run side by side)."""
+    (the tests' servers: several run side by side); `dtype`: the server's `--dtype` (float16: the FP16 test)."""
 
     def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
                  logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None, dev_mode: bool = True,
-                 enforce_eager: bool = False, kv_cache_gib: int | None = None):
+                 enforce_eager: bool = False, kv_cache_gib: int | None = None, dtype: str = "float32"):
         if not os.path.exists(VLLM_PYTHON):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
@@ -35,7 +35,7 @@ class VLLMCPUServer:
             self.port = s.getsockname()[1]
         self.log_path, self.startup_timeout = str(log_path), startup_timeout
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
-               "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--logprobs-mode", logprobs_mode,
+               "--dtype", dtype, "--gpu-memory-utilization", "0.15", "--logprobs-mode", logprobs_mode,
                # vLLM's own sampling defaults, not the model's generation_config.json: the trainer sends every
                # sampling parameter, and nothing else may change the distribution
                "--generation-config", "vllm"]

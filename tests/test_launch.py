@@ -33,6 +33,13 @@ def test_gpu_split(num_gpus, tp, vllm_devices, train_devices, processes):
     assert train.endswith("--vllm_server_port 8000 --max_steps 3")
 
 
+def test_fp16_serves_in_float16():
+    """`fp16: true` (the recipe's or a flag): the server samples in float16 too; otherwise in the checkpoint's dtype."""
+    server = dry_run(RECIPE, "--fp16", "true").stdout.splitlines()[0]
+    assert "--dtype float16" in server and server.endswith("--dtype float16 &")
+    assert "--dtype" not in dry_run(RECIPE).stdout.splitlines()[0]
+
+
 def test_default_is_eight_gpus_and_zero3():
     out = dry_run(RECIPE)
     assert "--config_file accelerate_configs/zero3.yaml --num_processes 7" in out.stdout

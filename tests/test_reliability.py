@@ -45,6 +45,8 @@ CASES = [
           "--weight_sync", "nccl"],
      ValueError, "`lora_sync: merged` goes through the disk sync"),
     ("", ["--lora_sync", "delta"], ValueError, "`lora_sync` is 'delta'; choose one of"),
+    ("", ["--fp16", "true"], ValueError, "`fp16: true` (fp16 autocast with a loss scaler) needs a GPU"),
+    ("", ["--fp16", "true", "--dtype", "float16"], ValueError, "Set `dtype: float32` (float32 master weights"),
     ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError,
      "`lora_dropout` is 0.05 with `generation_backend: vllm_server`"),
     ("", ["--async_rollout", "true"], ValueError, "`async_rollout` overlaps a server's sampling with training"),

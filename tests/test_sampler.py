@@ -179,3 +179,55 @@ def test_in_process_importance_weights_are_one_on_policy(agent, settings):
         plain = SamplingParams(temperature=params.temperature)
         untruncated = on_policy_weights(model, prompts, samples, plain, "sequence_truncate")
         assert untruncated[:, 0].min() < 0.99
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_off_policy_mask_compares_like_with_like_in_process(tiny_agent_dir, tmp_path):
+    """TRL's off-policy mask compares the sampler's logprobs with the policy's untruncated ones. The in-process
+    backend (no sampler correction) under top_p 0.8: fully on-policy, the per-sequence KL is ~0 and a threshold
+    of 0.015 drops no negative-advantage row, though the truncated logprobs alone put every row above it; after a real
+    change of the policy the KL is the untruncated one, and the rows past the threshold are dropped."""
+    from helpers import RECIPE
+    from mt_grpo_trainer import build_trainer, policy_sampler_logprobs
+
+    trainer = build_trainer(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir",
+                             str(tmp_path / "out"), "--temperature", "0.7", "--top_p", "0.8",
+                             "--off_policy_mask_threshold", "0.015"])
+    assert not trainer.backend.external and trainer.backend.params.truncates
+    trainer.model.train()
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score_completions([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    T, negative = mask.shape[1], torch.full((mask.shape[0], 1), -1.0)
+
+    def policy() -> torch.Tensor:  # (B, T) the policy's untruncated logprobs, as TRL's loss computes them
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, T)[0]
+
+    def sequence_kl(sampling: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        return ((sampling - current) * mask).sum(1) / mask.sum(1)
+
+    now = policy()
+    on_policy = sequence_kl(batch["sampling_per_token_logps"], now)
+    assert on_policy.abs().max() < 1e-4
+    kept = trainer.get_off_policy_mask(negative, now, batch["sampling_per_token_logps"], mask, 0.015)
+    assert kept.sum() == mask.shape[0]  # nothing dropped
+    with torch.no_grad():  # the truncated frame, which the mask used to read: above the threshold
+        truncated = policy_sampler_logprobs(trainer.model, batch["prompt_ids"], batch["prompt_mask"],
+                                            batch["completion_ids"], batch["completion_mask"], trainer.backend.params)
+    assert sequence_kl(truncated, now).min() > 0.015  # 0.018-0.035: every row would be dropped
+
+    with torch.no_grad():  # a real off-policy gap: the final norm halved (a flatter policy)
+        trainer.model.model.norm.weight.mul_(0.5)
+    moved = policy()
+    gap = sequence_kl(batch["sampling_per_token_logps"], moved)
+    assert torch.allclose(gap, sequence_kl(batch["old_per_token_logps"], moved), atol=1e-4)  # the untruncated KL
+    dropped = trainer.get_off_policy_mask(negative, moved, batch["sampling_per_token_logps"], mask, 0.015)[:, 0] == 0
+    assert dropped.any() and torch.equal(dropped, gap > 0.015)
+    middle = gap.median().item()  # a threshold amid the gaps: the rows above it go, the others stay
+    assert torch.equal(trainer.get_off_policy_mask(negative, moved, batch["sampling_per_token_logps"], mask,
+                                                   middle)[:, 0] == 0, gap > middle)
+    print(f"on-policy KL max {on_policy.abs().max():.2e}, truncated frame {sequence_kl(truncated, now).tolist()}, "
+          f"after the change {gap.tolist()}")

@@ -215,6 +215,32 @@ def test_the_kl_and_the_metrics_act_on_every_group_whatever_the_masking(tiny_age
     assert on0 != pytest.approx(off0)  # the policy term does change with masking
 
 
+def test_the_entropy_quantile_counts_only_the_tokens_of_rows_with_signal(tiny_agent_dir, task_files, tmp_path):
+    """top_entropy_quantile 0.2: the policy term acts on the tokens of QA's group (signal) whose entropy reaches the
+    0.8-quantile of QA's tokens alone (18 of QA's 87 tokens; 21 with QC's tokens counted); QC's tokens (no signal, advantage 0) do not move the threshold. Ratio 1, so the
+    dapo loss is -sum(A over the kept tokens) / all loss tokens (no masking of QC: it stays in the normaliser)."""
+    import torch
+
+    trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--top_entropy_quantile", "0.2",
+                                    "--mask_zero_advantage_groups", "false")
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        entropies = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, mask.shape[1],
+                                                              compute_entropy=True)[1]
+    signal = batch["advantages"].ne(0).any(1)
+    assert signal.tolist() == [True] * 4 + [False] * 4
+    ours = torch.quantile(entropies[(mask * signal[:, None]).bool()], 0.8)
+    everyone = torch.quantile(entropies[mask.bool()], 0.8)  # the threshold with QC's tokens counted
+    kept_ours = ((entropies >= ours) * mask)[:4].sum()
+    assert kept_ours != ((entropies >= everyone) * mask)[:4].sum()  # the test can tell the two apart
+    expected = -(batch["advantages"] * (entropies >= ours) * mask).sum() / mask.sum()
+    assert trainer._compute_loss(trainer.model, batch).item() == pytest.approx(expected.item(), rel=1e-5)
+    print(f"0.8-quantile of the entropy of QA's tokens {ours:.4f}, of all {everyone:.4f}; QA tokens kept "
+          f"{int(kept_ours)} of {int(mask[:4].sum())}")
+
+
 # seed 0, step 0: the draws are [0, ...] with 2 rows (found in round 1), [4, 0, 3] with 5 (round 2), [4, 5, 8] with 10
 # (never: the group stays without signal after the rounds allowed)
 @pytest.mark.parametrize("extra_rows", [0, 3, 8])
