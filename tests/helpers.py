@@ -253,3 +253,13 @@ def cpu_server(model_dir: str, log_path, **kwargs):
 
     return VLLMCPUServer(model_dir, log_path, **{"max_model_len": 2048, "enforce_eager": True, "kv_cache_gib": 1,
                                                  **kwargs})
+
+
+def train_against(port, model_dir, tmp_path, *flags, timeout=600, processes=1):
+    """The recipe on the tiny model against the vLLM server at 127.0.0.1:`port`, with disk sync: the steps' logs."""
+    out = str(tmp_path / "out")
+    run([*launch(processes), "mt_grpo_trainer.py", "--config", RECIPE, "--model_name_or_path", model_dir,
+         "--output_dir", out, "--generation_backend", "vllm_server", "--vllm_server_host", "127.0.0.1",
+         "--vllm_server_port", str(port), "--weight_sync", "disk", "--sync_probe_tolerance", "1e-3",
+         "--vllm_server_timeout", "60", *flags], tmp_path, timeout=timeout)
+    return [h for h in final_metrics(out) if "loss" in h]
