@@ -15,7 +15,7 @@ from mt_grpo_trainer import SamplingParams, TransformersBackend, sampler_logprob
 QUESTIONS = ["What is the capital of France?", "Name a famous painter and one of his works.",
              "Describe how a bicycle works.", "Why is the sky blue?", "Tell me about the history of tea.",
              "What do cats eat?", "Explain what a search engine does.", "Write a short poem about rain."]
-EPISODE_TOKENS, PER_PROMPT = 96, 4
+EPISODE_TOKENS, PER_PROMPT = 64, 4
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def smollm2(smollm2_dir):
 
 
 def sample_and_score(smollm2, params: SamplingParams):
-    """32 episodes (8 prompts x 4) of up to 96 tokens sampled in float32: their sequence_mask weights (clip
+    """32 episodes (8 prompts x 4) of up to 64 tokens sampled in float32: their sequence_mask weights (clip
     0.5-2.0, TRL's bounds for the mask: 0 outside) from the bf16 trainer's logprobs, and the logits of each
     episode's forward in that scoring (policy_sampler_logprobs scores one episode per forward, in order): the
     test reads them rather than forwarding every episode again (bf16 on a CPU without bf16 instructions is slow)."""
@@ -56,9 +56,9 @@ def sample_and_score(smollm2, params: SamplingParams):
 
 def test_a_bf16_trainer_drops_no_token_a_float32_sampler_drew(smollm2):
     _, _, _, prompts = smollm2
-    truncated, plain = SamplingParams(temperature=0.7, top_p=0.8, top_k=20), SamplingParams(temperature=0.7)
+    truncated = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
     samples, weights, forwards = sample_and_score(smollm2, truncated)
-    assert len(samples) == 32 and sum(len(s.token_ids) for s in samples) / 32 > 60
+    assert len(samples) == 32 and sum(len(s.token_ids) for s in samples) / 32 > 40
     kept, own = [], []  # per drawn token: the bf16 trainer's logprob, and its logprob without the token kept
     for i, (sample, all_logits) in enumerate(zip(samples, forwards)):
         prompt, drawn = prompts[i // PER_PROMPT], torch.tensor(sample.token_ids)
@@ -72,10 +72,7 @@ def test_a_bf16_trainer_drops_no_token_a_float32_sampler_drew(smollm2):
     # no drawn token is scored as dropped, though some lie outside the bf16 trainer's own kept set (so the
     # test can tell: scored that way, each would be -inf and zero its episode's sequence weight)
     assert torch.isfinite(kept).all() and torch.isinf(own).sum() > 0
-    # no more episodes fall below 0.5 under truncation than from the bf16 gap alone (temperature only); two seeded
-    # samples of 32 compared by count: 8 prompts x 3 drew 3 against 2 (too few episodes for the comparison)
-    _, plain_weights, _ = sample_and_score(smollm2, plain)
-    assert (weights < 0.5).float().mean() <= (plain_weights < 0.5).float().mean()
+    # Not compared here: the share of episodes below weight 0.5 against temperature alone. One seed of 32 episodes
+    # cannot tell them apart (issue 60; the guide's "A token at the boundary" gives the held-out counts).
     print(f"tokens outside the bf16 set {int(torch.isinf(own).sum())} of {len(own)}; weights < 0.5: "
-          f"{int((weights < 0.5).sum())} of 32 truncated, {int((plain_weights < 0.5).sum())} of 32 plain; "
-          f"mean weight {weights.mean():.3f} / {plain_weights.mean():.3f}")
+          f"{int((weights < 0.5).sum())} of 32; mean weight {weights.mean():.3f}")
