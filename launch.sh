@@ -7,8 +7,11 @@
 #
 # Settings (environment variables, with defaults):
 #   NUM_GPUS=8                 GPUs on this node
-#   VLLM_TP=1 VLLM_DP=1        vLLM tensor / data parallel size; vLLM takes the last VLLM_TP*VLLM_DP GPUs
-#   VLLM_PORT=8000             vLLM HTTP port (passed to the trainer as --vllm_server_port)
+#   VLLM_TP=1 VLLM_DP=1        vLLM tensor / data parallel size of a server, on VLLM_TP*VLLM_DP GPUs
+#   VLLM_SERVERS=1             vLLM servers on this node, on the last VLLM_SERVERS*VLLM_TP*VLLM_DP GPUs; with
+#                              more than one the trainer gets them all in --vllm_server_urls (server_pool.py:
+#                              each group goes to one server, the weights reach all)
+#   VLLM_PORT=8000             vLLM HTTP port (passed to the trainer as --vllm_server_port); server i: VLLM_PORT+i
 #   VLLM_GPU_MEMORY=0.9        vLLM --gpu-memory-utilization
 #   VLLM_MAX_MODEL_LEN=4096    vLLM --max-model-len (prompt + whole multi-turn completion)
 #   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
@@ -31,6 +34,7 @@ shift
 NUM_GPUS=${NUM_GPUS:-8}
 VLLM_TP=${VLLM_TP:-1}
 VLLM_DP=${VLLM_DP:-1}
+VLLM_SERVERS=${VLLM_SERVERS:-1}
 VLLM_PORT=${VLLM_PORT:-8000}
 VLLM_GPU_MEMORY=${VLLM_GPU_MEMORY:-0.9}
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-4096}
@@ -43,17 +47,28 @@ JUDGE_PORT=${JUDGE_PORT:-8001}
 JUDGE_GPU_MEMORY=${JUDGE_GPU_MEMORY:-0.9}
 JUDGE_MAX_MODEL_LEN=${JUDGE_MAX_MODEL_LEN:-8192}
 
-VLLM_GPUS=$((VLLM_TP * VLLM_DP))
+if ! [[ "$VLLM_SERVERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "launch.sh: VLLM_SERVERS=$VLLM_SERVERS: give a number of servers, 1 or more" >&2
+  exit 2
+fi
+SERVER_GPUS=$((VLLM_TP * VLLM_DP))
+VLLM_GPUS=$((SERVER_GPUS * VLLM_SERVERS))
 if [ -z "$JUDGE_MODEL" ]; then JUDGE_GPUS=0; fi
 TRAIN_GPUS=$((NUM_GPUS - VLLM_GPUS - JUDGE_GPUS))
 if [ "$TRAIN_GPUS" -lt 1 ]; then
-  echo "launch.sh: NUM_GPUS=$NUM_GPUS leaves no GPU for training after $VLLM_GPUS for vLLM (VLLM_TP x VLLM_DP)" \
-    "and $JUDGE_GPUS for the judge (JUDGE_GPUS)." >&2
+  echo "launch.sh: NUM_GPUS=$NUM_GPUS leaves no GPU for training after $VLLM_GPUS for vLLM (VLLM_SERVERS x VLLM_TP" \
+    "x VLLM_DP) and $JUDGE_GPUS for the judge (JUDGE_GPUS)." >&2
+  exit 2
+fi
+LAST_PORT=$((VLLM_PORT + VLLM_SERVERS - 1))
+if [ -n "$JUDGE_MODEL" ] && [ "$JUDGE_PORT" -ge "$VLLM_PORT" ] && [ "$JUDGE_PORT" -le "$LAST_PORT" ]; then
+  echo "launch.sh: JUDGE_PORT=$JUDGE_PORT is one of the vLLM servers' ports ($VLLM_PORT to $LAST_PORT):" \
+    "set JUDGE_PORT=$((LAST_PORT + 1))." >&2
   exit 2
 fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
 JUDGE_DEVICES=$(seq -s, "$TRAIN_GPUS" $((TRAIN_GPUS + JUDGE_GPUS - 1)))
-VLLM_DEVICES=$(seq -s, $((TRAIN_GPUS + JUDGE_GPUS)) $((NUM_GPUS - 1)))
+VLLM_FIRST_GPU=$((TRAIN_GPUS + JUDGE_GPUS))
 source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, show
 MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
@@ -64,12 +79,23 @@ lora_server_flags "$@"  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each
 FP16=$(flag_value fp16 "$@"); FP16=${FP16:-$(recipe_value fp16)}
 DTYPE_ARGS=(); [ "$FP16" = "true" ] && DTYPE_ARGS=(--dtype float16)
 
-VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
-  "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$VLLM_PORT"
-  --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
-  --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
-  --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
-  "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")
+vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD and VLLM_DEVICES
+  local first=$((VLLM_FIRST_GPU + $1 * SERVER_GPUS))
+  VLLM_DEVICES=$(seq -s, "$first" $((first + SERVER_GPUS - 1)))
+  VLLM_CMD=(env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" VLLM_SERVER_DEV_MODE=1 "${LORA_ENV[@]}"
+    "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port $((VLLM_PORT + $1))
+    --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
+    --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
+    --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
+    "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")
+}
+SERVER_FLAGS=(--vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT")
+if [ "$VLLM_SERVERS" -gt 1 ]; then
+  # TRL's one-server fields back to their defaults: a recipe's vllm_server_host/port name one server, and
+  # checks.check_server_urls refuses them beside vllm_server_urls
+  SERVER_FLAGS=(--vllm_server_host 0.0.0.0 --vllm_server_port 8000 --vllm_server_urls)
+  for ((i = 0; i < VLLM_SERVERS; i++)); do SERVER_FLAGS+=("http://127.0.0.1:$((VLLM_PORT + i))"); done
+fi
 JUDGE_CMD=() JUDGE_FLAGS=()
 if [ -n "$JUDGE_MODEL" ]; then  # a plain server: the judge's weights never change, so no sync flags
   JUDGE_CMD=(env CUDA_VISIBLE_DEVICES="$JUDGE_DEVICES"
@@ -81,21 +107,23 @@ fi
 TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_processes "$TRAIN_GPUS"
   mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server
-  --vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT" "${JUDGE_FLAGS[@]}" "$@")
+  "${SERVER_FLAGS[@]}" "${JUDGE_FLAGS[@]}" "$@")
 
 if [ "$DRY_RUN" = 1 ]; then
   TOOL_FORMAT=$(recipe_value tool_format)
   echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands
-  echo "$(show "${VLLM_CMD[@]}") &"
+  for ((i = 0; i < VLLM_SERVERS; i++)); do vllm_cmd "$i"; echo "$(show "${VLLM_CMD[@]}") &"; done
   if [ -n "$JUDGE_MODEL" ]; then echo "$(show "${JUDGE_CMD[@]}") &"; fi
-  echo "# wait for http://127.0.0.1:$VLLM_PORT/health${JUDGE_MODEL:+ and :$JUDGE_PORT/health} (at most" \
+  HEALTH="http://127.0.0.1:$VLLM_PORT/health"
+  for ((i = 1; i < VLLM_SERVERS; i++)); do HEALTH+=" and :$((VLLM_PORT + i))/health"; done
+  echo "# wait for $HEALTH${JUDGE_MODEL:+ and :$JUDGE_PORT/health} (at most" \
     "${VLLM_HEALTH_TIMEOUT}s), then:"
   show "${TRAIN_CMD[@]}"
   exit 0
 fi
 
-"${VLLM_CMD[@]}" &
-SERVER_PIDS=($!)
+SERVER_PIDS=()
+for ((i = 0; i < VLLM_SERVERS; i++)); do vllm_cmd "$i"; "${VLLM_CMD[@]}" & SERVER_PIDS+=($!); done
 if [ -n "$JUDGE_MODEL" ]; then "${JUDGE_CMD[@]}" & SERVER_PIDS+=($!); fi
 cleanup() {
   local pid
@@ -119,7 +147,9 @@ wait_healthy() {  # name, port, pid
     sleep 5
   done
 }
-wait_healthy "vLLM (GPUs $VLLM_DEVICES)" "$VLLM_PORT" "${SERVER_PIDS[0]}"
-if [ -n "$JUDGE_MODEL" ]; then wait_healthy "judge (GPUs $JUDGE_DEVICES)" "$JUDGE_PORT" "${SERVER_PIDS[1]}"; fi
+for ((i = 0; i < VLLM_SERVERS; i++)); do
+  vllm_cmd "$i"; wait_healthy "vLLM (GPUs $VLLM_DEVICES)" $((VLLM_PORT + i)) "${SERVER_PIDS[i]}"
+done
+if [ -n "$JUDGE_MODEL" ]; then wait_healthy "judge (GPUs $JUDGE_DEVICES)" "$JUDGE_PORT" "${SERVER_PIDS[VLLM_SERVERS]}"; fi
 echo "launch.sh: vLLM is up; training on GPUs $TRAIN_DEVICES" >&2
 "${TRAIN_CMD[@]}"

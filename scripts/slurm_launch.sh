@@ -113,14 +113,15 @@ for node in "${NODES[@]:TRAIN_NODES}"; do
   done
 done
 # The training nodes: one accelerate launch each, with its machine rank; node 0 hosts the main process and the
-# NCCL weight-sync rendezvous
+# NCCL weight-sync rendezvous. TRL's one-server fields go back to their defaults: a recipe's
+# vllm_server_host/port name one server, and checks.check_server_urls refuses them beside vllm_server_urls.
 TRAIN_CMDS=()
 for ((rank = 0; rank < TRAIN_NODES; rank++)); do
   TRAIN_CMDS+=("$(show srun --nodes=1 --ntasks=1 --nodelist="${NODES[rank]}" --overlap \
     "$PYTHON" -m accelerate.commands.launch --config_file "$ACCELERATE_CONFIG" --num_machines "$TRAIN_NODES" \
     --num_processes $((TRAIN_NODES * GPUS_PER_NODE)) --machine_rank "$rank" --main_process_ip "$MAIN_NODE" \
     --main_process_port "$MAIN_PORT" mt_grpo_trainer.py --config "$RECIPE" --generation_backend vllm_server \
-    --vllm_server_urls "${URLS[@]}" --nccl_master_address "$MAIN_NODE" --nccl_master_port "$NCCL_PORT" "$@")")
+    --vllm_server_host 0.0.0.0 --vllm_server_port 8000 --vllm_server_urls "${URLS[@]}" --nccl_master_address "$MAIN_NODE" --nccl_master_port "$NCCL_PORT" "$@")")
 done
 
 if [ "$DRY_RUN" = 1 ]; then

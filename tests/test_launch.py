@@ -8,6 +8,7 @@ import pytest
 from helpers import ROOT
 
 RECIPE = "hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml"
+ONE_CPU = ["--bf16", "false", "--use_cpu", "true", "--num_generations", "8"]  # a GPU recipe's flags parsed here
 
 
 def dry_run(*args, **env):
@@ -102,6 +103,29 @@ def test_a_judge_gets_its_own_server_and_gpu():
     assert crowded.returncode == 2 and "1 for the judge (JUDGE_GPUS)" in crowded.stderr
 
 
+def test_several_servers_on_one_node_each_get_their_gpus_and_port_and_the_trainer_gets_every_url():
+    """VLLM_SERVERS: that many servers on the last GPUs, each VLLM_TP GPUs and its own port, and the trainer's
+    vllm_server_urls lists them all (server_pool.py), parsed as the trainer parses its flags; a judge whose port is
+    a server's is refused with the port to use."""
+    from mt_grpo_trainer import parse_args
+
+    out = dry_run(RECIPE, "--max_steps", "3", NUM_GPUS="8", VLLM_SERVERS="3", VLLM_TP="2")
+    assert out.returncode == 0, out.stderr
+    *servers, wait, train = out.stdout.strip().splitlines()
+    assert [line.split()[1] for line in servers] == ["CUDA_VISIBLE_DEVICES=2,3", "CUDA_VISIBLE_DEVICES=4,5",
+                                                     "CUDA_VISIBLE_DEVICES=6,7"]
+    assert [line.split("--port ")[1].split()[0] for line in servers] == ["8000", "8001", "8002"]
+    assert wait.startswith("# wait for http://127.0.0.1:8000/health and :8001/health and :8002/health")
+    assert train.startswith("env CUDA_VISIBLE_DEVICES=0,1 ") and "--num_processes 2 " in train
+    trainer_flags = train.split("mt_grpo_trainer.py ", 1)[1].split()
+    script_args = parse_args([*trainer_flags, *ONE_CPU])[0]
+    assert script_args.vllm_server_urls == ["http://127.0.0.1:8000", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    clash = dry_run(RECIPE, VLLM_SERVERS="2", JUDGE_MODEL="m")
+    assert clash.returncode == 2 and "JUDGE_PORT=8001 is one of the vLLM servers' ports" in clash.stderr
+    assert "set JUDGE_PORT=8002" in clash.stderr
+    assert dry_run(RECIPE, VLLM_SERVERS="0").returncode == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # scripts/slurm_launch.sh --dry-run under a fake SLURM allocation
 # ------------------------------------------------------------------------------------------------
@@ -133,7 +157,8 @@ def test_slurm_dry_run_prints_each_nodes_commands(tmp_path):
     train = ("srun --nodes=1 --ntasks=1 --nodelist={node} --overlap python -m accelerate.commands.launch --config_file "
              "accelerate_configs/zero3_multinode.yaml --num_machines 2 --num_processes 4 --machine_rank {rank} "
              f"--main_process_ip gpu07 --main_process_port 29500 mt_grpo_trainer.py --config {RECIPE} "
-             "--generation_backend vllm_server --vllm_server_urls http://gpu10:8000 http://gpu10:8001 "
+             "--generation_backend vllm_server --vllm_server_host 0.0.0.0 --vllm_server_port 8000 "
+             "--vllm_server_urls http://gpu10:8000 http://gpu10:8001 "
              "--nccl_master_address gpu07 --nccl_master_port 51216 --max_steps 3 &")
     assert out.stdout.splitlines() == [
         "# gpu10: vLLM server http://gpu10:8000", server.format(gpu=0, port=8000),
@@ -142,6 +167,12 @@ def test_slurm_dry_run_prints_each_nodes_commands(tmp_path):
         "# gpu07: training, machine_rank 0", train.format(node="gpu07", rank=0),
         "# gpu08: training, machine_rank 1", train.format(node="gpu08", rank=1),
         "# wait for the training steps; on exit, failure or cancel, stop every step"]
+    # the trainer takes its flags as written: every server, and no one-server field of the recipe left beside them
+    from mt_grpo_trainer import parse_args
+
+    flags = train.format(node="gpu07", rank=0).split("mt_grpo_trainer.py ", 1)[1].removesuffix(" &").split()
+    parsed = parse_args([*flags, *ONE_CPU])[0]
+    assert parsed.vllm_server_urls == ["http://gpu10:8000", "http://gpu10:8001"]
 
 
 def test_slurm_dry_run_with_tensor_parallel_servers_lora_and_scontrol(tmp_path):
