@@ -253,13 +253,13 @@ def trie_attention_mask(row: PackedRow, attention: str, windows: dict[str | None
 
 
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                  budget: int | None = None, sample_starts: torch.Tensor | None = None):
+                  budget: int | None = None, sample_starts: torch.Tensor | None = None, plan=None):
     """Each trie of the batch as `model` takes it: (its PackedRow, its attention mask, its unique tokens), the row
-    padded to a bucket for flex (flex_bucket)."""
+    padded to a bucket for flex (flex_bucket). `plan`: plan_rows' result, where the caller has it already."""
     attention = packed_attention(model, input_ids.device)
     inner = unwrapped(model)
     windows = layer_windows(inner.config)
-    for trie, episodes in zip(*plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)):
+    for trie, episodes in zip(*(plan or plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts))):
         row = layout(trie, episodes, input_ids.device)
         if attention == "flex":
             row = pad_row(row, flex_bucket(len(trie.tokens)))
@@ -277,8 +277,9 @@ def rank_max(n: int, device: torch.device) -> int:
     return int(count.item())
 
 
-def matched_forwards(items: list, device: torch.device):
-    """This rank's `items` (one forward each), then None until every rank has had as many: the one rule that keeps
+def matched_forwards(items, device: torch.device, count: int | None = None):
+    """This rank's `items` (one forward each; a list, or an iterator of `count` items built one at a time), then None
+    until every rank has had as many: the one rule that keeps
     the collectives of a step matched across ranks. Under ZeRO-3 and FSDP every forward gathers each layer's
     parameters (and its backward reduces their gradients), a collective that all ranks must make the same number of
     times; but how many forwards a rank makes depends on its own episodes (one per trie under
@@ -286,9 +287,12 @@ def matched_forwards(items: list, device: torch.device):
     over ranks (rank_max), and at each None the caller runs an empty forward: a small input through the same model,
     whose output adds nothing to any result or gradient. On one process, nothing is added. Which path a
     batch takes (packed or padded) is chosen the same way on every rank (PackedForward.row_samples)."""
-    most = rank_max(len(items), device)
-    yield from items
-    yield from [None] * (most - len(items))
+    most = rank_max(len(items) if count is None else count, device)
+    made = 0
+    for item in items:
+        made += 1
+        yield item
+    yield from [None] * (most - made)
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -302,8 +306,9 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     forwarded = 0
-    tries = list(packed_inputs(model, input_ids, attention_mask, logits_to_keep, budget, sample_starts))
-    for packed in matched_forwards(tries, input_ids.device):
+    plan = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
+    tries = packed_inputs(model, input_ids, attention_mask, logits_to_keep, plan=plan)  # one trie's mask at a time
+    for packed in matched_forwards(tries, input_ids.device, count=len(plan[0])):
         empty = packed is None
         if empty:  # the batch's first token twice, the second scored: through every layer and the LM head
             one = input_ids[:1, :1].expand(1, 2)
