@@ -65,6 +65,8 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
+from completions import (RetryableResponse, Sample, ServerRejected, kept_set_logprobs,  # noqa: F401
+                         listed_kept_sets, parse_completions_response)
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
                     check_script_args, check_tokenization, check_training_args, check_trl,
                     resolve_advantage_mode, score_labelled_tokens_only, settle_training_defaults)
@@ -224,17 +226,8 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
 # ------------------------------------------------------------------------------------------------
 # 2. Generation backends: prompt token ids in; sampled ids, their logprobs and a finish reason out.
 # Both have the interface of GenerationBackend; make_backend (section 7) is the one place that picks one by name.
+# A sample is completions.Sample (with vLLM's response format, which fills it).
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Sample:
-    """One sampled continuation. `logprobs[i]` is the sampler's logprob of `token_ids[i]`, after
-    temperature (what the trainer recomputes, so the two can be compared)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (stop string or EOS) | "length" (hit max_tokens) | "repetition" (vLLM cut it)
-
-
 @dataclass
 class SamplingParams:
     """Every parameter that shapes the sampled distribution, sent explicitly by both backends: left
@@ -291,13 +284,13 @@ def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def sampler_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
+                     keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
     """(N, V) logprobs of the distribution a sampler with `params` draws from (see process_logits)."""
-    return process_logits(logits, params, seen, keep).log_softmax(-1)
+    return process_logits(logits, params, seen, keep, kept).log_softmax(-1)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-                   keep: torch.Tensor | None = None) -> torch.Tensor:
+                   keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
     """(N, V) logits -> (N, V) the logits a sampler with `params` draws from (softmax), in vLLM's
     order (v1 Sampler, the processed_logprobs it returns): repetition penalty on the tokens `seen` (N, V)
     so far (positive logits divided, others multiplied), temperature, min_p (drop p < min_p * max p),
@@ -307,11 +300,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     (vLLM 0.32's kernel on a GPU). Greedy (temperature 0) is temperature 1. The in-process
     backend samples through this same function, and the trainer scores samples with it, so on-policy
     importance weights are exactly 1 whatever the settings; dropped tokens get -inf. `keep` (N,): the
-    token the sampler drew at each row, which is never dropped (docs/guide.md, "A token at the boundary")."""
+    token the sampler drew at each row, which is never dropped (docs/guide.md, "A token at the boundary"). `kept`
+    (N, K): the sampler's own kept set at each row, -1 padded (completions.py), which replaces the truncation above
+    at the rows that have one (any id >= 0), so that both renormalise over the same tokens."""
     x = logits.float()
     if params.repetition_penalty != 1.0 and seen is not None:
         x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
-    x = x / (params.temperature or 1.0)
+    x = untruncated = x / (params.temperature or 1.0)
     drawn = None if keep is None else (keep[:, None], x.gather(1, keep[:, None]))
     if params.min_p > 0.0:
         probs = x.softmax(-1)
@@ -335,6 +330,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
             below[:, -1] = False
             ordered = ordered.masked_fill(below, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, ordered)
+    if kept is not None and (listed := (kept >= 0).any(-1, keepdim=True)).any():  # (N, 1); -1 -> a spare column V
+        members = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device).scatter_(
+            1, torch.where(kept >= 0, kept, V).long(), True)[:, :V]
+        x = torch.where(listed, untruncated.masked_fill(~members, float("-inf")), x)
     # A sampler with other numerics (vLLM's bf16 kernels) draws tokens at the edge of the kept set that this
     # one may drop: -inf would zero the episode's sequence weight. Kept, such a token is scored against the
     # kept set plus itself: within the numerics gap of the sampler's own logprob, which is what the ratio needs.
@@ -423,17 +422,18 @@ class TransformersBackend:
             torch.cuda.empty_cache()
         new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
         logprobs = processing.sampled_logprobs(new_ids)  # (R, S)
-        return [self._finish(new_ids[r], logprobs[r], limits[r]) for r in range(len(rows))]
+        kept = torch.stack(processing.kept[: new_ids.shape[1]], 1) if processing.kept else None  # (R, S, K)
+        return [self._finish(new_ids[r], logprobs[r], limits[r], None if kept is None else kept[r])
+                for r in range(len(rows))]
 
-    def _finish(self, ids: torch.Tensor, logprobs: torch.Tensor, limit: int) -> Sample:
+    def _finish(self, ids: torch.Tensor, logprobs: torch.Tensor, limit: int, kept: torch.Tensor | None) -> Sample:
         """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
         a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
         ids, logprobs = ids.tolist(), logprobs.tolist()
         end = next((i + 1 for i, t in enumerate(ids)
                     if t in self.eos_token_ids or self.stop.completes(ids, i)), None)
-        if end is not None and end <= limit:
-            return Sample(ids[:end], logprobs[:end], "stop")
-        return Sample(ids[:limit], logprobs[:limit], "length")
+        n, reason = (end, "stop") if end is not None and end <= limit else (min(limit, len(ids)), "length")
+        return Sample(ids[:n], logprobs[:n], reason, None if kept is None else kept[:n])
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         with torch.no_grad():
@@ -453,6 +453,8 @@ class SamplerProcessing(LogitsProcessor):
         self.prompt_mask = prompt_mask.bool()
         self.logprobs: list[torch.Tensor] = []  # (R,) per sampled token but the last
         self.last: torch.Tensor | None = None  # (R, V) logprobs of the last step
+        self.kept: list[torch.Tensor] = []  # (R, K) per step: the kept set as a server lists it (completions.py)
+        self.asked = kept_set_logprobs(params.top_p, params.top_k, params.min_p)
 
     def sampled_logprobs(self, new_ids: torch.Tensor) -> torch.Tensor:
         """(R, S) the logprob of each of the S tokens generate returned (it may undo deferred steps)."""
@@ -467,6 +469,8 @@ class SamplerProcessing(LogitsProcessor):
             self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1).cpu())
         processed = self._process(input_ids, scores)
         self.last = processed.float().log_softmax(-1)
+        if self.asked:
+            self.kept.append(listed_kept_sets(self.last, self.asked, self.params.top_k).cpu())
         return processed
 
     def _process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -502,12 +506,14 @@ class StopAtStrings(StoppingCriteria):
 
 def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                             completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                            params: SamplingParams, sample_starts: torch.Tensor | None = None) -> torch.Tensor:
+                            params: SamplingParams, sample_starts: torch.Tensor | None = None,
+                            sampler_kept: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) the policy's logprob of each completion token under the sampler's processing
     (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
     pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
     differ from the softmax at the temperature. One row at a time, without padding: the processing needs
-    full-vocabulary logits, (length, V) per row. Ranks make as many forwards (matched_forwards). 0 on padding."""
+    full-vocabulary logits, (length, V) per row. Ranks make as many forwards (matched_forwards). 0 on padding.
+    `sampler_kept` (B, T, K): the sampler's kept sets, where it reported them (pad_episodes; process_logits)."""
     out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
     parts = [(r, *part) for r in range(completion_ids.shape[0])  # each sample in its own context
@@ -519,7 +525,8 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
         logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
         seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
         drawn = ids[len(prompt):]
-        out[r, first:b] = sampler_logprobs(logits, params, seen, keep=drawn).gather(1, drawn[:, None]).squeeze(1)
+        kept = None if sampler_kept is None else sampler_kept[r, first:b]
+        out[r, first:b] = sampler_logprobs(logits, params, seen, drawn, kept).gather(1, drawn[:, None]).squeeze(1)
     return out
 
 
@@ -559,8 +566,8 @@ class VLLMServerClient:
         # refuses raw logprobs; the tie rule of the server's truncation, which the trainer's scoring reproduces
         self.params = replace(params, ties=server_sampler(self.http, self.base_url, tie_rule,
                                                           trainer_has_cuda=torch.cuda.is_available()))
-        score = lambda model, *ids, processed: policy_sampler_logprobs(  # noqa: E731
-            model, *ids, self.params if processed else SamplingParams())
+        score = lambda model, *ids, processed, kept=None: policy_sampler_logprobs(  # noqa: E731
+            model, *ids, self.params if processed else SamplingParams(), None, kept)
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
 
     # -- HTTP --------------------------------------------------------------------------------------
@@ -654,6 +661,8 @@ class VLLMServerClient:
             "include_stop_str_in_output": True,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
         }
+        if asked := kept_set_logprobs(p.top_p, p.top_k, p.min_p):  # the sampler's kept sets (completions.py)
+            body.update(logprobs=asked, return_tokens_as_token_ids=True)
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
             body["seed"] = p.seed
         return body
@@ -662,7 +671,8 @@ class VLLMServerClient:
                   p: SamplingParams, **body) -> list[list[Sample]]:  # body: request fields over completion_body's
         def parse(response):
             try:
-                return parse_completions_response(response, len(prompts), n)
+                return parse_completions_response(response, len(prompts), n, kept_set_logprobs(
+                    p.top_p, p.top_k, p.min_p), p.top_k)
             except RetryableResponse:
                 self.aborted_requests += 1
                 raise
@@ -706,48 +716,6 @@ class VLLMServerClient:
         self.post("/v1/unload_lora_adapter", {"lora_name": name}, parse=None)
 
 
-class ServerRejected(RuntimeError):
-    """A 4xx answer: the request is wrong for this server (not retried). `status` is the HTTP status."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class RetryableResponse(Exception):
-    """A 200 response whose completions the server aborted (or errored): the request is sent again."""
-
-
-FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "repetition"}  # vLLM's, to ours
-RETRY_FINISH_REASONS = ("abort", "error")
-
-
-def parse_completions_response(response: dict, num_prompts: int, n: int) -> list[list[Sample]]:
-    """Map a /v1/completions response back to prompts: choice `index` is prompt_index * n + j.
-    vLLM's finish reasons: stop and length as such; repetition (vLLM cut a repeating sample) ends the
-    episode as truncated; abort and error are retried (RetryableResponse); anything else is an error."""
-    out: list[list[Sample | None]] = [[None] * n for _ in range(num_prompts)]
-    for choice in response["choices"]:
-        reason = choice.get("finish_reason")
-        if reason in RETRY_FINISH_REASONS:
-            raise RetryableResponse(f"the server finished a completion with '{reason}'")
-        if reason not in FINISH_REASONS:
-            raise RuntimeError(f"vLLM returned finish_reason {reason!r}, which this client does not know; "
-                               f"expected one of {sorted(FINISH_REASONS) + list(RETRY_FINISH_REASONS)}.")
-        ids, lps = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
-        if ids is None or lps is None or len(ids) != len(lps):
-            raise RuntimeError(
-                "vLLM response lacks token ids or logprobs (need a vLLM that supports `return_token_ids`); "
-                f"got keys {sorted(choice)}."
-            )
-        # vLLM writes a -inf logprob as null; NaN marks "unknown" and gets no correction downstream.
-        logprobs = [float("nan") if x is None else float(x) for x in lps]
-        out[choice["index"] // n][choice["index"] % n] = Sample(list(ids), logprobs, FINISH_REASONS[reason])
-    if any(s is None for row in out for s in row):
-        raise RuntimeError(f"vLLM returned {len(response['choices'])} choices, expected {num_prompts * n}.")
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # 3. Multi-turn env: the generate/step loop
 # ------------------------------------------------------------------------------------------------
@@ -778,6 +746,7 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
+    sampler_kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (offset, Sample.kept) per sample
     spans: list[Span] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
@@ -789,7 +758,8 @@ class Episode:
     # (completion offset, messages its prompt renders) of each sample after the first (turn_samples.py)
     sample_starts: list[tuple[int, int]] = field(default_factory=list)
 
-    def append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
+    def append(self, role: str, ids: list[int], logprobs: list[float] | None = None,
+               kept: torch.Tensor | None = None) -> None:
         if logprobs is None:
             logprobs = [0.0] * len(ids)
         if len(logprobs) != len(ids):
@@ -798,6 +768,8 @@ class Episode:
         self.completion_ids += ids
         self.env_mask += [1 if role == "model" else 0] * len(ids)
         self.sampler_logprobs += logprobs
+        if kept is not None:
+            self.sampler_kept.append((start, kept))
         self.spans.append(Span(role, start, len(self.completion_ids)))
         assert len(self.completion_ids) == len(self.env_mask) == len(self.sampler_logprobs)
 
@@ -1023,7 +995,7 @@ class MultiTurnToolEnv:
     def _record_model_turn(self, ep: Episode, sample: Sample) -> list[ToolCall] | None:
         """Append the sampled tokens as they are; return the tool calls to run, or None when the episode
         ends."""
-        ep.append("model", sample.token_ids, sample.logprobs)
+        ep.append("model", sample.token_ids, sample.logprobs, sample.kept)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         turn = self.protocol.parse(text)
         ep.messages.append({"role": "assistant", "content": text,
@@ -1115,6 +1087,12 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
         batch["sample_starts"][row, [s for s, _ in ep.sample_starts]] = 1
     batch["token_turns"] = torch.stack([token_turn_index(ep.spans, T) for ep in episodes]) if episodes else \
         torch.zeros(0, T, dtype=torch.long)
+    if any(ep.sampler_kept for ep in episodes):  # (B, T, K) the sampler's kept sets, -1 where none was reported
+        K = max(kept.shape[1] for ep in episodes for _, kept in ep.sampler_kept)
+        batch["sampler_kept"] = torch.full((len(episodes), T, K), -1, dtype=torch.long)
+        for row, ep in enumerate(episodes):
+            for start, kept in ep.sampler_kept:
+                batch["sampler_kept"][row, start : start + len(kept), : kept.shape[1]] = kept
     if mask_truncated:
         keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
         batch["tool_mask"] = batch["tool_mask"] * keep[:, None]
@@ -1560,10 +1538,10 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                              self.args.mask_truncated_completions, self.pad_to_multiple_of)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         batch["sampling_per_token_logps"] = batch.pop("sampler_logps")  # TRL's name (off-policy masking reads it)
-        self._add_old_and_ref_logps(batch)
+        self._add_old_and_ref_logps(batch, batch.pop("sampler_kept", None))
         return batch
 
-    def _add_old_and_ref_logps(self, batch: dict) -> None:
+    def _add_old_and_ref_logps(self, batch: dict, sampler_kept: torch.Tensor | None = None) -> None:
         """Logprobs of the sampled tokens under the current policy (when the loss or the sampler
         correction needs them) and under the reference model (when beta > 0)."""
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -1584,7 +1562,9 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                     with self.accelerator.autocast():
                         batch["trainer_sampler_logps"] = policy_sampler_logprobs(
                             self.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                            batch["completion_mask"], params, batch["sample_starts"])
+                            batch["completion_mask"], params, batch["sample_starts"], sampler_kept)
+                    batch["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) if sampler_kept is None \
+                        else (sampler_kept >= 0).any(-1).long()  # a metric (_correct_for_sampler)
                 else:  # the softmax at the temperature: what TRL's logprobs already are
                     batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
             if self.beta != 0.0:
@@ -1654,6 +1634,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         `vllm_importance_sampling_*` fields say; log the trainer-vs-sampler mismatch per turn. Returns
         the (B, T) weights, or None when there is no correction (in-process, or the correction off)."""
         old, sampler = batch.pop("trainer_sampler_logps", None), batch["sampling_per_token_logps"]
+        listed = batch.pop("sampler_kept_listed", None)
         if old is not None and self.backend.params.truncates and self.args.off_policy_mask_threshold is not None:
             # TRL's off-policy mask compares these with the untruncated policy: truncation alone would read as
             # a positive gap on every token, so move them to that frame (the mismatch itself is kept), always
@@ -1670,6 +1651,8 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
             batch["advantages"] = batch["advantages"] * weights
         m = self._metrics[mode]
         m["sampling/importance_weight_mean"].append(self._masked_mean(weights, mask))
+        if listed is not None:  # the share of tokens scored against the sampler's own kept set (completions.py)
+            m["sampling/kept_set_listed"].append(self._masked_mean(listed, mask))
         gap = torch.nan_to_num((old - sampler).abs(), nan=0.0)
         first = (batch["token_turns"] == 0).long()
         m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, mask * first))

@@ -82,9 +82,9 @@ class Probes:
 
 class WeightSync:
     """The weight sync of one server `client` (a VLLMServerClient). `probes`: the probes' token ids (None:
-    no probe). `score_sampled(model, prompt_ids, prompt_mask, completion_ids, completion_mask, processed=)`:
+    no probe). `score_sampled(model, prompt_ids, prompt_mask, completion_ids, completion_mask, processed=, kept=)`:
     the trainer's (1, n) logprobs of sampled tokens under the client's sampling processing (processed=True)
-    or under none, for the sampling probe."""
+    or under none, for the sampling probe (`kept`: the server's kept sets, completions.py)."""
 
     def __init__(self, client, config: WeightSyncConfig, probes: Probes | None,
                  score_sampled: Callable | None = None):
@@ -249,7 +249,8 @@ class WeightSync:
         device = next(model.parameters()).device
         with torch.no_grad(), accelerator.autocast():
             args = [t.to(device) for t in (prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))]
-            processed = self.score_sampled(model, *args, processed=True)[0].cpu()
+            kept = None if sample[0].kept is None else sample[0].kept[None].to(device)  # the server's kept sets
+            processed = self.score_sampled(model, *args, processed=True, kept=kept)[0].cpu()
             raw = self.score_sampled(model, *args, processed=False)[0].cpu()
         error, metrics = sampler_probe_verdict(theirs, processed, raw, self.config.probe_tolerance)
         if error:

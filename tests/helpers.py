@@ -223,12 +223,14 @@ def sampler_id(settings: dict) -> str:
     return "-".join(f"{k[:4]}{v}" for k, v in settings.items())
 
 
-def on_policy_weights(model, prompts, samples, params, mode):
+def on_policy_weights(model, prompts, samples, params, mode, kept_sets=True):
     """The trainer's importance weights for `samples` (prompt-major, as a backend's generate returns them):
-    the padded batch scored by policy_sampler_logprobs against the sampler's logprobs. Returns (B, T) weights."""
+    the padded batch scored by policy_sampler_logprobs against the sampler's logprobs, relative to the kept sets
+    the sampler reported (Sample.kept; `kept_sets` False: the trainer's own). Returns (B, T) weights."""
     import torch
     from trl.trainer.utils import pad
 
+    from completions import kept_set_logprobs
     from mt_grpo_trainer import importance_weights, policy_sampler_logprobs
 
     per_prompt = len(samples) // len(prompts)
@@ -239,8 +241,12 @@ def on_policy_weights(model, prompts, samples, params, mode):
     completion_ids = pad([torch.tensor(s.token_ids) for _, s in rows], padding_value=0)
     completion_mask = pad([ones(len(s.token_ids)) for _, s in rows], padding_value=0)
     sampler = pad([torch.tensor(s.logprobs) for _, s in rows], padding_value=0.0)
+    truncated = kept_set_logprobs(params.top_p, params.top_k, params.min_p)  # else there is no kept set to score over
+    kept = pad([s.kept for _, s in rows], padding_value=-1) if kept_sets and truncated and rows[0][1].kept is not None \
+        else None
     with torch.no_grad():
-        trainer = policy_sampler_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, params)
+        trainer = policy_sampler_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, params,
+                                          None, kept)
     return importance_weights(trainer, sampler, completion_mask, mode, None, None)
 
 
