@@ -65,7 +65,11 @@ def kept_sets(top_logprobs: list[dict | None], asked: int, top_k: int) -> torch.
     for i, top in enumerate(top_logprobs):
         if not top:
             continue
-        kept = [int(key.rsplit(":", 1)[1]) for key, lp in top.items() if lp is not None and lp > DROPPED]
+        if not all(key.startswith("token_id:") for key in top):
+            raise RuntimeError(f"vLLM's top logprobs are keyed by token text ({next(iter(top))!r}), not by token id: "
+                               "it ignored `return_tokens_as_token_ids`, so the sampler's kept set cannot be read. "
+                               "Use vLLM 0.32 (scripts/setup_vllm.sh pins it).")
+        kept = [int(key[len("token_id:"):]) for key, lp in top.items() if lp is not None and lp > DROPPED]
         whole = len(kept) < len(top) or 0 < top_k <= asked  # a dropped token was listed, or top-k <= what was asked
         if whole and 0 < len(kept) <= asked:
             out[i, : len(kept)] = torch.tensor(kept)

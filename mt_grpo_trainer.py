@@ -1089,7 +1089,7 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
         torch.zeros(0, T, dtype=torch.long)
     if any(ep.sampler_kept for ep in episodes):  # (B, T, K) the sampler's kept sets, -1 where none was reported
         K = max(kept.shape[1] for ep in episodes for _, kept in ep.sampler_kept)
-        batch["sampler_kept"] = torch.full((len(episodes), T, K), -1, dtype=torch.long)
+        batch["sampler_kept"] = torch.full((len(episodes), T, K), -1, dtype=torch.int32)  # int32: half the memory
         for row, ep in enumerate(episodes):
             for start, kept in ep.sampler_kept:
                 batch["sampler_kept"][row, start : start + len(kept), : kept.shape[1]] = kept

@@ -231,3 +231,18 @@ def test_the_off_policy_mask_compares_like_with_like_in_process(tiny_agent_dir, 
                                                    middle)[:, 0] == 0, gap > middle)
     print(f"on-policy KL max {on_policy.abs().max():.2e}, truncated frame {sequence_kl(truncated, now).tolist()}, "
           f"after the change {gap.tolist()}")
+
+
+def test_the_sampler_s_kept_set_replaces_the_trainer_s_truncation_where_it_was_listed():
+    # probabilities 0.5 0.3 0.15 0.05 at top_k 2: the trainer would keep {0, 1}. A sampler whose numerics kept
+    # {0, 2} listed that set: the trainer renormalises over it. A row with no listed set (-1) keeps the trainer's.
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]] * 2)
+    kept = torch.tensor([[0, 2], [-1, -1]])
+    got = sampler_logprobs(logits, SamplingParams(top_k=2), kept=kept).exp().tolist()
+    assert got[0] == pytest.approx([0.5 / 0.65, 0.0, 0.15 / 0.65, 0.0])
+    assert got[1] == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    # after the temperature and the repetition penalty, as the sampler's set is of the processed logits
+    seen = torch.tensor([[False, False, True, False]] * 2)
+    x = torch.tensor([[2.0, 1.0, 1.5, 0.0]] * 2)
+    got = sampler_logprobs(x, SamplingParams(temperature=0.5, top_k=2, repetition_penalty=1.5), seen, kept=kept)
+    assert got[0, [0, 2]].exp().tolist() == pytest.approx(torch.tensor([4.0, 2.0]).softmax(0).tolist())

@@ -179,3 +179,44 @@ def test_every_request_has_a_timeout(server):
     with pytest.raises(ConnectionError, match="ReadTimeout"):
         c.generate([[1]], [2])
     assert server.answered == []  # raised while the server still held the request
+
+
+def test_kept_sets_are_read_where_the_top_logprobs_list_them_whole():
+    """vLLM's processed top logprobs (return_tokens_as_token_ids; -9999 where it dropped a token) give each
+    position's kept set when a dropped token appears among them or top_k <= the number asked; otherwise -1. The
+    in-process backend's rule (listed_kept_sets) reads its own logprobs the same way."""
+    import math
+
+    import torch
+
+    from completions import kept_set_logprobs, kept_sets, listed_kept_sets
+
+    assert [kept_set_logprobs(*p) for p in [(1.0, 0, 0.0), (0.8, 0, 0.0), (1.0, 5, 0.0), (1.0, 50, 0.0),
+                                            (1.0, 0, 0.1)]] == [0, 20, 5, 20, 20]
+    top = [{"token_id:7": -0.1, "token_id:3": -2.5, "token_id:9": -9999.0},  # a dropped token listed: whole
+           {"token_id:7": -0.1, "token_id:3": -2.5, "token_id:9": -3.0},  # top-p set of 3 or more: not whole
+           {"token_id:7": -0.1, "token_id:3": -2.5, "token_id:9": -3.0, "token_id:4": -4.0},  # the sampled one + 3
+           None]  # a position vLLM gave no top logprobs (a prompt token)
+    assert kept_sets(top, 3, top_k=0).tolist() == [[7, 3, -1], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert kept_sets(top[1:2], 3, top_k=3).tolist() == [[7, 3, 9]]  # top_k <= asked: the 3 listed are the set
+    lp = torch.tensor([[math.log(0.6), math.log(0.4), -math.inf, -math.inf],
+                       [math.log(0.4), math.log(0.3), math.log(0.2), math.log(0.1)]])
+    assert listed_kept_sets(lp, 3, top_k=0).tolist() == [[0, 1, -1], [-1, -1, -1]]
+    assert listed_kept_sets(lp, 3, top_k=3)[1].tolist() == [0, 1, 2]
+
+
+def test_a_truncating_request_asks_for_the_kept_sets_and_a_response_without_them_is_an_error():
+    from completions import parse_completions_response as parse
+
+    c = VLLMServerClient.__new__(VLLMServerClient)  # completion_body reads only these
+    c.model_name, c.stop_strings, c.eos_token_ids = "m", [], []
+    body = c.completion_body([[1]], 4, 1, SamplingParams(temperature=0.7, top_p=0.8, top_k=20))
+    assert body["logprobs"] == 20 and body["return_tokens_as_token_ids"] is True
+    assert c.completion_body([[1]], 4, 1, SamplingParams(temperature=0.7))["logprobs"] == 0
+    response = load("completions_token_ids.json")  # asked with logprobs 0: its top logprobs are keyed by text
+    with pytest.raises(RuntimeError, match="return_tokens_as_token_ids"):
+        parse(response, 2, len(response["choices"]) // 2, kept_asked=20, top_k=20)
+    for choice in response["choices"]:
+        del choice["logprobs"]["top_logprobs"]
+    with pytest.raises(RuntimeError, match="top logprobs asked for"):
+        parse(response, 2, len(response["choices"]) // 2, kept_asked=20, top_k=20)
