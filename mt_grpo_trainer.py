@@ -308,11 +308,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
         x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
     x = untruncated = x / (params.temperature or 1.0)
     drawn = None if keep is None else (keep[:, None], x.gather(1, keep[:, None]))
-    if params.min_p > 0.0:
+    listed = None if kept is None else (kept >= 0).any(-1, keepdim=True)  # (N, 1) rows whose set the sampler listed
+    own = listed is None or not bool(listed.all())  # the trainer's own truncation: for rows with none listed
+    if own and params.min_p > 0.0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     V = x.shape[-1]
-    if (params.top_k > 0 or params.top_p < 1.0) and params.ties == "triton":
+    if own and (params.top_k > 0 or params.top_p < 1.0) and params.ties == "triton":
         ordered, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lowest token id first
         if 0 < params.top_k < V:
             ordered = ordered.masked_fill(torch.arange(V, device=x.device) >= params.top_k, float("-inf"))
@@ -320,7 +322,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
             probs = ordered.softmax(-1)
             ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, ordered)
-    elif params.top_k > 0 or params.top_p < 1.0:
+    elif own and (params.top_k > 0 or params.top_p < 1.0):
         ordered, order = x.sort(-1)  # ascending
         if 0 < params.top_k < V:
             ordered = ordered.masked_fill(ordered < ordered[:, V - params.top_k : V - params.top_k + 1],
@@ -330,7 +332,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
             below[:, -1] = False
             ordered = ordered.masked_fill(below, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, ordered)
-    if kept is not None and (listed := (kept >= 0).any(-1, keepdim=True)).any():  # (N, 1); -1 -> a spare column V
+    if listed is not None and listed.any():  # the sampler's set; -1 -> a spare column V
         members = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device).scatter_(
             1, torch.where(kept >= 0, kept, V).long(), True)[:, :V]
         x = torch.where(listed, untruncated.masked_fill(~members, float("-inf")), x)
@@ -352,8 +354,11 @@ class TransformersBackend:
 
     def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int],
                  stop_strings: list[str], gather_deepspeed3_params: bool = True,
-                 cache_implementation: str | None = None):
+                 cache_implementation: str | None = None, list_kept_sets: bool = False):
         self.tokenizer = tokenizer
+        # Sample.kept as a server lists it, to stand in for one with other numerics (tests/test_numerics_gap.py);
+        # off in training: the trainer's own sets are the sampler's
+        self.list_kept_sets = list_kept_sets
         self.params = params
         self.eos_token_ids = list(eos_token_ids)
         self.stop_strings = list(stop_strings)
@@ -409,7 +414,7 @@ class TransformersBackend:
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
                 p = params or self.params
-                processing = SamplerProcessing(p, attention_mask)
+                processing = SamplerProcessing(p, attention_mask, self.list_kept_sets)
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                                      generation_config=self.generation_config(p, max(limits)),
                                      logits_processor=[processing],
@@ -448,13 +453,13 @@ class SamplerProcessing(LogitsProcessor):
     `prompt_mask` (R, P) marks the real prompt tokens of the left-padded batch: padding is not a token the
     repetition penalty should see."""
 
-    def __init__(self, params: SamplingParams, prompt_mask: torch.Tensor):
+    def __init__(self, params: SamplingParams, prompt_mask: torch.Tensor, list_kept_sets: bool = False):
         self.params = params
         self.prompt_mask = prompt_mask.bool()
         self.logprobs: list[torch.Tensor] = []  # (R,) per sampled token but the last
         self.last: torch.Tensor | None = None  # (R, V) logprobs of the last step
         self.kept: list[torch.Tensor] = []  # (R, K) per step: the kept set as a server lists it (completions.py)
-        self.asked = kept_set_logprobs(params.top_p, params.top_k, params.min_p)
+        self.asked = kept_set_logprobs(params.top_p, params.top_k, params.min_p) if list_kept_sets else 0
 
     def sampled_logprobs(self, new_ids: torch.Tensor) -> torch.Tensor:
         """(R, S) the logprob of each of the S tokens generate returned (it may undo deferred steps)."""
@@ -669,15 +674,17 @@ class VLLMServerClient:
 
     def _complete(self, prompts: list[list[int]], max_tokens: int, n: int,
                   p: SamplingParams, **body) -> list[list[Sample]]:  # body: request fields over completion_body's
+        body = {**self.completion_body(prompts, max_tokens, n, p), **body}
+        asked = body["logprobs"] if body.get("return_tokens_as_token_ids") else 0  # the kept sets' top logprobs
+
         def parse(response):
             try:
-                return parse_completions_response(response, len(prompts), n, kept_set_logprobs(
-                    p.top_p, p.top_k, p.min_p), p.top_k)
+                return parse_completions_response(response, len(prompts), n, asked, p.top_k)
             except RetryableResponse:
                 self.aborted_requests += 1
                 raise
 
-        return self.post("/v1/completions", {**self.completion_body(prompts, max_tokens, n, p), **body}, parse)
+        return self.post("/v1/completions", body, parse)
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given the ones before it (raw logits, no
@@ -1563,8 +1570,9 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                         batch["trainer_sampler_logps"] = policy_sampler_logprobs(
                             self.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                             batch["completion_mask"], params, batch["sample_starts"], sampler_kept)
-                    batch["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) if sampler_kept is None \
-                        else (sampler_kept >= 0).any(-1).long()  # a metric (_correct_for_sampler)
+                    if kept_set_logprobs(params.top_p, params.top_k, params.min_p):  # a metric (_correct_for_sampler)
+                        batch["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) \
+                            if sampler_kept is None else (sampler_kept >= 0).any(-1).long()
                 else:  # the softmax at the temperature: what TRL's logprobs already are
                     batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
             if self.beta != 0.0:

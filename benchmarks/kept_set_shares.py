@@ -60,7 +60,7 @@ def load(folder: str, scorer: str):
 def sample(model, tokenizer, params: SamplingParams, episodes: int, tokens: int, seed: int):
     """(prompts, samples): `episodes` samples, 4 per question, from the float32 in-process backend."""
     backend = TransformersBackend(tokenizer=tokenizer, params=params, eos_token_ids=[tokenizer.eos_token_id],
-                                  stop_strings=[])
+                                  stop_strings=[], list_kept_sets=True)
     backend.sync_weights(model, Accelerator(cpu=True))
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                               add_generation_prompt=True), add_special_tokens=False)
