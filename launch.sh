@@ -69,15 +69,12 @@ fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
 JUDGE_DEVICES=$(seq -s, "$TRAIN_GPUS" $((TRAIN_GPUS + JUDGE_GPUS - 1)))
 VLLM_FIRST_GPU=$((TRAIN_GPUS + JUDGE_GPUS))
-source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, show
+source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, server_dtype_flags, show
 MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
 lora_server_flags "$@"  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
 
-# FP16 (fp16: true in the recipe or among the flags): the server samples in float16 too, else in the
-# checkpoint's dtype (docs/guide.md, "Mixed precision")
-FP16=$(flag_value fp16 "$@"); FP16=${FP16:-$(recipe_value fp16)}
-DTYPE_ARGS=(); [ "$FP16" = "true" ] && DTYPE_ARGS=(--dtype float16)
+server_dtype_flags "$@"  # DTYPE_ARGS: an fp16 recipe's server samples in float16
 
 vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD and VLLM_DEVICES
   local first=$((VLLM_FIRST_GPU + $1 * SERVER_GPUS))

@@ -22,6 +22,14 @@ lora_server_flags() {
   LORA_ARGS=(--enable-lora --max-lora-rank "$max_rank" --max-loras 2)
 }
 
+# FP16 (fp16: true in the recipe or among the flags): the servers sample in float16 too, else in the checkpoint's
+# dtype (docs/guide.md, "Mixed precision"). Sets DTYPE_ARGS. Arguments: the trainer flags.
+server_dtype_flags() {
+  local fp16
+  fp16=$(flag_value fp16 "$@"); fp16=${fp16:-$(recipe_value fp16)}
+  DTYPE_ARGS=(); if [ "$fp16" = "true" ]; then DTYPE_ARGS=(--dtype float16); fi
+}
+
 show() {  # print a command so that it can be pasted into a shell
   local out=() a
   for a in "$@"; do

@@ -19,7 +19,8 @@
 #                              num_processes are overridden per node)
 #   PYTHON=python              interpreter with vllm, trl and accelerate installed, on every node
 # The node list comes from `scontrol show hostnames`, or, where scontrol is absent, from SLURM_JOB_NODELIST expanded
-# here (names like gpu[01-04,09],cpu7: one bracket per name). A LoRA recipe's servers get launch.sh's LoRA flags.
+# here (names like gpu[01-04,09],cpu7: one bracket per name). A LoRA recipe's servers get launch.sh's LoRA flags,
+# an fp16 recipe's their --dtype float16.
 # Everything started is stopped when training ends, fails, or the job is cancelled (the trap below).
 #SBATCH --job-name=mt-grpo
 #SBATCH --ntasks-per-node=1
@@ -92,10 +93,11 @@ if [ $((GPUS_PER_NODE % VLLM_TP)) != 0 ]; then
   exit 2
 fi
 MAIN_NODE=${NODES[0]}
-source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, show
+source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, server_dtype_flags, show
 MODEL=$(recipe_value model_name_or_path)
 [ -n "$MODEL" ] || { echo "slurm_launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
 lora_server_flags "$@"
+server_dtype_flags "$@"
 
 # The servers: GPUS_PER_NODE / VLLM_TP on each vLLM node, one srun step each, on its own GPUs and port
 SERVER_NODES=() SERVER_CMDS=() URLS=()
@@ -109,7 +111,7 @@ for node in "${NODES[@]:TRAIN_NODES}"; do
       "${LORA_ENV[@]}" "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 0.0.0.0 \
       --port "$port" --tensor-parallel-size "$VLLM_TP" --gpu-memory-utilization "$VLLM_GPU_MEMORY" \
       --max-model-len "$VLLM_MAX_MODEL_LEN" --logprobs-mode processed_logprobs --generation-config vllm \
-      --weight-transfer-config '{"backend": "nccl"}' "${LORA_ARGS[@]}")")
+      --weight-transfer-config '{"backend": "nccl"}' "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")")
   done
 done
 # The training nodes: one accelerate launch each, with its machine rank; node 0 hosts the main process and the

@@ -175,6 +175,17 @@ def test_slurm_dry_run_prints_each_nodes_commands(tmp_path):
     assert parsed.vllm_server_urls == ["http://gpu10:8000", "http://gpu10:8001"]
 
 
+def test_slurm_serves_an_fp16_recipe_in_float16(tmp_path):
+    """As launch.sh (test_fp16_serves_in_float16): `fp16: true` puts every server in float16, and only then."""
+    (tmp_path / "fp16").mkdir(), (tmp_path / "plain").mkdir()  # slurm_dry_run's tool folder, one per run
+    fp16 = slurm_dry_run(tmp_path / "fp16", "gpu[1-2]", RECIPE, "--fp16", "true", SLURM_GPUS_ON_NODE="2")
+    plain = slurm_dry_run(tmp_path / "plain", "gpu[1-2]", RECIPE, SLURM_GPUS_ON_NODE="2")
+    assert fp16.returncode == 0 and plain.returncode == 0, fp16.stderr + plain.stderr
+    servers = [line for line in fp16.stdout.splitlines() if "vllm.entrypoints" in line]
+    assert len(servers) == 2 and all(s.endswith("--dtype float16 &") for s in servers)
+    assert "--dtype" not in plain.stdout
+
+
 def test_slurm_dry_run_with_tensor_parallel_servers_lora_and_scontrol(tmp_path):
     """VLLM_TP=2 on nodes of four GPUs: two servers a node on GPUs 0,1 and 2,3; two vLLM nodes; a LoRA recipe's
     servers load adapters; the node list from a stub scontrol, not from SLURM_JOB_NODELIST."""
