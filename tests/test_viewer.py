@@ -74,9 +74,7 @@ def run(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 def test_page_is_self_contained_and_holds_every_step_exactly(run, tmp_path):
     run_dir, files = run
-    start = time.time()
     text = view(run_dir, "--digits", "0")
-    assert time.time() - start < 5
     page = Page(text)
     urls = [value for _, attrs in page.elements for name, value in attrs.items() if name in ("src", "href")]
     assert not [u for u in urls if u and u.lower().startswith(("http:", "https:", "//"))], urls
