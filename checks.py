@@ -421,8 +421,18 @@ def required_columns(fn: Callable) -> list[str]:
 
 
 def check_reward_columns(funcs: list[Callable], columns: list[str], environments: bool = True) -> None:
-    """Each reward's required keyword arguments must be dataset columns, or TRL's keywords that the run passes."""
+    """Each reward's required keyword arguments must be dataset columns, or TRL's keywords that the run passes; and
+    each reward must take every keyword it will be passed (TRL's signature ends in `**kwargs`)."""
+    passed = [c for c in columns if c not in ("prompt", "row")] + [
+        k for k in TRL_REWARD_KEYWORDS if environments or k != "environments"]
     for fn in funcs:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            if unknown := [k for k in passed if k not in params]:
+                raise ValueError(f"Reward function '{fn.__name__}' takes no `**kwargs`, but every reward receives the "
+                                 f"dataset's columns and TRL's keywords as keyword arguments, and it would be passed "
+                                 f"{unknown}, which it does not take: end its signature with `**kwargs`, as in TRL: "
+                                 f"`def {fn.__name__}(completions, **kwargs)`.")
         for name in required_columns(fn):
             if name not in columns:
                 raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
@@ -431,6 +441,16 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
         if not environments and needs is not None and needs.default is needs.empty:
             raise ValueError(f"Reward function '{fn.__name__}' takes `environments`, which a run passes only with an "
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
+
+
+def check_reward_count(name: str, values, samples: int) -> None:
+    """A reward function returns a list (or tuple) of one value per sample, as in TRL."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}, not a list: return "
+                         f"a list of {samples} values, one per sample (a float, or None for 'not applicable').")
+    if len(values) != samples:
+        raise ValueError(f"Reward function '{name}' returned {len(values)} values for {samples} samples: return "
+                         "one value per completion it was given.")
 
 
 def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:

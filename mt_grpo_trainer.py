@@ -68,7 +68,7 @@ from async_rollout import AsyncRollouts, PromptStream, first_generation, generat
 from completions import (RetryableResponse, Sample, ServerRejected, kept_set_logprobs,  # noqa: F401
                          listed_kept_sets, parse_completions_response)
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
-                    check_script_args, check_tokenization, check_training_args, check_trl,
+                    check_reward_count, check_script_args, check_tokenization, check_training_args, check_trl,
                     resolve_advantage_mode, score_labelled_tokens_only, settle_training_defaults)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
@@ -1139,8 +1139,7 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
             raise RuntimeError(f"Reward function '{name}' raised on sample "
                                f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
                                f"{type(e).__name__}: {e}") from e
-        if len(values) != B:
-            raise ValueError(f"Reward function '{name}' returned {len(values)} values for {B} samples.")
+        check_reward_count(name, values, B)
         for i, v in enumerate(values):
             if per_turn:
                 if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:

@@ -18,6 +18,7 @@ from mt_grpo_trainer import (
     weighted_reward,
     zero_signal_scale,
 )
+from checks import check_reward_columns
 from weight_sync import probe_verdict
 
 NAN = float("nan")
@@ -163,6 +164,36 @@ def test_reward_function_returning_non_finite_is_rejected_with_its_name(bad):
 
     with pytest.raises(ValueError, match=r"'shaky_reward' returned .* for sample 1"):
         compute_rewards_per_func([shaky_reward], ["p", "p"], [[], []], {})
+
+
+@pytest.mark.parametrize("returned, message", [
+    (1.0, "'lone_reward' returned float 1.0, not a list: return a list of 2 values, one per sample"),
+    ([1.0], "'lone_reward' returned 1 values for 2 samples: return one value per completion"),
+])
+def test_reward_function_returning_no_list_or_the_wrong_count_is_named(returned, message):
+    def lone_reward(prompts, completions, **kwargs):
+        return returned
+
+    with pytest.raises(ValueError) as info:
+        compute_rewards_per_func([lone_reward], ["p", "p"], [[], []], {})
+    assert message in str(info.value)
+
+
+def test_reward_function_without_kwargs_is_refused_at_start_with_the_keywords_it_lacks():
+    def strict(prompts, completions):  # TRL passes every column and its own keywords: this one would raise
+        return [0.0 for _ in completions]
+
+    def takes_all(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, question):
+        return [0.0 for _ in completions]
+
+    with pytest.raises(ValueError) as info:
+        check_reward_columns([strict], ["prompt", "question"], environments=False)
+    assert str(info.value).startswith("Reward function 'strict' takes no `**kwargs`")
+    assert "['question', 'completion_ids', 'trainer_state', 'log_extra', 'log_metric']" in str(info.value)
+    assert "end its signature with `**kwargs`" in str(info.value)
+    check_reward_columns([takes_all], ["prompt", "question"], environments=False)  # names every keyword: accepted
+    with pytest.raises(ValueError, match=r"would be passed \['environments'\]"):
+        check_reward_columns([takes_all], ["prompt", "question"], environments=True)
 
 
 def test_reward_function_that_raises_is_named_with_the_failing_sample():
