@@ -82,6 +82,9 @@ def build_tools(entries: list, corpus: list[dict] | None) -> list[Callable]:
         if called is None:
             raise ValueError(f"Tool '{name}' is a {type(tool).__name__} without a __name__, which the model "
                              "would call it by; make it a function (def).")
+        if not called.isidentifier():
+            raise ValueError(f"Tool '{name}' is named '{called}' (a lambda?), which the model cannot write as a call's "
+                             "name: make it a named function (`def my_tool(x: str) -> str:` with a docstring).")
         if called in first_with:
             raise ValueError(f"Tools '{first_with[called]}' and '{name}' are both functions named '{called}', and "
                              "the model calls a tool by its function name. Rename one of the functions.")
