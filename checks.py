@@ -443,6 +443,16 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
 
 
+def check_reward_sources(sa, turn_funcs, outcome_funcs) -> None:
+    """A reward list given to MTGRPOEnvTrainer(...) and also set in the config: one would silently win."""
+    for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
+        configured = getattr(sa, f"{kind}_reward_funcs")
+        if passed is not None and configured is not None and list(configured) != list(passed):
+            raise ValueError(f"`{kind}_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) ({list(passed)}) and in the "
+                             f"config ({list(configured)}). Give it in one place: drop `{kind}_reward_funcs` from the "
+                             "config (or the recipe), or from the trainer's arguments.")
+
+
 def check_reward_count(name: str, values, samples: int) -> None:
     """A reward function returns a list (or tuple) of one value per sample, as in TRL."""
     if not isinstance(values, (list, tuple)):

@@ -93,19 +93,34 @@ def test_a_hub_layout_folder_trains_through_load_dataset(tiny_agent_dir, tmp_pat
     assert all(re.fullmatch(r"What is \d plus \d\?", p) for p in prompts), prompts
 
 
+def strict_reward(prompts, completions):
+    return [0.0 for _ in completions]
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(train_dataset=[{"question": "q", "answer": "a"}]), "pass a datasets.Dataset"),
     (dict(tools=["no_such_tool"]), "Unknown tool 'no_such_tool'"),
     (dict(outcome_reward_funcs=["no_such_reward"]), "Unknown reward function 'no_such_reward'"),
+    # TRL's signature ends in **kwargs: one without is refused at start-up, not after the first rollout
+    (dict(reward_funcs=strict_reward), "Reward function 'strict_reward' takes no `**kwargs`, but every reward receives "
+                                       "the dataset's columns and TRL's keywords as keyword arguments, and it would "
+                                       "be passed ['question', 'answer', 'completion_ids', 'trainer_state', "
+                                       "'log_extra', 'log_metric']"),
+    # a list in the config and another to the trainer: neither silently wins
+    (dict(turn_reward_funcs=["tool_execution_reward_func"], config=dict(turn_reward_funcs=["answer_in_tool_result"])),
+     "`turn_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) (['tool_execution_reward_func']) and in the "
+     "config (['answer_in_tool_result'])"),
 ])
 def test_api_errors_name_the_problem(tiny_agent_dir, tmp_path, bad, message):
     from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 
     data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 4)
+    bad = dict(bad)
     kwargs = dict(train_dataset=data, tools=[tool_examples_search()]) | bad
+    config = kwargs.pop("config", {})
     args = MTGRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=4, use_cpu=True,
                         bf16=False, report_to="none", max_completion_length=64, max_tokens_per_turn=32,
-                        max_tool_response_tokens=32)
+                        max_tool_response_tokens=32, **config)
     with pytest.raises(ValueError, match=re.escape(message)):
         MTGRPOEnvTrainer(model=tiny_agent_dir, args=args, **kwargs)
 
