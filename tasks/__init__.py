@@ -408,6 +408,11 @@ def _valid_row(row: dict, roles: dict, answer_required: bool) -> tuple[dict, str
     return ({}, problem) if problem else (values, "")
 
 
+def _as_text(value) -> str:
+    """The fix for a number given as an answer: the same as text, which `answer_type` still compares as a number."""
+    return f' (write {value!r} as "{value}")' if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
 def _answer_aliases(answer) -> tuple[list[str], str]:
     """(aliases, "") for a usable answer, else ([], why not). A string becomes a one-alias list."""
     if answer is None:
@@ -415,10 +420,10 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
     if isinstance(answer, str):
         answer = [answer]
     if not isinstance(answer, (list, tuple)):
-        return [], f"answer is a {type(answer).__name__}, not a string or a list of strings"
+        return [], f"answer is a {type(answer).__name__}, not a string or a list of strings{_as_text(answer)}"
     if not all(isinstance(a, str) for a in answer):
         bad = next(a for a in answer if not isinstance(a, str))
-        return [], f"answer list holds a {type(bad).__name__}, not only strings"
+        return [], f"answer list holds a {type(bad).__name__}, not only strings{_as_text(bad)}"
     aliases = list(dict.fromkeys(a.strip() for a in answer if a.strip()))
     return (aliases, "") if aliases else ([], "empty answer")
 

@@ -199,9 +199,9 @@ MALFORMED = [
     ("empty_answer_string", {"question": "Where?", "answer": ""}, "row 1: empty answer"),
     ("empty_answer_list", {"question": "Where?", "answer": []}, "row 1: empty answer"),
     ("blank_aliases", {"question": "Where?", "answer": ["", "  "]}, "row 1: empty answer"),
-    ("int_answer", {"question": "When?", "answer": 1742}, "row 1: answer is a int, not a string or a list of strings"),
+    ("int_answer", {"question": "When?", "answer": 1742}, "row 1: answer is a int, not a string or a list of strings (write 1742 as \"1742\")"),
     ("dict_answer", {"question": "When?", "answer": {"value": "x"}}, "row 1: answer is a dict, not a string or a list"),
-    ("list_with_int", {"question": "When?", "answer": ["x", 3]}, "row 1: answer list holds a int, not only strings"),
+    ("list_with_int", {"question": "When?", "answer": ["x", 3]}, "row 1: answer list holds a int, not only strings (write 3 as \"3\")"),
     ("no_question_key", {"answer": ["x"]}, "row 1: no question"),
     ("empty_question", {"question": "", "answer": ["x"]}, "row 1: empty question"),
     ("blank_question", {"question": "  \n", "answer": ["x"]}, "row 1: empty question"),
@@ -464,7 +464,7 @@ def test_rows_without_an_answer_are_kept_only_when_no_reward_needs_one(tmp_path)
     loose = load_task(path, answer_required=False)
     assert loose.dataset.to_list() == [GOOD[0], {"question": "Where?", "answer": []},
                                        {"question": "When?", "answer": []}, {"question": "Who?", "answer": []}]
-    assert loose.skipped == ["row 4: answer is a int, not a string or a list of strings"]  # malformed, not missing
+    assert loose.skipped == ['row 4: answer is a int, not a string or a list of strings (write 3 as "3")']  # malformed, not missing
     strict = load_task(path)
     assert strict.dataset.to_list() == [GOOD[0]] and strict.num_skipped == 4
 
