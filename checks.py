@@ -5,6 +5,7 @@ check_script_args."""
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import re
 import warnings
@@ -461,6 +462,22 @@ def check_reward_count(name: str, values, samples: int) -> None:
     if len(values) != samples:
         raise ValueError(f"Reward function '{name}' returned {len(values)} values for {samples} samples: return "
                          "one value per completion it was given.")
+
+
+def reward_value(name: str, i: int, v) -> float:
+    """One sample's reward as a float: None -> NaN ("not applicable"). What TRL's `torch.tensor(rewards)` takes is
+    taken (a bool, a numpy number, a one-element tensor), so a TRL reward trains unchanged; text, a list, or a NaN
+    or inf is an error naming the function and the sample."""
+    if v is None:
+        return float("nan")
+    try:
+        value = None if isinstance(v, (str, bytes)) else float(v)
+    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a tensor of several elements
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
+                         "numbers, or None for 'not applicable'.")
+    return value
 
 
 def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:

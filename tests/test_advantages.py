@@ -166,6 +166,26 @@ def test_reward_function_returning_non_finite_is_rejected_with_its_name(bad):
         compute_rewards_per_func([shaky_reward], ["p", "p"], [[], []], {})
 
 
+def test_reward_values_trl_takes_are_taken_as_trl_takes_them():
+    """TRL turns a reward's list into `torch.tensor(values, dtype=float32)`: bools, numpy numbers and one-element
+    tensors train there, so here too, with the same values; a list inside the list does not."""
+    import numpy as np
+
+    values = [True, False, np.float32(0.5), np.int64(2), torch.tensor(0.25), 3]
+
+    def trl_style(prompts, completions, **kwargs):
+        return values
+
+    out = compute_rewards_per_func([trl_style], ["p"] * 6, [[]] * 6, {})
+    assert out[:, 0].tolist() == torch.tensor(values, dtype=torch.float32).tolist() == [1.0, 0.0, 0.5, 2.0, 0.25, 3.0]
+
+    def nested(prompts, completions, **kwargs):
+        return [[1.0], [0.0]]
+
+    with pytest.raises(ValueError, match=r"'nested' returned \[1.0\] for sample 0: rewards must be finite numbers"):
+        compute_rewards_per_func([nested], ["p", "p"], [[], []], {})
+
+
 @pytest.mark.parametrize("returned, message", [
     (1.0, "'lone_reward' returned float 1.0, not a list: return a list of 2 values, one per sample"),
     ([1.0], "'lone_reward' returned 1 values for 2 samples: return one value per completion"),
