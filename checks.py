@@ -455,8 +455,8 @@ def check_reward_sources(sa, turn_funcs, outcome_funcs) -> None:
 
 
 def check_reward_count(name: str, values, samples: int) -> None:
-    """A reward function returns a list (or tuple) of one value per sample, as in TRL."""
-    if not isinstance(values, (list, tuple)):
+    """A reward function returns a list of one value per sample (or what TRL also takes: a tuple, an array)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
         raise ValueError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}, not a list: return "
                          f"a list of {samples} values, one per sample (a float, or None for 'not applicable').")
     if len(values) != samples:

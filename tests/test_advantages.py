@@ -179,6 +179,12 @@ def test_reward_values_trl_takes_are_taken_as_trl_takes_them():
     out = compute_rewards_per_func([trl_style], ["p"] * 6, [[]] * 6, {})
     assert out[:, 0].tolist() == torch.tensor(values, dtype=torch.float32).tolist() == [1.0, 0.0, 0.5, 2.0, 0.25, 3.0]
 
+    def as_array(prompts, completions, **kwargs):  # the whole list as a numpy array or a tensor
+        return as_array.kind([0.5, 1.0])
+
+    for as_array.kind in (np.array, torch.tensor):
+        assert compute_rewards_per_func([as_array], ["p", "p"], [[], []], {})[:, 0].tolist() == [0.5, 1.0]
+
     def nested(prompts, completions, **kwargs):
         return [[1.0], [0.0]]
 
