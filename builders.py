@@ -12,6 +12,7 @@ The trainer takes what TRL's GRPOTrainer takes, and more loosely:
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -244,8 +245,15 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     if tokenizer is None:
         if not name:
             raise ValueError("The model has no `name_or_path` to load its tokenizer from: pass `processing_class`.")
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, padding_side="left",
-                                                  trust_remote_code=trust_remote_code)
+        from checks import local_model_path, model_not_found
+
+        if not os.path.isdir(name) and local_model_path(name):
+            raise model_not_found(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, padding_side="left",
+                                                      trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise (e if os.path.isdir(name) else model_not_found(name, e)) from e
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

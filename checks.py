@@ -193,6 +193,27 @@ def resolve_advantage_mode(args, turn_funcs: list[Callable], outcome_funcs: list
     check_reward_sources(args, turn_funcs, outcome_funcs)
 
 
+def local_model_path(name: str) -> bool:
+    """Whether a model name can only be a local folder: absolute, relative (./, ~), deeper than a hub id's
+    `org/name`, or under a folder that exists here (`models/...`)."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+            or ("/" in name and os.path.isdir(name.split("/")[0])))
+
+
+def model_not_found(name: str, error: OSError | None = None) -> OSError:
+    """The error for a model folder that does not exist, raised before transformers tries the hub with a mistyped
+    local path (its retries take a minute offline, and its error never names the folder); with `error`, what
+    loading a hub-shaped name raised."""
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(name)))
+    near = sorted(d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d)) and not d.startswith(".")
+                  )[:12] if os.path.isdir(parent) else []
+    tried = f" and could not be loaded as a hub name ({str(error).splitlines()[0]})" if error is not None else ""
+    return OSError(f"Model '{name}' is not a local folder (no {os.path.abspath(os.path.expanduser(name))}){tried}. Fix "
+                   "the path" + (f" ({os.path.dirname(name) or '.'} holds {near})" if near else "")
+                   + ", or make the demo's model with `python scripts/prepare_models.py smollm2 "
+                   "models/SmolLM2-135M-Instruct`.")
+
+
 def check_reward_sources(args, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
     """The run's reward functions, the recipe's and those its environment brings (environments.py)."""
     if not outcome_funcs and not turn_funcs:

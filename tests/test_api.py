@@ -179,3 +179,19 @@ def test_the_guides_task_and_tool_train_as_written(tiny_agent_dir, tmp_path, mon
     assert "A box holds 12 pens. How many pens are in 9 boxes?" in record["prompt_text"]  # the worked example
     run([sys.executable, "scripts/view_rollouts.py", out], tmp_path)
     assert "calculator" in open(os.path.join(out, "rollouts.html")).read()
+
+
+def test_a_mistyped_model_folder_is_named_before_the_hub_is_tried(tmp_path, monkeypatch):
+    """`models/SmolLM2` has a hub id's shape: transformers would try the hub (a minute of retries offline) and
+    never name the folder. A path under an existing folder is taken as local, and its neighbours are listed."""
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    (tmp_path / "models" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    args = MTGRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                        use_cpu=True, bf16=False, report_to="none")
+    data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 2)
+    with pytest.raises(OSError) as info:
+        MTGRPOEnvTrainer(model="models/SmolLM2", args=args, train_dataset=data, tools=[tool_examples_search()])
+    assert str(info.value).startswith(f"Model 'models/SmolLM2' is not a local folder (no {tmp_path}/models/SmolLM2). "
+                                      "Fix the path (models holds ['SmolLM2-135M-Instruct'])")
