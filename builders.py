@@ -107,11 +107,11 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
     name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_turn the
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
-    from checks import check_reward_sources
+    from checks import check_reward_lists_given_once
     from rewards import get_reward_func
     from rewards.judge import build_judge_rewards
 
-    check_reward_sources(sa, turn_funcs, outcome_funcs)
+    check_reward_lists_given_once(sa, turn_funcs, outcome_funcs)
     given = as_list(reward_funcs) or []
     trl_weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(given)
     if len(trl_weights) != len(given):

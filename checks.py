@@ -465,7 +465,7 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
 
 
-def check_reward_sources(sa, turn_funcs, outcome_funcs) -> None:
+def check_reward_lists_given_once(sa, turn_funcs, outcome_funcs) -> None:
     """A reward list given to MTGRPOEnvTrainer(...) and also set in the config: one would silently win."""
     for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
         configured = getattr(sa, f"{kind}_reward_funcs")
