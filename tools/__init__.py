@@ -162,6 +162,14 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     return results
 
 
+def _signature(fn: Callable) -> inspect.Signature:
+    """The tool's signature; one that accepts anything where Python cannot tell (a builtin)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
 def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Thread | None, list[ToolResult]]:
     """(the daemon thread running `call`, the one-item list its result lands in); no thread for a call that is
     malformed or names no tool, whose error is the result at once."""
@@ -175,11 +183,14 @@ def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Th
     def run():
         begun = time.monotonic()
         try:
-            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
-            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
-        except TypeError as e:
+            _signature(fn).bind(**call.arguments)  # the arguments against the signature, so that a TypeError the
+        except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
             slot.append(ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False,
                                    time.monotonic() - begun))
+            return
+        try:
+            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
+            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
         except Exception as e:  # the model sees the error and the turn reward counts a failure
             slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
                                    time.monotonic() - begun))
