@@ -52,8 +52,10 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
              outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
+    from reporting import show_log
     from tools import build_tools
 
+    show_log()  # a Python script's run says what it chose, as a recipe's does
     sa = script_args
     factory = environment_factory if environment_factory is not None else sa.environment_factory
     if factory is not None:

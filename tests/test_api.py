@@ -195,3 +195,33 @@ def test_a_mistyped_model_folder_is_named_before_the_hub_is_tried(tmp_path, monk
         MTGRPOEnvTrainer(model="models/SmolLM2", args=args, train_dataset=data, tools=[tool_examples_search()])
     assert str(info.value).startswith(f"Model 'models/SmolLM2' is not a local folder (no {tmp_path}/models/SmolLM2). "
                                       "Fix the path (models holds ['SmolLM2-135M-Instruct'])")
+
+
+SHOW_LOG_SCRIPT = """
+import logging, sys
+sys.path.insert(0, sys.argv[3])  # this checkout's modules, not another install's
+import datasets
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+args = MTGRPOConfig(output_dir=sys.argv[2], num_generations=2, per_device_train_batch_size=2, use_cpu=True, bf16=False,
+                    report_to="none", max_completion_length=32)
+data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 2)
+trainer = MTGRPOEnvTrainer(model=sys.argv[1], args=args, train_dataset=data, reward_funcs="exact_match_reward_func")
+log = logging.getLogger("mt_grpo")
+print("RESULT", trainer.script_args.advantage_mode, len(log.handlers), logging.getLevelName(log.getEffectiveLevel()))
+"""
+
+
+def test_a_python_script_sees_the_trainers_choices_as_a_recipe_run_does(tiny_agent_dir, tmp_path):
+    """A script that set up no logging gets the trainer's INFO lines (Python alone shows warnings only), so it reads
+    which mode `advantage_mode: auto` chose and how to add turn credit; a program with its own logging (here pytest,
+    whose handlers sit on the root logger) keeps it."""
+    import logging
+
+    from reporting import show_log
+
+    show_log()
+    assert logging.getLogger().handlers and logging.getLogger("mt_grpo").handlers == []
+    (tmp_path / "script.py").write_text(SHOW_LOG_SCRIPT)
+    log = run([sys.executable, str(tmp_path / "script.py"), tiny_agent_dir, str(tmp_path / "out"), ROOT], tmp_path)
+    assert "RESULT outcome_only 1 INFO" in log
+    assert "advantage_mode auto: outcome_only (TRL's GRPO): the run has no turn reward" in log
