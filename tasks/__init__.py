@@ -288,6 +288,9 @@ def _read_folder(path: str, split: str, config: str | None) -> datasets.Dataset:
 def load_hub_dataset(name: str, config: str | None, split: str, label: str | None = None) -> datasets.Dataset:
     """`datasets.load_dataset(name, config, split=split)`, with errors that say what to do. Raises RuntimeError, at
     once under HF_HUB_OFFLINE=1, when the hub cannot be reached and the dataset is not cached."""
+    # a name of the user's (no label of a task's own): say first what else it could have been, for a misspelled task
+    unknown = "" if label else (f" it is not a task ({', '.join(TASK_NAMES)}) nor a local file or folder (cwd: "
+                                f"{os.getcwd()}), and as a hub name,")
     label = label or f"The hub dataset {name!r}"
     from datasets.exceptions import DatasetNotFoundError
 
@@ -303,10 +306,10 @@ def load_hub_dataset(name: str, config: str | None, split: str, label: str | Non
     # HF_HUB_OFFLINE=1, huggingface_hub retries an unreachable hub for about 25 s before it gives up.
     except (ConnectionError, TimeoutError, FileNotFoundError) as e:
         raise RuntimeError(
-            f"{label} could not be loaded: the dataset hub could not be reached and the dataset is not in the local "
-            f"cache ({type(e).__name__}: {e}). Download it once where the hub can be reached, train on the embedded "
-            "task instead (dataset_name: fictional_kb), or set dataset_name to a local .jsonl/.json/.parquet/.csv "
-            "file or a dataset folder."
+            f"{label} could not be loaded:{unknown} the dataset hub could not be reached and the dataset is not in "
+            f"the local cache ({type(e).__name__}: {e}). Download it once where the hub can be reached, train on the "
+            "embedded task instead (dataset_name: fictional_kb), or set dataset_name to a local "
+            ".jsonl/.json/.parquet/.csv file or a dataset folder."
         ) from e
     except ValueError as e:  # an unknown split or config
         raise ValueError(f"{label}, config {config!r}, split {split!r}: {e} Set dataset_config and dataset_split "

@@ -332,8 +332,12 @@ OFFLINE = {  # a call, and what its error says
     "load_task('triviaqa')": ["RuntimeError: TriviaQA (mandarjoshi/trivia_qa) could not be loaded: the dataset hub "
                               "could not be reached", "dataset_name: fictional_kb", ".jsonl"],
     "load_task('mt-grpo-tests/no-such-dataset', dataset_config='main')":
-        ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: the dataset hub could "
-         "not be reached and the dataset is not in the local cache"],
+        ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: it is not a task "
+         "(fictional_kb, fictional_kb_entities, triviaqa, textworld_quest) nor a local file or folder (cwd: ",
+         "), and as a hub name, the dataset hub could not be reached and the dataset is not in the local cache"],
+    # a misspelled task, a bare name that is no file: the same error, with the task names first
+    "load_task('fictional_kb_entity')": ["RuntimeError: The hub dataset 'fictional_kb_entity' could not be loaded: it "
+                                         "is not a task (fictional_kb, fictional_kb_entities, triviaqa"],
 }
 
 
