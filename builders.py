@@ -12,6 +12,7 @@ The trainer takes what TRL's GRPOTrainer takes, and more loosely:
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,8 +52,10 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
              outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
+    from reporting import show_log
     from tools import build_tools
 
+    show_log()  # a Python script's run says what it chose, as a recipe's does
     sa = script_args
     factory = environment_factory if environment_factory is not None else sa.environment_factory
     if factory is not None:
@@ -106,9 +109,11 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
     name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_turn the
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
+    from checks import check_reward_lists_given_once
     from rewards import get_reward_func
     from rewards.judge import build_judge_rewards
 
+    check_reward_lists_given_once(sa, turn_funcs, outcome_funcs)
     given = as_list(reward_funcs) or []
     trl_weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(given)
     if len(trl_weights) != len(given):
@@ -242,8 +247,15 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     if tokenizer is None:
         if not name:
             raise ValueError("The model has no `name_or_path` to load its tokenizer from: pass `processing_class`.")
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, padding_side="left",
-                                                  trust_remote_code=trust_remote_code)
+        from checks import local_model_path, model_not_found
+
+        if not os.path.isdir(name) and local_model_path(name):
+            raise model_not_found(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, padding_side="left",
+                                                      trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise (e if os.path.isdir(name) else model_not_found(name, e)) from e
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -5,6 +5,7 @@ check_script_args."""
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import re
 import warnings
@@ -190,6 +191,27 @@ def resolve_advantage_mode(args, turn_funcs: list[Callable], outcome_funcs: list
             "tool_execution_reward_func), a @per_turn function in `reward_funcs`, or a `step_rewards` list in "
             "your environment."))
     check_reward_sources(args, turn_funcs, outcome_funcs)
+
+
+def local_model_path(name: str) -> bool:
+    """Whether a model name can only be a local folder: absolute, relative (./, ~), deeper than a hub id's
+    `org/name`, or under a folder that exists here (`models/...`)."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+            or ("/" in name and os.path.isdir(name.split("/")[0])))
+
+
+def model_not_found(name: str, error: OSError | None = None) -> OSError:
+    """The error for a model folder that does not exist, raised before transformers tries the hub with a mistyped
+    local path (its retries take a minute offline, and its error never names the folder); with `error`, what
+    loading a hub-shaped name raised."""
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(name)))
+    near = sorted(d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d)) and not d.startswith(".")
+                  )[:12] if os.path.isdir(parent) else []
+    tried = f" and could not be loaded as a hub name ({str(error).splitlines()[0]})" if error is not None else ""
+    return OSError(f"Model '{name}' is not a local folder (no {os.path.abspath(os.path.expanduser(name))}){tried}. Fix "
+                   "the path" + (f" ({os.path.dirname(name) or '.'} holds {near})" if near else "")
+                   + ", or make the demo's model with `python scripts/prepare_models.py smollm2 "
+                   "models/SmolLM2-135M-Instruct`.")
 
 
 def check_reward_sources(args, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
@@ -421,8 +443,18 @@ def required_columns(fn: Callable) -> list[str]:
 
 
 def check_reward_columns(funcs: list[Callable], columns: list[str], environments: bool = True) -> None:
-    """Each reward's required keyword arguments must be dataset columns, or TRL's keywords that the run passes."""
+    """Each reward's required keyword arguments must be dataset columns, or TRL's keywords that the run passes; and
+    each reward must take every keyword it will be passed (TRL's signature ends in `**kwargs`)."""
+    passed = [c for c in columns if c not in ("prompt", "row")] + [
+        k for k in TRL_REWARD_KEYWORDS if environments or k != "environments"]
     for fn in funcs:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            if unknown := [k for k in passed if k not in params]:
+                raise ValueError(f"Reward function '{fn.__name__}' takes no `**kwargs`, but every reward receives the "
+                                 f"dataset's columns and TRL's keywords as keyword arguments, and it would be passed "
+                                 f"{unknown}, which it does not take: end its signature with `**kwargs`, as in TRL: "
+                                 f"`def {fn.__name__}(completions, **kwargs)`.")
         for name in required_columns(fn):
             if name not in columns:
                 raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
@@ -431,6 +463,42 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
         if not environments and needs is not None and needs.default is needs.empty:
             raise ValueError(f"Reward function '{fn.__name__}' takes `environments`, which a run passes only with an "
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
+
+
+def check_reward_lists_given_once(sa, turn_funcs, outcome_funcs) -> None:
+    """A reward list given to MTGRPOEnvTrainer(...) and also set in the config: one would silently win."""
+    for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
+        configured = getattr(sa, f"{kind}_reward_funcs")
+        if passed is not None and configured is not None and list(configured) != list(passed):
+            raise ValueError(f"`{kind}_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) ({list(passed)}) and in the "
+                             f"config ({list(configured)}). Give it in one place: drop `{kind}_reward_funcs` from the "
+                             "config (or the recipe), or from the trainer's arguments.")
+
+
+def check_reward_count(name: str, values, samples: int) -> None:
+    """A reward function returns a list of one value per sample (or what TRL also takes: a tuple, an array)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise ValueError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}, not a list: return "
+                         f"a list of {samples} values, one per sample (a float, or None for 'not applicable').")
+    if len(values) != samples:
+        raise ValueError(f"Reward function '{name}' returned {len(values)} values for {samples} samples: return "
+                         "one value per completion it was given.")
+
+
+def reward_value(name: str, i: int, v) -> float:
+    """One sample's reward as a float: None -> NaN ("not applicable"). What TRL's `torch.tensor(rewards)` takes is
+    taken (a bool, a numpy number, a one-element tensor), so a TRL reward trains unchanged; text, a list, or a NaN
+    or inf is an error naming the function and the sample."""
+    if v is None:
+        return float("nan")
+    try:
+        value = None if isinstance(v, (str, bytes)) else float(v)
+    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a tensor of several elements
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
+                         "numbers, or None for 'not applicable'.")
+    return value
 
 
 def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:

@@ -68,8 +68,8 @@ from async_rollout import AsyncRollouts, PromptStream, first_generation, generat
 from completions import (RetryableResponse, Sample, ServerRejected, kept_set_logprobs,  # noqa: F401
                          listed_kept_sets, parse_completions_response)
 from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
-                    check_script_args, check_tokenization, check_training_args, check_trl,
-                    resolve_advantage_mode, score_labelled_tokens_only, settle_training_defaults)
+                    check_reward_count, check_script_args, check_tokenization, check_training_args, check_trl,
+                    resolve_advantage_mode, reward_value, score_labelled_tokens_only, settle_training_defaults)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
                        install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
@@ -1139,8 +1139,7 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
             raise RuntimeError(f"Reward function '{name}' raised on sample "
                                f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
                                f"{type(e).__name__}: {e}") from e
-        if len(values) != B:
-            raise ValueError(f"Reward function '{name}' returned {len(values)} values for {B} samples.")
+        check_reward_count(name, values, B)
         for i, v in enumerate(values):
             if per_turn:
                 if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
@@ -1148,19 +1147,10 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
                                      f"which has {tool_turns[i]} tool turns: return one value (or None) per "
                                      "tool turn.")
                 for k, x in enumerate(v[:max_turns]):
-                    out[i, f, k] = _reward_value(name, i, x)
+                    out[i, f, k] = reward_value(name, i, x)
             else:
-                out[i, f, 0] = _reward_value(name, i, v)
+                out[i, f, 0] = reward_value(name, i, v)
     return out if tool_turns is not None else out[:, :, 0]
-
-
-def _reward_value(name: str, i: int, v) -> float:
-    if v is None:
-        return float("nan")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
-                         "numbers, or None for 'not applicable'.")
-    return float(v)
 
 
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

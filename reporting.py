@@ -51,6 +51,22 @@ def quiet_library_bars() -> None:
         datasets.disable_progress_bars()
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # main()'s, for the recipe's runs
+
+
+def show_log() -> None:
+    """The trainer's INFO lines (the advantage mode `auto` chose and how to add turn credit, the step's warnings)
+    on stderr in a Python script too, as main()'s basicConfig shows them for a recipe; unless the program has set
+    up logging itself (a handler on the root logger or on "mt_grpo"). Python alone shows only warnings."""
+    log = logging.getLogger("mt_grpo")
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+
+
 class RolloutProgress:
     """A tqdm bar of finished episodes, with the tool calls in flight; nothing when off or not on a terminal."""
 

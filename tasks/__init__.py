@@ -288,6 +288,9 @@ def _read_folder(path: str, split: str, config: str | None) -> datasets.Dataset:
 def load_hub_dataset(name: str, config: str | None, split: str, label: str | None = None) -> datasets.Dataset:
     """`datasets.load_dataset(name, config, split=split)`, with errors that say what to do. Raises RuntimeError, at
     once under HF_HUB_OFFLINE=1, when the hub cannot be reached and the dataset is not cached."""
+    # a name of the user's (no label of a task's own): say first what else it could have been, for a misspelled task
+    unknown = "" if label else (f" it is not a task ({', '.join(TASK_NAMES)}) nor a local file or folder (cwd: "
+                                f"{os.getcwd()}), and as a hub name,")
     label = label or f"The hub dataset {name!r}"
     from datasets.exceptions import DatasetNotFoundError
 
@@ -303,10 +306,10 @@ def load_hub_dataset(name: str, config: str | None, split: str, label: str | Non
     # HF_HUB_OFFLINE=1, huggingface_hub retries an unreachable hub for about 25 s before it gives up.
     except (ConnectionError, TimeoutError, FileNotFoundError) as e:
         raise RuntimeError(
-            f"{label} could not be loaded: the dataset hub could not be reached and the dataset is not in the local "
-            f"cache ({type(e).__name__}: {e}). Download it once where the hub can be reached, train on the embedded "
-            "task instead (dataset_name: fictional_kb), or set dataset_name to a local .jsonl/.json/.parquet/.csv "
-            "file or a dataset folder."
+            f"{label} could not be loaded:{unknown} the dataset hub could not be reached and the dataset is not in "
+            f"the local cache ({type(e).__name__}: {e}). Download it once where the hub can be reached, train on the "
+            "embedded task instead (dataset_name: fictional_kb), or set dataset_name to a local "
+            ".jsonl/.json/.parquet/.csv file or a dataset folder."
         ) from e
     except ValueError as e:  # an unknown split or config
         raise ValueError(f"{label}, config {config!r}, split {split!r}: {e} Set dataset_config and dataset_split "
@@ -408,6 +411,11 @@ def _valid_row(row: dict, roles: dict, answer_required: bool) -> tuple[dict, str
     return ({}, problem) if problem else (values, "")
 
 
+def _as_text(value) -> str:
+    """The fix for a number given as an answer: the same as text, which `answer_type` still compares as a number."""
+    return f' (write {value!r} as "{value}")' if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
 def _answer_aliases(answer) -> tuple[list[str], str]:
     """(aliases, "") for a usable answer, else ([], why not). A string becomes a one-alias list."""
     if answer is None:
@@ -415,10 +423,10 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
     if isinstance(answer, str):
         answer = [answer]
     if not isinstance(answer, (list, tuple)):
-        return [], f"answer is a {type(answer).__name__}, not a string or a list of strings"
+        return [], f"answer is a {type(answer).__name__}, not a string or a list of strings{_as_text(answer)}"
     if not all(isinstance(a, str) for a in answer):
         bad = next(a for a in answer if not isinstance(a, str))
-        return [], f"answer list holds a {type(bad).__name__}, not only strings"
+        return [], f"answer list holds a {type(bad).__name__}, not only strings{_as_text(bad)}"
     aliases = list(dict.fromkeys(a.strip() for a in answer if a.strip()))
     return (aliases, "") if aliases else ([], "empty answer")
 

@@ -18,6 +18,7 @@ from mt_grpo_trainer import (
     weighted_reward,
     zero_signal_scale,
 )
+from checks import check_reward_columns
 from weight_sync import probe_verdict
 
 NAN = float("nan")
@@ -163,6 +164,62 @@ def test_reward_function_returning_non_finite_is_rejected_with_its_name(bad):
 
     with pytest.raises(ValueError, match=r"'shaky_reward' returned .* for sample 1"):
         compute_rewards_per_func([shaky_reward], ["p", "p"], [[], []], {})
+
+
+def test_reward_values_trl_takes_are_taken_as_trl_takes_them():
+    """TRL turns a reward's list into `torch.tensor(values, dtype=float32)`: bools, numpy numbers and one-element
+    tensors train there, so here too, with the same values; a list inside the list does not."""
+    import numpy as np
+
+    values = [True, False, np.float32(0.5), np.int64(2), torch.tensor(0.25), 3]
+
+    def trl_style(prompts, completions, **kwargs):
+        return values
+
+    out = compute_rewards_per_func([trl_style], ["p"] * 6, [[]] * 6, {})
+    assert out[:, 0].tolist() == torch.tensor(values, dtype=torch.float32).tolist() == [1.0, 0.0, 0.5, 2.0, 0.25, 3.0]
+
+    def as_array(prompts, completions, **kwargs):  # the whole list as a numpy array or a tensor
+        return as_array.kind([0.5, 1.0])
+
+    for as_array.kind in (np.array, torch.tensor):
+        assert compute_rewards_per_func([as_array], ["p", "p"], [[], []], {})[:, 0].tolist() == [0.5, 1.0]
+
+    def nested(prompts, completions, **kwargs):
+        return [[1.0], [0.0]]
+
+    with pytest.raises(ValueError, match=r"'nested' returned \[1.0\] for sample 0: rewards must be finite numbers"):
+        compute_rewards_per_func([nested], ["p", "p"], [[], []], {})
+
+
+@pytest.mark.parametrize("returned, message", [
+    (1.0, "'lone_reward' returned float 1.0, not a list: return a list of 2 values, one per sample"),
+    ([1.0], "'lone_reward' returned 1 values for 2 samples: return one value per completion"),
+])
+def test_reward_function_returning_no_list_or_the_wrong_count_is_named(returned, message):
+    def lone_reward(prompts, completions, **kwargs):
+        return returned
+
+    with pytest.raises(ValueError) as info:
+        compute_rewards_per_func([lone_reward], ["p", "p"], [[], []], {})
+    assert message in str(info.value)
+
+
+def test_reward_function_without_kwargs_is_refused_at_start_with_the_keywords_it_lacks():
+    def strict(prompts, completions):  # TRL passes every column and its own keywords: this one would raise
+        return [0.0 for _ in completions]
+
+    def takes_all(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, question):
+        return [0.0 for _ in completions]
+
+    with pytest.raises(ValueError) as info:
+        check_reward_columns([strict], ["prompt", "question"], environments=False)
+    assert str(info.value).startswith("Reward function 'strict' takes no `**kwargs`")
+    assert "['question', 'completion_ids', 'trainer_state', 'log_extra', 'log_metric']" in str(info.value)
+    assert "end its signature with `**kwargs`" in str(info.value)
+    check_reward_columns([takes_all], ["prompt", "question"], environments=False)  # names every keyword: accepted
+    with pytest.raises(ValueError, match=r"would be passed \['environments'\]"):
+        check_reward_columns([takes_all], ["prompt", "question"], environments=True)
 
 
 def test_reward_function_that_raises_is_named_with_the_failing_sample():

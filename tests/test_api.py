@@ -93,19 +93,34 @@ def test_a_hub_layout_folder_trains_through_load_dataset(tiny_agent_dir, tmp_pat
     assert all(re.fullmatch(r"What is \d plus \d\?", p) for p in prompts), prompts
 
 
+def strict_reward(prompts, completions):
+    return [0.0 for _ in completions]
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(train_dataset=[{"question": "q", "answer": "a"}]), "pass a datasets.Dataset"),
     (dict(tools=["no_such_tool"]), "Unknown tool 'no_such_tool'"),
     (dict(outcome_reward_funcs=["no_such_reward"]), "Unknown reward function 'no_such_reward'"),
+    # TRL's signature ends in **kwargs: one without is refused at start-up, not after the first rollout
+    (dict(reward_funcs=strict_reward), "Reward function 'strict_reward' takes no `**kwargs`, but every reward receives "
+                                       "the dataset's columns and TRL's keywords as keyword arguments, and it would "
+                                       "be passed ['question', 'answer', 'completion_ids', 'trainer_state', "
+                                       "'log_extra', 'log_metric']"),
+    # a list in the config and another to the trainer: neither silently wins
+    (dict(turn_reward_funcs=["tool_execution_reward_func"], config=dict(turn_reward_funcs=["answer_in_tool_result"])),
+     "`turn_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) (['tool_execution_reward_func']) and in the "
+     "config (['answer_in_tool_result'])"),
 ])
 def test_api_errors_name_the_problem(tiny_agent_dir, tmp_path, bad, message):
     from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 
     data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 4)
+    bad = dict(bad)
     kwargs = dict(train_dataset=data, tools=[tool_examples_search()]) | bad
+    config = kwargs.pop("config", {})
     args = MTGRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=4, use_cpu=True,
                         bf16=False, report_to="none", max_completion_length=64, max_tokens_per_turn=32,
-                        max_tool_response_tokens=32)
+                        max_tool_response_tokens=32, **config)
     with pytest.raises(ValueError, match=re.escape(message)):
         MTGRPOEnvTrainer(model=tiny_agent_dir, args=args, **kwargs)
 
@@ -164,3 +179,49 @@ def test_the_guides_task_and_tool_train_as_written(tiny_agent_dir, tmp_path, mon
     assert "A box holds 12 pens. How many pens are in 9 boxes?" in record["prompt_text"]  # the worked example
     run([sys.executable, "scripts/view_rollouts.py", out], tmp_path)
     assert "calculator" in open(os.path.join(out, "rollouts.html")).read()
+
+
+def test_a_mistyped_model_folder_is_named_before_the_hub_is_tried(tmp_path, monkeypatch):
+    """`models/SmolLM2` has a hub id's shape: transformers would try the hub (a minute of retries offline) and
+    never name the folder. A path under an existing folder is taken as local, and its neighbours are listed."""
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    (tmp_path / "models" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    args = MTGRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                        use_cpu=True, bf16=False, report_to="none")
+    data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 2)
+    with pytest.raises(OSError) as info:
+        MTGRPOEnvTrainer(model="models/SmolLM2", args=args, train_dataset=data, tools=[tool_examples_search()])
+    assert str(info.value).startswith(f"Model 'models/SmolLM2' is not a local folder (no {tmp_path}/models/SmolLM2). "
+                                      "Fix the path (models holds ['SmolLM2-135M-Instruct'])")
+
+
+SHOW_LOG_SCRIPT = """
+import logging, sys
+sys.path.insert(0, sys.argv[3])  # this checkout's modules, not another install's
+import datasets
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+args = MTGRPOConfig(output_dir=sys.argv[2], num_generations=2, per_device_train_batch_size=2, use_cpu=True, bf16=False,
+                    report_to="none", max_completion_length=32)
+data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 2)
+trainer = MTGRPOEnvTrainer(model=sys.argv[1], args=args, train_dataset=data, reward_funcs="exact_match_reward_func")
+log = logging.getLogger("mt_grpo")
+print("RESULT", trainer.script_args.advantage_mode, len(log.handlers), logging.getLevelName(log.getEffectiveLevel()))
+"""
+
+
+def test_a_python_script_sees_the_trainers_choices_as_a_recipe_run_does(tiny_agent_dir, tmp_path):
+    """A script that set up no logging gets the trainer's INFO lines (Python alone shows warnings only), so it reads
+    which mode `advantage_mode: auto` chose and how to add turn credit; a program with its own logging (here pytest,
+    whose handlers sit on the root logger) keeps it."""
+    import logging
+
+    from reporting import show_log
+
+    show_log()
+    assert logging.getLogger().handlers and logging.getLogger("mt_grpo").handlers == []
+    (tmp_path / "script.py").write_text(SHOW_LOG_SCRIPT)
+    log = run([sys.executable, str(tmp_path / "script.py"), tiny_agent_dir, str(tmp_path / "out"), ROOT], tmp_path)
+    assert "RESULT outcome_only 1 INFO" in log
+    assert "advantage_mode auto: outcome_only (TRL's GRPO): the run has no turn reward" in log

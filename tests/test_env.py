@@ -180,6 +180,31 @@ def test_tool_calls_run_concurrently_and_a_stuck_tool_costs_only_its_timeout():
     assert result == ToolResult("Error: tool 'stuck' timed out after 0.5s", False, 0.5)
 
 
+def test_a_type_error_inside_a_tool_is_the_tools_not_the_models_bad_arguments():
+    """The arguments are checked against the signature before the call: a model's wrong argument names are bad
+    arguments (the tool never runs), while a TypeError the tool's own code raises on well-named arguments (a number
+    given as text, "3" * 1.5) is reported as the tool's error, which is what the model has to fix."""
+    ran = []
+
+    def scale(value: float, factor: float) -> str:
+        """Multiply a number by a factor.
+
+        Args:
+            value: The number.
+            factor: The factor.
+        """
+        ran.append(value)
+        return str(value * factor)
+
+    calls = [ToolCall("scale", {"value": "3", "factor": 1.5}), ToolCall("scale", {"amount": 3, "factor": 1.5}),
+             ToolCall("scale", {"value": 2, "factor": 1.5})]
+    results = run_tool_calls({"scale": scale}, calls, timeout=60, max_workers=4)
+    assert [r.output for r in results] == [
+        "Error: tool 'scale' raised TypeError: can't multiply sequence by non-int of type 'float'",
+        "Error: bad arguments for tool 'scale': missing a required argument: 'value'", "3.0"]
+    assert [r.ok for r in results] == [False, False, True] and sorted(ran, key=str) == [2, "3"]
+
+
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_padding_and_the_truncated_episode_setting(smollm2_tokenizer, mask_truncated):
     env = make_env(smollm2_tokenizer, [search], max_tokens_per_turn=5)

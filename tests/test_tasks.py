@@ -199,9 +199,9 @@ MALFORMED = [
     ("empty_answer_string", {"question": "Where?", "answer": ""}, "row 1: empty answer"),
     ("empty_answer_list", {"question": "Where?", "answer": []}, "row 1: empty answer"),
     ("blank_aliases", {"question": "Where?", "answer": ["", "  "]}, "row 1: empty answer"),
-    ("int_answer", {"question": "When?", "answer": 1742}, "row 1: answer is a int, not a string or a list of strings"),
+    ("int_answer", {"question": "When?", "answer": 1742}, "row 1: answer is a int, not a string or a list of strings (write 1742 as \"1742\")"),
     ("dict_answer", {"question": "When?", "answer": {"value": "x"}}, "row 1: answer is a dict, not a string or a list"),
-    ("list_with_int", {"question": "When?", "answer": ["x", 3]}, "row 1: answer list holds a int, not only strings"),
+    ("list_with_int", {"question": "When?", "answer": ["x", 3]}, "row 1: answer list holds a int, not only strings (write 3 as \"3\")"),
     ("no_question_key", {"answer": ["x"]}, "row 1: no question"),
     ("empty_question", {"question": "", "answer": ["x"]}, "row 1: empty question"),
     ("blank_question", {"question": "  \n", "answer": ["x"]}, "row 1: empty question"),
@@ -332,8 +332,12 @@ OFFLINE = {  # a call, and what its error says
     "load_task('triviaqa')": ["RuntimeError: TriviaQA (mandarjoshi/trivia_qa) could not be loaded: the dataset hub "
                               "could not be reached", "dataset_name: fictional_kb", ".jsonl"],
     "load_task('mt-grpo-tests/no-such-dataset', dataset_config='main')":
-        ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: the dataset hub could "
-         "not be reached and the dataset is not in the local cache"],
+        ["RuntimeError: The hub dataset 'mt-grpo-tests/no-such-dataset' could not be loaded: it is not a task "
+         "(fictional_kb, fictional_kb_entities, triviaqa, textworld_quest) nor a local file or folder (cwd: ",
+         "), and as a hub name, the dataset hub could not be reached and the dataset is not in the local cache"],
+    # a misspelled task, a bare name that is no file: the same error, with the task names first
+    "load_task('fictional_kb_entity')": ["RuntimeError: The hub dataset 'fictional_kb_entity' could not be loaded: it "
+                                         "is not a task (fictional_kb, fictional_kb_entities, triviaqa"],
 }
 
 
@@ -464,7 +468,7 @@ def test_rows_without_an_answer_are_kept_only_when_no_reward_needs_one(tmp_path)
     loose = load_task(path, answer_required=False)
     assert loose.dataset.to_list() == [GOOD[0], {"question": "Where?", "answer": []},
                                        {"question": "When?", "answer": []}, {"question": "Who?", "answer": []}]
-    assert loose.skipped == ["row 4: answer is a int, not a string or a list of strings"]  # malformed, not missing
+    assert loose.skipped == ['row 4: answer is a int, not a string or a list of strings (write 3 as "3")']  # malformed, not missing
     strict = load_task(path)
     assert strict.dataset.to_list() == [GOOD[0]] and strict.num_skipped == 4
 

@@ -145,6 +145,8 @@ def test_every_registry_name_is_the_name_the_model_calls(name):
      "Tools 'search' and 'tool_examples:search' are both functions named 'search'"),
     (["wiki_search", "tools.wiki_search:wiki_search"], None,
      "Tools 'wiki_search' and 'tools.wiki_search:wiki_search' are both functions named 'wiki_search'"),
+    ([lambda expression: expression], None, "Tool '<lambda>' is named '<lambda>' (a lambda?), which the model cannot "
+                                            "write as a call's name: make it a named function"),
 ])
 def test_build_tools_errors(names, corpus, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:

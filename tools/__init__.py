@@ -82,6 +82,9 @@ def build_tools(entries: list, corpus: list[dict] | None) -> list[Callable]:
         if called is None:
             raise ValueError(f"Tool '{name}' is a {type(tool).__name__} without a __name__, which the model "
                              "would call it by; make it a function (def).")
+        if not called.isidentifier():
+            raise ValueError(f"Tool '{name}' is named '{called}' (a lambda?), which the model cannot write as a call's "
+                             "name: make it a named function (`def my_tool(x: str) -> str:` with a docstring).")
         if called in first_with:
             raise ValueError(f"Tools '{first_with[called]}' and '{name}' are both functions named '{called}', and "
                              "the model calls a tool by its function name. Rename one of the functions.")
@@ -159,6 +162,14 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     return results
 
 
+def _signature(fn: Callable) -> inspect.Signature:
+    """The tool's signature; one that accepts anything where Python cannot tell (a builtin)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
 def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Thread | None, list[ToolResult]]:
     """(the daemon thread running `call`, the one-item list its result lands in); no thread for a call that is
     malformed or names no tool, whose error is the result at once."""
@@ -172,11 +183,14 @@ def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Th
     def run():
         begun = time.monotonic()
         try:
-            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
-            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
-        except TypeError as e:
+            _signature(fn).bind(**call.arguments)  # the arguments against the signature, so that a TypeError the
+        except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
             slot.append(ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False,
                                    time.monotonic() - begun))
+            return
+        try:
+            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
+            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
         except Exception as e:  # the model sees the error and the turn reward counts a failure
             slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
                                    time.monotonic() - begun))
