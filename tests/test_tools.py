@@ -130,6 +130,10 @@ def test_every_registry_name_is_the_name_the_model_calls(name):
     assert [fn.__name__ for fn in build_tools([name], CORPUS)] == [name]
 
 
+def undocumented(query: str) -> str:
+    return query
+
+
 @pytest.mark.parametrize("names, corpus, message", [
     (["search", "calculator"], CORPUS, "Unknown tool 'calculator'. Valid names: search, wiki_search; a dotted path "
                                        "`module:function` to any importable function also works."),
@@ -147,6 +151,8 @@ def test_every_registry_name_is_the_name_the_model_calls(name):
      "Tools 'wiki_search' and 'tools.wiki_search:wiki_search' are both functions named 'wiki_search'"),
     ([lambda expression: expression], None, "Tool '<lambda>' is named '<lambda>' (a lambda?), which the model cannot "
                                             "write as a call's name: make it a named function"),
+    ([undocumented], None, "Tool 'undocumented' has no docstring, and the model reads what a tool does from its first "
+                           "line: write one"),
 ])
 def test_build_tools_errors(names, corpus, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:

@@ -85,6 +85,9 @@ def build_tools(entries: list, corpus: list[dict] | None) -> list[Callable]:
         if not called.isidentifier():
             raise ValueError(f"Tool '{name}' is named '{called}' (a lambda?), which the model cannot write as a call's "
                              "name: make it a named function (`def my_tool(x: str) -> str:` with a docstring).")
+        if not (inspect.getdoc(tool) or "").strip():
+            raise ValueError(f"Tool '{name}' has no docstring, and the model reads what a tool does from its first "
+                             "line: write one (a line saying what it does, then `Args:` with a line per argument).")
         if called in first_with:
             raise ValueError(f"Tools '{first_with[called]}' and '{name}' are both functions named '{called}', and "
                              "the model calls a tool by its function name. Rename one of the functions.")
