@@ -71,8 +71,8 @@ from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_dis
                     check_reward_count, check_script_args, check_tokenization, check_training_args, check_trl,
                     resolve_advantage_mode, reward_value, score_labelled_tokens_only, settle_training_defaults)
 from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
-from reporting import (GracefulStop, RolloutProgress, TrainerReports, end_processes,  # noqa: F401 (scripts import
-                       install_console, quiet_library_bars, report_outputs)  # GracefulStop, end_processes from here)
+from reporting import (LOG_FORMAT, GracefulStop, RolloutProgress, TrainerReports,  # noqa: F401 (scripts import GracefulStop,
+                       end_processes, install_console, quiet_library_bars, report_outputs)  # end_processes from here)
 from evaluation import TrainerEvaluation
 from fields import arg, parse_recipe
 from packing import PackedForward, matched_forwards, prefilled_inputs
@@ -1739,7 +1739,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     task, tools, rewards, env and backend from it. `backend_factory(env)` replaces the recipe's generation backend
     (tests use a scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
     config, _, model_args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_bars()  # no library progress bar where the output is a log, not a terminal (reporting.py)
     config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
                                 "attn_implementation": model_args.attn_implementation,

@@ -51,7 +51,7 @@ def quiet_library_bars() -> None:
         datasets.disable_progress_bars()
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # main()'s, for the recipe's runs
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the trainer's log lines, a recipe's run or a script
 
 
 def show_log() -> None:
