@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import torch
 
-from checks import required_columns, resolve_advantage_mode
+from checks import required_columns
 from protocol import end_of_turn_ids
 from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, task_defaults, validate_dataset
 
@@ -46,6 +46,7 @@ class Parts:
     # (turn, outcome) weights of the functions the caller listed (reward_lists); the environment's weigh 1
     weights: tuple[list[float], list[float]] = ([], [])
     questions: bool = True  # the rows are questions, answered in <answer> (not TRL prompts, not an environment's)
+    step_rewards: bool = False  # an environment's `step_rewards` reward every turn (advantage_mode auto: per_turn)
 
 
 def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
@@ -93,7 +94,6 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
 
         pool = EnvironmentPool(load_factory(factory), tools, get_protocol(sa.tool_format, tokenizer=tokenizer))
         tools, outcome, turn = pool.all_tools(), outcome + pool.reward_funcs[0], turn + pool.reward_funcs[1]
-    resolve_advantage_mode(sa, turn, outcome, step_rewards=pool is not None and bool(pool.reward_funcs[1]))
     return Parts(
         tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool, weights=weights,
         turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source),
@@ -101,16 +101,17 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
         examples=load_examples(sa.few_shot_examples) if sa.few_shot_examples is not None
         else getattr(source, "examples", None),
         eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
+        step_rewards=pool is not None and bool(pool.reward_funcs[1]),
     )
 
 
 def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:
     """(turn functions, outcome functions, (turn weights, outcome weights)). TRL's `reward_funcs` (a function, a
-    name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_turn the
+    name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_tool_turn the
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
     from checks import check_reward_lists_given_once
-    from rewards import get_reward_func
+    from rewards import get_reward_func, is_per_tool_turn
     from rewards.judge import build_judge_rewards
 
     check_reward_lists_given_once(sa, turn_funcs, outcome_funcs)
@@ -137,7 +138,7 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
     extra, judge = build_judge_rewards(given, sa, judge)
     for fn, w in zip(extra, trl_weights):
         fn = get_reward_func(fn) if isinstance(fn, str) else fn
-        kind = "turn" if getattr(fn, "per_turn", False) is True else "outcome"
+        kind = "turn" if is_per_tool_turn(fn) else "outcome"
         resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
     for fn in resolved["turn"][0] + resolved["outcome"][0]:
         if isinstance(fn, torch.nn.Module) or not callable(fn):

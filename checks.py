@@ -7,7 +7,6 @@ import inspect
 import logging
 import math
 import os
-import re
 import warnings
 from types import SimpleNamespace
 from typing import Callable
@@ -15,10 +14,9 @@ from typing import Callable
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from protocol import PROTOCOLS
+from fields import check_choices
 from reporting import eval_metric_names
 from rewards.judge import check_judge_args
-from turn_samples import TURN_SAMPLES
 
 logger = logging.getLogger("mt_grpo")
 
@@ -43,13 +41,6 @@ logger = logging.getLogger("mt_grpo")
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
 TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
 
-ADVANTAGE_MODES = ("mt_grpo", "per_turn", "outcome_only", "merged")
-TURN_NORMALIZATIONS = ("pooled", "by_turn_index")
-BACKENDS = ("transformers", "vllm_server")
-TOKENIZATION_CHECKS = ("strict", "ignore_whitespace", "off")
-WEIGHT_SYNCS = ("auto", "nccl", "disk")
-TIE_RULES = ("auto", "sort", "triton")  # vllm_tie_rule: weight_sync.server_sampler
-ANSWER_TYPES = ("auto", "text", "math")  # answer_type: rewards/ compare answers as text or as math
 
 
 def settle_training_defaults(config) -> None:
@@ -69,21 +60,7 @@ def settle_training_defaults(config) -> None:
 
 def check_script_args(args) -> None:
     """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field."""
-    def check_choice(name, choices):
-        if getattr(args, name) not in choices:
-            raise ValueError(f"`{name}` is {getattr(args, name)!r}; choose one of {list(choices)}.")
-
-    check_choice("advantage_mode", ADVANTAGE_MODES + ("auto",))
-    check_choice("turn_normalization", TURN_NORMALIZATIONS)
-    check_choice("generation_backend", BACKENDS)
-    check_choice("tokenization_check", TOKENIZATION_CHECKS)
-    check_choice("weight_sync", WEIGHT_SYNCS)
-    check_choice("rollout_scheduler", ("auto", "per_episode", "rounds"))
-    check_choice("turn_samples", TURN_SAMPLES)
-    check_choice("tool_format", sorted(PROTOCOLS))
-    check_choice("lora_sync", ("adapter", "merged"))
-    check_choice("vllm_tie_rule", TIE_RULES)
-    check_choice("answer_type", ANSWER_TYPES)
+    check_choices(args)  # every field declared with `choices` (fields.py)
     check_judge_args(args)
     check_server_urls(args)
     for kind in ("turn", "outcome"):
@@ -179,20 +156,6 @@ REPLACED_GRPO_FIELDS = {
 }
 
 
-def resolve_advantage_mode(args, turn_funcs: list[Callable], outcome_funcs: list[Callable],
-                           step_rewards: bool = False) -> None:
-    """`advantage_mode: auto` made one mode from the run's rewards (said in one line), then check_reward_sources:
-    per_turn where an environment's `step_rewards` reward every turn, mt_grpo with other turn rewards, else
-    outcome_only (TRL's GRPO)."""
-    if args.advantage_mode == "auto":
-        args.advantage_mode = "per_turn" if step_rewards else "mt_grpo" if turn_funcs else "outcome_only"
-        logger.info("advantage_mode auto: %s%s", args.advantage_mode, "" if turn_funcs else (
-            " (TRL's GRPO): the run has no turn reward. For turn credit, give `turn_reward_funcs` (e.g. "
-            "tool_execution_reward_func), a @per_turn function in `reward_funcs`, or a `step_rewards` list in "
-            "your environment."))
-    check_reward_sources(args, turn_funcs, outcome_funcs)
-
-
 def local_model_path(name: str) -> bool:
     """Whether a model name can only be a local folder: absolute, relative (./, ~), deeper than a hub id's
     `org/name`, or under a folder that exists here (`models/...`)."""
@@ -214,17 +177,24 @@ def model_not_found(name: str, error: OSError | None = None) -> OSError:
                    "models/SmolLM2-135M-Instruct`.")
 
 
-def check_reward_sources(args, turn_funcs: list[Callable], outcome_funcs: list[Callable]) -> None:
-    """The run's reward functions, the recipe's and those its environment brings (environments.py)."""
+def check_reward_sources(args, mode: str, credits_turns: bool, turn_funcs: list[Callable],
+                         outcome_funcs: list[Callable]) -> None:
+    """The run's reward functions, the recipe's and those its environment brings (environments.py), against the
+    advantage mode (`mode`: `args.advantage_mode` resolved; says which in one line when that was auto)."""
+    if args.advantage_mode == "auto":
+        logger.info("advantage_mode auto: %s%s", mode, "" if turn_funcs else (
+            " (TRL's GRPO): the run has no turn reward. For turn credit, give `turn_reward_funcs` (e.g. "
+            "tool_execution_reward_func), a @per_tool_turn function in `reward_funcs`, or a `step_rewards` list in "
+            "your environment."))
     if not outcome_funcs and not turn_funcs:
         raise ValueError("No reward functions: pass `reward_funcs` (a function or a list, as to TRL's GRPOTrainer), "
                          "or set `outcome_reward_funcs` and/or `turn_reward_funcs`, or give an `environment_factory` "
                          "whose class defines `get_reward` (or `step_rewards`).")
-    if not turn_funcs and args.advantage_mode in ("mt_grpo", "per_turn") and args.turn_advantage_coef != 0:
+    if not turn_funcs and credits_turns and args.turn_advantage_coef != 0:
         raise ValueError(
-            f"`advantage_mode: {args.advantage_mode}` credits turns, but the run has no turn reward, so A_T would "
-            "always be 0. Give `turn_reward_funcs` (or a @per_turn function in `reward_funcs`, or a `step_rewards` "
-            "list in your environment), or set `advantage_mode: auto` (outcome_only here, TRL's GRPO)."
+            f"`advantage_mode: {mode}` credits turns, but the run has no turn reward, so A_T would "
+            "always be 0. Give `turn_reward_funcs` (or a @per_tool_turn function in `reward_funcs`, or a "
+            "`step_rewards` list in your environment), or set `advantage_mode: auto` (outcome_only here, TRL's GRPO)."
         )
 
 
@@ -352,19 +322,19 @@ def score_labelled_tokens_only() -> None:
 
 
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],
-                      task_metrics: list[str]) -> None:
+                      task_metrics: list[str]) -> str | None:
     """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
-    (normalised to transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
+    (returned in transformers' `eval_` form, which `evaluate` returns beside the logged `eval/` names)."""
     name = args.metric_for_best_model
     if name is None:
-        return
+        return None
     bare = name.removeprefix("eval/").removeprefix("eval_")
     names = eval_metric_names(args.num_generations_eval or 1, turn_funcs, outcome_funcs, task_metrics)
     if bare not in names:
         raise ValueError(f"`metric_for_best_model` is {name!r}, which evaluation does not log"
                          + (" (there is no eval loss: evaluation runs episodes, not a loss)" if bare == "loss" else "")
                          + f"; choose one of {names}, e.g. `metric_for_best_model: exact_match`.")
-    args.metric_for_best_model = f"eval_{bare}"
+    return f"eval_{bare}"
 
 
 def check_backend(script_args, peft_config, backend: type, args: GRPOConfig) -> None:
@@ -499,39 +469,3 @@ def reward_value(name: str, i: int, v) -> float:
         raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
                          "numbers, or None for 'not applicable'.")
     return value
-
-
-def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:
-    """Compare each rollout's ids with a full re-render (`tokenization_check`: strict | ignore_whitespace | off);
-    log how many differ, and the first difference."""
-    if mode == "off":
-        return
-    diffs = [tokenization_difference(env, p, ep, mode) for ep, p in zip(episodes, prompts)]
-    if bad := [d for d in diffs if d]:
-        logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
-                       mode, len(bad), len(episodes), bad[0])
-
-
-def tokenization_difference(env, prompt: list[dict], ep, mode: str) -> str:
-    """Compare the rollout's ids with a full render of the final conversation. Returns "" when they
-    agree, else the differing text. A mismatch (e.g. a BPE merge across a turn boundary, or special
-    tokens the model sampled inside a turn) means training sees other tokens than a fresh render
-    would; it is reported, not fixed: the sampled ids are the truth. An episode split into samples
-    (turn_samples.py) is compared in its last sample: the earlier samples' prompts are renders themselves."""
-    tokenizer = env.tokenizer
-    ids = ep.context_ids
-    full = env.render_ids(prompt + ep.messages, toolset=ep.toolset)
-    if mode == "strict":
-        same = full[: len(ids)] == ids
-    else:
-        squash = lambda s: re.sub(r"\s+", "", s)  # noqa: E731
-        same = squash(tokenizer.decode(full)).startswith(squash(tokenizer.decode(ids)))
-    ep.tokenization_mismatch = not same
-    if same:
-        return ""
-    k = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
-    where = (f"in sample {len(ep.sample_starts) + 1}, at token {k}" if ep.sample_starts
-             else f"at completion token {k - len(ep.prompt_ids)}" if k >= len(ep.prompt_ids)
-             else f"in the prompt, at token {k}")
-    return (f"{where} the rollout has {tokenizer.decode(ids[max(0, k - 8) : k + 8])!r}, "
-            f"a re-render {tokenizer.decode(full[max(0, k - 8) : k + 8])!r}")

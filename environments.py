@@ -33,7 +33,7 @@ from typing import Callable
 
 from registry import resolve
 from rewards import reward_columns
-from rewards.conversation import count_tool_turns, per_turn
+from rewards.conversation import count_tool_turns, per_tool_turn
 from tools import STEP_REWARD_TYPES, Toolset, run_async
 
 CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
@@ -288,7 +288,7 @@ def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
 def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
     """Each tool turn's reward: the sum of the `step_rewards` the environment appended during that turn."""
 
-    @per_turn
+    @per_tool_turn
     def steps(prompts=None, completions=None, environments=None, **kwargs):
         values = []
         for completion, env in zip(completions, environments, strict=True):

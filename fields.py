@@ -6,16 +6,54 @@ recipe fields."""
 
 import os
 import sys
-from dataclasses import field
+from dataclasses import field, fields
 
 from trl import ModelConfig, TrlParser
 
 
-def arg(default, help: str):
-    """A config field: its default and one line of help (shown by --help and in docs/reference.md)."""
+class Choices:
+    """A field's allowed values: a collection, or a function returning one (a table defined below the config, as
+    ADVANTAGE_MODES is), read when a value is checked. A dict's values may have a `help`, which the reference shows.
+    `renamed`: old values, each refused with its new name. argparse takes it as `choices` (--help lists them)."""
+
+    def __init__(self, values, renamed: dict[str, str] | None = None):
+        self.values, self.renamed = values, dict(renamed or {})
+
+    def table(self):
+        return self.values() if callable(self.values) else self.values
+
+    def __iter__(self):
+        return iter(list(self.table()))
+
+    def __contains__(self, value) -> bool:
+        return value in self.table()
+
+    def describe(self) -> str:
+        table = self.table()
+        return " | ".join(f"{k} ({table[k].help})" if getattr(table.get(k) if isinstance(table, dict) else None,
+                                                               "help", None) else str(k) for k in table)
+
+
+def arg(default, help: str, choices=None):
+    """A config field: its default, one line of help (shown by --help and in docs/reference.md) and, with
+    `choices` (a collection or a Choices), the values it may take, checked by check_choices at construction."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices if isinstance(choices, Choices) else Choices(tuple(choices))
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def check_choices(config) -> None:
+    """Every field declared with `choices` holds one of them (a renamed value: the error names the new one)."""
+    for f in fields(config):
+        allowed, value = f.metadata.get("choices"), getattr(config, f.name, None)
+        if not isinstance(allowed, Choices) or value in allowed:  # (transformers' fields check their own)
+            continue
+        if value in allowed.renamed:
+            raise ValueError(f"`{f.name}: {value}` is now `{f.name}: {allowed.renamed[value]}`: rename it.")
+        raise ValueError(f"`{f.name}` is {value!r}; choose one of {list(allowed)}.")
 
 
 def parse_recipe(argv: list[str] | None, config_class) -> tuple:

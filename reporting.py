@@ -19,6 +19,7 @@ from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from rewards import is_per_tool_turn
 from rewards.judge import judge_metrics
 
 logger = logging.getLogger("mt_grpo")
@@ -104,7 +105,7 @@ def episode_stats(episodes: list) -> torch.Tensor:
     """(B, len(EPISODE_STATS) + len(STOP_REASONS)) per-episode numbers, gathered once per batch."""
     rows = []
     for ep in episodes:
-        model_tokens = sum(ep.env_mask)
+        model_tokens = sum(ep.model_mask)
         rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
                      sum(s.role == "model" for s in ep.spans), 1 + len(ep.sample_starts)]
@@ -209,7 +210,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
                     turn["sample"] = starts.index(span.start) + 2
             turns.append(turn)
         tokens = {"ids": ep.completion_ids, "text": tokenizer.batch_decode([[t] for t in ep.completion_ids]),
-                  "env_mask": ep.env_mask, "sampler_logprob": ep.sampler_logprobs}
+                  "model_mask": ep.model_mask, "sampler_logprob": ep.sampler_logprobs}
         for name, values in token_values.items():
             tokens[name] = None if values is None else values[i, :n].tolist()
         k = first_index + i
@@ -474,7 +475,7 @@ class TrainerReports:
         """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
         turn = {fn.__name__: [r[:ep.tool_turns]
                               for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
-                if getattr(fn, "per_turn", False) else scores.turn_per_func[rows, i, 0].tolist()
+                if is_per_tool_turn(fn) else scores.turn_per_func[rows, i, 0].tolist()
                 for i, fn in enumerate(self.turn_reward_funcs)}
         outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist()
                    for i, fn in enumerate(self.outcome_reward_funcs)}

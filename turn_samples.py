@@ -8,7 +8,7 @@ retokenizes the model's text the canonical way. Then later turns were sampled, a
 deployed model never meets.
 
     interleaved  one sample per episode: the sampled ids and the replies (the behaviour before `turn_samples`)
-    per_turn     every model turn is its own sample: after each tool turn the next turn is sampled from the
+    per_model_turn  every model turn is its own sample: after each tool turn the next turn is sampled from the
                  template's render of the history, as inference renders it
     auto         prime-rl's "best-effort interleaving": one sample while the render of the history extends the
                  sample token for token, a new one where it does not (the default: interleaved where exact)
@@ -32,7 +32,7 @@ several samples is always forwarded packed, also with `padding_free: false`.
 from dataclasses import dataclass
 from typing import Callable
 
-TURN_SAMPLES = ("interleaved", "per_turn", "auto")
+TURN_SAMPLES = ("interleaved", "per_model_turn", "auto")
 
 
 def next_sample_prompt(mode: str, context_ids: list[int], reply_ids: list[int],
@@ -69,7 +69,7 @@ class TurnSample:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    env_mask: list[int]
+    model_mask: list[int]
     history: int  # how many of the episode's messages its prompt renders (0: the episode's prompt)
 
 
@@ -79,10 +79,10 @@ def episode_samples(ep) -> list[TurnSample]:
     histories = [0, *[h for _, h in ep.sample_starts]]
     for (a, b), history in zip(sample_bounds([s for s, _ in ep.sample_starts], len(ep.completion_ids)), histories):
         if a == 0:
-            out.append(TurnSample(list(ep.prompt_ids), ep.completion_ids[a:b], ep.env_mask[a:b], history))
+            out.append(TurnSample(list(ep.prompt_ids), ep.completion_ids[a:b], ep.model_mask[a:b], history))
         else:  # the render: the sample's first environment span
             n = next(s.end for s in ep.spans if s.start == a) - a
             out.append(TurnSample(ep.completion_ids[a : a + n], ep.completion_ids[a + n : b],
-                                  ep.env_mask[a + n : b], history))
+                                  ep.model_mask[a + n : b], history))
     return out
 

@@ -18,7 +18,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from vllm_cpu import VLLMCPUServer
 
-from mt_grpo_trainer import SamplingParams, VLLMServerClient
+from mt_grpo_trainer import VLLMServerClient
+from sampling import SamplingParams
 from weight_sync import WeightSync, WeightSyncConfig
 
 

@@ -19,19 +19,20 @@ import torch
 from common import ROOT, print_table  # noqa: F401 (sys.path)
 
 import mt_grpo_trainer as mt
+import sampling
 import packing
-from mt_grpo_trainer import GREEDY
+from sampling import GREEDY
 
 RECIPE = f"{ROOT}/hf_recipes/SmolLM2-135M-Instruct/study.yaml"
 
 
 def rollout(trainer, rows: list[dict], share: bool) -> tuple[float, list[list[int]]]:
     """Seconds for the env's rollout of `rows`, greedy, and each episode's tokens."""
-    mt.prefilled_inputs = lambda *a, **k: packing.prefilled_inputs(*a, **{**k, "share": share})
+    sampling.prefilled_inputs = lambda *a, **k: packing.prefilled_inputs(*a, **{**k, "share": share})
     t0 = time.perf_counter()
     episodes = trainer.env.rollout([x["prompt"] for x in rows], trainer.backend, GREEDY, rows=rows)
     seconds = time.perf_counter() - t0
-    mt.prefilled_inputs = packing.prefilled_inputs
+    sampling.prefilled_inputs = packing.prefilled_inputs
     return seconds, [ep.prompt_ids + ep.completion_ids for ep in episodes]
 
 

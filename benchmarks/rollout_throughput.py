@@ -22,7 +22,8 @@ from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_agent_model
 from transformers import AutoTokenizer
 
-from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
+from sampling import SamplingParams
 from protocol import XMLProtocol
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
@@ -74,7 +75,7 @@ def main():
             """(episodes, seconds, model tokens, tool calls) of one rollout of every prompt."""
             t0 = time.perf_counter()
             eps = environment.rollout(prompts, backend)
-            return eps, time.perf_counter() - t0, sum(sum(ep.env_mask) for ep in eps), sum(len(ep.calls) for ep in eps)
+            return eps, time.perf_counter() - t0, sum(sum(ep.model_mask) for ep in eps), sum(len(ep.calls) for ep in eps)
 
         rounds = client(16, Recording)
         episodes, t_env, env_tokens, env_calls = timed_rollout(e, rounds)
@@ -91,7 +92,7 @@ def main():
         t0 = time.perf_counter()
         for p in prompts:  # one blocking conversation at a time, one request per turn
             (ep,) = e.rollout([p], sequential)
-            seq_tokens += sum(ep.env_mask)
+            seq_tokens += sum(ep.model_mask)
             seq_calls += len(ep.calls)
         t_seq = time.perf_counter() - t0
 

@@ -16,7 +16,8 @@ from vllm_cpu import VLLMCPUServer
 from prepare_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from mt_grpo_trainer import SamplingParams, VLLMServerClient
+from mt_grpo_trainer import VLLMServerClient
+from sampling import SamplingParams
 from weight_sync import save_weights_for_vllm, tied_embedding_name
 
 

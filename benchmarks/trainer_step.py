@@ -22,7 +22,8 @@ from prepare_models import make_tiny_model
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, TransformersBackend, SamplingParams, mt_grpo_advantages
+from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, mt_grpo_advantages
+from sampling import TransformersBackend, SamplingParams
 from protocol import XMLProtocol
 
 B, P, T, G = 16, 128, 256, 4
@@ -54,22 +55,22 @@ def trainers(model_dir):
 def batch(vocab):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(T // 4, T, (B,), generator=g)  # first <result> offset
-    env_mask = torch.ones(B, T, dtype=torch.long)
+    model_mask = torch.ones(B, T, dtype=torch.long)
     turns = torch.zeros(B, T, dtype=torch.long)  # model turn of each token: 0 before the first <result>
     for i, s in enumerate(starts):  # a 32-token env reply after the first turn
-        env_mask[i, s : s + 32] = 0
+        model_mask[i, s : s + 32] = 0
         turns[i, s : s + 32] = -1
         turns[i, s + 32 :] = 1
     return {
         "prompt_ids": torch.randint(3, vocab, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
         "completion_ids": torch.randint(3, vocab, (B, T), generator=g), "completion_mask": torch.ones(B, T, dtype=torch.long),
-        "num_items_in_batch": env_mask.sum(),
-    }, env_mask, turns, torch.rand(B, generator=g), torch.rand(B, generator=g)
+        "num_items_in_batch": model_mask.sum(),
+    }, model_mask, turns, torch.rand(B, generator=g), torch.rand(B, generator=g)
 
 
-def step(trainer, inputs, multi_turn, env_mask, turns, R_T, R_O):
+def step(trainer, inputs, multi_turn, model_mask, turns, R_T, R_O):
     if multi_turn:
-        inputs = {**inputs, "advantages": mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0).tokens, "tool_mask": env_mask}
+        inputs = {**inputs, "advantages": mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0).tokens, "tool_mask": model_mask}
     else:  # TRL's sequence-level advantage, as its _generate_and_score_completions computes it
         r = R_O.view(-1, G)
         inputs = {**inputs, "advantages": ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)}
@@ -81,16 +82,16 @@ def step(trainer, inputs, multi_turn, env_mask, turns, R_T, R_O):
 def time_steps(repeats=12):
     model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"))
     trl, ours = trainers(model_dir)
-    inputs, env_mask, turns, R_T, R_O = batch(trl.model.config.vocab_size)
+    inputs, model_mask, turns, R_T, R_O = batch(trl.model.config.vocab_size)
     runs = {"TRL GRPOTrainer": (trl, False), "MTGRPOEnvTrainer": (ours, True)}
     times = {name: [] for name in runs}
     for name, (tr, mt) in runs.items():  # warm-up
         tr.model.train()
-        step(tr, inputs, mt, env_mask, turns, R_T, R_O)
+        step(tr, inputs, mt, model_mask, turns, R_T, R_O)
     for _ in range(repeats):  # interleaved, so drift hits both alike
         for name, (tr, mt) in runs.items():
             t0 = time.perf_counter()
-            step(tr, inputs, mt, env_mask, turns, R_T, R_O)
+            step(tr, inputs, mt, model_mask, turns, R_T, R_O)
             times[name].append(time.perf_counter() - t0)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     t0 = time.perf_counter()

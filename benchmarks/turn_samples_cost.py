@@ -61,7 +61,7 @@ def scripts(setup: str, generations: int) -> dict:
 
 def measure(setup: str, mode: str, generations: int, few_shot: bool) -> dict:
     from helpers import VELTRIA, chat_template, fake_search, make_env
-    from mt_grpo_trainer import pad_episodes
+    from episodes import pad_episodes
     from packing import plan_rows
     from protocol import ChatTemplateProtocol
     from scripted_policy import ScriptedPolicy

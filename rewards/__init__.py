@@ -11,11 +11,11 @@ It returns one of two forms:
     per sample (default)   list[float | None]: one value per sample; None = "not applicable".
                            Every outcome reward, and the turn rewards that judge the whole episode
                            or its first tool turn.
-    per turn (@per_turn)   list[list[float | None]]: for each sample, the value of each of its tool
+    per turn (@per_tool_turn)   list[list[float | None]]: for each sample, the value of each of its tool
                            turns in order, `len(values[i]) == count_tool_turns(completions[i])`
                            ([] for a sample without a tool turn). Turn rewards only.
 
-The `per_turn` decorator marks the second form (`fn.per_turn = True`; test it with `is_per_turn`):
+The `per_tool_turn` decorator marks the second form (`fn.per_tool_turn = True`; test it with `is_per_tool_turn`):
 the trainer reads the mark and never guesses the form from the values. `tool_turns(completion)`
 gives each tool turn as (assistant message, [the tool messages that answer it]), for the trainer
 and the rewards alike.
@@ -26,7 +26,7 @@ lists, or put its dotted path there (`rewards.my_module:my_reward`, or any impor
 A reward that compares with the gold answer should ask `rewards.answers.matches_answer` / `contains_answer`,
 passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as the shipped ones do.
 
-    @per_turn
+    @per_tool_turn
     def short_calls(prompts, completions, **kwargs):  # 0.1 for each tool turn under 300 characters
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
@@ -34,10 +34,10 @@ passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as
 from typing import Callable
 
 from registry import resolve
-from rewards.conversation import count_tool_turns, is_per_turn, per_turn, tool_turns
+from rewards.conversation import count_tool_turns, is_per_tool_turn, per_tool_turn, per_turn, tool_turns
 from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, exist_answer_in_search_results
 
-__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_turn", "is_per_turn", "tool_turns",
+__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn", "tool_turns",
            "count_tool_turns", "reward_columns"]
 
 # Old names, each its own function that calls the new one: a recipe naming it keeps its logged metric names

@@ -19,16 +19,23 @@ from typing import Callable
 from protocol import ERROR_PREFIX, THINK_CLOSE, final_answer
 
 
-def per_turn(fn: Callable) -> Callable:
-    """Mark a turn reward as per-turn: for each sample it returns a list with one value (float or
+def per_tool_turn(fn: Callable) -> Callable:
+    """Mark a turn reward as one value per tool turn: for each sample it returns a list with one value (float or
     None) per tool turn, in order, so `len(values[i]) == count_tool_turns(completions[i])` ([] for a
     sample without a tool turn). Without the mark a reward returns one number per sample."""
-    fn.per_turn = True
+    fn.per_tool_turn = True
     return fn
 
 
-def is_per_turn(fn: Callable) -> bool:
-    return getattr(fn, "per_turn", False) is True
+def is_per_tool_turn(fn: Callable) -> bool:
+    """Whether `fn` returns a value per tool turn (@per_tool_turn): the one test of the mark."""
+    return getattr(fn, "per_tool_turn", False) is True
+
+
+def per_turn(fn: Callable) -> Callable:
+    """The mark's old name, refused with the new one (`per_turn` is an advantage mode)."""
+    raise TypeError(f"@per_turn (on '{getattr(fn, '__name__', fn)}') is now @per_tool_turn: `from rewards import "
+                    "per_tool_turn` and decorate with it (`advantage_mode: per_turn` is the mode that credits each turn).")
 
 
 def role(message) -> str | None:

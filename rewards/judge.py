@@ -715,7 +715,7 @@ class TurnJudge(JudgeReward):
     name, template_field, template_file = "judge_turn", "judge_turn_prompt", "turn.txt"
     placeholders, required = ("question", "reference", "history", "turn", "call", "result"), ("call", "result")
     no_reference = "(no reference answer: judge whether the turn brings a correct answer closer)"
-    per_turn = True  # the mark `@per_turn` sets (rewards/conversation.py); instances inherit it
+    per_tool_turn = True  # the mark `@per_tool_turn` sets (rewards/conversation.py); instances inherit it
 
     def probe_completions(self) -> list[list[dict]]:
         call = {"role": "assistant", "content": "", "tool_calls": [tool_call_message("search", {"query": "2 + 3"})]}

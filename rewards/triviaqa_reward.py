@@ -9,7 +9,7 @@ turns, no turns) scores 0.0, never raises.
 
 Turn rewards come in two forms. Most return one number per sample and judge the first tool turn:
 MT-GRPO gives their advantage A_T to the model tokens before the first tool result, i.e. to the
-first tool call and the reasoning that led to it. Those marked `@per_turn` return, per sample, a
+first tool call and the reasoning that led to it. Those marked `@per_tool_turn` return, per sample, a
 list with one value per tool turn (`[]` for an episode without one), for a turn-level advantage.
     tool_execution_reward_func       0.2 * successful calls / calls, whole episode      [0, 0.2]
     answer_in_tool_result            0.5 if the gold answer appears in the tool's reply   {0, 0.5}
@@ -46,7 +46,7 @@ import re
 from protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
 from rewards.answers import _aliases  # noqa: F401  (scripts/answer_errors.py imports it from here)
 from rewards.answers import _contains, answer_types, contains_answer, matches_answer, normalize_answer
-from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_turn,
+from rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed, per_tool_turn,
                                   role, tool_turns, visible_text)
 
 _REASONING = re.compile(re.escape(XMLProtocol.REASONING_OPEN) + ".*?" + re.escape(XMLProtocol.REASONING_CLOSE),
@@ -98,13 +98,13 @@ def exist_answer_in_search_results(prompts, completions, answer, answer_type=Non
     return answer_in_tool_result(prompts, completions, answer, answer_type=answer_type, **kwargs)
 
 
-@per_turn
+@per_tool_turn
 def tool_execution_per_turn(prompts, completions, **kwargs) -> list[list[float]]:
     """Per tool turn: 0.2 * the share of that turn's calls that ran without error, in [0, 0.2]."""
     return [[_execution_score(tools) for _, tools in tool_turns(c)] for c in completions]
 
 
-@per_turn
+@per_tool_turn
 def answer_in_result_per_turn(prompts, completions, answer, answer_type=None, **kwargs) -> list[list[float]]:
     """Per tool turn: 0.5 if one of that turn's successful results holds the gold answer (as
     `answer_in_tool_result` judges it), else 0.0. Rewards the turn whose search found it, not only the first."""
@@ -124,7 +124,7 @@ def _normalized(value):
     return repr(value)  # numbers, booleans, None, anything else: hashable whatever it is
 
 
-@per_turn
+@per_tool_turn
 def repeated_query_penalty_per_turn(prompts, completions, **kwargs) -> list[list[float]]:
     """Per tool turn: -0.2 if one of its parsed calls repeats an earlier call of the episode (an
     earlier turn's, or one before it in the same turn): same tool name and the same arguments after

@@ -279,7 +279,7 @@ function callsList(ep) {
 }
 
 function fillTokens(box, ep, e, scale) {
-  const tok = ep.tokens || {}, texts = tok.text || [], mask = tok.env_mask || [], adv = tok.advantage || [];
+  const tok = ep.tokens || {}, texts = tok.text || [], mask = tok.model_mask || tok.env_mask || [], adv = tok.advantage || [];
   const n = (tok.ids || []).length;
   // Turns tile the completion; anything they leave out is drawn as an unlabelled segment.
   const segments = [];
@@ -392,7 +392,7 @@ function showTip(ev) {
   const t = ev.target.closest(".t"), tip = $("tip");
   if (!t || t.dataset.e === undefined) { tip.style.display = "none"; return; }
   const ep = shown[t.dataset.e], i = Number(t.dataset.i), tok = ep.tokens, at = (k) => tok[k] ? fmt(tok[k][i]) : "–";
-  tip.textContent = [`token ${i}   id ${tok.ids[i]}   ${tok.env_mask[i] === 0 ? "environment" : "model"}`,
+  tip.textContent = [`token ${i}   id ${tok.ids[i]}   ${(tok.model_mask || tok.env_mask)[i] === 0 ? "environment" : "model"}`,
     `text      "${visible(String(tok.text[i] ?? ""))}"`, `advantage ${at("advantage")}`,
     `sampler logprob ${at("sampler_logprob")}`,
     `trainer logprob ${at("trainer_logprob")}`, `IS weight ${at("is_weight")}`].join("\n");

@@ -231,7 +231,8 @@ def on_policy_weights(model, prompts, samples, params, mode, kept_sets=True):
     from trl.trainer.utils import pad
 
     from completions import kept_set_logprobs
-    from mt_grpo_trainer import importance_weights, policy_sampler_logprobs
+    from mt_grpo_trainer import importance_weights
+    from sampling import policy_sampler_logprobs
 
     per_prompt = len(samples) // len(prompts)
     rows = list(zip([p for p in prompts for _ in range(per_prompt)], samples))

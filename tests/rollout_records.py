@@ -76,7 +76,7 @@ def normalise(values: list[float]) -> list[float]:
 
 def build_episode(script: list[tuple], rng: random.Random) -> dict:
     """Tokens, turns and tool calls of a script; rewards and advantages are filled in by the group."""
-    turns, tool_calls, texts, env_mask = [], [], [], []
+    turns, tool_calls, texts, model_mask = [], [], [], []
     model_turn = -1
     for part in script:
         text = part[1] if part[0] == "model" else ENV_TEXT.format(part[1])
@@ -91,10 +91,10 @@ def build_episode(script: list[tuple], rng: random.Random) -> dict:
             tool_calls.append({"turn": model_turn, "name": name, "args": args, "ok": ok, "seconds": seconds})
         turns.append(turn)
         texts += pieces
-        env_mask += [1 if part[0] == "model" else 0] * len(pieces)
+        model_mask += [1 if part[0] == "model" else 0] * len(pieces)
     first_result = next((t["start"] for t in turns if t["role"] == "env"), len(texts))
     return {"turns": turns, "tool_calls": tool_calls, "first_result": first_result,
-            "tokens": {"ids": [zlib.crc32(t.encode()) % 49152 for t in texts], "text": texts, "env_mask": env_mask}}
+            "tokens": {"ids": [zlib.crc32(t.encode()) % 49152 for t in texts], "text": texts, "model_mask": model_mask}}
 
 
 def score_group(episodes: list[dict], kinds: list[str], answer: str, per_turn: bool, mode: str, rng):
@@ -120,7 +120,7 @@ def score_group(episodes: list[dict], kinds: list[str], answer: str, per_turn: b
         ep["A_T"] = [round(a_t * 0.5 ** k, 6) for k in range(len(ep["tool_calls"]))] if per_turn else a_t
         first_turn_adv = (ep["A_T"][0] if ep["A_T"] else 0.0) if per_turn else a_t
         tokens, n = ep["tokens"], len(ep["tokens"]["ids"])
-        model = [m == 1 for m in tokens["env_mask"]]
+        model = [m == 1 for m in tokens["model_mask"]]
         sampler = [round(-rng.expovariate(1.5), 6) if m else 0.0 for m in model]
         if mode == "eval":
             ep["A_O"] = ep["A_T"] = None

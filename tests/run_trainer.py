@@ -122,8 +122,8 @@ def counted_collectives(model, counts: dict) -> None:
     reduce-scatter, all-reduce), and each matched_forwards call's (this rank's forwards, the forwards made)."""
     import torch.distributed as dist
 
-    import mt_grpo_trainer
     import packing
+    import sampling
 
     names = [n for n in COLLECTIVES if hasattr(dist, n)]  # torch 2.13's FSDP2 calls the *_single ones
     counts.update({"forwards": 0, "matched": [], **{n: 0 for n in names}})
@@ -140,7 +140,7 @@ def counted_collectives(model, counts: dict) -> None:
         counts["matched"].append((len(own), len(made)))
         return iter(made)
 
-    packing.matched_forwards = mt_grpo_trainer.matched_forwards = matched
+    packing.matched_forwards = sampling.matched_forwards = matched
     packing.unwrapped(model).register_forward_pre_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
 
 
@@ -159,7 +159,7 @@ def sharded_batch(vocab: int):
 
 
 def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
-    from mt_grpo_trainer import SamplingParams
+    from sampling import SamplingParams
     from scripted_policy import ScriptedSampler
 
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
@@ -186,7 +186,7 @@ def fsdp2(model_dir: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from mt_grpo_trainer import SamplingParams, policy_sampler_logprobs
+    from sampling import SamplingParams, policy_sampler_logprobs
     from packing import packed_logps_and_entropies
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

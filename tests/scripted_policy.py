@@ -2,7 +2,8 @@
 (prompt ids in; sampled ids, logprobs and finish reason out; another_round, sync_weights) whose
 "model" writes given texts."""
 
-from mt_grpo_trainer import Sample, SamplingParams, TransformersBackend
+from completions import Sample
+from sampling import SamplingParams, TransformersBackend
 
 
 class ScriptedPolicy:

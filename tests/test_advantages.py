@@ -6,18 +6,10 @@ import math
 import pytest
 import torch
 
-from mt_grpo_trainer import (
-    Span,
-    compute_rewards_per_func,
-    group_normalize,
-    importance_weights,
-    mt_grpo_advantages,
-    per_turn_reward_table,
-    result_start,
-    token_turn_index,
-    weighted_reward,
-    zero_signal_scale,
-)
+from mt_grpo_trainer import (ADVANTAGE_MODES, AdvantageMode, compute_rewards_per_func, group_normalize,
+                             importance_weights, mt_grpo_advantages, per_turn_reward_table, resolve_advantage_mode,
+                             weighted_reward, zero_signal_scale)
+from episodes import Span, result_start, token_turn_index
 from checks import check_reward_columns
 from weight_sync import probe_verdict
 
@@ -319,9 +311,9 @@ def test_per_turn_discount_adds_the_later_turns_credit():
 
 
 def test_per_turn_rewards_fill_one_column_per_tool_turn():
-    from rewards import per_turn
+    from rewards import per_tool_turn
 
-    @per_turn
+    @per_tool_turn
     def each_turn(prompts, completions, **kwargs):
         return [[0.5] * n for n in (2, 1, 0)]
 
@@ -379,16 +371,16 @@ def test_per_turn_credit_reaches_an_episode_that_never_searched():
     assert adv.tokens[0, 2].item() == pytest.approx(A_O[0], abs=1e-5)  # its answer turn: A_O
 
 
-# ---- mt_grpo with a @per_turn turn reward: the same turn-0 rule, one column (K = 1)
+# ---- mt_grpo with a @per_tool_turn turn reward: the same turn-0 rule, one column (K = 1)
 def test_mt_grpo_with_a_per_turn_reward_credits_the_first_turn_of_an_episode_that_never_searched():
     """One group, R_O all 0 (A_O = 0), one per-turn turn reward: s0 (tool turns 0.5 then 0.2) and s1 (0.5) searched,
     s2 and s3 answered at once. mt_grpo reads the first tool turn: R_T 0.5 0.5, and 0 0 for the turns that called
     nothing (mean 0.25, sample std sqrt(0.25 / 3)): A_T = +-0.25 / sqrt(1 / 12) = +-sqrt(3) / 2 on each first
     turn. Left NaN, the no-search answers would leave the group's statistics, the two equal searches would give
     A_T = 0, and the group would have no signal at all."""
-    from rewards import per_turn
+    from rewards import per_tool_turn
 
-    @per_turn
+    @per_tool_turn
     def found(prompts, completions, **kwargs):
         return [[0.5, 0.2], [0.5], [], []]
 
@@ -424,3 +416,56 @@ def test_zero_signal_scale_without_signal_is_one_and_a_layout_dependent_loss_is_
     for loss_type in ("bnpo", "new_loss"):  # bnpo: each micro-batch's own token count, no one factor fits
         with pytest.raises(ValueError, match="mask_zero_advantage_groups: false"):
             zero_signal_scale(loss_type, torch.tensor(4), torch.tensor(4), torch.tensor(2), torch.tensor(2))
+
+
+# ---- a new advantage mode is one function and one entry of ADVANTAGE_MODES
+def turn_only_credit(R_T, R_O, A_O, norm):
+    """A test's mode: no outcome advantage; A_T on the tokens before the first tool result."""
+    A_T = norm(R_T[:, 0])[:, None]
+    return torch.zeros_like(A_O), A_T, torch.cat([A_T, torch.zeros_like(A_T)], dim=1)
+
+
+def test_a_mode_added_by_one_function_and_one_entry(monkeypatch):
+    monkeypatch.setitem(ADVANTAGE_MODES, "turn_only", AdvantageMode(turn_only_credit, "A_T alone"))
+    R_T, R_O = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])
+    turns = torch.tensor([[0, 0, -1, 1], [0, -1, -1, -1], [0, 1, 1, -1], [0, 0, 0, 0]])
+    adv = mt_grpo_advantages(R_T, R_O, turns, 4, "turn_only", 0.5)
+    a = 1 / math.sqrt(1 / 3)  # A_T of R_T = (1, 0, 1, 0): +-0.5 / std 0.577
+    expected = 0.5 * (turns == 0).float() * torch.tensor([0.5, -0.5, 0.5, -0.5])[:, None] * a
+    assert torch.allclose(adv.tokens, expected, atol=1e-6)
+    assert adv.informative.all() and torch.allclose(adv.outcome.abs(), torch.full((4,), 0.5 * a), atol=1e-6)
+    # `auto` never picks an entry without a condition; an unknown mode names the table's
+    assert resolve_advantage_mode("auto", turn_rewards=True, step_rewards=False) == "mt_grpo"
+    with pytest.raises(ValueError, match="turn_only"):
+        mt_grpo_advantages(R_T, R_O, turns, 4, "no_such_mode", 1.0)
+
+
+ADD_A_MODE = """
+import sys, torch
+import mt_grpo_trainer as mt
+sys.path.insert(0, "tests")
+from test_advantages import turn_only_credit
+mt.ADVANTAGE_MODES["turn_only"] = mt.AdvantageMode(turn_only_credit, "A_T alone", credits_turns=True)
+mt.main(sys.argv[1:])
+"""
+
+
+def test_the_trainer_trains_with_an_added_mode(tiny_agent_dir, tmp_path):
+    """The recipe's field takes the new mode (its choices are the table's), and a step trains with it: every
+    recorded token advantage is coef * A_T on turn 0 and 0 elsewhere."""
+    import sys
+
+    from helpers import RECIPE, final_metrics, rollout_records, run
+
+    out = str(tmp_path / "out")
+    run([sys.executable, "-c", ADD_A_MODE, "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--output_dir", out, "--save_strategy", "no", "--max_steps", "1", "--eval_strategy", "no",
+         "--per_device_train_batch_size", "4", "--max_samples", "4", "--save_rollouts_steps", "1",
+         "--advantage_mode", "turn_only", "--turn_advantage_coef", "0.5"], tmp_path)
+    assert [h for h in final_metrics(out) if "loss" in h]
+    for record in rollout_records(out):
+        A_T, tokens = record["A_T"], record["tokens"]
+        first = record["first_result"]
+        for k, (a, m) in enumerate(zip(tokens["advantage"], tokens["model_mask"])):
+            want = 0.5 * (A_T[0] if isinstance(A_T, list) else A_T) if k < first else 0.0
+            assert a == pytest.approx(want, abs=1e-5), (k, a, want)

@@ -207,7 +207,7 @@ args = MTGRPOConfig(output_dir=sys.argv[2], num_generations=2, per_device_train_
 data = datasets.Dataset.from_list([{"question": "What is 2 plus 2?", "answer": "4"}] * 2)
 trainer = MTGRPOEnvTrainer(model=sys.argv[1], args=args, train_dataset=data, reward_funcs="exact_match_reward_func")
 log = logging.getLogger("mt_grpo")
-print("RESULT", trainer.script_args.advantage_mode, len(log.handlers), logging.getLevelName(log.getEffectiveLevel()))
+print("RESULT", trainer.advantage_mode, len(log.handlers), logging.getLevelName(log.getEffectiveLevel()))
 """
 
 

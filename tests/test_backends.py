@@ -10,7 +10,8 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import RECIPE, chat_template
-from mt_grpo_trainer import SamplingParams, TransformersBackend, build_trainer
+from mt_grpo_trainer import build_trainer
+from sampling import SamplingParams, TransformersBackend
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
 
@@ -94,7 +95,8 @@ def test_every_backend_has_the_generation_backend_interface():
     has the per-episode scheduler's part too, shaped like the real client's."""
     import inspect
 
-    from mt_grpo_trainer import GenerationBackend, VLLMServerClient
+    from mt_grpo_trainer import VLLMServerClient
+    from sampling import GenerationBackend
     from scripted_policy import ScriptedPolicy, ScriptedServer, ScriptedTransformersBackend
 
     def parameters(cls, name):

@@ -21,7 +21,8 @@ import torch
 from helpers import (CHAT_TEMPLATE_FLAGS, EMPTY_THINK, RECIPE, ROOT, TEMPLATE_FILES, VELTRIA, changed_parameters,
                      fake_search, final_metrics, make_chat_template_agent, make_env, qwen_tokenizer, rollout_records,
                      run, template_call)
-from mt_grpo_trainer import mt_grpo_advantages, pad_episodes, result_start, token_turn_index
+from mt_grpo_trainer import mt_grpo_advantages
+from episodes import pad_episodes, result_start, token_turn_index
 from protocol import ChatTemplateProtocol, XMLProtocol
 from reporting import episode_stats, rollout_metrics
 from scripted_policy import ScriptedPolicy
@@ -155,14 +156,14 @@ def test_masks_spans_and_texts(rollout):
         assert len(model_spans) == len(sampled[q]) and len(env_spans) == len(RESULTS[q]) == ep.tool_turns
         # mask 1: exactly the sampled turns, <|im_end|> included, with the sampler's logprobs
         for span, text in zip(model_spans, sampled[q]):
-            assert all(ep.env_mask[span.start : span.end])
+            assert all(ep.model_mask[span.start : span.end])
             assert set(ep.sampler_logprobs[span.start : span.end]) == {-0.5}
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == text
-        model_ids = [t for t, m in zip(ep.completion_ids, ep.env_mask) if m]
+        model_ids = [t for t, m in zip(ep.completion_ids, ep.model_mask) if m]
         assert tokenizer.decode(model_ids) == "".join(sampled[q])
         # mask 0: exactly the template's reply, each result in its own <tool_response>, in call order
         for span, results in zip(env_spans, RESULTS[q]):
-            assert not any(ep.env_mask[span.start : span.end])
+            assert not any(ep.model_mask[span.start : span.end])
             assert set(ep.sampler_logprobs[span.start : span.end]) == {0.0}
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == reply(setup, results)
         # the canonical messages: the sampled text without <|im_end|>, the calls that parsed, one tool message a call
@@ -245,7 +246,7 @@ def test_token_limits_end_the_episode_as_truncated(tokenizers, limit, stop_reaso
                  else {"max_completion_length": first_turn + 10})
     _, _, _, (ep,), log = roll_out(tokenizers, setup, {"Q-two": PLAN["Q-two"]}, **overrides)
     assert ep.stop_reason == stop_reason and ep.truncated
-    assert [s.role for s in ep.spans] == ["model"] and all(ep.env_mask) and not ep.calls
+    assert [s.role for s in ep.spans] == ["model"] and all(ep.model_mask) and not ep.calls
     assert bool(log) == (stop_reason == "budget")  # the calls ran; their reply did not fit
     assert len(ep.completion_ids) == (5 if limit == "max_tokens_per_turn" else first_turn)
 

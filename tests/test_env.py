@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from helpers import fake_search, make_env
-from mt_grpo_trainer import pad_episodes
+from episodes import pad_episodes
 from tools import ToolResult, run_tool_calls
 from protocol import ToolCall, XMLProtocol
 from scripted_policy import ScriptedPolicy
@@ -37,23 +37,23 @@ def test_masks_spans_and_texts_on_real_templates(tokenizer):
     expected_stop = {"Q-search": "answer", "Q-direct": "answer", "Q-broken": "max_env_steps", "Q-silent": "no_action"}
     for q, ep in zip(questions, episodes):
         assert ep.stop_reason == expected_stop[q]
-        assert len(ep.completion_ids) == len(ep.env_mask) == len(ep.sampler_logprobs)
+        assert len(ep.completion_ids) == len(ep.model_mask) == len(ep.sampler_logprobs)
         # spans tile the completion and alternate model / env, starting with the model
         assert ep.spans[0].start == 0 and ep.spans[-1].end == len(ep.completion_ids)
         assert all(a.end == b.start and a.role != b.role for a, b in zip(ep.spans, ep.spans[1:]))
         model_turns = [s for s in ep.spans if s.role == "model"]
         # decoding only mask-1 tokens gives exactly the sampled texts, turn by turn and in all
         for span, text in zip(model_turns, SCRIPT[q]):
-            assert all(ep.env_mask[span.start : span.end])
+            assert all(ep.model_mask[span.start : span.end])
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == text
-        model_ids = [t for t, m in zip(ep.completion_ids, ep.env_mask) if m]
+        model_ids = [t for t, m in zip(ep.completion_ids, ep.model_mask) if m]
         assert tokenizer.decode(model_ids) == "".join(SCRIPT[q][: len(model_turns)])
         # decoding mask-0 tokens gives exactly the tool output as a <result> user turn in the template's markers
         env_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
         env_spans = [s for s in ep.spans if s.role == "env"]
         assert len(env_spans) == len(env_msgs) == ep.tool_turns
         for span, content in zip(env_spans, env_msgs):
-            assert not any(ep.env_mask[span.start : span.end])
+            assert not any(ep.model_mask[span.start : span.end])
             assert set(ep.sampler_logprobs[span.start : span.end]) == {0.0}
             assert tokenizer.decode(ep.completion_ids[span.start : span.end]) == (
                 f"<|im_end|>\n<|im_start|>user\n<result>\n{content}\n</result><|im_end|>\n<|im_start|>assistant\n")
@@ -104,7 +104,7 @@ def test_env_reply_that_does_not_fit_the_budget_ends_the_episode_without_a_parti
     env = make_env(smollm2_tokenizer, [search], max_completion_length=first_turn + 10)
     (ep,) = env.rollout([env.prompt("Q-search")], ScriptedPolicy(smollm2_tokenizer, SCRIPT))
     assert ep.stop_reason == "budget" and ep.truncated
-    assert [s.role for s in ep.spans] == ["model"] and all(ep.env_mask)
+    assert [s.role for s in ep.spans] == ["model"] and all(ep.model_mask)
 
 
 def test_long_tool_output_is_cut_with_a_marker(smollm2_tokenizer):
@@ -214,7 +214,7 @@ def test_padding_and_the_truncated_episode_setting(smollm2_tokenizer, mask_trunc
     batch = pad_episodes([truncated, done], smollm2_tokenizer.pad_token_id, mask_truncated)
     T = max(len(truncated.completion_ids), len(done.completion_ids))
     assert batch["completion_ids"].shape == batch["tool_mask"].shape == batch["sampler_logps"].shape == (2, T)
-    assert batch["tool_mask"][1].tolist() == done.env_mask + [0] * (T - len(done.env_mask))
+    assert batch["tool_mask"][1].tolist() == done.model_mask + [0] * (T - len(done.model_mask))
     assert batch["tool_mask"][0].sum().item() == (0 if mask_truncated else 5)
     assert batch["prompt_mask"][:, -1].tolist() == [1, 1]  # prompts are left-padded
 
@@ -264,7 +264,7 @@ class OneSample(ScriptedPolicy):
 
 
 def test_a_sample_vllm_cut_for_repetition_ends_the_episode_as_truncated(smollm2_tokenizer):
-    from mt_grpo_trainer import Sample
+    from completions import Sample
     from reporting import episode_stats, rollout_metrics
 
     env = make_env(smollm2_tokenizer, [search])

@@ -106,8 +106,8 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     """Two episodes of one group. A: presses 1 (right, +1), then 2 (right, +1): turn rewards [1, 1], solved.
     B: presses 3 (wrong, -0.5), then 1 (right, +1): [-0.5, 1], not solved. A turn's R_T is the sum of what the
     environment appended during it; get_reward is R_O."""
-    from mt_grpo_trainer import (compute_rewards_per_func, mt_grpo_advantages, pad_episodes,
-                                 per_turn_reward_table, weighted_reward)
+    from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table, weighted_reward
+    from episodes import pad_episodes
 
     env, pool = lock_env(smollm2_tokenizer)
     rows = [{"prompt": "Open the lock.", "code": "12"}] * 2

@@ -112,10 +112,10 @@ def test_eval_strategy_logs_from_step_zero_records_rollouts_and_keeps_the_best_m
     assert len(records) == 8 and {r["group"] for r in records} == {0, 1}
     for r in records:
         tokens = r["tokens"]
-        assert len(tokens["ids"]) == len(tokens["text"]) == len(tokens["env_mask"]) == len(tokens["advantage"])
+        assert len(tokens["ids"]) == len(tokens["text"]) == len(tokens["model_mask"]) == len(tokens["advantage"])
         assert r["turns"][0]["start"] == 0 and r["turns"][-1]["end"] == len(tokens["ids"])
         # mt_grpo: model tokens before the first <result> get A_O + A_T, later ones A_O
-        for t, (a, m) in enumerate(zip(tokens["advantage"], tokens["env_mask"])):
+        for t, (a, m) in enumerate(zip(tokens["advantage"], tokens["model_mask"])):
             if m:
                 assert a == pytest.approx(r["A_O"] + (r["A_T"] if t < r["first_result"] else 0.0), abs=1e-5)
     html = out / "rollouts.html"

@@ -45,7 +45,8 @@ def test_a_bf16_trainer_renormalises_over_the_float16_servers_kept_sets(fp16_ser
     top-p boundary, and those positions' log-ratios jump by the two sets' mass ratio."""
     import copy
 
-    from mt_grpo_trainer import SamplingParams, VLLMServerClient
+    from mt_grpo_trainer import VLLMServerClient
+    from sampling import SamplingParams
 
     model, tokenizer, ids = agent
     scorer = copy.deepcopy(model).to(torch.bfloat16)

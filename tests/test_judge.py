@@ -17,7 +17,7 @@ import pytest
 from checks import required_columns
 from helpers import xml_answer, xml_call
 from protocol import tool_call_message
-from rewards import count_tool_turns, is_per_turn
+from rewards import count_tool_turns, is_per_tool_turn
 from rewards.judge import (HISTORY_CHARS, JUDGE_REWARDS, QUOTE_CLOSE, QUOTE_OPEN, GroupJudge, Judge, JudgeArguments,
                            JudgeRejected, JudgeSwayed, JudgeUnreachable, OutcomeJudge, TurnJudge, build_judge_rewards,
                            judge_metrics, parse_group_scores, parse_score, quote, turn_views)
@@ -278,7 +278,7 @@ def test_outcome_judge_with_reference(serve, judge_at):
     assert sorted(quoted(p) for p in server.prompts()) == [
         ["What is the capital of Veltria?", "Morvane; Morvane City", "Morvane"],
         ["What is the capital of Veltria?", "Morvane; Morvane City", "Paris"]]
-    assert reward.__name__ == "judge_outcome" and not is_per_turn(reward)
+    assert reward.__name__ == "judge_outcome" and not is_per_tool_turn(reward)
 
 
 def test_outcome_judge_without_reference_is_a_rubric_and_needs_no_answer_column(serve, judge_at):
@@ -296,7 +296,7 @@ def test_turn_judge_gives_one_value_per_tool_turn(serve, judge_at):
     reward = TurnJudge(judge_at(server))
     completions = [[answer("Morvane")], RIGHT, TWO_TURNS]
     values = reward([VELTRIA] * 3, completions, answer=[["Morvane"]] * 3)
-    assert is_per_turn(reward) and reward.__name__ == "judge_turn"
+    assert is_per_tool_turn(reward) and reward.__name__ == "judge_turn"
     assert [len(v) for v in values] == [count_tool_turns(c) for c in completions] == [0, 1, 2]
     assert values == [[], [0.9], [0.1, 0.9]]
     # TWO_TURNS' turns, in any order (concurrent); its step 2 also quotes the first call, in its history

@@ -251,7 +251,7 @@ def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(t
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from step_anatomy import Phases, train_on
 
-    trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--turn_samples", "per_turn")
+    trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--turn_samples", "per_model_turn")
     assert trainer.script_args.padding_free and batch["sample_starts"].any()
     calls = []
     packed = packing.packed_logps_and_entropies

@@ -201,8 +201,8 @@ def test_shared_prefix_generation_gives_each_prompts_own_greedy_tokens(tiny_agen
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import mt_grpo_trainer
-    from mt_grpo_trainer import SamplingParams, TransformersBackend
+    import sampling
+    from sampling import SamplingParams, TransformersBackend
     from protocol import XMLProtocol
 
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
@@ -217,8 +217,8 @@ def test_shared_prefix_generation_gives_each_prompts_own_greedy_tokens(tiny_agen
                for q in questions]
     prompts = [list(p["input_ids"]) for p in prompts]
     shared = []
-    prefilled = mt_grpo_trainer.prefilled_inputs
-    monkeypatch.setattr(mt_grpo_trainer, "prefilled_inputs",
+    prefilled = sampling.prefilled_inputs
+    monkeypatch.setattr(sampling, "prefilled_inputs",
                         lambda *a, **k: (out := prefilled(*a, **k), shared.append(out[2].get_seq_length()))[0])
     samples = backend.generate(prompts, [24] * len(prompts), n=n)
     assert shared == [common_prefix_length(prompts)] and shared[0] > 20  # the system prompt, prefilled once

@@ -8,8 +8,8 @@ import pytest
 
 from helpers import xml_answer, xml_call
 from protocol import error_text, tool_call_message
-from rewards import (REWARD_FUNCS, RENAMED_REWARD_FUNCS, answers, count_tool_turns, get_reward_func, is_per_turn,
-                     per_turn, tool_turns)
+from rewards import (REWARD_FUNCS, RENAMED_REWARD_FUNCS, answers, count_tool_turns, get_reward_func, is_per_tool_turn,
+                     per_tool_turn, per_turn, tool_turns)
 from rewards.answers import ANSWER_TYPES, contains_answer, matches_answer
 from rewards.triviaqa_reward import (
     OUTCOME_REWARD_FUNCS,
@@ -326,12 +326,14 @@ def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
     def plain(prompts, completions, **kwargs):
         return [0.0 for _ in completions]
 
-    marked = per_turn(lambda prompts, completions, **kwargs: [[] for _ in completions])
-    assert marked.per_turn is True and is_per_turn(marked) and not is_per_turn(plain)
-    assert {name for name, fn in REWARD_FUNCS.items() if is_per_turn(fn)} == {
+    marked = per_tool_turn(lambda prompts, completions, **kwargs: [[] for _ in completions])
+    assert marked.per_tool_turn is True and is_per_tool_turn(marked) and not is_per_tool_turn(plain)
+    with pytest.raises(TypeError, match="now @per_tool_turn"):  # the old name of the mark
+        per_turn(plain)
+    assert {name for name, fn in REWARD_FUNCS.items() if is_per_tool_turn(fn)} == {
         "tool_execution_per_turn", "answer_in_result_per_turn", "repeated_query_penalty_per_turn"}
-    assert is_per_turn(get_reward_func("rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
-    assert is_per_turn(get_reward_func("reward_examples:one_per_tool_turn"))
+    assert is_per_tool_turn(get_reward_func("rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
+    assert is_per_tool_turn(get_reward_func("reward_examples:one_per_tool_turn"))
 
 
 # ------------------------------------------------------------------------------------------------

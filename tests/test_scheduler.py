@@ -31,7 +31,7 @@ def scheduler_env(tokenizer, scheduler):
 
 
 def as_record(ep):
-    return (ep.prompt_ids, ep.completion_ids, ep.env_mask, ep.sampler_logprobs, ep.spans, ep.messages, ep.stop_reason,
+    return (ep.prompt_ids, ep.completion_ids, ep.model_mask, ep.sampler_logprobs, ep.spans, ep.messages, ep.stop_reason,
             [(c.turn, c.name, c.args, c.ok, c.output) for c in ep.calls], ep.tokenization_mismatch)
 
 

@@ -17,7 +17,8 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from helpers import RECIPE, VELTRIA, cpu_server, fake_search
-from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient, make_backend, parse_args
+from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient, make_backend, parse_args
+from sampling import SamplingParams
 from protocol import XMLProtocol
 from server_pool import GroupRouter, ServerPool, request_tokens
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples

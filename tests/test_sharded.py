@@ -93,7 +93,7 @@ def test_each_shipped_deepspeed_config_trains_two_steps_with_unequal_episodes_on
              "--corpus_path", str(tmp_path / "corpus.jsonl"), "--turn_reward_funcs", "tool_execution_reward_func",
              "--outcome_reward_funcs", "exact_match_reward_func", "--max_completion_length", "512",
              "--max_tokens_per_turn", "128", "--max_tool_response_tokens", "64", "--per_device_train_batch_size", "4",
-             "--shuffle_dataset", "false", "--turn_samples", "per_turn", "--max_tokens_per_microbatch", "1000",
+             "--shuffle_dataset", "false", "--turn_samples", "per_model_turn", "--max_tokens_per_microbatch", "1000",
              "--top_p", "0.9", "--top_k", "20"]
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:

@@ -203,7 +203,7 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
         names = sorted(env.tools) if env.environments is None else [t.__name__ for t in env.environments.tools()]
         assert names == tools
         assert trainer.turn_reward_funcs == [] and trainer.outcome_reward_funcs == [reward]
-        assert trainer.script_args.advantage_mode == "outcome_only"
+        assert trainer.advantage_mode == "outcome_only"
         row = trainer.train_dataset[0]
         text = json.dumps(row["prompt"])
         for kb_text in (SEARCH_TASK_PROMPT, "answer questions", "<answer>", "search"):
@@ -229,23 +229,23 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
     Scored.step_rewards = []  # the probe instance is never reset: the class says it keeps the list
     stepped = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, environment_factory=Scored,
                                args=our_config(tmp_path, dataset_name=None))
-    assert stepped.script_args.advantage_mode == "per_turn"
+    assert stepped.advantage_mode == "per_turn"
     assert [f.__name__ for f in stepped.turn_reward_funcs] == ["Scored_steps"]
     # the knowledge base keeps its own: the search tool and its rewards
     kb = MTGRPOEnvTrainer(model=model_dir, args=our_config(tmp_path, dataset_name="fictional_kb", max_samples=4))
-    assert sorted(kb.env.tools) == ["search"] and kb.script_args.advantage_mode == "mt_grpo"
+    assert sorted(kb.env.tools) == ["search"] and kb.advantage_mode == "mt_grpo"
     assert [f.__name__ for f in kb.turn_reward_funcs] == ["tool_execution_reward_func", "answer_in_tool_result"]
     assert SEARCH_TASK_PROMPT.split("\n")[0] in kb.train_dataset[0]["prompt"][0]["content"]
 
 
 def test_reward_funcs_take_trls_forms_and_every_reward_gets_trls_keywords(model_dir, tmp_path):
-    """`reward_funcs` as TRL takes it (one function, a name, a list; `reward_weights`), @per_turn ones as turn
+    """`reward_funcs` as TRL takes it (one function, a name, a list; `reward_weights`), @per_tool_turn ones as turn
     rewards, and TRL's keywords (completion_ids, trainer_state, log_extra, log_metric) for a reward that requires
     them; what it logs reaches the step's metrics and the completions table."""
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
-    from rewards.conversation import per_turn
+    from rewards.conversation import per_tool_turn
     from scripted_policy import ScriptedPolicy
 
     seen = {}
@@ -256,7 +256,7 @@ def test_reward_funcs_take_trls_forms_and_every_reward_gets_trls_keywords(model_
         log_extra("my_column", [str(len(ids)) for ids in completion_ids])
         return [0.5 if "<answer>" in c[-1]["content"] else 0.0 for c in completions]
 
-    @per_turn
+    @per_tool_turn
     def each_turn(completions, **kwargs):
         return [[1.0] * sum(m["role"] == "assistant" and bool(m.get("tool_calls")) for m in c) for c in completions]
 

@@ -23,7 +23,7 @@ from turn_samples import episode_samples, next_sample_prompt, sample_bounds, sco
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
 
-MODES = ("per_turn", "auto")
+MODES = ("per_model_turn", "auto")
 
 
 def check_samples(tokenizer, env, episodes) -> None:
@@ -37,8 +37,8 @@ def check_samples(tokenizer, env, episodes) -> None:
                               toolset=ep.toolset)
             assert tokenizer.decode(s.prompt_ids) == want
             assert s.prompt_ids == env.render_ids(ep.prompt_messages + ep.messages[: s.history], True, ep.toolset)
-        model = [t for s in samples for t, m in zip(s.completion_ids, s.env_mask) if m]
-        assert model == [t for t, m in zip(ep.completion_ids, ep.env_mask) if m] and len(model) > 0
+        model = [t for s in samples for t, m in zip(s.completion_ids, s.model_mask) if m]
+        assert model == [t for t, m in zip(ep.completion_ids, ep.model_mask) if m] and len(model) > 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -51,7 +51,7 @@ def test_each_sample_is_the_templates_render_of_its_history(chat_tokenizers, nam
     setup = chat.SETUPS[name]
     tokenizer, env, _, episodes, _ = chat.roll_out(chat_tokenizers, setup, turn_samples=mode)
     check_samples(tokenizer, env, episodes)
-    splits = mode == "per_turn" or setup.thinking_off
+    splits = mode == "per_model_turn" or setup.thinking_off
     assert [len(ep.sample_starts) for ep in episodes] == [ep.tool_turns if splits else 0 for ep in episodes]
     assert sum(ep.tool_turns for ep in episodes) == 5  # Q-again's third call is not run
     assert not any(ep.tokenization_mismatch for ep in episodes)  # the last sample is what a re-render gives
@@ -84,7 +84,7 @@ def test_ours_xml_protocol_on_chatml(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     search = fake_search(lambda q: VELTRIA)
     script = {"Q-xml": [xml_call("Veltria"), xml_call("capital of Veltria"), xml_answer("Morvane")]}
-    for mode, starts in (("auto", 0), ("per_turn", 2), ("interleaved", 0)):
+    for mode, starts in (("auto", 0), ("per_model_turn", 2), ("interleaved", 0)):
         env = make_env(tokenizer, [search], turn_samples=mode)
         (ep,) = env.rollout([env.prompt("Q-xml")], ScriptedPolicy(tokenizer, script))
         assert ep.stop_reason == "answer" and ep.tool_turns == 2 and len(ep.sample_starts) == starts, mode
@@ -96,7 +96,7 @@ def test_the_sample_rule():
     assert next_sample_prompt("interleaved", [1, 2], [3, 9], render) is None
     assert next_sample_prompt("auto", [1, 2], [3, 4], render) is None  # the render extends the sample
     assert next_sample_prompt("auto", [1, 2], [3, 9], render) == [1, 2, 3, 4]
-    assert next_sample_prompt("per_turn", [1, 2], [3, 4], render) == [1, 2, 3, 4]
+    assert next_sample_prompt("per_model_turn", [1, 2], [3, 4], render) == [1, 2, 3, 4]
     assert sample_bounds([], 5) == [(0, 5)] and sample_bounds([2, 4], 6) == [(0, 2), (2, 4), (4, 6)]
     assert scored_parts([2, 4], 6) == [(0, 0, 2), (2, 3, 4), (4, 5, 6)]  # a later sample's lead token is not scored
 
@@ -153,7 +153,7 @@ def test_sampler_processed_log_probs_of_a_split_row(tiny_model_dir):
     sample in its own context, its penalty counting only that sample's tokens."""
     from transformers import AutoModelForCausalLM
 
-    from mt_grpo_trainer import SamplingParams, policy_sampler_logprobs
+    from sampling import SamplingParams, policy_sampler_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids, att, T, starts, alone = split_row(model.config.vocab_size, seed=1)
@@ -178,7 +178,7 @@ def trainers(tiny_agent_dir, task_files, tmp_path_factory):  # noqa: F811
     """The scripted trainer's batch (QA: one-turn answers; QB: two tool turns then an answer, so 3 samples each in
     per_turn) as interleaved rows and as per-turn samples, with a reference and old log-probs that differ."""
     out = {}
-    for mode in ("interleaved", "per_turn"):
+    for mode in ("interleaved", "per_model_turn"):
         trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path_factory.mktemp(mode), "--beta", "0.1",
                                           "--turn_samples", mode, "--padding_free", "false")
         mask = batch["completion_mask"] * batch["tool_mask"]
@@ -189,7 +189,7 @@ def trainers(tiny_agent_dir, task_files, tmp_path_factory):  # noqa: F811
 
 
 def test_per_turn_rows_hold_three_samples_with_the_same_loss_tokens(trainers):
-    (_, inter), (_, split) = trainers["interleaved"], trainers["per_turn"]
+    (_, inter), (_, split) = trainers["interleaved"], trainers["per_model_turn"]
     samples = 1 + split["sample_starts"].sum(dim=1)
     assert samples.tolist() == [1] * 4 + [3] * 4 and not inter["sample_starts"].any()
     loss_tokens = lambda b: b["completion_ids"][(b["completion_mask"] * b["tool_mask"]).bool()]  # noqa: E731
@@ -212,13 +212,13 @@ def test_an_episode_split_into_samples_counts_once_in_every_loss_type(trainers, 
             inputs["importance_sampling_ratio"] = torch.ones_like(batch["advantages"])
         loss = trainer._compute_loss(trainer.model, inputs)
         results[mode] = loss.item(), gradient(trainer.model, loss)
-    (loss_i, g_i), (loss_s, g_s) = results["interleaved"], results["per_turn"]
+    (loss_i, g_i), (loss_s, g_s) = results["interleaved"], results["per_model_turn"]
     assert loss_s == pytest.approx(loss_i, rel=1e-5, abs=1e-7) and g_i.abs().max() > 0
     assert (g_s - g_i).abs().max() <= 1e-4 * g_i.abs().max()
 
 
 # --- a run --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode, padding_free", [("per_turn", "false"), ("interleaved", "true")])
+@pytest.mark.parametrize("mode, padding_free", [("per_model_turn", "false"), ("interleaved", "true")])
 def test_a_run_trains_in_each_setting(tiny_agent_dir, tmp_path, mode, padding_free):
     """The in-process backend (transformers' generate) in each setting (auto, the default, runs in every other
     smoke run): the tiny agent calls tools, so per_turn splits (its split rows are forwarded packed whatever
@@ -227,4 +227,4 @@ def test_a_run_trains_in_each_setting(tiny_agent_dir, tmp_path, mode, padding_fr
                             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1")
     assert steps and all(s["grad_norm"] > 0 for s in steps)
     split = [s["rollout/samples_per_episode"] > 1 for s in steps]
-    assert any(split) if mode == "per_turn" else not any(split)
+    assert any(split) if mode == "per_model_turn" else not any(split)

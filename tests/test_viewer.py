@@ -235,7 +235,7 @@ def test_page_in_chromium(run, browser, tmp_path):
     # The latest train step is shown, every token of it is a span, env tokens are styled apart.
     assert browser.js("document.getElementById('step').value") == "train-000003"
     records = files["step-000003.jsonl"]
-    masks = [m for r in records for m in r["tokens"]["env_mask"]]
+    masks = [m for r in records for m in r["tokens"]["model_mask"]]
     assert browser.js("document.querySelectorAll('#groups .t').length") == len(masks)
     assert browser.js("document.querySelectorAll('#groups .t.e').length") == masks.count(0)
     style = browser.js("""['.t.m', '.t.e'].map((s) => {
@@ -246,7 +246,7 @@ def test_page_in_chromium(run, browser, tmp_path):
 
     # Hovering a token shows its id, its text with visible whitespace, and its logprobs.
     tokens = records[0]["tokens"]
-    i = next(k for k, t in enumerate(tokens["text"]) if t.startswith(" ") and tokens["env_mask"][k])
+    i = next(k for k, t in enumerate(tokens["text"]) if t.startswith(" ") and tokens["model_mask"][k])
     x, y = browser.js(f"""(() => {{ const r = document.querySelector('.t[data-e="0"][data-i="{i}"]')
         .getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
     browser.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
@@ -316,7 +316,7 @@ def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
 
 
 def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_tokenizer):
-    """An episode split into per-turn samples (turn_samples: per_turn) is recorded with the env turns that start a
+    """An episode split into per-turn samples (turn_samples: per_model_turn) is recorded with the env turns that start a
     sample numbered, and the page labels them."""
     from reporting import episode_records
     from scripted_policy import ScriptedPolicy
@@ -325,7 +325,7 @@ def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_
     call = '<reasoning>Look it up.</reasoning>\n<tool>{"name": "search", "args": {"query": "Veltria"}}</tool>'
     script = {question: [call, call, "<reasoning>Found it.</reasoning>\n<answer>Morvane</answer>"]}
     env = make_env(smollm2_tokenizer, [fake_search(lambda query: "Veltria: its capital is Morvane.")],
-                   turn_samples="per_turn")
+                   turn_samples="per_model_turn")
     episodes = env.rollout([env.prompt(question)], ScriptedPolicy(smollm2_tokenizer, script))
     records = episode_records(smollm2_tokenizer, episodes, [{"question": question, "answer": ["Morvane"]}], step=1,
                               mode="train", first_index=0, group_size=1, rewards={}, token_values={})

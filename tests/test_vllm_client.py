@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mt_grpo_trainer import SamplingParams, VLLMServerClient, parse_completions_response
+from mt_grpo_trainer import VLLMServerClient, parse_completions_response
+from sampling import SamplingParams
 from protocol import XMLProtocol
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "vllm")

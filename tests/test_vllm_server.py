@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, cpu_server, fake_search, final_metrics,
                      launch, make_chat_template_agent, on_policy_weights, rollout_records, run, sampler_id,
                      train_against)
-from mt_grpo_trainer import MultiTurnToolEnv, SamplingParams, VLLMServerClient
+from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
+from sampling import SamplingParams
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
 from protocol import XMLProtocol
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
@@ -95,7 +96,7 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
     turns = sorted((tuple(ep.completion_ids[s.start : s.end]), tuple(ep.sampler_logprobs[s.start : s.end]))
                    for ep in episodes for s in ep.spans if s.role == "model")
     assert turns == sorted((tuple(x.token_ids), tuple(x.logprobs)) for x in client.returned)
-    assert all(all(ep.env_mask[s.start : s.end]) for ep in episodes for s in ep.spans if s.role == "model")
+    assert all(all(ep.model_mask[s.start : s.end]) for ep in episodes for s in ep.spans if s.role == "model")
     assert any(ep.tool_turns for ep in episodes), "the tiny agent should call a tool sometimes"
     # processed logprobs are the trainer's: log_softmax(logits / temperature) at the sampled tokens
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
@@ -104,7 +105,7 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
     with torch.no_grad():
         logps = (model(ids).logits[0, len(ep.prompt_ids) - 1 : -1] / 0.8).log_softmax(-1)
     ours = logps.gather(1, torch.tensor(ep.completion_ids)[:, None]).squeeze(1)
-    mask = torch.tensor(ep.env_mask, dtype=torch.bool)
+    mask = torch.tensor(ep.model_mask, dtype=torch.bool)
     assert (ours[mask] - torch.tensor(ep.sampler_logprobs)[mask]).abs().max() < 1e-3
 
 
@@ -124,7 +125,7 @@ def test_turn_samples_against_the_server(untied_server, tiny_agent_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
     prompts = [("What is the capital of Veltria?", 4), ("Who founded Morvane?", 4)]
-    for mode in ("interleaved", "auto", "per_turn"):
+    for mode in ("interleaved", "auto", "per_model_turn"):
         client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server.port}",
                                  params=SamplingParams(temperature=1.0), stop_strings=XMLProtocol.stop_strings,
                                  eos_token_ids=[tokenizer.eos_token_id], startup_timeout=30)
@@ -145,7 +146,7 @@ def test_turn_samples_against_the_server(untied_server, tiny_agent_dir):
         canonical = [all(tokenizer.encode(tokenizer.decode(ep.completion_ids[s.start : s.end]), add_special_tokens=False)
                          == ep.completion_ids[s.start : s.end] for s in ep.spans if s.role == "model")
                      for ep in episodes]
-        if mode == "per_turn":
+        if mode == "per_model_turn":
             assert splits == [ep.tool_turns for ep in episodes]
         elif mode == "interleaved":
             assert splits == [0] * len(episodes)
@@ -161,7 +162,7 @@ def test_per_turn_samples_and_per_turn_credit_train_on_policy_against_the_server
     """Two steps with per-turn samples and per-turn credit (one run for both): each sample is scored in the context
     the server sampled it in, so the importance weights of the on-policy batch are 1; the per-turn rewards are
     logged."""
-    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--turn_samples", "per_turn",
+    steps = train_against(untied_server.port, tiny_agent_dir, tmp_path, "--turn_samples", "per_model_turn",
                           "--advantage_mode", "per_turn", "--turn_reward_funcs", "tool_execution_per_turn",
                           "answer_in_result_per_turn", "--max_env_steps", "3")
     assert_synced_each_step(steps)
