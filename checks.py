@@ -107,11 +107,7 @@ def check_script_args(args) -> None:
 def check_server_urls(args) -> None:
     """`vllm_server_urls` and `vllm_server_loss` (server_pool.py), against TRL's one-server fields when the config has
     them (MTGRPOConfig; the script arguments alone do not)."""
-    from server_pool import SERVER_LOSS
-
     urls = args.vllm_server_urls
-    if args.vllm_server_loss not in SERVER_LOSS:
-        raise ValueError(f"`vllm_server_loss` is {args.vllm_server_loss!r}; choose one of {list(SERVER_LOSS)}.")
     if not urls:
         return
     if args.generation_backend != "vllm_server":

@@ -15,8 +15,11 @@ N is min(top_k, 20): 20 is vLLM's default `--max-logprobs`.
 """
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
+import httpx
 import torch
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "repetition"}  # vLLM's, to ours
@@ -120,3 +123,51 @@ def parse_completions_response(response: dict, num_prompts: int, n: int, kept_as
     if any(s is None for row in out for s in row):
         raise RuntimeError(f"vLLM returned {len(response['choices'])} choices, expected {num_prompts * n}.")
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP to a vLLM server: every wait bounded, every retry counted
+# ------------------------------------------------------------------------------------------------
+def wait_for_health(http, base_url: str, timeout: float) -> None:
+    """Until the server at `base_url` answers /health with 200, at most `timeout` seconds."""
+    deadline, last_error = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            if http.get("/health", timeout=5.0).status_code == 200:
+                return
+            last_error = "it answered /health with a non-200 status"
+        except httpx.HTTPError as e:
+            last_error = f"{type(e).__name__}: {e}"
+        time.sleep(1.0)
+    raise ConnectionError(
+        f"No vLLM server became healthy at {base_url} within {timeout:.0f}s ({last_error}). Start "
+        "one with `python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT` (or "
+        "./launch.sh), check `vllm_server_host` / `vllm_server_port`, or raise `vllm_server_timeout` if "
+        "it is still loading."
+    )
+
+
+def post_with_retries(http, base_url: str, path: str, body: dict, parse: Callable[[dict], object] | None,
+                      max_retries: int):
+    """POST with bounded retries on connection errors, 5xx, and responses `parse` rejects as retryable
+    (RetryableResponse); 4xx are the caller's bug and raise at once (ServerRejected). `parse` None: the response is
+    text (vLLM's LoRA endpoints answer in plain text), returned as is."""
+    for attempt in range(max_retries + 1):
+        try:
+            response = http.post(path, json=body)
+            if 400 <= response.status_code < 500:
+                raise ServerRejected(response.status_code, f"vLLM server rejected {path} ({response.status_code}): "
+                                     f"{response.text[:500]}")
+            if response.status_code < 400:
+                return parse(response.json()) if parse is not None else response.text
+            error = f"status {response.status_code}: {response.text[:300]}"
+        except (httpx.TransportError, httpx.TimeoutException) as e:
+            error = f"{type(e).__name__}: {e}"
+        except RetryableResponse as e:
+            error = str(e)
+        if attempt < max_retries:
+            time.sleep(min(2.0**attempt, 30.0))
+    raise ConnectionError(
+        f"vLLM server at {base_url} failed {path} {max_retries + 1} times ({error}). Is it "
+        "still running? Check its log."
+    )

