@@ -291,7 +291,7 @@ def check_trl(reward_processing_classes=None, rollout_func=None) -> None:
 # Vocabulary columns per tile of TRL's fused LM head on CPU. TRL's 32,768 suits its GPU kernel; on CPU its torch
 # fallback holds about 8 tile-sized float32 temporaries at once: 1.5 GiB above the process for the ~1,200
 # completion tokens of a demo step, the peak of its backward, against 0.16 GiB at 2,048 columns, in the same time
-# and with the same values (benchmarks/lm_head_tiles.py).
+# and with the same values (studies/lm_head_tiles.py).
 CPU_LM_HEAD_TILE = 2048
 
 

@@ -338,7 +338,7 @@ def unwrapped(model):
     inside PEFT: the one whose config says which attention runs."""
     try:
         from accelerate.utils import extract_model_from_parallel
-    except ImportError:  # benchmarks/packed_forward.py runs on torch and transformers alone, and wraps nothing
+    except ImportError:  # studies/packed_forward.py runs on torch and transformers alone, and wraps nothing
         extract_model_from_parallel = lambda model: model  # noqa: E731
     model = extract_model_from_parallel(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -3,7 +3,7 @@ written with `save_rollouts_steps`) by what their final answer is, for the quest
 
     python scripts/answer_errors.py outputs/study/mt_grpo-s1                  # training and eval episodes
     python scripts/answer_errors.py outputs/study/mt_grpo-s1 --steps 20-30
-    python scripts/answer_errors.py outputs/final/mt_grpo-s2 --strip docs/learning_study_final_runs/mt_grpo-s2
+    python scripts/answer_errors.py outputs/final/mt_grpo-s2 --strip studies/data/learning_study_final_runs/mt_grpo-s2
 
 Each episode falls in one class, the first that holds:
   no answer            the episode ended without an <answer> (out of turns or tokens)
@@ -23,7 +23,7 @@ line, as `tools.search` writes them; the XML protocol's tags are assumed.
 
 `--strip OUT` keeps a run small enough to commit for this reading: it writes the training episodes
 (RUN_DIR/rollouts/step-*.jsonl) to OUT/rollouts/ without their token arrays and prompt text (about a
-sixth of the size), and copies RUN_DIR/trainer_state.json, each gzipped (.gz), as docs/*_runs/ keep them.
+sixth of the size), and copies RUN_DIR/trainer_state.json, each gzipped (.gz), as studies/data/*_runs/ keep them.
 """
 
 import argparse

@@ -5,7 +5,7 @@ recorded evaluations (`--records`) and prints the same columns for the model:
     python scripts/game_baseline.py                       # 200 test games, 6 calls each (the recipes' max_env_steps)
     python scripts/game_baseline.py --episodes 32 --repeats 20   # the 32 test games a study evaluates (kb_seed 0)
     python scripts/game_baseline.py --split train --episodes 500 --max-calls 8
-    python scripts/game_baseline.py --records docs/textworld_study_runs/per_turn-s1   # a run's evaluations
+    python scripts/game_baseline.py --records studies/data/textworld_study_runs/per_turn-s1   # a run's evaluations
 
 Policies, `--repeats` episodes per game each:
   oracle         the quest's shortest solution (TextWorld's winning policy): a check that every game is winnable

@@ -19,7 +19,7 @@ import os
 
 from matplotlib.figure import Figure  # no pyplot: no global backend state, PNGs go through Agg
 
-from view_rollouts import open_record, record_file  # run records, plain or gzipped (docs/*_runs/)
+from view_rollouts import open_record, record_file  # run records, plain or gzipped (studies/data/*_runs/)
 
 # (title, metric names; a name ending in "/" stands for every metric under it)
 PANELS = [
@@ -38,7 +38,7 @@ LINE_STYLES = ["-", "--", ":", "-."]
 
 
 def load_log_history(run_dir: str) -> list[dict]:
-    """log_history of RUN_DIR/trainer_state.json (or .json.gz, as docs/*_runs/ keep it), else of the newest
+    """log_history of RUN_DIR/trainer_state.json (or .json.gz, as studies/data/*_runs/ keep it), else of the newest
     checkpoint-*/trainer_state.json."""
     path = record_file(os.path.join(run_dir, "trainer_state.json"))
     if path is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the test suite (CPU: about 20 minutes on 2 cores, see README). Extra arguments go to pytest.
+# Set up and run the test suite (CPU: about 20 minutes on 2 cores, see docs/results.md). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

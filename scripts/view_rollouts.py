@@ -43,7 +43,7 @@ FILE_NAME = re.compile(r"^(eval-)?step-(\d+)\.jsonl(\.gz)?$")
 # ------------------------------------------------------------------------------------------------
 def record_file(path: str) -> str | None:
     """`path` or its gzipped copy `path.gz`, whichever exists (None if neither): the trainer writes a run's records
-    plain, and the runs kept in docs/*_runs/ store them gzipped, so that a clone carries code more than records."""
+    plain, and the runs kept in studies/data/*_runs/ store them gzipped, so that a clone carries code more than records."""
     return next((p for p in (path, path + ".gz") if os.path.isfile(p)), None)
 
 
@@ -71,7 +71,7 @@ def step_key(mode: str, step: int) -> str:
 def load_rollouts(run_dir: str, steps: tuple[int, int] | None = None) -> dict[str, list[dict]]:
     """{step_key: episodes sorted by (group, sample)}, train steps first, then eval, each in step order: the
     trainer's RUN_DIR/rollouts/*.jsonl, and scripts/evaluate.py's RUN_DIR/eval_episodes.jsonl as an evaluation
-    at the step its records name; each file plain or gzipped (.jsonl.gz, as docs/*_runs/ keep them)."""
+    at the step its records name; each file plain or gzipped (.jsonl.gz, as studies/data/*_runs/ keep them)."""
     files = []  # (mode, step, path)
     for path in glob.glob(os.path.join(run_dir, "rollouts", "*.jsonl*")):
         match = FILE_NAME.match(os.path.basename(path))

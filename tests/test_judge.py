@@ -463,7 +463,7 @@ def test_garbage_replies_are_none_and_the_parse_failure_limit_stops_the_run(serv
     assert tolerant([VELTRIA] * 4, four) == [0.9, None, None, None]
     metrics = tolerant.judge.pop_metrics()
     assert metrics["judge/parse_failures"] == 3 and metrics["judge/parse_failure_rate"] == 0.75
-    assert list(tolerant.judge.unparsed) == ["It looks right to me."] * 3  # what benchmarks/judge_agreement.py shows
+    assert list(tolerant.judge.unparsed) == ["It looks right to me."] * 3  # what studies/judge_agreement.py shows
 
     strict = OutcomeJudge(judge_at(server, judge_max_parse_failure_rate=0.5))
     with pytest.raises(RuntimeError) as error:

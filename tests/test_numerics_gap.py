@@ -1,7 +1,7 @@
 """The importance weights under a real numerics gap between sampler and trainer, as on a GPU (vLLM's bf16
 kernels are not the trainer's): a model samples in float32 through the in-process backend (the sampler, which
 lists its kept sets as a vLLM server does, completions.py), and a bf16 copy of the same weights scores the
-samples with `policy_sampler_logprobs` (the trainer). benchmarks/kept_set_shares.py measures it; here on the
+samples with `policy_sampler_logprobs` (the trainer). studies/kept_set_shares.py measures it; here on the
 tiny random Qwen2, whose flat distributions put the top-k boundary between near-equal logits, so the bf16 gap
 moves it at many positions (SmolLM2's figures, slower to get: docs/results.md)."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies"))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

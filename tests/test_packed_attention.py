@@ -210,7 +210,7 @@ def test_flex_attention_chosen_by_the_user_is_refused_for_a_cpu_backward(tiny_mo
 
 
 def test_the_packed_forward_benchmark_runs_without_trl(tmp_path):
-    """benchmarks/packed_forward.py on a machine without TRL: `trl` unimportable, TreeRow read from a wheel (here a
+    """studies/packed_forward.py on a machine without TRL: `trl` unimportable, TreeRow read from a wheel (here a
     zip of the installed module, at its path in TRL's wheel). One group of 2 episodes that share a 16-token prompt:
     the packed arm forwards the prompt once."""
     import re
@@ -228,7 +228,7 @@ def test_the_packed_forward_benchmark_runs_without_trl(tmp_path):
     argv = ["packed_forward.py", "--models", "tiny", "--generations", "2", "--prompt", "16",
             "--min-completion", "4", "--max-completion", "8", "--repeats", "1", "--trl-wheel", str(wheel)]
     code = (f"import runpy, sys; sys.modules['trl'] = None; sys.argv = {argv!r}; "
-            "runpy.run_path('benchmarks/packed_forward.py', run_name='__main__')")
+            "runpy.run_path('studies/packed_forward.py', run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     real, unique = map(int, re.search(r"(\d+) real tokens, \d+ padded, (\d+) packed", out.stdout).groups())
@@ -238,7 +238,7 @@ def test_the_packed_forward_benchmark_runs_without_trl(tmp_path):
 
 def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(tiny_agent_dir, task_files,  # noqa: F811
                                                                              tmp_path, monkeypatch):
-    """benchmarks/step_anatomy.py's arms on a recipe with `padding_free: true` and rows split into per-turn samples
+    """studies/step_anatomy.py's arms on a recipe with `padding_free: true` and rows split into per-turn samples
     (which the trainer forwards packed whatever `padding_free` says): the packed arm's forwards are all packed, the
     padded arm's none. Counted at packing's forward, on the tiny agent's scripted episodes."""
     import os
@@ -248,7 +248,7 @@ def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(t
     from helpers import ROOT
     from test_packing import scripted_trainer
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "studies"))
     from step_anatomy import Phases, train_on
 
     trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--turn_samples", "per_model_turn")

@@ -1,4 +1,4 @@
-"""The TRL peer benchmark (benchmarks/peer_trl.py): its mask check, on rows rendered by Qwen2.5's template,
+"""The TRL peer benchmark (studies/peer_trl.py): its mask check, on rows rendered by Qwen2.5's template,
 and one real step of each trainer on the tiny chat-template agent, through the benchmark's own workers."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from helpers import RECIPE, ROOT, VELTRIA, make_chat_template_agent, run, template_call
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "studies"))
 
 from peer_trl import collect, command, mask_problems  # noqa: E402
 

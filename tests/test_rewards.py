@@ -404,7 +404,7 @@ def test_asking_for_more_documents_does_not_raise_the_turn_reward():
 
 def test_trls_failed_call_reply_is_a_failed_call():
     """TRL's tool loop answers a call that raised with `str({"error": ...})`, not our ERROR_PREFIX: the rewards
-    judge TRL's conversations (benchmarks/peer_trl.py) as ours, so such a call earns no execution credit and its
+    judge TRL's conversations (studies/peer_trl.py) as ours, so such a call earns no execution credit and its
     message is no search result, while a tool that returns a dict of its own still ran."""
     from rewards.conversation import failed
 

@@ -44,7 +44,7 @@ def test_cpu_scores_the_labelled_positions_only_with_the_same_values_and_gradien
 
 def test_cpu_narrows_the_lm_heads_vocabulary_tiles_with_the_same_values_and_gradients(monkeypatch):
     """TRL's 32,768-column tiles hold ~1.5 GiB of temporaries in its torch fallback for a demo step's completion
-    (benchmarks/lm_head_tiles.py); on CPU the trainer asks for CPU_LM_HEAD_TILE columns, with TRL's own kernel."""
+    (studies/lm_head_tiles.py); on CPU the trainer asks for CPU_LM_HEAD_TILE columns, with TRL's own kernel."""
     from types import SimpleNamespace
 
     from checks import CPU_LM_HEAD_TILE

@@ -1,4 +1,4 @@
-"""The learning study's bookkeeping (benchmarks/learning_study.py): one CSV row per run and evaluation
+"""The learning study's bookkeeping (studies/learning_study.py): one CSV row per run and evaluation
 read from trainer_state.json, and the row-by-row comparison with an earlier CSV that checks a rerun."""
 
 import csv
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "studies"))
 
 from learning_study import METRICS, collect, compare, csv_difference, read_csv, with_earlier_runs, write_csv  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_a_csv_from_before_the_time_axis_still_reads(tmp_path):
 
 
 def test_the_ablation_reads_each_levers_run_and_its_training_statistics(tmp_path):
-    """benchmarks/ablation.py: a lever is the study's MT-GRPO command plus its flags, and its row holds the
+    """studies/ablation.py: a lever is the study's MT-GRPO command plus its flags, and its row holds the
     evaluations, the minutes before each, and what the training log says (signal, exact answers, redraws)."""
     from ablation import LEVERS, lever_command, rows_of, table
 
@@ -517,7 +517,7 @@ def test_keep_takes_only_finished_runs_and_the_kept_folder_reports_alone(tmp_pat
     assert [row["step"] for row in read_csv(str(tmp_path / "again.csv"))] == [0, 30]
 
 
-# The committed studies of issue 41: (the name of OUT in docs/, its modes, its seeds). OUT.csv and
+# The committed studies of issue 41: (the name of OUT in studies/data/, its modes, its seeds). OUT.csv and
 # OUT_intervals.csv must be what the kept records in OUT_runs/ give, so the numbers docs/results.md quotes from
 # them can be redrawn by anyone, without training.
 COMMITTED_STUDIES = [
@@ -533,8 +533,8 @@ def test_a_committed_study_is_what_its_kept_records_give(name, modes, seeds, tmp
     and the intervals (the same 2000-draw bootstrap) are rewritten from the kept records, byte for byte."""
     from learning_study import INTERVAL_COLUMNS, intervals, question_results, run_dir
 
-    docs = os.path.join(ROOT, "docs")
-    jobs = [(mode, seed, run_dir(os.path.join(docs, name + "_runs"), mode, seed)) for seed in seeds for mode in modes]
+    data = os.path.join(ROOT, "studies", "data")
+    jobs = [(mode, seed, run_dir(os.path.join(data, name + "_runs"), mode, seed)) for seed in seeds for mode in modes]
     rows = collect(jobs)
     steps: dict[tuple[str, int], set[int]] = {}
     for r in rows:
@@ -544,16 +544,16 @@ def test_a_committed_study_is_what_its_kept_records_give(name, modes, seeds, tmp
     results = {(mode, seed): question_results(path, METRICS[0]) for mode, seed, path in jobs}
     assert all(sorted(map(len, r.values())) == [95, 95, 95] for r in results.values())
     earlier = set()  # the seeds of every other committed study: its CSV rows, or its kept runs' folders (<mode>-s<seed>)
-    for entry in os.listdir(docs):
+    for entry in os.listdir(data):
         if entry.endswith(".csv") and not entry.startswith(name + ".") and not entry.startswith(name + "_"):
-            with open(os.path.join(docs, entry), newline="") as f:
+            with open(os.path.join(data, entry), newline="") as f:
                 earlier |= {int(r["seed"]) for r in csv.DictReader(f) if r.get("seed")}
         elif entry.endswith("_runs") and entry != name + "_runs":
-            earlier |= {int(run.rsplit("-s", 1)[1]) for run in os.listdir(os.path.join(docs, entry)) if "-s" in run}
+            earlier |= {int(run.rsplit("-s", 1)[1]) for run in os.listdir(os.path.join(data, entry)) if "-s" in run}
     assert {1, 2, 3} <= earlier and not earlier & set(seeds)  # 3: the pilot's seed (learning_study_entities_pilot_runs)
 
     write_csv(rows, str(tmp_path / "study.csv"))
     write_csv(intervals(rows, results, METRICS[0], 2000), str(tmp_path / "intervals.csv"), columns=INTERVAL_COLUMNS)
     for written, committed in (("study.csv", name + ".csv"), ("intervals.csv", name + "_intervals.csv")):
-        with open(tmp_path / written) as again, open(os.path.join(docs, committed)) as f:
+        with open(tmp_path / written) as again, open(os.path.join(data, committed)) as f:
             assert again.read() == f.read(), committed

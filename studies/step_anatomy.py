@@ -1,8 +1,8 @@
 """One training step of the study recipe, phase by phase, beside the raw PyTorch limits for the same
 tokens, in one run:
 
-    .venv/bin/python benchmarks/step_anatomy.py                       # hf_recipes/SmolLM2-135M-Instruct/study.yaml
-    .venv/bin/python benchmarks/step_anatomy.py --steps 3 -- --activation_checkpointing false   # recipe flags after --
+    .venv/bin/python studies/step_anatomy.py                       # hf_recipes/SmolLM2-135M-Instruct/study.yaml
+    .venv/bin/python studies/step_anatomy.py --steps 3 -- --activation_checkpointing false   # recipe flags after --
 
 The trainer runs `--steps` real optimizer steps (evaluation off) with its stages timed where they are
 called: the rollout (its generate calls and its tool calls apart), the old / reference logprobs, the

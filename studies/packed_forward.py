@@ -1,7 +1,7 @@
 """Padded against packed (packing.py) forward + backward on a synthetic GRPO batch, any model size, CPU or GPU:
 
-    python benchmarks/packed_forward.py --models smollm2-135m qwen2.5-7b --groups 4     # bf16 on a GPU
-    python benchmarks/packed_forward.py --models smollm2-135m --groups 1 --prompt 408   # fp32 on CPU
+    python studies/packed_forward.py --models smollm2-135m qwen2.5-7b --groups 4     # bf16 on a GPU
+    python studies/packed_forward.py --models smollm2-135m --groups 1 --prompt 408   # fp32 on CPU
 
 The batch is `--groups` GRPO groups of `--generations` episodes of one `--prompt`-token prompt, with completion
 lengths drawn uniformly from [`--min-completion`, `--max-completion`] (every completion token attended and
@@ -18,7 +18,7 @@ label's log-prob), so the two arms differ only in what the backbone forwards. Pe
 seconds per micro-batch (mean of `--repeats` after a warm-up), real tokens per second, the model FLOPs
 utilisation against the device's peak (6 x parameters x real tokens per second; attention FLOPs left out, so a
 lower bound) and the peak memory, then `packed/padded <model>: <ratio>`. The trainer's own numbers on CPU come
-from benchmarks/step_anatomy.py.
+from studies/step_anatomy.py.
 
 It needs torch and transformers only: where TRL is not installed (the project's GPU machine), TreeRow is loaded
 from TRL's wheel in --trl-wheel, since importing `trl` itself pulls in datasets and accelerate (packing.py imports

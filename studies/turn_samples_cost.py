@@ -1,7 +1,7 @@
 """What per-turn samples (turn_samples.py) cost in training tokens: a GRPO group of 3-turn episodes (two tool
 calls, then the answer), scripted, through SmolLM2's real tokenizer, in each `turn_samples` setting:
 
-    python benchmarks/turn_samples_cost.py [--generations 8] [--few-shot]
+    python studies/turn_samples_cost.py [--generations 8] [--few-shot]
 
 Setups: the xml protocol on SmolLM2's own ChatML template (its render extends the rollout), and the chat_template
 protocol on Qwen3's real template (tests/fixtures) in non-thinking mode (its render drops the empty think block of

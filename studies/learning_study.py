@@ -3,10 +3,10 @@ GRPO-MR (`merged`), and the per-turn mode, on the same model, data, seeds, step 
 hyperparameters (hf_recipes/SmolLM2-135M-Instruct/study.yaml), each evaluated on the fictional
 knowledge base's held-out test split before the first step and every `eval_steps`.
 
-    .venv/bin/python benchmarks/learning_study.py                   # the CPU study in docs/results.md
-    .venv/bin/python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 1
-    python benchmarks/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
-        --out docs/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
+    .venv/bin/python studies/learning_study.py                   # the CPU study in docs/results.md
+    .venv/bin/python studies/learning_study.py --modes mt_grpo outcome_only --seeds 1
+    python studies/learning_study.py --modes mt_grpo outcome_only --seeds 2 --runs outputs/study_gpu \
+        --out studies/data/learning_study_gpu -- --use_cpu false --bf16 true --max_steps 60 --eval_max_samples 95
 
 Flags after `--` go to every run (any recipe field). `--recipe` studies another task, e.g. the TextWorld game
 (hf_recipes/SmolLM2-135M-Instruct/textworld_quest.yaml) with `--metrics eval/won ...`; its per_turn mode keeps the
@@ -20,7 +20,7 @@ that passes it, saves and stops, and is then done, not resumed. Writes OUT.csv (
 run and evaluation, with the minutes the run had trained by then), OUT.png (eval exact match, tool
 success, first-search hit and tool calls per episode against step, and exact match and first-search hit
 against minutes of training: a line per mode, the mean over seeds, with a band from the lowest to the
-highest seed) and prints the table of the first and last evaluation per mode. `--compare docs/learning_study.csv`
+highest seed) and prints the table of the first and last evaluation per mode. `--compare studies/data/learning_study.csv`
 then prints, evaluation by evaluation, how far this study lands from the committed one (the reproducibility check).
 
 Intervals (issue 41): for each mode and evaluation, the mean of the first `--metrics` (eval exact match) over
@@ -34,10 +34,10 @@ seeds; the seeds' spread dominates here, and the bootstrap's interval is the nar
 OUT_intervals.csv (INTERVAL_COLUMNS). The
 per-question results are the episodes each evaluation records in <run>/rollouts/eval-step-NNNNNN.jsonl, which the
 study asks the trainer for (`--save_rollouts_steps`, record_flags); runs without them (runs from before, the
-stripped runs in docs/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only`
+stripped runs in studies/data/, an --include CSV) get intervals over seeds alone, marked "seeds only". `--report-only`
 trains nothing: it reads the runs already in --runs, prints the tables and writes OUT_intervals.csv only:
 
-    .venv/bin/python benchmarks/learning_study.py --report-only --runs docs/learning_study_final_runs --out /tmp/final
+    .venv/bin/python studies/learning_study.py --report-only --runs studies/data/learning_study_final_runs --out /tmp/final
 
 `--keep DEST` copies each finished run's record to DEST/<mode>-s<seed>/, small enough to commit (keep_record:
 trainer_state.json, the evaluation episodes without token arrays and prompt text, log.txt, each gzipped), after
@@ -134,7 +134,7 @@ def run_all(jobs: list[tuple[str, int, str]], flags: list[str], parallel: int, d
     outnumber the cores spin and slow everything down). At `deadline` (seconds from now) the runs in
     flight get SIGTERM: each finishes its step, saves its state and stops; no new run starts. Starts
     are `stagger` seconds apart (GPU contexts created at once can fail). `command_fn(mode, seed, path, flags)`
-    makes a run's command (benchmarks/peer_trl.py runs its own workers). Returns the failed runs."""
+    makes a run's command (studies/peer_trl.py runs its own workers). Returns the failed runs."""
     threads = max(1, (os.cpu_count() or 1) // parallel)
     pending, running, failed = list(jobs), [], []
     stop_at = time.monotonic() + deadline if deadline else math.inf
@@ -607,7 +607,7 @@ def main():
     ap.add_argument("--parallel", type=int, default=1,
                     help="runs at a time (a CPU study run peaks at about 3.3 GiB; runs share the cores)")
     ap.add_argument("--runs", default=os.path.join(ROOT, "outputs", "study"), help="folder of the runs")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "learning_study"), help="OUT.csv and OUT.png")
+    ap.add_argument("--out", default=os.path.join(ROOT, "studies", "data", "learning_study"), help="OUT.csv and OUT.png")
     ap.add_argument("--fresh", action="store_true", help="redo runs that already finished")
     ap.add_argument("--deadline", type=float, help="seconds; then running runs stop after their step (SIGTERM)")
     ap.add_argument("--budget", type=float, help="minutes of wall time per run (max_train_minutes): the run then "

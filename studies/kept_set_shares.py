@@ -1,7 +1,7 @@
 """Does truncation (top-p / top-k) still move the sequence importance weights under a numerics gap? (issue 60)
 
-    .venv/bin/python benchmarks/kept_set_shares.py                          # 3 seeds x 64 episodes, bf16 scorer
-    .venv/bin/python benchmarks/kept_set_shares.py --seeds 1 --episodes 16 --scorer rounded
+    .venv/bin/python studies/kept_set_shares.py                          # 3 seeds x 64 episodes, bf16 scorer
+    .venv/bin/python studies/kept_set_shares.py --seeds 1 --episodes 16 --scorer rounded
 
 A float32 sampler (the in-process backend, which lists its kept sets as a vLLM server does: completions.py) and a
 scorer with other numerics: `bfloat16` (a bf16 copy of the weights, bf16 forward) or `rounded` (the weights

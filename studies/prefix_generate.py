@@ -2,7 +2,7 @@
 backend, on the study's real rollouts: SmolLM2-135M-Instruct, hf_recipes/SmolLM2-135M-Instruct/study.yaml (the
 fictional KB's few-shot prompts, the search tool, two tool turns).
 
-    .venv/bin/python benchmarks/prefix_generate.py
+    .venv/bin/python studies/prefix_generate.py
 
 Two workloads, each rolled out with the prefix shared and not, alternately, `--repeats` times, greedy so that both
 do the same work (and so the episodes must be token for token the same, which is checked): a training group (one

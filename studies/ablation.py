@@ -4,13 +4,13 @@ Every lever is the study recipe (hf_recipes/SmolLM2-135M-Instruct/study.yaml, `a
 plus the few flags in LEVERS, run one at a time with the same wall-clock budget (`--budget` minutes,
 evaluations included; the trainer's `max_train_minutes`): a run still going then finishes its step,
 is evaluated there, saves a checkpoint and stops, so a lever that makes steps dearer shows it as fewer
-steps. (The first five levers' runs in docs/ablation_runs were stopped by SIGTERM at the budget, before
+steps. (The first five levers' runs in studies/data/ablation_runs were stopped by SIGTERM at the budget, before
 this: their last evaluation is the last multiple of 10 steps they reached.) Compare levers at the same evaluation step (what
 the lever does to learning) and at the budget (what it buys per minute).
 
-    .venv/bin/python benchmarks/ablation.py --levers dynamic_sampling lr_5e-5       # 45 min each
-    .venv/bin/python benchmarks/ablation.py --levers baseline dynamic_sampling \\
-        --reuse baseline=docs/learning_study_runs/mt_grpo-s1 --out docs/ablation     # a table from runs made before
+    .venv/bin/python studies/ablation.py --levers dynamic_sampling lr_5e-5       # 45 min each
+    .venv/bin/python studies/ablation.py --levers baseline dynamic_sampling \\
+        --reuse baseline=studies/data/learning_study_runs/mt_grpo-s1 --out studies/data/ablation     # a table from runs made before
 
 Runs go to RUNS/<lever>-s<seed>/; a run that finished or stopped at its budget is reused (--fresh redoes
 it). `--reuse NAME=DIR` takes a lever's run from elsewhere (the study's seed-1 MT-GRPO run is the

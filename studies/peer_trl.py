@@ -4,8 +4,8 @@ computes here: one group-normalised advantage of the summed turn and outcome rew
 on the same model, task, tool, prompts, rewards, seeds and step budget, each evaluated by our evaluation code
 on the same test questions from step 0.
 
-    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo -- --max_steps 10 --eval_steps 10  # docs/peer_trl_matched.*
-    .venv/bin/python benchmarks/peer_trl.py --trainers trl mt_grpo --seeds 1 --turn_caps 64 -- --max_steps 2
+    .venv/bin/python studies/peer_trl.py --trainers trl mt_grpo -- --max_steps 10 --eval_steps 10  # studies/data/peer_trl_matched.*
+    .venv/bin/python studies/peer_trl.py --trainers trl mt_grpo --seeds 1 --turn_caps 64 -- --max_steps 2
 
 The per-turn cap is matched (`--turn_caps`, default 64 and none): TRL's tool loop takes one through
 `generation_kwargs={"max_new_tokens": cap}`, which it applies to every turn, as ours takes `max_tokens_per_turn`;
@@ -422,8 +422,8 @@ def main():
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--parallel", type=int, default=1, help="runs at a time (they share the cores)")
     ap.add_argument("--runs", default=os.path.join(ROOT, "outputs", "peer_trl"), help="folder of the runs")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "peer_trl_matched"),
-                    help="OUT.csv, OUT_steps.csv, OUT.png (docs/peer_trl.*: the first, unmatched comparison)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "studies", "data", "peer_trl_matched"),
+                    help="OUT.csv, OUT_steps.csv, OUT.png (studies/data/peer_trl.*: the first, unmatched comparison)")
     ap.add_argument("--model", default=None, help="model folder (default: SmolLM2 with Qwen2.5's template, "
                     "made in --runs/model)")
     ap.add_argument("--recipe", default=RECIPE, help="the shared recipe (default: the learning study's)")
