@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import torch
 
-from checks import required_columns
+from checks import check_environment_args, required_columns
 from protocol import end_of_turn_ids
 from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, task_defaults, validate_dataset
 
@@ -49,7 +49,7 @@ class Parts:
     step_rewards: bool = False  # an environment's `step_rewards` reward every turn (advantage_mode auto: per_turn)
 
 
-def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
+def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
              outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from protocol import load_examples, load_text
@@ -57,25 +57,24 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
     from tools import build_tools
 
     show_log()  # a Python script's run says what it chose, as a recipe's does
-    sa = script_args
-    factory = environment_factory if environment_factory is not None else sa.environment_factory
+    factory = environment_factory if environment_factory is not None else args.environment_factory
     if factory is not None:
-        check_environment_args(sa, args, train_dataset)
+        check_environment_args(args, train_dataset)
     # the task's own tools and rewards fill what the caller and the config leave unset (tasks.task_defaults)
     defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
-        task_defaults(sa.dataset_name, sa.corpus_path) if train_dataset is None else {}
-    turn, outcome, weights = reward_lists(sa, args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
+        task_defaults(args.dataset_name, args.corpus_path) if train_dataset is None else {}
+    turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
     needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
-    train = _task(train_dataset, sa, needs_answer, "train_dataset") if train_dataset is not None or \
-        sa.dataset_name is not None else placeholder_task(args)
+    train = _task(train_dataset, args, needs_answer, "train_dataset") if train_dataset is not None or \
+        args.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
     if eval_dataset is None and evaluation:
         if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
-            eval_dataset = load_recipe_task(sa, needs_answer, held_out=True)
+            eval_dataset = load_recipe_task(args, needs_answer, held_out=True)
         else:
             raise ValueError(f"`eval_strategy: {args.eval_strategy}` needs held-out data: pass `eval_dataset`, "
                              "or set `eval_strategy: no`.")
-    held_out = _task(eval_dataset, sa, needs_answer, "eval_dataset") if evaluation else None
+    held_out = _task(eval_dataset, args, needs_answer, "eval_dataset") if evaluation else None
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
@@ -84,28 +83,28 @@ def assemble(model, args, script_args, *, train_dataset, eval_dataset, tools, tu
 
     metrics = {name: fn for name, fn in (source.eval_metrics if source is not None else {}).items()
                if all(c in source.dataset.column_names for c in required_columns(get_reward_func(fn)))}
-    tools = next(t for t in (tools, sa.tools, defaults.get("tools"), []) if t is not None)
+    tools = next(t for t in (tools, args.tools, defaults.get("tools"), []) if t is not None)
     tools = _join_tools(build_tools(tools if isinstance(tools, (list, tuple)) else [tools], corpus if corpus is not
-                                    None else getattr(source, "corpus", None)), _mcp_tools(sa))
+                                    None else getattr(source, "corpus", None)), _mcp_tools(args))
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
         from protocol import get_protocol
 
-        pool = EnvironmentPool(load_factory(factory), tools, get_protocol(sa.tool_format, tokenizer=tokenizer))
+        pool = EnvironmentPool(load_factory(factory), tools, get_protocol(args.tool_format, tokenizer=tokenizer))
         tools, outcome, turn = pool.all_tools(), outcome + pool.reward_funcs[0], turn + pool.reward_funcs[1]
     return Parts(
         tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool, weights=weights,
         turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source),
-        task_prompt=load_text(sa.system_prompt) or getattr(source, "system_prompt", None),
-        examples=load_examples(sa.few_shot_examples) if sa.few_shot_examples is not None
+        task_prompt=load_text(args.system_prompt) or getattr(source, "system_prompt", None),
+        examples=load_examples(args.few_shot_examples) if args.few_shot_examples is not None
         else getattr(source, "examples", None),
         eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
         step_rewards=pool is not None and bool(pool.reward_funcs[1]),
     )
 
 
-def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:
+def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:
     """(turn functions, outcome functions, (turn weights, outcome weights)). TRL's `reward_funcs` (a function, a
     name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_tool_turn the
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
@@ -114,7 +113,7 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
     from rewards import get_reward_func, is_per_tool_turn
     from rewards.judge import build_judge_rewards
 
-    check_reward_lists_given_once(sa, turn_funcs, outcome_funcs)
+    check_reward_lists_given_once(args, turn_funcs, outcome_funcs)
     given = as_list(reward_funcs) or []
     trl_weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(given)
     if len(trl_weights) != len(given):
@@ -122,8 +121,8 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
                          "functions: give one weight per function of `reward_funcs`.")
     lists = {}
     for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
-        names = next((x for x in (as_list(passed), getattr(sa, f"{kind}_reward_funcs")) if x is not None), None)
-        weights = getattr(sa, f"{kind}_reward_weights") if names is not None else None
+        names = next((x for x in (as_list(passed), getattr(args, f"{kind}_reward_funcs")) if x is not None), None)
+        weights = getattr(args, f"{kind}_reward_weights") if names is not None else None
         names = names if names is not None else [] if reward_funcs is not None else \
             defaults.get(f"{kind}_reward_funcs", [])
         if weights is not None and len(weights) != len(names):
@@ -133,9 +132,9 @@ def reward_lists(sa, args, defaults: dict, turn_funcs, outcome_funcs, reward_fun
     judge = None  # judge rewards (rewards/judge.py) share one client, checked once at start-up
     resolved = {}
     for kind, (names, weights) in lists.items():
-        funcs, judge = build_judge_rewards(names, sa, judge)
+        funcs, judge = build_judge_rewards(names, args, judge)
         resolved[kind] = [get_reward_func(f) if isinstance(f, str) else f for f in funcs], weights
-    extra, judge = build_judge_rewards(given, sa, judge)
+    extra, judge = build_judge_rewards(given, args, judge)
     for fn, w in zip(extra, trl_weights):
         fn = get_reward_func(fn) if isinstance(fn, str) else fn
         kind = "turn" if is_per_tool_turn(fn) else "outcome"
@@ -158,33 +157,33 @@ def _questions(task: Task | None) -> bool:
     return task is not None and "prompt" not in task.dataset.column_names
 
 
-def _task(data, sa, needs_answer: list[str], name: str) -> Task | None:
+def _task(data, args, needs_answer: list[str], name: str) -> Task | None:
     """A Task from what the caller passed: a Task as is, a datasets.Dataset validated, None for the train set: the
     config's `dataset_name`."""
     if isinstance(data, Task):
         return data
     if data is None:
-        return load_recipe_task(sa, needs_answer) if name == "train_dataset" else None
+        return load_recipe_task(args, needs_answer) if name == "train_dataset" else None
     import datasets
 
     if not isinstance(data, datasets.Dataset):
         raise ValueError(f"`{name}` is a {type(data).__name__}; pass a datasets.Dataset (e.g. "
                          "`Dataset.from_list([{'question': ..., 'answer': ...}])`), or leave it out to load the "
                          "config's `dataset_name`.")
-    task = validate_dataset(data, columns=recipe_columns(sa), answer_required=needs_answer, source=name)
+    task = validate_dataset(data, columns=recipe_columns(args), answer_required=needs_answer, source=name)
     _report_skipped(task, name)
     return task
 
 
-def load_recipe_task(sa, answer_required: bool | list[str] = True, held_out: bool = False) -> Task:
+def load_recipe_task(args, answer_required: bool | list[str] = True, held_out: bool = False) -> Task:
     """The recipe's training task (`dataset_name` and the fields beside it), or its held-out one (`eval_*`)."""
     if held_out:
-        task = load_eval_task(sa, answer_required=answer_required)
+        task = load_eval_task(args, answer_required=answer_required)
     else:
-        task = load_task(sa.dataset_name, sa.dataset_split, sa.max_samples, sa.corpus_path, sa.kb_seed,
-                         sa.kb_multi_hop, dataset_config=sa.dataset_config, columns=recipe_columns(sa),
+        task = load_task(args.dataset_name, args.dataset_split, args.max_samples, args.corpus_path, args.kb_seed,
+                         args.kb_multi_hop, dataset_config=args.dataset_config, columns=recipe_columns(args),
                          answer_required=answer_required)
-    _report_skipped(task, sa.eval_dataset_name or sa.dataset_name if held_out else sa.dataset_name)
+    _report_skipped(task, args.eval_dataset_name or args.dataset_name if held_out else args.dataset_name)
     return task
 
 
@@ -193,13 +192,13 @@ def _report_skipped(task: Task, source: str) -> None:
         logger.warning("Skipped %d malformed rows of %s, e.g. %s", task.num_skipped, source, "; ".join(task.skipped))
 
 
-def _mcp_tools(sa) -> list[Callable]:
+def _mcp_tools(args) -> list[Callable]:
     """The tools of the recipe's `mcp_servers` (tools/mcp.py), connected at start-up."""
-    if not sa.mcp_servers:
+    if not args.mcp_servers:
         return []
     from tools.mcp import mcp_tools
 
-    return mcp_tools(sa.mcp_servers, sa.tool_timeout)
+    return mcp_tools(args.mcp_servers, args.tool_timeout)
 
 
 def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]:
@@ -208,21 +207,6 @@ def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]
         raise ValueError(f"`mcp_servers` give tool(s) {clash}, which `tools` already has, and the model calls a tool "
                          "by its name. Remove one from `tools` or from `mcp_servers`.")
     return tools + served
-
-
-def check_environment_args(sa, args, train_dataset) -> None:
-    """What TRL's environment_factory needs of the rest of the config."""
-    if sa.async_rollout:
-        raise ValueError("`environment_factory` with `async_rollout`: the next batch's episodes would reset instances "
-                         "whose final state this batch's rewards still read. Set `async_rollout: false`.")
-    if train_dataset is None and sa.dataset_name == "fictional_kb":  # the field's default: surely not meant
-        raise ValueError("`environment_factory` without a dataset, and `dataset_name` is still its default, the "
-                         "knowledge base. Pass `train_dataset`, set `dataset_name` to your data, or set "
-                         "`dataset_name` to None (null) so that reset gives each prompt.")
-    if train_dataset is None and sa.dataset_name is None and args.max_steps <= 0:
-        raise ValueError("No dataset (`dataset_name: null`): the environment's reset gives each prompt, and "
-                         "`max_steps` sets the run's length, as in TRL. Set `max_steps` to a positive number of "
-                         "steps, or give a `dataset_name`.")
 
 
 def placeholder_task(args) -> Task:
@@ -248,7 +232,6 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     if tokenizer is None:
         if not name:
             raise ValueError("The model has no `name_or_path` to load its tokenizer from: pass `processing_class`.")
-        from checks import local_model_path, model_not_found
 
         if not os.path.isdir(name) and local_model_path(name):
             raise model_not_found(name)
@@ -267,15 +250,36 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
 
 
-def prompt_dataset(task: Task | None, sa, env, funcs: list[Callable]):
+def prompt_dataset(task: Task | None, args, env, funcs: list[Callable]):
     """The task's rows with the prompts the env renders (tasks.build_dataset), checked against the rewards'
     columns, and the recipe's `answer_type` for the rewards that compare answers."""
     if task is None:
         return None
     from checks import check_reward_columns
 
-    dataset = build_dataset(sa, env, task, tools_of=env.environments.tools if env.environments is not None else None)
-    if sa.answer_type != "auto" and "answer_type" not in dataset.column_names:
-        dataset = dataset.add_column("answer_type", [sa.answer_type] * len(dataset))
+    dataset = build_dataset(args, env, task, tools_of=env.environments.tools if env.environments is not None else None)
+    if args.answer_type != "auto" and "answer_type" not in dataset.column_names:
+        dataset = dataset.add_column("answer_type", [args.answer_type] * len(dataset))
     check_reward_columns(funcs, dataset.column_names, environments=env.environments is not None)
     return dataset
+
+
+def local_model_path(name: str) -> bool:
+    """Whether a model name can only be a local folder: absolute, relative (./, ~), deeper than a hub id's
+    `org/name`, or under a folder that exists here (`models/...`)."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+            or ("/" in name and os.path.isdir(name.split("/")[0])))
+
+
+def model_not_found(name: str, error: OSError | None = None) -> OSError:
+    """The error for a model folder that does not exist, raised before transformers tries the hub with a mistyped
+    local path (its retries take a minute offline, and its error never names the folder); with `error`, what
+    loading a hub-shaped name raised."""
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(name)))
+    near = sorted(d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d)) and not d.startswith(".")
+                  )[:12] if os.path.isdir(parent) else []
+    tried = f" and could not be loaded as a hub name ({str(error).splitlines()[0]})" if error is not None else ""
+    return OSError(f"Model '{name}' is not a local folder (no {os.path.abspath(os.path.expanduser(name))}){tried}. Fix "
+                   "the path" + (f" ({os.path.dirname(name) or '.'} holds {near})" if near else "")
+                   + ", or make the demo's model with `python scripts/prepare_models.py smollm2 "
+                   "models/SmolLM2-135M-Instruct`.")

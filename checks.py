@@ -1,14 +1,12 @@
-"""Every config rule in one place, with errors that name the field to change, and the TRL check. The
-trainer calls them at start-up (build_trainer); MTGRPOScriptArguments.__post_init__ calls
-check_script_args."""
+"""Every config rule across fields in one place, with errors that name the field to change, and the TRL check. A
+field's own allowed values are declared on it (`arg(..., choices=...)`, checked by fields.check_choices).
+MTGRPOScriptArguments.__post_init__ calls check_script_args; the trainer calls the rest at start-up."""
 
 import dataclasses
 import inspect
 import logging
-import math
 import os
 import warnings
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -152,27 +150,6 @@ REPLACED_GRPO_FIELDS = {
 }
 
 
-def local_model_path(name: str) -> bool:
-    """Whether a model name can only be a local folder: absolute, relative (./, ~), deeper than a hub id's
-    `org/name`, or under a folder that exists here (`models/...`)."""
-    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-            or ("/" in name and os.path.isdir(name.split("/")[0])))
-
-
-def model_not_found(name: str, error: OSError | None = None) -> OSError:
-    """The error for a model folder that does not exist, raised before transformers tries the hub with a mistyped
-    local path (its retries take a minute offline, and its error never names the folder); with `error`, what
-    loading a hub-shaped name raised."""
-    parent = os.path.dirname(os.path.abspath(os.path.expanduser(name)))
-    near = sorted(d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d)) and not d.startswith(".")
-                  )[:12] if os.path.isdir(parent) else []
-    tried = f" and could not be loaded as a hub name ({str(error).splitlines()[0]})" if error is not None else ""
-    return OSError(f"Model '{name}' is not a local folder (no {os.path.abspath(os.path.expanduser(name))}){tried}. Fix "
-                   "the path" + (f" ({os.path.dirname(name) or '.'} holds {near})" if near else "")
-                   + ", or make the demo's model with `python scripts/prepare_models.py smollm2 "
-                   "models/SmolLM2-135M-Instruct`.")
-
-
 def check_reward_sources(args, mode: str, credits_turns: bool, turn_funcs: list[Callable],
                          outcome_funcs: list[Callable]) -> None:
     """The run's reward functions, the recipe's and those its environment brings (environments.py), against the
@@ -194,7 +171,22 @@ def check_reward_sources(args, mode: str, credits_turns: bool, turn_funcs: list[
         )
 
 
-def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
+def check_environment_args(args, train_dataset) -> None:
+    """What TRL's environment_factory needs of the rest of the config."""
+    if args.async_rollout:
+        raise ValueError("`environment_factory` with `async_rollout`: the next batch's episodes would reset instances "
+                         "whose final state this batch's rewards still read. Set `async_rollout: false`.")
+    if train_dataset is None and args.dataset_name == "fictional_kb":  # the field's default: surely not meant
+        raise ValueError("`environment_factory` without a dataset, and `dataset_name` is still its default, the "
+                         "knowledge base. Pass `train_dataset`, set `dataset_name` to your data, or set "
+                         "`dataset_name` to None (null) so that reset gives each prompt.")
+    if train_dataset is None and args.dataset_name is None and args.max_steps <= 0:
+        raise ValueError("No dataset (`dataset_name: null`): the environment's reset gives each prompt, and "
+                         "`max_steps` sets the run's length, as in TRL. Set `max_steps` to a positive number of "
+                         "steps, or give a `dataset_name`.")
+
+
+def check_training_args(args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
     """Cross-checks between our arguments and TRL's, with errors that name the field to change.
     `normalised_loss_types`: the loss types whose normaliser zero_signal_scale makes exact."""
     if args.use_vllm:
@@ -214,26 +206,26 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
         )
     if args.num_generations < 2:
         raise ValueError("`num_generations` must be at least 2: advantages are normalised within each group.")
-    steps, iterations = script_args.max_env_steps, args.max_tool_calling_iterations
+    steps, iterations = args.max_env_steps, args.max_tool_calling_iterations
     if steps is not None and iterations is not None and steps != iterations:
         raise ValueError(f"`max_env_steps` ({steps}) and TRL's `max_tool_calling_iterations` ({iterations}) are one "
                          "limit and disagree: set one of them.")
-    if (script_args.max_tokens_per_turn or 0) > args.max_completion_length:
+    if (args.max_tokens_per_turn or 0) > args.max_completion_length:
         raise ValueError(
-            f"`max_tokens_per_turn` ({script_args.max_tokens_per_turn}) exceeds `max_completion_length` "
+            f"`max_tokens_per_turn` ({args.max_tokens_per_turn}) exceeds `max_completion_length` "
             f"({args.max_completion_length}), the budget of the whole multi-turn completion; lower it."
         )
-    if script_args.async_rollout and not args.vllm_importance_sampling_correction:
+    if args.async_rollout and not args.vllm_importance_sampling_correction:
         raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
                          "importance-sampling correction is what corrects for that: set "
                          "`vllm_importance_sampling_correction: true`.")
     known = normalised_loss_types
-    if script_args.mask_zero_advantage_groups and args.loss_type == "bnpo":
+    if args.mask_zero_advantage_groups and args.loss_type == "bnpo":
         raise ValueError("`loss_type: bnpo` divides each micro-batch by its own token count, so with "
                          "`mask_zero_advantage_groups: true` a row's weight would depend on which rows TRL's shuffle "
                          "puts in its micro-batch: use `loss_type: dapo` (bnpo's normaliser taken over the whole "
                          "generation batch), or set `mask_zero_advantage_groups: false`.")
-    if script_args.mask_zero_advantage_groups and args.loss_type not in known:
+    if args.mask_zero_advantage_groups and args.loss_type not in known:
         raise ValueError(f"`loss_type: {args.loss_type}` has no known normaliser for `mask_zero_advantage_groups`; "
                          f"set `mask_zero_advantage_groups: false`, or use one of {list(known)}.")
     if (args.loss_type == "vespo" and args.vllm_importance_sampling_correction
@@ -241,15 +233,15 @@ def check_training_args(script_args, args: GRPOConfig, normalised_loss_types: tu
         raise ValueError("`loss_type: vespo` folds token-level importance weights into its own sequence weight: "
                          "set `vllm_importance_sampling_mode` to token_truncate or token_mask (or turn "
                          "`vllm_importance_sampling_correction` off).")
-    if script_args.padding_free and args.steps_per_generation > 1:
+    if args.padding_free and args.steps_per_generation > 1:
         logger.warning("padding_free shares a prompt only within a micro-batch, and TRL shuffles the generation "
                        "batch's rows across its %d micro-batches: set `gradient_accumulation_steps: 1` and "
                        "`per_device_train_batch_size` to the generation batch (%d), and bound memory with "
                        "`max_tokens_per_microbatch`.", args.steps_per_generation,
                        args.per_device_train_batch_size * args.steps_per_generation)
-    if (script_args.max_tool_response_tokens or 0) >= args.max_completion_length:
+    if (args.max_tool_response_tokens or 0) >= args.max_completion_length:
         raise ValueError(
-            f"`max_tool_response_tokens` ({script_args.max_tool_response_tokens}) must be below "
+            f"`max_tool_response_tokens` ({args.max_tool_response_tokens}) must be below "
             f"`max_completion_length` ({args.max_completion_length}), or no tool result ever fits."
         )
 
@@ -288,35 +280,6 @@ def check_trl(reward_processing_classes=None, rollout_func=None) -> None:
         )
 
 
-# Vocabulary columns per tile of TRL's fused LM head on CPU. TRL's 32,768 suits its GPU kernel; on CPU its torch
-# fallback holds about 8 tile-sized float32 temporaries at once: 1.5 GiB above the process for the ~1,200
-# completion tokens of a demo step, the peak of its backward, against 0.16 GiB at 2,048 columns, in the same time
-# and with the same values (studies/lm_head_tiles.py).
-CPU_LM_HEAD_TILE = 2048
-
-
-def score_labelled_tokens_only() -> None:
-    """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
-    Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
-    a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
-    left padding): there too, score the labelled ones only (TRL's own compact path). Same values. On CPU its
-    tiles are also narrowed to `CPU_LM_HEAD_TILE` vocabulary columns (the memory of a step; same values)."""
-    import trl.trainer.utils as trl_utils
-
-    compact = trl_utils._use_triton
-    if not getattr(compact, "cpu_too", False):
-        trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
-        trl_utils._use_triton.cpu_too = True
-    kernel = getattr(trl_utils, "_ChunkedLogProbFunction", None)  # None: check_trl names it as missing
-    if kernel is not None and not getattr(kernel, "cpu_tiles", False):
-        def apply(hidden, weight, bias, targets, temperature, chunk_size, *rest):
-            if hidden.device.type == "cpu":
-                chunk_size = min(chunk_size, CPU_LM_HEAD_TILE)
-            return kernel.apply(hidden, weight, bias, targets, temperature, chunk_size, *rest)
-
-        trl_utils._ChunkedLogProbFunction = SimpleNamespace(apply=apply, cpu_tiles=True)
-
-
 def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_funcs: list[Callable],
                       task_metrics: list[str]) -> str | None:
     """`metric_for_best_model` names an eval metric: `exact_match`, `eval_exact_match` or `eval/exact_match`
@@ -333,9 +296,9 @@ def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_func
     return f"eval_{bare}"
 
 
-def check_backend(script_args, peft_config, backend: type, args: GRPOConfig) -> None:
-    """What the chosen backend (its class: `external`, `can_submit`) must offer for the recipe. `peft_config`:
-    the LoRA config, or None."""
+def check_backend(args: GRPOConfig, peft_config, backend) -> None:
+    """What the backend (its class before it is built, or the one the run uses: `external`, `can_submit`) must offer
+    for the recipe. `peft_config`: the LoRA config, or None."""
     dropout = getattr(peft_config, "lora_dropout", 0) or 0
     if peft_config is not None and backend.external and dropout > 0 and not args.disable_dropout:
         # the server samples without dropout; a trainer forward with it scores another policy
@@ -343,16 +306,16 @@ def check_backend(script_args, peft_config, backend: type, args: GRPOConfig) -> 
                          "trainer's logprobs would carry dropout noise that the server's sampling has not, so on-policy "
                          "importance weights would not be 1 and the weight-sync probe would fail. Set `lora_dropout: 0` "
                          "or `disable_dropout: true`.")
-    if script_args.async_rollout and not backend.can_submit:
+    if args.async_rollout and not backend.can_submit:
         raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
                          "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
                          "model cannot do both at once).")
-    if script_args.rollout_scheduler == "per_episode" and not backend.can_submit:
+    if args.rollout_scheduler == "per_episode" and not backend.can_submit:
         raise ValueError("`rollout_scheduler: per_episode` needs a server that takes requests as they "
                          "come (`generation_backend: vllm_server`); in-process generation runs in "
                          "rounds.")
-    if peft_config is not None and backend.external and script_args.lora_sync == "merged" \
-            and script_args.weight_sync == "nccl":
+    if peft_config is not None and backend.external and args.lora_sync == "merged" \
+            and args.weight_sync == "nccl":
         # the NCCL source walks the PEFT model's parameters, whose names and shapes are not the served model's
         raise ValueError("`lora_sync: merged` goes through the disk sync: set `weight_sync: disk` (or `auto`), "
                          "or `lora_sync: adapter`.")
@@ -431,37 +394,11 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
 
 
-def check_reward_lists_given_once(sa, turn_funcs, outcome_funcs) -> None:
+def check_reward_lists_given_once(args, turn_funcs, outcome_funcs) -> None:
     """A reward list given to MTGRPOEnvTrainer(...) and also set in the config: one would silently win."""
     for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
-        configured = getattr(sa, f"{kind}_reward_funcs")
+        configured = getattr(args, f"{kind}_reward_funcs")
         if passed is not None and configured is not None and list(configured) != list(passed):
             raise ValueError(f"`{kind}_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) ({list(passed)}) and in the "
                              f"config ({list(configured)}). Give it in one place: drop `{kind}_reward_funcs` from the "
                              "config (or the recipe), or from the trainer's arguments.")
-
-
-def check_reward_count(name: str, values, samples: int) -> None:
-    """A reward function returns a list of one value per sample (or what TRL also takes: a tuple, an array)."""
-    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
-        raise ValueError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}, not a list: return "
-                         f"a list of {samples} values, one per sample (a float, or None for 'not applicable').")
-    if len(values) != samples:
-        raise ValueError(f"Reward function '{name}' returned {len(values)} values for {samples} samples: return "
-                         "one value per completion it was given.")
-
-
-def reward_value(name: str, i: int, v) -> float:
-    """One sample's reward as a float: None -> NaN ("not applicable"). What TRL's `torch.tensor(rewards)` takes is
-    taken (a bool, a numpy number, a one-element tensor), so a TRL reward trains unchanged; text, a list, or a NaN
-    or inf is an error naming the function and the sample."""
-    if v is None:
-        return float("nan")
-    try:
-        value = None if isinstance(v, (str, bytes)) else float(v)
-    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a tensor of several elements
-        value = None
-    if value is None or not math.isfinite(value):
-        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
-                         "numbers, or None for 'not applicable'.")
-    return value

@@ -9,31 +9,24 @@ answer?) and an outcome reward R_O (is the final answer right?), each normalised
     A_t = A_O + turn_advantage_coef * A_T    for model tokens t before the first tool result
     A_t = A_O                                for model tokens t after it
 
-and the loss is TRL's PPO-clipped GRPO objective over model tokens only, with per-token advantages A_t (Zeng et
-al. 2025, "Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment"). `advantage_mode`
-picks another row of ADVANTAGE_MODES (section 3): per_turn credits every tool turn. Where this departs from the
-paper: docs/guide.md, "The algorithm's choices".
+and the loss is TRL's PPO-clipped GRPO objective over model tokens only (Zeng et al. 2025, "Reinforcing Multi-Turn
+Reasoning in LLM Agents via Turn-Level Credit Assignment"). `advantage_mode` picks another entry of ADVANTAGE_MODES
+(per_turn credits every tool turn). Where this departs from the paper: docs/guide.md, "The algorithm's choices".
 
-Commands:
     python mt_grpo_trainer.py --config hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml   # CPU demo
     accelerate launch mt_grpo_trainer.py --config hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
     ./launch.sh hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml   # vLLM on GPU 7, training on 0-6
-    python scripts/evaluate.py --config RECIPE --model_name_or_path CHECKPOINT   # evaluate a saved model
 
-Sections, in reading order: 1 config -> 2 rewards -> 3 advantages -> 4 importance weights and loss (the
-algorithm, marked ALGO LOGIC: pure functions that tests import) -> 5 the vLLM server client -> 6 the multi-turn
-env -> 7 the trainer (its step as named stages) -> 8 wiring and main. The plumbing lives beside this file:
-`sampling.py` (sampling parameters, the sampled distribution, the in-process backend), `episodes.py` (the
-episode records and the batch they pad to), `protocol.py` (tool formats), `checks.py` (config rules),
-`weight_sync.py`, `server_pool.py`, `reporting.py` (metrics, records, console, SIGTERM), `evaluation.py`,
-`async_rollout.py`, `packing.py` (shared-prefix packed forwards), `turn_samples.py`, `environments.py` (users'
-environment classes), `builders.py` (a config's task, tools and rewards), `tools/`, `tasks/` and `rewards/`.
-Left out on purpose: a colocated vLLM engine (a server, or `model.generate`), reward models loaded by the
-trainer (a reward function may call one), and structured outputs (the protocol's stop strings end each turn).
+Sections: 1 config -> 2 rewards -> 3 advantages -> 4 importance weights and loss (the algorithm, ALGO LOGIC: pure
+functions tests import) -> 5 the vLLM server client -> 6 the multi-turn env -> 7 the trainer (its step as named
+stages) -> 8 wiring and main. The plumbing lives beside this file (README.md, "Layout"). Left out on purpose: a
+colocated vLLM engine (a server, or `model.generate`), reward models loaded by the trainer (a reward function may
+call one), structured outputs (the protocol's stop strings end each turn).
 """
 
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -52,20 +45,23 @@ from trl.trainer.utils import use_adapter
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from completions import (RetryableResponse, Sample, kept_set_logprobs, parse_completions_response, post_with_retries,
                          wait_for_health)
-from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_count,
-                    check_reward_sources, check_script_args, check_training_args, check_trl, reward_value,
-                    score_labelled_tokens_only, settle_training_defaults)
-from episodes import (CallRecord, Episode, check_tokenization, identical_runs, loss_mask, pad_episodes, run_length)
+from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
+                    check_script_args, check_training_args, check_trl, settle_training_defaults)
+from episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
 from protocol import PROTOCOLS, Protocol, ToolCall, build_prompt, get_protocol, tool_call_message
 from reporting import LOG_FORMAT, RolloutProgress, TrainerReports, end_processes, install_console, \
     quiet_library_bars, report_outputs
-from evaluation import TrainerEvaluation
+import evaluation
+from dynamic_sampling import resample_groups
+from scheduling import run_per_episode
 from fields import Choices, arg, parse_recipe
-from packing import PackedForward
-from rewards import failing_sample, is_per_tool_turn
+from packing import PackedForward, score_labelled_tokens_only
+from rewards import check_reward_count, failing_sample, is_per_tool_turn, reward_value
+from rewards.answers import ANSWER_TYPES
 from rewards.judge import JudgeArguments
-from sampling import GREEDY, SamplingParams, TransformersBackend, policy_sampler_logprobs
+from sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
 from server_pool import ServerPool, ServerPoolArguments
+from tasks import TaskArguments
 from environments import episode_columns
 from tools import Toolset, ToolResult, cut_tool_output, run_turns
 from turn_samples import TURN_SAMPLES, next_sample_prompt
@@ -78,39 +74,18 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArguments):
-    """Arguments of the multi-turn environment and of MT-GRPO, and the LLM judge's (rewards/judge.py). Training
+class MTGRPOScriptArguments(TaskArguments, ServerPoolArguments, WeightSyncArguments, JudgeArguments):
+    """Arguments of the multi-turn environment and of MT-GRPO; it inherits the task's (tasks/), the vLLM client's
+    (server_pool.py), the weight sync's (weight_sync.py) and the LLM judge's (rewards/judge.py). Training
     arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
     ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
     every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
-    # Task and tools
-    dataset_name: str | None = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa | any `datasets."
-                                   "load_dataset` name or local folder | a .jsonl/.json/.parquet/.csv file (see "
-                                   "*_column) | None: `environment_factory`'s reset gives the prompt (set max_steps).")
-    dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
-    question_column: str = arg("question", "The dataset's column holding the question.")
-    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
-                             "may be missing when no reward needs it.")
-    prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
-                             "instead of the question when present.")
-    dataset_split: str = arg("train", "Split of the dataset to train on.")
-    max_samples: int | None = arg(None, "Keep at most this many questions (None: all).")
-    kb_seed: int = arg(0, "Seed of the fictional knowledge base, apart from `seed`: every training seed sees one task.")
-    kb_multi_hop: float = arg(0.0, "Share of fictional_kb questions that need two searches (0 to 1).")
-    corpus_path: str | None = arg(None, ".jsonl of {title, text} documents for `search` (fictional_kb brings its own).")
-    # Evaluation: runs with TRL's eval_strategy / eval_steps (and once before the first step)
-    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on, as `dataset_name` (None: the training one).")
-    eval_dataset_split: str | None = arg(None, "Split to evaluate on (None: the task's held-out one); never the "
-                                         "training split.")
-    eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).")
-    max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
-                                          "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
-    save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
-                                   "for scripts/view_rollouts.py (0: off).")
+    # Tools and environments
     tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
                                   "(None: the task's: search for fictional_kb; none for your own data).")
-    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).", choices=Choices(lambda: sorted(PROTOCOLS)))
+    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).",
+                           choices=Choices(lambda: sorted(PROTOCOLS)))
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
                                                  "episode whose public methods are tools (docs/guide.md, 'Bring your "
                                                  "own environment'); or {name: module:Class} by `environment` column.")
@@ -124,7 +99,7 @@ class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArgum
     outcome_reward_weights: list[float] | None = arg(None, "One weight per outcome reward function (None: all 1.0).")
     answer_type: str = arg("auto", "How rewards compare answers with the gold: text (SQuAD normalised) | math "
                            "(numbers, expressions: math-verify) | auto (math when the gold is one); a dataset "
-                           "column `answer_type` overrides it per row.", choices=("auto", "text", "math"))
+                           "column `answer_type` overrides it per row.", choices=ANSWER_TYPES)
     # MT-GRPO
     advantage_mode: str = arg("auto", "A mode of ADVANTAGE_MODES (section 3): how A_O and A_T reach the tokens; auto: "
                               "the first mode whose condition the run meets (per_turn with an environment's "
@@ -132,7 +107,8 @@ class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArgum
                               choices=Choices(lambda: {**ADVANTAGE_MODES, "auto": None}))
     turn_advantage_coef: float = arg(1.0, "Weight of A_T on the tokens of the turn it credits (paper: 1.0).")
     turn_normalization: str = arg("pooled", "per_turn: normalise A_T(k) over all (sample, tool turn) pairs of the "
-                                  "group (pooled) | over the samples with a turn k (by_turn_index).", choices=("pooled", "by_turn_index"))
+                                  "group (pooled) | over the samples with a turn k (by_turn_index).",
+                                  choices=("pooled", "by_turn_index"))
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
@@ -141,12 +117,13 @@ class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArgum
     max_tokens_per_microbatch: int | None = arg(None, "Packed forwards (padding_free, split rows): unique tokens per "
                                                 "forward, at most; more start another (None: one per micro-batch).")
     lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
-                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).", choices=("adapter", "merged"))
+                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).",
+                         choices=("adapter", "merged"))
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
                                  "questions' groups, up to dynamic_sampling_max_rounds times.")
     dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
                                            "groups still without signal then stay (and are masked).")
-    # Episode limits
+    # Episodes: limits, prompts, tool calls
     max_env_steps: int | None = arg(None, "Environment replies per episode; a tool call after that ends it (None: "
                                     "TRL's `max_tool_calling_iterations`, whose None is no limit but the budget).")
     max_tokens_per_turn: int | None = arg(None, "Sampled tokens per model turn, at most (None: what the "
@@ -164,15 +141,23 @@ class MTGRPOScriptArguments(ServerPoolArguments, WeightSyncArguments, JudgeArgum
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
-                                  "ignore_whitespace (text) | off. Mismatches are logged.", choices=("strict", "ignore_whitespace", "off"))
+                                  "ignore_whitespace (text) | off. Mismatches are logged.",
+                                  choices=("strict", "ignore_whitespace", "off"))
     turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
-                            "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a re-render differs).", choices=Choices(TURN_SAMPLES, renamed={"per_turn": "per_model_turn"}))
-    # Generation backend
+                            "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a "
+                            "re-render differs).", choices=Choices(TURN_SAMPLES, renamed={"per_turn": "per_model_turn"}))
+    # Generation and the run
     generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
-                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).", choices=("transformers", "vllm_server"))
-    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.", choices=("auto", "per_episode", "rounds"))
+                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).",
+                                  choices=("transformers", "vllm_server"))
+    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.",
+                                 choices=("auto", "per_episode", "rounds"))
     async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
     max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
+    max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
+                                          "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
+    save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
+                                   "for scripts/view_rollouts.py (0: off).")
 
     def __post_init__(self):
         check_script_args(self)
@@ -418,14 +403,6 @@ def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, group_size: int, mo
     dynamic sampling keeps. The same definition as the loss's masking (`Advantages.informative`)."""
     norm = Normalizer(group_size, scale_rewards, turn_normalization, turn_credit_discount)
     return mode_advantages(R_T, R_O, mode, norm, turn_advantage_coef)[-1][::group_size]
-
-
-def resample_questions(num_rows: int, count: int, seed: int, step: int, round_: int) -> list[int]:
-    """Dataset rows of `count` new questions for dynamic sampling: drawn uniformly from a generator seeded by
-    (seed, step, round), so every process draws the same ones without talking (a group may span processes)
-    and a resumed run draws what the uninterrupted run would have."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + round_)
-    return torch.randint(num_rows, (count,), generator=generator).tolist()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,7 +666,7 @@ class MultiTurnToolEnv:
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
         self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot,
                                  questions=questions)  # questions: answered in <answer> (protocol.build_prompt)
-        # Every id that ends a model turn (Qwen2.5-Instruct has two); see _record_env_turn.
+        # Every id that ends a model turn (Qwen2.5-Instruct has two); see record_env_turn.
         self.eos_token_ids = list(dict.fromkeys([*(eos_token_ids or []), tokenizer.eos_token_id]))
 
     # -- rendering: the one place the chat template is applied ---------------------------------------
@@ -736,7 +713,7 @@ class MultiTurnToolEnv:
             raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
                              "(`generation_backend: vllm_server`); in-process generation runs in rounds.")
         if backend.can_submit and self.scheduler != "rounds":
-            self._per_episode(episodes, backend, params, bar)
+            run_per_episode(self, episodes, backend, params, bar)  # scheduling.py
         else:
             self._rounds(episodes, backend, params, bar)
         bar.close()
@@ -750,72 +727,20 @@ class MultiTurnToolEnv:
         asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
-            budgets = [self._budget(ep) for ep in live]
+            budgets = [self.budget(ep) for ep in live]
             samples = self._generate(backend, live, budgets, first, params)
             first = False
             pending = [(ep, calls) for ep, sample in zip(live, samples)
-                       if (calls := self._record_model_turn(ep, sample)) is not None]
+                       if (calls := self.record_model_turn(ep, sample)) is not None]
             bar.update(episodes, tool_calls=sum(len(calls) for _, calls in pending))
             results = run_turns([(ep.toolset, calls) for ep, calls in pending], self.tool_timeout,
                                 self.tool_max_workers)
             for (ep, calls), turn_results in zip(pending, results):
-                self._record_env_turn(ep, calls, turn_results)
+                self.record_env_turn(ep, calls, turn_results)
             bar.update(episodes, tool_calls=0)
 
-    def _per_episode(self, episodes: list[Episode], backend, params: SamplingParams | None,
-                     bar: "RolloutProgress") -> None:
-        """No round barrier: each conversation takes its next turn as soon as its tool results are
-        back. Conversations that are ready together (same token budget) share a request, up to
-        backend.prompts_per_request, while others are in flight; at most backend.max_concurrent_requests
-        requests are in flight. A group of identical first prompts is one request with n samples."""
-        ready = [(group, len(group)) for group in identical_runs(episodes)]  # (episodes, n): first turns
-        in_flight: dict[concurrent.futures.Future, tuple] = {}
-        tool_pool = concurrent.futures.ThreadPoolExecutor(self.tool_max_workers, thread_name_prefix="tools")
-        try:
-            while ready or in_flight:
-                requests = sum(kind == "generate" for kind, _ in in_flight.values())
-                while ready and requests < backend.max_concurrent_requests:
-                    batch, ready = self._next_request(ready, backend.prompts_per_request)
-                    n = batch[0][1]
-                    eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
-                    future = backend.submit([ep.context_ids for ep in eps],
-                                            self._budget(eps[0]), n, params)
-                    in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
-                    requests += 1
-                finished, _ = concurrent.futures.wait(in_flight,
-                                                      return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in finished:
-                    kind, payload = in_flight.pop(future)
-                    if kind == "generate":
-                        samples = future.result()
-                        if len(samples) != len(payload):
-                            raise RuntimeError(f"generation backend returned {len(samples)} samples for "
-                                               f"{len(payload)} conversations")
-                        for ep, sample in zip(payload, samples):
-                            if (calls := self._record_model_turn(ep, sample)) is not None:
-                                in_flight[tool_pool.submit(ep.toolset.run, calls, self.tool_timeout,
-                                                           self.tool_max_workers)] = ("tools", (ep, calls))
-                    else:
-                        ep, calls = payload
-                        self._record_env_turn(ep, calls, future.result())
-                        if not ep.done:
-                            ready.append(([ep], 1))
-                bar.update(episodes, tool_calls=sum(len(p[1]) for k, p in in_flight.values() if k == "tools"))
-        finally:
-            tool_pool.shutdown(wait=False)
-
-    def _budget(self, ep: Episode) -> int:
+    def budget(self, ep: Episode) -> int:
         return min(self.max_tokens_per_turn, self.max_completion_length - ep.context_length)
-
-    def _next_request(self, ready: list[tuple[list[Episode], int]], per_request: int):
-        """The ready work for one request: the first entry and, if it is a single later turn, up to
-        per_request - 1 more single turns with the same token budget (a request has one max_tokens)."""
-        first, rest = ready[0], ready[1:]
-        if first[1] > 1:
-            return [first], rest
-        budget = self._budget(first[0][0])
-        same = [r for r in rest if r[1] == 1 and self._budget(r[0][0]) == budget][: per_request - 1]
-        return [first, *same], [r for r in rest if not any(r is t for t in same)]
 
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
                   params: SamplingParams | None) -> list[Sample]:
@@ -828,7 +753,7 @@ class MultiTurnToolEnv:
                                f"{len(live)} conversations")
         return samples
 
-    def _record_model_turn(self, ep: Episode, sample: Sample) -> list[ToolCall] | None:
+    def record_model_turn(self, ep: Episode, sample: Sample) -> list[ToolCall] | None:
         """Append the sampled tokens as they are; return the tool calls to run, or None when the episode
         ends."""
         ep.append("model", sample.token_ids, sample.logprobs, sample.kept)
@@ -852,7 +777,7 @@ class MultiTurnToolEnv:
             return turn.calls
         return None
 
-    def _record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
+    def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
         messages = [{"role": "tool", "name": "" if c.error else c.name,
                      "content": self.truncate_tool_output(r.output)}
                     for c, r in zip(calls, results)]
@@ -894,10 +819,9 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
-class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTrainer):
+class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
-    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py), its evaluation
-    (`evaluate`, `run_evaluation`) by TrainerEvaluation (evaluation.py) from `_eval_episodes` and `_score`."""
+    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py)."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -906,48 +830,41 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                  outcome_reward_funcs: list | None = None, env: "MultiTurnToolEnv | None" = None, backend=None,
                  script_args: MTGRPOScriptArguments | None = None, eval_metric_funcs: dict[str, Callable] | None = None,
                  corpus: list[dict] | None = None):
-        """TRL's GRPOTrainer's arguments, in its order; tools and rewards may be functions or names, a dataset holds
-        questions and answers or TRL prompts (builders.py says what each may be). `reward_funcs` (TRL's) join the
-        outcome rewards, those marked @per_tool_turn the turn rewards; `turn_reward_funcs` and `outcome_reward_funcs`
-        keep MT-GRPO's split. `args`: an MTGRPOConfig (a plain
-        GRPOConfig takes the environment's fields from `script_args`, else their defaults). Without `env`, the
-        env, the tools and the datasets' prompts are built from the config (no dataset: its `dataset_name`);
-        with one, the caller built them. `backend`: a generation backend, a function env -> backend, or None
-        (the config's `generation_backend`). `corpus`: documents for `search` ({title, text}), if the task has none.
-        `environment_factory`: TRL's (a class, or a dict of them by `environment` column; environments.py)."""
-        args = copy.copy(args) if args is not None else \
-            MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")  # the caller's stays as given
-        sa = script_args or (args if isinstance(args, MTGRPOScriptArguments) else MTGRPOScriptArguments())
+        """TRL's GRPOTrainer's arguments, in its order (builders.py says what each may be). `reward_funcs` join the
+        outcome rewards, those marked @per_tool_turn the turn rewards. `args`: an MTGRPOConfig (a plain GRPOConfig
+        takes ours from `script_args`); the trainer keeps a copy. Without `env`, the env, tools and prompts are built
+        from the config. `backend`: a backend, a function env -> backend, or None (`generation_backend`)."""
+        args = trainer_config(args, script_args, model)  # the trainer's own MTGRPOConfig; the caller's stays as given
         score_labelled_tokens_only()
         check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
-        check_training_args(sa, args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
+        check_training_args(args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
         if backend is None:  # the configured one's capabilities, before it connects; a given one's below
-            check_backend(sa, peft_config, backend_class(sa), args)
-        weights, step_rewards = (sa.turn_reward_weights, sa.outcome_reward_weights), False
+            check_backend(args, peft_config, backend_class(args))
+        weights, step_rewards = (args.turn_reward_weights, args.outcome_reward_weights), False
         if env is None:  # the Python API and the recipe: build from the config
             import builders
 
-            parts = builders.assemble(model, args, sa, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            parts = builders.assemble(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                       tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
                                       outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class,
                                       environment_factory=environment_factory, reward_funcs=reward_funcs)
-            env, processing_class = make_env(sa, args, parts), parts.tokenizer
+            env, processing_class = make_env(args, parts), parts.tokenizer
             turn_reward_funcs, outcome_reward_funcs = parts.turn_funcs, parts.outcome_funcs
-            train_dataset, eval_dataset = (builders.prompt_dataset(t, sa, env, parts.turn_funcs + parts.outcome_funcs)
+            train_dataset, eval_dataset = (builders.prompt_dataset(t, args, env, parts.turn_funcs + parts.outcome_funcs)
                                            for t in (parts.train, parts.eval))
             eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
             weights, step_rewards = parts.weights, parts.step_rewards  # the environment's functions weigh 1
             # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
             args.eval_on_start = eval_dataset is not None and args.eval_strategy != "no" \
                 and not args.resume_from_checkpoint
-        self.advantage_mode = resolve_advantage_mode(sa.advantage_mode, bool(turn_reward_funcs), step_rewards)
-        check_reward_sources(sa, self.advantage_mode, ADVANTAGE_MODES[self.advantage_mode].credits_turns,
+        self.advantage_mode = resolve_advantage_mode(args.advantage_mode, bool(turn_reward_funcs), step_rewards)
+        check_reward_sources(args, self.advantage_mode, ADVANTAGE_MODES[self.advantage_mode].credits_turns,
                              turn_reward_funcs, outcome_reward_funcs)
         args.metric_for_best_model = check_best_metric(args, turn_reward_funcs, outcome_reward_funcs,
                                                        list(eval_metric_funcs or {}))
         if backend is None or not hasattr(backend, "generate"):
-            backend = backend(env) if backend is not None else make_backend(sa, args, env)
-        check_backend(sa, peft_config, backend, args)  # the backend this run uses (a test's scripted one too)
+            backend = backend(env) if backend is not None else make_backend(args, env)
+        check_backend(args, peft_config, backend)  # the backend this run uses (a test's scripted one too)
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each, with the weights
         # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them). On the
         # trainer's copy of the config: the caller's is never changed
@@ -957,7 +874,8 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                          peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
                          quantization_config=quantization_config)
         args.reward_weights = trl_weights
-        self.env, self.backend, self.script_args = env, backend, sa
+        self.env, self.backend = env, backend
+        self.packing = PackedForward(args, self.accelerator.autocast, self._metrics)
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
         self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
@@ -970,19 +888,21 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
             AsyncRollouts(PromptStream(train_dataset, self.num_generations, args, self.accelerator),
                           roll_out=lambda prompts: self.env.rollout(prompts, self.backend),
                           sync=self._sync_weights, version=lambda: self.state.global_step)
-            if sa.async_rollout else None
+            if args.async_rollout else None
         )
         self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
         check_distributed_generation(backend, self.accelerator, args)
-        install_console(self, sa.max_train_minutes)  # SIGTERM, time budget, one line per step (reporting.py)
+        install_console(self, args.max_train_minutes)  # SIGTERM, time budget, one line per step (reporting.py)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         mode = "train" if self.model.training else "eval"
         inputs, episodes, seconds = self._roll_out(inputs, mode)  # 1-2. sync the sampler; multi-turn episodes
         scores = self._score([x["prompt"] for x in inputs], episodes, inputs)  # 3. rewards of all processes
-        if mode == "train" and self.script_args.dynamic_sampling:  # groups without signal: new questions
-            inputs, episodes, scores, seconds = self._resample_groups(inputs, episodes, scores, seconds)
+        if mode == "train" and self.args.dynamic_sampling:  # groups without signal: new questions
+            inputs, episodes, scores, seconds = resample_groups(  # dynamic_sampling.py, with these stages
+                self, inputs, episodes, scores, seconds, roll_out=self._roll_out, score=self._score,
+                has_signal=self._has_signal)
         prompts = [x["prompt"] for x in inputs]
         batch = self._tensors(episodes)  # 4. padded ids and masks, old and reference logprobs
         adv = self._advantages(scores, batch, mode)  # 5. MT-GRPO advantages; groups without signal masked
@@ -993,40 +913,20 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         batch.pop("token_turns")
         return batch
 
-    def _resample_groups(self, inputs: list[dict], episodes: list[Episode], scores: Scores,
-                         seconds: float) -> tuple[list[dict], list[Episode], Scores, float]:
-        """DAPO's dynamic sampling: each group whose advantages would all be 0 is rolled out again on a new
-        question (the same one on every process that holds part of the group), and the batch is scored again,
-        until every group has signal or `dynamic_sampling_max_rounds` rounds ran. The batch keeps its size, so
-        the step's cost grows by the rounds' rollouts and nothing else changes downstream."""
-        sa, G = self.script_args, self.num_generations
-        B, rank = len(episodes), self.accelerator.process_index
-        passes, rolled = [], list(range(len(scores.R_O) // G))  # per pass: its scores, signal, groups rolled out
-        for round_ in range(sa.dynamic_sampling_max_rounds + 1):  # the last pass only judges the final batch
-            signal = groups_with_signal(scores.R_T, scores.R_O, G, self.advantage_mode, sa.turn_advantage_coef,
-                                        self.args.scale_rewards, sa.turn_normalization, sa.turn_credit_discount)
-            passes.append((scores, signal, rolled))
-            empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
-            if not empty or round_ == sa.dynamic_sampling_max_rounds:
-                break
-            new_rows = dict(zip(empty, resample_questions(len(self.train_dataset), len(empty), self.args.seed,
-                                                          self.state.global_step, round_)))
-            mine = [i for i in range(B) if (rank * B + i) // G in new_rows]
-            new_inputs = [dict(self.train_dataset[new_rows[(rank * B + i) // G]]) for i in mine]
-            # every process rolls out, even with no rows: lock-step generation rounds are collective
-            _, new_episodes, more = self._roll_out(new_inputs, "train")
-            self.env.release([episodes[i] for i in mine])  # the replaced episodes' environment instances, if any
-            for i, x, ep in zip(mine, new_inputs, new_episodes):
-                inputs[i], episodes[i] = x, ep
-            seconds += more
-            scores, rolled = self._score([x["prompt"] for x in inputs], episodes, inputs), empty
-        self._log_dynamic_sampling(passes)  # the first draw and the replacements, apart (reporting.py)
-        return inputs, episodes, scores, seconds
+    def _has_signal(self, scores: Scores) -> torch.Tensor:
+        """(groups,) True where a group gives some token a non-zero advantage: what dynamic sampling keeps."""
+        a = self.args
+        return groups_with_signal(scores.R_T, scores.R_O, self.num_generations, self.advantage_mode,
+                                  a.turn_advantage_coef, a.scale_rewards, a.turn_normalization, a.turn_credit_discount)
 
     def _progress(self) -> bool:
         return not self.args.disable_tqdm and self.accelerator.is_main_process
 
-    def _group_size(self, mode: str) -> int:
+    def _generate_every(self) -> int:
+        """Micro-steps between generations: TRL generates when `_step` is a multiple of it."""
+        return self.args.steps_per_generation * self.num_iterations
+
+    def _episodes_per_prompt(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
 
     def _sync_weights(self) -> None:
@@ -1043,11 +943,10 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         """The generation batch's episodes. Synchronous: sync the weights, then roll out `inputs`.
         async_rollout: the batch was rolled out in the background (AsyncRollouts), from its prompt stream."""
         if self._async is not None and mode == "train":
-            generate_every = self.args.steps_per_generation * self.num_iterations
             if self._first_generation is None:
                 self._first_generation = first_generation(self.state.global_step,
-                                                          self.args.gradient_accumulation_steps, generate_every)
-            return self._async.next(generation_index(self._step, generate_every, self._first_generation))
+                                                          self.args.gradient_accumulation_steps, self._generate_every())
+            return self._async.next(generation_index(self._step, self._generate_every(), self._first_generation))
         self._sync_weights()
         t0 = time.perf_counter()
         episodes = self.env.rollout([x["prompt"] for x in inputs], self.backend, progress=self._progress(), rows=inputs)
@@ -1070,12 +969,12 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         T, bs = batch["completion_ids"].shape[1], self.args.per_device_train_batch_size
-        generate_every = self.args.steps_per_generation * self.num_iterations
         frame = self.args.off_policy_mask_threshold is not None and self.backend.params.truncates  # its frame: below
-        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_sampler() or frame
+        need_old = (self.args.gradient_accumulation_steps % self._generate_every() != 0 or self._corrects_sampler()
+                    or frame)
         logps = lambda model: self._get_per_token_logps_and_entropies(  # noqa: E731
             model, ids, attention, T, batch_size=bs)[0]
-        with torch.no_grad(), self.row_samples(batch["sample_starts"]):
+        with torch.no_grad(), self.packing.row_samples(batch["sample_starts"]):
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
             if self._corrects_sampler() or frame:
@@ -1091,16 +990,12 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
                             if sampler_kept is None else (sampler_kept >= 0).any(-1).long()
                 else:  # the softmax at the temperature: what TRL's logprobs already are
                     batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
-            if self.beta != 0.0:
-                if self.ref_model is not None:
-                    batch["ref_per_token_logps"] = logps(self.ref_model)
-                else:
-                    # PEFT: the reference is the base model, i.e. the policy with its adapter off
-                    # (as TRL does)
-                    peft_model = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(peft_model,
-                                     adapter_name="ref" if "ref" in peft_model.peft_config else None):
-                        batch["ref_per_token_logps"] = logps(self.model)
+            if self.beta != 0.0 and self.ref_model is not None:
+                batch["ref_per_token_logps"] = logps(self.ref_model)
+            elif self.beta != 0.0:  # PEFT: the reference is the policy with its adapter off (as TRL does)
+                peft_model = self.accelerator.unwrap_model(self.model)
+                with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+                    batch["ref_per_token_logps"] = logps(self.model)
 
     def _corrects_sampler(self) -> bool:
         return self.backend.external and self.args.vllm_importance_sampling_correction
@@ -1137,19 +1032,19 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
     def _advantages(self, scores: Scores, batch: dict, mode: str) -> Advantages:
         """Normalised over the whole generation batch; this process keeps the per-token advantages of its
         rows. Groups without signal leave the loss and its normaliser (mask_zero_advantage_groups)."""
-        B, rank, sa = len(batch["completion_ids"]), self.accelerator.process_index, self.script_args
+        B, rank, a = len(batch["completion_ids"]), self.accelerator.process_index, self.args
         local = slice(rank * B, (rank + 1) * B)
-        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._group_size(mode),
-                                 self.advantage_mode, sa.turn_advantage_coef, self.args.scale_rewards,
-                                 local=local, turn_normalization=sa.turn_normalization,
-                                 turn_credit_discount=sa.turn_credit_discount)
+        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._episodes_per_prompt(mode),
+                                 self.advantage_mode, a.turn_advantage_coef, a.scale_rewards,
+                                 local=local, turn_normalization=a.turn_normalization,
+                                 turn_credit_discount=a.turn_credit_discount)
         batch["advantages"] = adv.tokens
         mask = loss_mask(batch)
         informative = adv.informative[local].to(mask.dtype)  # (B_local,)
         counts = self.accelerator.gather(torch.stack([mask.sum(), (mask * informative[:, None]).sum(),
                                                       mask.new_tensor(B), informative.sum()]).view(1, 4)).sum(dim=0)
         batch["num_items_in_batch"] = counts[0]  # tokens, informative tokens, rows, informative rows
-        if sa.mask_zero_advantage_groups:  # one factor for the generation batch, read by _compute_loss
+        if a.mask_zero_advantage_groups:  # one factor for the generation batch, read by _compute_loss
             batch["zero_signal_scale"] = zero_signal_scale(self.loss_type, *counts)
         return adv
 
@@ -1173,14 +1068,7 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
             batch["importance_sampling_ratio"] = weights
         else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
             batch["advantages"] = batch["advantages"] * weights
-        m = self._metrics[mode]
-        m["sampling/importance_weight_mean"].append(self._masked_mean(weights, mask))
-        if listed is not None:  # the share of tokens scored against the sampler's own kept set (completions.py)
-            m["sampling/kept_set_listed"].append(self._masked_mean(listed, mask))
-        gap = torch.nan_to_num((old - sampler).abs(), nan=0.0)
-        first = (batch["token_turns"] == 0).long()
-        m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, mask * first))
-        m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, mask * (1 - first)))
+        self._log_sampler_gap(mode, weights, mask, old, sampler, listed, batch["token_turns"])  # reporting.py
         return weights
 
     def _compute_loss(self, model, inputs):
@@ -1189,77 +1077,84 @@ class MTGRPOEnvTrainer(PackedForward, TrainerReports, TrainerEvaluation, GRPOTra
         if "zero_signal_scale" in inputs:
             inputs = dict(inputs)
             inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
-        with self.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # packing.py: the rows' layout
+        with self.packing.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # the rows' layout
             return super()._compute_loss(model, inputs)
 
-    def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1)).item()
+    # -- forwards: packed tries where padding_free or per-turn samples ask for them (packing.py) ------------
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        return self.packing.logps_and_entropies(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
 
-    def _eval_episodes(self, dataset, k: int) -> tuple[list[dict], list[Episode]]:
-        """This process's questions (every world_size-th row), k episodes each, in rollouts of at most
-        per_device_eval_batch_size episodes. Every process runs the same number of rollouts (some may be
-        empty), as lock-step generation needs."""
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        rows = [{**dataset[i], "row": i} for i in range(rank, len(dataset), world)]
-        inputs = [row for row in rows for _ in range(k)]
-        per_rollout = max(k, self.args.per_device_eval_batch_size // k * k)
-        rollouts = math.ceil(math.ceil(len(dataset) / world) * k / per_rollout)
-        params = GREEDY if k == 1 else None  # None: the training sampling parameters
-        episodes = []
-        for r in range(rollouts):
-            chunk = inputs[r * per_rollout : (r + 1) * per_rollout]
-            episodes += self.env.rollout([x["prompt"] for x in chunk], self.backend, params,
-                                         progress=self._progress(), rows=chunk)
-        for ep in episodes:
-            ep.policy_version = self.state.global_step
-        return inputs, episodes
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        return super().get_high_entropy_mask(entropies, self.packing.signal_mask(mask), threshold)
+
+    # -- evaluation: the same stages on the eval set; evaluation.py runs them and aggregates ------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict[str, float]:
+        """What `eval_strategy` runs, in place of TRL's loop (which scores single-turn completions)."""
+        return evaluation.evaluate(self, eval_dataset)
+
+    def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
+        """(eval/... metrics, per-episode records): the sampler synced, episodes rolled out and scored by `_score`."""
+        return evaluation.run_evaluation(self, dataset, sync=self._sync_weights, score=self._score)
+
 
 # ------------------------------------------------------------------------------------------------
 # 8. Wiring and main
 # ------------------------------------------------------------------------------------------------
 
 
-def make_env(script_args: MTGRPOScriptArguments, args: GRPOConfig, parts) -> MultiTurnToolEnv:
+def trainer_config(args: GRPOConfig | None, script_args: "MTGRPOScriptArguments | None", model) -> "MTGRPOConfig":
+    """The trainer's own MTGRPOConfig (one object: TRL's fields and ours): a copy of `args` (the caller's is never
+    changed); a plain GRPOConfig gets ours from `script_args` (else their defaults), as the same object."""
+    if args is None:
+        return MTGRPOConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-MT-GRPO")
+    config = copy.copy(args)
+    if not isinstance(args, MTGRPOConfig):  # TRL's fields stay as its __post_init__ settled them
+        config.__class__ = MTGRPOConfig
+        ours = script_args or MTGRPOScriptArguments()
+        for f in dataclasses.fields(MTGRPOScriptArguments):  # no name of ours is TRL's
+            setattr(config, f.name, getattr(ours, f.name))
+    return config
+
+
+def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
     """The env of a config, from what builders.assemble resolved (`parts`: tokenizer, tools, prompt parts)."""
-    sa = script_args
     return MultiTurnToolEnv(
-        tokenizer=parts.tokenizer, protocol=get_protocol(sa.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
-        max_env_steps=next((n for n in (sa.max_env_steps, args.max_tool_calling_iterations) if n is not None), None),
-        max_tokens_per_turn=sa.max_tokens_per_turn,
-        max_completion_length=args.max_completion_length, max_tool_response_tokens=sa.max_tool_response_tokens,
-        tool_timeout=sa.tool_timeout, tool_max_workers=sa.tool_max_workers, tokenization_check=sa.tokenization_check,
-        few_shot=sa.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
-        scheduler=sa.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-        environments=parts.environments, turn_samples=sa.turn_samples, questions=parts.questions)
+        tokenizer=parts.tokenizer, protocol=get_protocol(args.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
+        max_env_steps=next((n for n in (args.max_env_steps, args.max_tool_calling_iterations) if n is not None), None),
+        max_tokens_per_turn=args.max_tokens_per_turn,
+        max_completion_length=args.max_completion_length, max_tool_response_tokens=args.max_tool_response_tokens,
+        tool_timeout=args.tool_timeout, tool_max_workers=args.tool_max_workers, tokenization_check=args.tokenization_check,
+        few_shot=args.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
+        scheduler=args.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
+        environments=parts.environments, turn_samples=args.turn_samples, questions=parts.questions)
 
 
-def backend_class(script_args: MTGRPOScriptArguments) -> type:
+def backend_class(args: "MTGRPOConfig") -> type:
     """The one place a backend is named (`generation_backend`); everything else asks it what it can do."""
-    return TransformersBackend if script_args.generation_backend == "transformers" else VLLMServerClient
+    return TransformersBackend if args.generation_backend == "transformers" else VLLMServerClient
 
 
-def make_backend(script_args: MTGRPOScriptArguments, args: GRPOConfig, env: MultiTurnToolEnv):
+def make_backend(args: "MTGRPOConfig", env: MultiTurnToolEnv):
     params, stop_strings, eos_token_ids = SamplingParams.from_config(args), env.protocol.stop_strings, env.eos_token_ids
-    if backend_class(script_args) is TransformersBackend:
+    if backend_class(args) is TransformersBackend:
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
                                    stop_strings=stop_strings,
                                    gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
     client = lambda url: VLLMServerClient(base_url=url,  # noqa: E731
         params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
-        startup_timeout=args.vllm_server_timeout, request_timeout=script_args.vllm_request_timeout,
-        max_concurrent_requests=script_args.vllm_max_concurrent_requests,
-        max_retries=script_args.vllm_max_retries, prompts_per_request=script_args.vllm_prompts_per_request,
-        weight_sync=WeightSyncConfig.from_args(script_args, args), probes=Probes.render(env.render_ids),
-        tie_rule=script_args.vllm_tie_rule)
-    return ServerPool.connect(script_args, args, client)  # one server: its client; several: a pool that routes
+        startup_timeout=args.vllm_server_timeout, request_timeout=args.vllm_request_timeout,
+        max_concurrent_requests=args.vllm_max_concurrent_requests,
+        max_retries=args.vllm_max_retries, prompts_per_request=args.vllm_prompts_per_request,
+        weight_sync=WeightSyncConfig.from_args(args), probes=Probes.render(env.render_ids),
+        tie_rule=args.vllm_tie_rule)
+    return ServerPool.connect(args, client)  # one server: its client; several: a pool that routes
 
 
 def parse_args(argv: list[str] | None = None):
-    """(config, config, model arguments): the MTGRPOConfig twice, as the script arguments and the training ones."""
-    config, model_args = parse_recipe(argv, MTGRPOConfig)
-    return config, config, model_args
+    """(args, args, model arguments), TRL's scripts' shape: the one MTGRPOConfig as script and training arguments."""
+    args, model_args = parse_recipe(argv, MTGRPOConfig)
+    return args, args, model_args
 
 
 def build_trainer(argv: list[str] | None = None, backend_factory: Callable | None = None,
@@ -1267,21 +1162,20 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     """The recipe's trainer, through the Python API: parse and check the recipe, then MTGRPOEnvTrainer builds the
     task, tools, rewards, env and backend from it. `backend_factory(env)` replaces the recipe's generation backend
     (tests use a scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
-    config, _, model_args = parse_args(argv)
+    args, _, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_bars()  # no library progress bar where the output is a log, not a terminal (reporting.py)
-    config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",
-                                "attn_implementation": model_args.attn_implementation,
-                                "revision": model_args.model_revision}
+    args.model_init_kwargs = {**(args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",  # as TRL's
+                              "attn_implementation": model_args.attn_implementation,  # scripts set them
+                              "revision": model_args.model_revision}
     import builders  # here, not at the top: importing this file for its functions stays light
 
-    held_out = builders.load_recipe_task(config, held_out=True) if evaluation and config.eval_strategy == "no" else None
-    trainer = MTGRPOEnvTrainer(model_args.model_name_or_path, args=config, eval_dataset=held_out,
+    held_out = builders.load_recipe_task(args, held_out=True) if evaluation and args.eval_strategy == "no" else None
+    trainer = MTGRPOEnvTrainer(model_args.model_name_or_path, args=args, eval_dataset=held_out,
                                peft_config=get_peft_config(model_args), backend=backend_factory)
     if trainer.accelerator.is_main_process:
-        logger.info("Training on %d processes (%s), generation: %s, tool format: %s.",
-                    trainer.accelerator.num_processes, trainer.accelerator.distributed_type,
-                    config.generation_backend, config.tool_format)
+        logger.info("Training on %d processes (%s), generation: %s, tool format: %s.", trainer.accelerator.num_processes,
+                    trainer.accelerator.distributed_type, args.generation_backend, args.tool_format)
     return trainer
 
 

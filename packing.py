@@ -43,6 +43,7 @@ attention and MLP over at most `budget` tokens), not the batch's row count times
 import logging
 import os
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 import torch
@@ -409,19 +410,24 @@ def packed_attention(model, device: torch.device) -> str:
 
 
 class PackedForward:
-    """A GRPOTrainer mixin: with `padding_free`, every forward that scores completions (the loss's, the old and the
-    reference log-probs) runs on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path. Rows
+    """The trainer's forwards that score completions (the loss's, the old and the reference log-probs): with
+    `padding_free` they run on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path. Rows
     split into samples (turn_samples.py) are forwarded packed whatever `padding_free` says: the padded path would
-    let a sample see the samples before it."""
+    let a sample see the samples before it. MTGRPOEnvTrainer holds one (`self.packing`) and routes its
+    `_get_per_token_logps_and_entropies` and `get_high_entropy_mask` through it. `args`: the trainer's config
+    (`padding_free`, `max_tokens_per_microbatch`, read at each forward); `metrics`: the trainer's `_metrics` (train /
+    eval), which get `packing/ratio`."""
 
-    _sample_starts: torch.Tensor | None = None
-    _row_signal: torch.Tensor | None = None
+    def __init__(self, args, autocast, metrics: dict):
+        self.args, self.autocast, self.metrics = args, autocast, metrics
+        self._sample_starts: torch.Tensor | None = None
+        self._row_signal: torch.Tensor | None = None
 
     @contextmanager
     def row_samples(self, sample_starts: torch.Tensor | None, advantages: torch.Tensor | None = None):
         """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
         the forward with ids and masks only, so the layout reaches it here; so do the rows' `advantages` (B, ...),
-        for the entropy quantile (get_high_entropy_mask). Packed on every rank if any rank's rows are split
+        for the entropy quantile (signal_mask). Packed on every rank if any rank's rows are split
         (rank_max): a rank on the padded path would make other forwards, and other collectives."""
         split = sample_starts is not None and rank_max(int(sample_starts.any()), sample_starts.device)
         self._sample_starts = sample_starts if split else None
@@ -431,16 +437,16 @@ class PackedForward:
         finally:
             self._sample_starts = self._row_signal = None
 
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's `top_entropy_quantile` mask, with the quantile taken over the tokens of rows with signal (an
-        advantage other than 0) only: a zero-signal group's tokens carry no policy gradient, yet counted they
-        would move the threshold. Those rows leave the mask (their policy term is 0; the entropy bonus, which
-        follows the mask, acts on the rows with signal)."""
-        signal = self._row_signal
-        return super().get_high_entropy_mask(entropies, mask if signal is None else mask * signal[:, None], threshold)
+    def signal_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's `top_entropy_quantile` mask taken over the tokens of rows with signal (an advantage other than 0)
+        only: a zero-signal group's tokens carry no policy gradient, yet counted they would move the threshold.
+        Those rows leave the mask (their policy term is 0; the entropy bonus, which follows the mask, acts on the
+        rows with signal)."""
+        return mask if self._row_signal is None else mask * self._row_signal[:, None]
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **extra):
+    def logps_and_entropies(self, padded_forward, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                            compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's `_get_per_token_logps_and_entropies` (`padded_forward`), packed where it should be."""
         starts = self._sample_starts
         if starts is not None and tuple(starts.shape) != (input_ids.shape[0], logits_to_keep):
             raise RuntimeError(f"sample_starts of shape {tuple(starts.shape)} for a forward of "
@@ -449,16 +455,47 @@ class PackedForward:
         if starts is not None and padded:
             raise ValueError("Rows split into per-turn samples (`turn_samples`) are forwarded packed, which takes no "
                              "multimodal inputs or MoE auxiliary loss; set `turn_samples: interleaved`.")
-        if (not self.script_args.padding_free and starts is None) or padded:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        if (not self.args.padding_free and starts is None) or padded:
+            return padded_forward(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                                  compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
         logps, entropies, (raw, forwarded) = packed_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, self.script_args.max_tokens_per_microbatch,
-            compute_entropy, self.accelerator.autocast, starts)
+            model, input_ids, attention_mask, logits_to_keep, self.args.max_tokens_per_microbatch, compute_entropy,
+            self.autocast, starts)
         if torch.is_grad_enabled():  # once per trained micro-batch, not for the old / reference log-probs
-            self._metrics["train" if model.training else "eval"]["packing/ratio"].append(raw / max(forwarded, 1))
+            self.metrics["train" if model.training else "eval"]["packing/ratio"].append(raw / max(forwarded, 1))
         return logps, entropies, None
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's fused LM head, which every scoring forward goes through (the one patch of TRL's internals)
+# ------------------------------------------------------------------------------------------------
+# Vocabulary columns per tile of TRL's fused LM head on CPU. TRL's 32,768 suits its GPU kernel; on CPU its torch
+# fallback holds about 8 tile-sized float32 temporaries at once: 1.5 GiB above the process for the ~1,200
+# completion tokens of a demo step, the peak of its backward, against 0.16 GiB at 2,048 columns, in the same time
+# and with the same values (studies/lm_head_tiles.py).
+CPU_LM_HEAD_TILE = 2048
+
+
+def score_labelled_tokens_only() -> None:
+    """TRL's fused LM head (trl.trainer.utils) scores only the labelled positions (the completion) where
+    Triton runs, and every position elsewhere, so that Neuron need not recompile for each new count. On CPU
+    a new count costs nothing, and every position is 6x the labelled ones in the study (408-token prompts,
+    left padding): there too, score the labelled ones only (TRL's own compact path). Same values. On CPU its
+    tiles are also narrowed to `CPU_LM_HEAD_TILE` vocabulary columns (the memory of a step; same values)."""
+    import trl.trainer.utils as trl_utils
+
+    compact = trl_utils._use_triton
+    if not getattr(compact, "cpu_too", False):
+        trl_utils._use_triton = lambda device: compact(device) or device.type == "cpu"
+        trl_utils._use_triton.cpu_too = True
+    kernel = getattr(trl_utils, "_ChunkedLogProbFunction", None)  # None: check_trl names it as missing
+    if kernel is not None and not getattr(kernel, "cpu_tiles", False):
+        def apply(hidden, weight, bias, targets, temperature, chunk_size, *rest):
+            if hidden.device.type == "cpu":
+                chunk_size = min(chunk_size, CPU_LM_HEAD_TILE)
+            return kernel.apply(hidden, weight, bias, targets, temperature, chunk_size, *rest)
+
+        trl_utils._ChunkedLogProbFunction = SimpleNamespace(apply=apply, cpu_tiles=True)
 
 
 # ------------------------------------------------------------------------------------------------

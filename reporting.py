@@ -378,7 +378,7 @@ class TrainerReports:
 
     def _log_rollout(self, mode: str, episodes: list, scores, adv,
                      seconds: float) -> None:
-        m, G = self._metrics[mode], self._group_size(mode)
+        m, G = self._metrics[mode], self._episodes_per_prompt(mode)
         for name, value in reward_metrics(scores, adv.informative.view(-1, G)[:, 0], self.turn_reward_funcs,
                                           self.outcome_reward_funcs).items():
             m[name].append(value)
@@ -403,6 +403,22 @@ class TrainerReports:
             self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
                                                     + stats[:, EPISODE_STATS.index("env_tokens")].sum())
         m["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _log_sampler_gap(self, mode: str, weights: torch.Tensor, mask: torch.Tensor, trainer_logps: torch.Tensor,
+                         sampler_logps: torch.Tensor, listed: torch.Tensor | None, token_turns: torch.Tensor) -> None:
+        """The importance weights' mean and the trainer-vs-sampler logprob gap, first turn and later turns."""
+        m = self._metrics[mode]
+        m["sampling/importance_weight_mean"].append(self._masked_mean(weights, mask))
+        if listed is not None:  # the share of tokens scored against the sampler's own kept set (completions.py)
+            m["sampling/kept_set_listed"].append(self._masked_mean(listed, mask))
+        gap = torch.nan_to_num((trainer_logps - sampler_logps).abs(), nan=0.0)
+        first = (token_turns == 0).long()
+        m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, mask * first))
+        m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, mask * (1 - first)))
+
+    def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     def _judge_metrics(self) -> dict[str, float]:
         """`judge/...` (calls, tokens, seconds, cache hits, parse failures) since the last call: the LLM judge's
@@ -452,7 +468,7 @@ class TrainerReports:
     # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
     def _record_rollout(self, inputs: list[dict], episodes: list, scores, adv,
                         batch: dict, weights: torch.Tensor | None) -> None:
-        every = self.script_args.save_rollouts_steps
+        every = self.args.save_rollouts_steps
         self._rollouts += 1
         if not every or (self._rollouts - 1) % every:
             return
@@ -507,7 +523,7 @@ def closing_lines(trainer) -> list[str]:
              f"  model: {out} (load it with --model_name_or_path {shlex.quote(out)})" if saved
              else f"  model: not saved (no weights in {out})"]
     rollouts = os.path.join(out, "rollouts")
-    if trainer.script_args.save_rollouts_steps and os.path.isdir(rollouts):
+    if trainer.args.save_rollouts_steps and os.path.isdir(rollouts):
         names = os.listdir(rollouts)
         train, evals = (sum(n.startswith(prefix) and n.endswith(".jsonl") for n in names)
                         for prefix in ("step-", "eval-step-"))

@@ -168,14 +168,14 @@ class ServerPool:
         self.weights = WeightSync(self, first.weights.config, first.weights.probes, first.weights.score_sampled)
 
     @classmethod
-    def connect(cls, script_args, args, client):
+    def connect(cls, args, client):
         """The backend of a recipe: `client(url)` (a VLLMServerClient) of its one server (TRL's
         `vllm_server_base_url`, else `vllm_server_host:vllm_server_port`), or a pool of `vllm_server_urls`."""
-        urls = script_args.vllm_server_urls or [
+        urls = args.vllm_server_urls or [
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
         if len(urls) == 1:
             return client(urls[0])
-        return cls([client(url) for url in urls], script_args.vllm_server_loss)
+        return cls([client(url) for url in urls], args.vllm_server_loss)
 
     # -- what the env and the trainer read ---------------------------------------------------------
     @property

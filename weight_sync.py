@@ -56,16 +56,16 @@ class WeightSyncConfig:
     max_adapters: int = 2  # adapter versions kept loaded on the server (the newest; older ones are unloaded)
 
     @classmethod
-    def from_args(cls, script_args, args) -> "WeightSyncConfig":
+    def from_args(cls, args) -> "WeightSyncConfig":
         """From the recipe (MTGRPOScriptArguments, GRPOConfig); `weight_sync: auto` is nccl on CUDA, else disk."""
-        method = script_args.weight_sync
+        method = args.weight_sync
         if method == "auto":
             method = "nccl" if torch.cuda.is_available() and not args.use_cpu else "disk"
-        return cls(method=method, folder=script_args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
-                   timeout=script_args.weight_sync_timeout, nccl_master_address=script_args.nccl_master_address,
-                   nccl_master_port=script_args.nccl_master_port, probe_tolerance=script_args.sync_probe_tolerance,
-                   lora_sync=script_args.lora_sync,
-                   max_adapters=script_args.max_staleness + 1 if script_args.async_rollout else 1)
+        return cls(method=method, folder=args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"),
+                   timeout=args.weight_sync_timeout, nccl_master_address=args.nccl_master_address,
+                   nccl_master_port=args.nccl_master_port, probe_tolerance=args.sync_probe_tolerance,
+                   lora_sync=args.lora_sync,
+                   max_adapters=args.max_staleness + 1 if args.async_rollout else 1)
 
 
 # The weights probe: a closed conversation the server must score like the trainer after every sync (prompt

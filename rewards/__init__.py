@@ -31,6 +31,7 @@ passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
+import math
 from typing import Callable
 
 from registry import resolve
@@ -76,3 +77,29 @@ def failing_sample(fn: Callable, prompts: list, completions: list, columns: dict
         except Exception:
             return str(i)
     return "(the batch only; no single sample raises)"
+
+
+def check_reward_count(name: str, values, samples: int) -> None:
+    """A reward function returns a list of one value per sample (or what TRL also takes: a tuple, an array)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise ValueError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.60}, not a list: return "
+                         f"a list of {samples} values, one per sample (a float, or None for 'not applicable').")
+    if len(values) != samples:
+        raise ValueError(f"Reward function '{name}' returned {len(values)} values for {samples} samples: return "
+                         "one value per completion it was given.")
+
+
+def reward_value(name: str, i: int, v) -> float:
+    """One sample's reward as a float: None -> NaN ("not applicable"). What TRL's `torch.tensor(rewards)` takes is
+    taken (a bool, a numpy number, a one-element tensor), so a TRL reward trains unchanged; text, a list, or a NaN
+    or inf is an error naming the function and the sample."""
+    if v is None:
+        return float("nan")
+    try:
+        value = None if isinstance(v, (str, bytes)) else float(v)
+    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a tensor of several elements
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"Reward function '{name}' returned {v!r} for sample {i}: rewards must be finite "
+                         "numbers, or None for 'not applicable'.")
+    return value

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = trainer.args.output_dir
     trainer._write_records("eval_episodes.jsonl", records, folder=out)
     if trainer.accelerator.is_main_process:
-        summary = {"model": trainer.model.name_or_path, "dataset": trainer.script_args.eval_dataset_name
-                   or trainer.script_args.dataset_name, "metrics": metrics}
+        summary = {"model": trainer.model.name_or_path, "dataset": trainer.args.eval_dataset_name
+                   or trainer.args.dataset_name, "metrics": metrics}
         with open(os.path.join(out, "eval_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         width = max(len(k) for k in metrics)

@@ -13,7 +13,8 @@ import time
 from common import print_table, smollm2_dir
 from transformers import AutoTokenizer
 
-from mt_grpo_trainer import MultiTurnToolEnv, Sample
+from completions import Sample
+from mt_grpo_trainer import MultiTurnToolEnv
 from protocol import XMLProtocol
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 

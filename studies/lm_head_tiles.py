@@ -7,7 +7,7 @@ demo step (about 1,200):
 
 TRL's width is 32,768 (`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`), suited to its GPU kernel; on CPU its
 torch fallback holds several tile-sized float32 temporaries at once, and the trainer narrows the tiles to
-`checks.CPU_LM_HEAD_TILE`. Each width runs in its own process (a heap that an earlier width grew would hide the
+`packing.CPU_LM_HEAD_TILE`. Each width runs in its own process (a heap that an earlier width grew would hide the
 next one's peak), twice (the first is a warm-up; the second is reported), with the peak RSS above the process's
 size before the call sampled every 2 ms; the log-probs and the weight gradient of every width are checked
 equal to the first's. The last line reads `tile <last>/<first>: time <ratio>, peak <ratio>`."""

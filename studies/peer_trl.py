@@ -237,7 +237,9 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
     The evaluation runs our env with the same cap, so both trainers of one cap are evaluated alike."""
     from transformers import TrainerCallback
 
-    from mt_grpo_trainer import build_trainer, get_last_checkpoint
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from mt_grpo_trainer import build_trainer
     from reporting import GracefulStop
 
     flags = cap_flags(recipe, flags, turn_cap)

@@ -178,7 +178,7 @@ def arm_batch(trainer, batch: dict, packed: bool) -> dict:
     padded arm, rows split into per-turn samples (turn_samples), which the trainer forwards packed whatever
     `padding_free` says, forwarded whole (each sample then sees the ones before it: the cost of the padded layout,
     not its loss)."""
-    trainer.script_args.padding_free = packed
+    trainer.args.padding_free = packed
     if packed or batch.get("sample_starts") is None:
         return batch
     return {**batch, "sample_starts": torch.zeros_like(batch["sample_starts"])}  # no row split
@@ -319,7 +319,7 @@ def main():
              if torch.cuda.is_available() else ""))
     if args.compare_packing:
         compare_packing(trainer, batch, phases, mean("scoring + logging"),
-                        trainer.script_args.max_tokens_per_microbatch)
+                        trainer.args.max_tokens_per_microbatch)
     phases.stop = True
     mt.end_processes(trainer)
 

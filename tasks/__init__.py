@@ -55,7 +55,34 @@ from typing import Callable
 
 import datasets
 
+from fields import arg
 from protocol import prompt_problem, prompt_question
+
+
+@dataclass
+class TaskArguments:
+    """The recipe keys of the task: its data, columns and held-out split; the trainer's config inherits them."""
+
+    dataset_name: str | None = arg("fictional_kb", "fictional_kb (embedded, offline) | triviaqa | any `datasets."
+                                   "load_dataset` name or local folder | a .jsonl/.json/.parquet/.csv file (see "
+                                   "*_column) | None: `environment_factory`'s reset gives the prompt (set max_steps).")
+    dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
+    question_column: str = arg("question", "The dataset's column holding the question.")
+    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
+                             "may be missing when no reward needs it.")
+    prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
+                             "instead of the question when present.")
+    dataset_split: str = arg("train", "Split of the dataset to train on.")
+    max_samples: int | None = arg(None, "Keep at most this many questions (None: all).")
+    kb_seed: int = arg(0, "Seed of the fictional knowledge base, apart from `seed`: every training seed sees one task.")
+    kb_multi_hop: float = arg(0.0, "Share of fictional_kb questions that need two searches (0 to 1).")
+    corpus_path: str | None = arg(None, ".jsonl of {title, text} documents for `search` (fictional_kb brings its own).")
+    # evaluation runs with TRL's eval_strategy / eval_steps (and once before the first step)
+    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on, as `dataset_name` (None: the training one).")
+    eval_dataset_split: str | None = arg(None, "Split to evaluate on (None: the task's held-out one); never the "
+                                         "training split.")
+    eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).")
+
 
 logger = logging.getLogger("mt_grpo")
 
@@ -165,31 +192,31 @@ HELD_OUT_SPLITS = {"fictional_kb": "test", "fictional_kb_entities": "validation"
                    "textworld_quest": "test"}
 
 
-def load_eval_task(script_args, answer_required: bool | list[str] = True) -> Task:
-    """The eval task of a recipe (MTGRPOScriptArguments `script_args`): `eval_dataset_name` (default: the
+def load_eval_task(args, answer_required: bool | list[str] = True) -> Task:
+    """The eval task of a recipe (MTGRPOScriptArguments `args`): `eval_dataset_name` (default: the
     training dataset) at `eval_dataset_split` (default: the task's held-out split), read with the recipe's
     columns (and its `dataset_config`, for the training dataset). It must not be the training split of the
     training set."""
-    name = script_args.eval_dataset_name or script_args.dataset_name
+    name = args.eval_dataset_name or args.dataset_name
     # a local file has one split, "train": another file is held out as a whole
-    split = (script_args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
-             or ("train" if name != script_args.dataset_name else None))
+    split = (args.eval_dataset_split or HELD_OUT_SPLITS.get(name)
+             or ("train" if name != args.dataset_name else None))
     if split is None:
         raise ValueError(f"Evaluation needs a held-out set, and {name!r} has no known one: set "
                          "`eval_dataset_split` (e.g. test, for a hub dataset that has one), or `eval_dataset_name` "
                          "to another file, or turn evaluation off (`eval_strategy: no`).")
-    if name == script_args.dataset_name and split == script_args.dataset_split:
+    if name == args.dataset_name and split == args.dataset_split:
         raise ValueError(f"The eval set is the training set ({name!r}, split {split!r}): set "
                          "`eval_dataset_split` (or `eval_dataset_name`) to held-out data.")
-    config = getattr(script_args, "dataset_config", None) if name == script_args.dataset_name else None
-    return load_task(name, split, script_args.eval_max_samples, script_args.corpus_path, script_args.kb_seed,
-                     script_args.kb_multi_hop, dataset_config=config, columns=recipe_columns(script_args),
+    config = getattr(args, "dataset_config", None) if name == args.dataset_name else None
+    return load_task(name, split, args.eval_max_samples, args.corpus_path, args.kb_seed,
+                     args.kb_multi_hop, dataset_config=config, columns=recipe_columns(args),
                      answer_required=answer_required)
 
 
-def recipe_columns(script_args) -> dict[str, str]:
+def recipe_columns(args) -> dict[str, str]:
     """The recipe's column mapping (`question_column`, ...): role -> the dataset's column."""
-    return {role: getattr(script_args, f"{role}_column", role) for role in ROLES}
+    return {role: getattr(args, f"{role}_column", role) for role in ROLES}
 
 
 def load_corpus(path: str) -> list[dict]:
@@ -431,9 +458,9 @@ def _answer_aliases(answer) -> tuple[list[str], str]:
     return (aliases, "") if aliases else ([], "empty answer")
 
 
-def build_dataset(script_args, env, task, tools_of: Callable | None = None):
+def build_dataset(args, env, task, tools_of: Callable | None = None):
     """The task's rows with chat prompts (`env.prompt`: the trainer's MultiTurnToolEnv) of their TRL `prompt`, or
-    else of their question, in the column `prompt`; prompts longer than `script_args.max_prompt_length` tokens are
+    else of their question, in the column `prompt`; prompts longer than `args.max_prompt_length` tokens are
     dropped, with a count. `tools_of(environment)`: the tools a row's prompt lists, by its `environment` column
     (several environment classes, environments.py); None: the env's."""
     has_prompt = "prompt" in task.dataset.column_names
@@ -446,12 +473,12 @@ def build_dataset(script_args, env, task, tools_of: Callable | None = None):
     # a table without columns has no rows: the placeholder rows of an environment's run are prompts only
     dataset = rest.add_column("prompt", prompts) if rest.column_names else datasets.Dataset.from_dict({"prompt": prompts})
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
-    keep = [i for i, n in enumerate(lengths) if n <= script_args.max_prompt_length]
+    keep = [i for i, n in enumerate(lengths) if n <= args.max_prompt_length]
     if len(keep) < len(dataset):
         logger.warning("Dropped %d of %d prompts longer than max_prompt_length=%d tokens.",
-                       len(dataset) - len(keep), len(dataset), script_args.max_prompt_length)
+                       len(dataset) - len(keep), len(dataset), args.max_prompt_length)
         if not keep:
             raise ValueError(f"Every prompt is longer than `max_prompt_length` "
-                             f"({script_args.max_prompt_length}); raise it.")
+                             f"({args.max_prompt_length}); raise it.")
         dataset = dataset.select(keep)
     return dataset

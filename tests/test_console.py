@@ -90,8 +90,7 @@ def test_the_libraries_bars_only_on_a_terminal(monkeypatch):
 
 
 def fake_trainer(output_dir: str, save_rollouts_steps: int, main: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(args=SimpleNamespace(output_dir=output_dir),
-                           script_args=SimpleNamespace(save_rollouts_steps=save_rollouts_steps),
+    return SimpleNamespace(args=SimpleNamespace(output_dir=output_dir, save_rollouts_steps=save_rollouts_steps),
                            accelerator=SimpleNamespace(is_main_process=main))
 
 

@@ -252,7 +252,7 @@ def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(t
     from step_anatomy import Phases, train_on
 
     trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--turn_samples", "per_model_turn")
-    assert trainer.script_args.padding_free and batch["sample_starts"].any()
+    assert trainer.args.padding_free and batch["sample_starts"].any()
     calls = []
     packed = packing.packed_logps_and_entropies
     monkeypatch.setattr(packing, "packed_logps_and_entropies", lambda *a, **k: calls.append(1) or packed(*a, **k))

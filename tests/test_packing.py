@@ -143,7 +143,7 @@ def test_the_trainers_loss_kl_and_gradient_are_the_padded_ones(tiny_agent_dir, t
     batch["old_per_token_logps"] = batch["ref_per_token_logps"] + 0.1 * mask  # ratios != 1, some clipped
 
     def loss_and_gradient(padding_free: bool):
-        trainer.script_args.padding_free = padding_free
+        trainer.args.padding_free = padding_free
         for values in trainer._metrics["train"].values():
             values.clear()
         loss = trainer._compute_loss(trainer.model, dict(batch))
@@ -173,7 +173,7 @@ def test_old_and_reference_log_probs_come_from_the_packed_forward(tiny_agent_dir
     made, and packed they equal the padded ones."""
     trainer, batch = scripted_trainer(tiny_agent_dir, task_files, tmp_path, "--num_iterations", "2", "--beta", "0.1")
     packed = {k: batch[k].clone() for k in ("old_per_token_logps", "ref_per_token_logps")}
-    trainer.script_args.padding_free = False
+    trainer.args.padding_free = False
     trainer._add_old_and_ref_logps(batch)
     mask = batch["completion_mask"]
     for key, value in packed.items():

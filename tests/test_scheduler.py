@@ -70,8 +70,8 @@ def test_a_slow_tool_holds_up_only_its_own_conversation(smollm2_tokenizer):
         return f"Result for {query}."
 
     class Recording(MultiTurnToolEnv):
-        def _record_model_turn(self, ep, sample):
-            calls = super()._record_model_turn(ep, sample)
+        def record_model_turn(self, ep, sample):
+            calls = super().record_model_turn(ep, sample)
             if ep.done:
                 fast = self.tokenizer.decode(ep.prompt_ids).count("Q-fast")
                 finished.append(fast)

@@ -178,7 +178,7 @@ def test_each_group_stays_on_one_server_and_both_get_groups(two_servers, tiny_ag
     env = tiny_env(tokenizer, scheduler)
     config, _, _ = parse_args(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", "unused",
                                "--generation_backend", "vllm_server", "--vllm_server_urls", *map(url, two_servers)])
-    pool = make_backend(config, config, env)
+    pool = make_backend(config, env)
     assert isinstance(pool, ServerPool) and [c.base_url for c in pool.servers] == [url(s) for s in two_servers]
     calls = recorded(pool)
     episodes = env.rollout([env.prompt(q) for q in QUESTIONS for _ in range(2)], pool)
