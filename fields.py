@@ -14,7 +14,9 @@ from trl import ModelConfig, TrlParser
 class Choices:
     """A field's allowed values: a collection, or a function returning one (a table defined below the config, as
     ADVANTAGE_MODES is), read when a value is checked. A dict's values may have a `help`, which the reference shows.
-    `renamed`: old values, each refused with its new name. argparse takes it as `choices` (--help lists them)."""
+    `renamed`: old values, each refused with its new name. argparse takes it as `choices`, so that --help lists them;
+    it lets every value through (`in` is always true), and check_choices judges the CLI's values and the recipe's
+    alike, with one message that names the field (and a renamed value's new name)."""
 
     def __init__(self, values, renamed: dict[str, str] | None = None):
         self.values, self.renamed = values, dict(renamed or {})
@@ -25,7 +27,10 @@ class Choices:
     def __iter__(self):
         return iter(list(self.table()))
 
-    def __contains__(self, value) -> bool:
+    def __contains__(self, value) -> bool:  # argparse's test: check_choices is the one
+        return True
+
+    def allows(self, value) -> bool:
         return value in self.table()
 
     def describe(self) -> str:
@@ -49,7 +54,7 @@ def check_choices(config) -> None:
     """Every field declared with `choices` holds one of them (a renamed value: the error names the new one)."""
     for f in fields(config):
         allowed, value = f.metadata.get("choices"), getattr(config, f.name, None)
-        if not isinstance(allowed, Choices) or value in allowed:  # (transformers' fields check their own)
+        if not isinstance(allowed, Choices) or allowed.allows(value):  # (transformers' fields check their own)
             continue
         if value in allowed.renamed:
             raise ValueError(f"`{f.name}: {value}` is now `{f.name}: {allowed.renamed[value]}`: rename it.")

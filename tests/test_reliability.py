@@ -27,6 +27,9 @@ CASES = [
     # (extra YAML, extra flags, exception, message)
     ("", ["--advantage_mode", "bogus"], ValueError, "`advantage_mode` is 'bogus'; choose one of"),
     ("", ["--weight_sync", "ftp"], ValueError, "`weight_sync` is 'ftp'"),
+    ("", ["--turn_samples", "per_turn"], ValueError, "`turn_samples: per_turn` is now `turn_samples: per_model_turn`"),
+    ("turn_samples: per_turn\n", [], ValueError, "`turn_samples: per_turn` is now `turn_samples: per_model_turn`"),
+    ("", ["--answer_type", "number"], ValueError, "`answer_type` is 'number'; choose one of ['auto', 'text', 'math']"),
     ("", ["--turn_reward_weights", "1.0"], ValueError, "`turn_reward_weights` has 1 values but `turn_reward_funcs` has 2"),
     ("turn_reward_funcs: []\n", [], ValueError, "`advantage_mode: mt_grpo` credits turns, but the run has no turn reward"),
     ("", ["--per_device_train_batch_size", "6"], ValueError, "generation_batch_size (6) must be divisible by num_generations (4)"),
