@@ -5,6 +5,9 @@
 #   ./launch.sh [--dry-run] RECIPE.yaml [trainer flags...]
 #   NUM_GPUS=8 ./launch.sh --dry-run hf_recipes/Qwen/Qwen2.5-7B-Instruct/mt_grpo.yaml
 #
+# It runs from any folder: a relative RECIPE is read from the current one, and the trainer runs from the repository
+# (this script's folder). The recipe is read with PYTHON's PyYAML, as the trainer reads it (scripts/recipe_values.py).
+#
 # Settings (environment variables, with defaults):
 #   NUM_GPUS=8                 GPUs on this node
 #   VLLM_TP=1 VLLM_DP=1        vLLM tensor / data parallel size of a server, on VLLM_TP*VLLM_DP GPUs
@@ -15,21 +18,24 @@
 #   VLLM_GPU_MEMORY=0.9        vLLM --gpu-memory-utilization
 #   VLLM_MAX_MODEL_LEN=4096    vLLM --max-model-len (prompt + whole multi-turn completion)
 #   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
-#   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml)
-#   PYTHON=python              interpreter with vllm, trl and accelerate installed
+#   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml; relative to the repository)
+#   PYTHON=python              interpreter with vllm, trl and accelerate installed (and so PyYAML)
 #   JUDGE_MODEL=               an LLM judge (rewards/judge.py) served by its own vLLM on JUDGE_GPUS GPUs, taken
 #                              just before the generation server's; the trainer gets --judge_base_url/--judge_model
 #   JUDGE_GPUS=1 JUDGE_PORT=8001 JUDGE_GPU_MEMORY=0.9 JUDGE_MAX_MODEL_LEN=8192
 # A LoRA recipe (use_peft: true) also gets the server's LoRA flags (--enable-lora, --max-lora-rank, ...).
 # The server is stopped when training ends, fails, or is interrupted (Ctrl-C).
 set -euo pipefail
-cd "$(dirname "$0")"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+source "$ROOT/scripts/launch_common.sh"  # check_recipe, recipe_path, read_recipe, *_flags, show
 
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 RECIPE=${1:?usage: ./launch.sh [--dry-run] RECIPE.yaml [trainer flags...]}
 shift
-[ -f "$RECIPE" ] || { echo "launch.sh: recipe not found: $RECIPE" >&2; exit 2; }
+check_recipe launch.sh
+RECIPE=$(recipe_path)
+cd "$ROOT"  # the trainer runs from the repository: the recipes' output_dir and the accelerate configs are relative
 
 NUM_GPUS=${NUM_GPUS:-8}
 VLLM_TP=${VLLM_TP:-1}
@@ -69,12 +75,9 @@ fi
 TRAIN_DEVICES=$(seq -s, 0 $((TRAIN_GPUS - 1)))
 JUDGE_DEVICES=$(seq -s, "$TRAIN_GPUS" $((TRAIN_GPUS + JUDGE_GPUS - 1)))
 VLLM_FIRST_GPU=$((TRAIN_GPUS + JUDGE_GPUS))
-source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, server_dtype_flags, show
-MODEL=$(recipe_value model_name_or_path)
-[ -n "$MODEL" ] || { echo "launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
-lora_server_flags "$@"  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
-
-server_dtype_flags "$@"  # DTYPE_ARGS: an fp16 recipe's server samples in float16
+read_recipe "$@"  # MODEL, TOOL_FORMAT, USE_PEFT, LORA_R, FP16: the recipe's, or a trainer flag's
+lora_server_flags  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
+server_dtype_flags  # DTYPE_ARGS: an fp16 recipe's server samples in float16
 
 vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD and VLLM_DEVICES
   local first=$((VLLM_FIRST_GPU + $1 * SERVER_GPUS))
@@ -107,8 +110,7 @@ TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES"
   "${SERVER_FLAGS[@]}" "${JUDGE_FLAGS[@]}" "$@")
 
 if [ "$DRY_RUN" = 1 ]; then
-  TOOL_FORMAT=$(recipe_value tool_format)
-  echo "# $RECIPE: tool_format ${TOOL_FORMAT:-xml}" >&2  # stderr: stdout is the commands
+  echo "# $RECIPE: tool_format $TOOL_FORMAT" >&2  # stderr: stdout is the commands
   for ((i = 0; i < VLLM_SERVERS; i++)); do vllm_cmd "$i"; echo "$(show "${VLLM_CMD[@]}") &"; done
   if [ -n "$JUDGE_MODEL" ]; then echo "$(show "${JUDGE_CMD[@]}") &"; fi
   HEALTH="http://127.0.0.1:$VLLM_PORT/health"

@@ -1,33 +1,55 @@
 # Shell functions shared by launch.sh (one node) and scripts/slurm_launch.sh (several): sourced, not run.
-# They read RECIPE (the recipe's path) and the trainer flags passed to them.
+# They read ROOT (the repository, where the trainer runs), RECIPE (the recipe's path) and PYTHON.
 
-recipe_value() { awk -F': *' -v key="$1" '$1 == key {print $2; exit}' "$RECIPE" | sed 's/[[:space:]]*#.*//'; }
-flag_value() { local key=$1; shift; local prev=""; for a in "$@"; do [ "$prev" = "--$key" ] && echo "$a"; prev=$a; done; }
+# Stops unless RECIPE is a file. A relative path is read from the current folder; one that names a recipe of the
+# repository from elsewhere gets its absolute path as the fix. $1: the launcher's name.
+check_recipe() {
+  [ -f "$RECIPE" ] && return 0
+  local fix=""
+  if [[ $RECIPE != /* ]] && [ -f "$ROOT/$RECIPE" ]; then fix="; the repository's is $ROOT/$RECIPE"; fi
+  echo "$1: recipe not found: $RECIPE (a relative path is read from $(pwd -P)$fix)" >&2
+  exit 2
+}
 
-# LoRA (use_peft: true in the recipe, or --use_peft true among the flags): the server loads each synced
-# adapter at run time (lora_sync: adapter), of rank up to lora_r (TRL's default 16) rounded up to a rank
-# vLLM accepts; two versions loaded at once (async_rollout keeps the previous one until its batch ends).
-# Sets LORA_ENV and LORA_ARGS (empty for a full-weight recipe). Arguments: the trainer flags.
+# The recipe's path as the trainer, run from ROOT, is given it: relative to ROOT when the recipe lies inside it, else
+# absolute. A relative RECIPE is read from the caller's folder (the current one, before the launcher moves to ROOT).
+recipe_path() {
+  local dir=. name=$RECIPE path
+  if [[ $RECIPE == */* ]]; then dir=${RECIPE%/*} name=${RECIPE##*/}; dir=${dir:-/}; fi
+  path=$(cd "$dir" && pwd -P)/$name
+  case $path in "$ROOT"/*) echo "${path#"$ROOT"/}" ;; *) echo "$path" ;; esac
+}
+
+# MODEL, TOOL_FORMAT, USE_PEFT, LORA_R and FP16 from the recipe and the trainer flags ($@) as the trainer reads them:
+# scripts/recipe_values.py parses the recipe with PyYAML (quoting, YAML's booleans, CRLF files), a flag overriding it.
+read_recipe() {
+  local values
+  command -v "$PYTHON" >/dev/null || {
+    echo "launch: PYTHON=$PYTHON not found: set PYTHON to the interpreter with vllm, trl and accelerate" >&2; exit 2; }
+  values=$("$PYTHON" "$ROOT/scripts/recipe_values.py" "$RECIPE" "$@") || exit 2
+  eval "$values"
+}
+
+# LoRA (use_peft true in the recipe or among the flags): the server loads each synced adapter at run time
+# (lora_sync: adapter), of rank up to lora_r (TRL's default 16) rounded up to a rank vLLM accepts; two versions
+# loaded at once (async_rollout keeps the previous one until its batch ends).
+# Sets LORA_ENV and LORA_ARGS (empty for a full-weight recipe). Needs read_recipe's USE_PEFT and LORA_R.
 lora_server_flags() {
-  local use_peft lora_r r max_rank=""
+  local r max_rank=""
   LORA_ENV=() LORA_ARGS=()
-  use_peft=$(flag_value use_peft "$@"); use_peft=${use_peft:-$(recipe_value use_peft)}
-  [ "$use_peft" = "true" ] || return 0
-  lora_r=$(flag_value lora_r "$@"); lora_r=${lora_r:-$(recipe_value lora_r)}; lora_r=${lora_r:-16}
+  [ "$USE_PEFT" = "true" ] || return 0
   for r in 1 8 16 32 64 128 256 320 512; do
-    if [ "$r" -ge "$lora_r" ]; then max_rank=$r; break; fi
+    if [ "$r" -ge "$LORA_R" ]; then max_rank=$r; break; fi
   done
-  [ -n "$max_rank" ] || { echo "launch: lora_r $lora_r is above 512, the largest rank vLLM serves" >&2; exit 2; }
+  [ -n "$max_rank" ] || { echo "launch: lora_r $LORA_R is above 512, the largest rank vLLM serves" >&2; exit 2; }
   LORA_ENV=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
   LORA_ARGS=(--enable-lora --max-lora-rank "$max_rank" --max-loras 2)
 }
 
-# FP16 (fp16: true in the recipe or among the flags): the servers sample in float16 too, else in the checkpoint's
-# dtype (docs/guide.md, "Mixed precision"). Sets DTYPE_ARGS. Arguments: the trainer flags.
+# FP16 (fp16 true in the recipe or among the flags): the servers sample in float16 too, else in the checkpoint's
+# dtype (docs/guide.md, "Mixed precision"). Sets DTYPE_ARGS. Needs read_recipe's FP16.
 server_dtype_flags() {
-  local fp16
-  fp16=$(flag_value fp16 "$@"); fp16=${fp16:-$(recipe_value fp16)}
-  DTYPE_ARGS=(); if [ "$fp16" = "true" ]; then DTYPE_ARGS=(--dtype float16); fi
+  DTYPE_ARGS=(); if [ "$FP16" = "true" ]; then DTYPE_ARGS=(--dtype float16); fi
 }
 
 show() {  # print a command so that it can be pasted into a shell

@@ -17,7 +17,11 @@
 #   NCCL_PORT=51216            the NCCL weight sync's rendezvous on the first training node: server i uses NCCL_PORT+i
 #   ACCELERATE_CONFIG=accelerate_configs/zero3_multinode.yaml   (its machine_rank, main_process_ip, num_machines and
 #                              num_processes are overridden per node)
-#   PYTHON=python              interpreter with vllm, trl and accelerate installed, on every node
+#   PYTHON=python              interpreter with vllm, trl and accelerate installed (and so PyYAML), on every node
+#   MT_GRPO_ROOT=              the repository. sbatch runs a copy of this script from its spool folder, so unless
+#                              this is set the repository is this script's parent folder when run in place (salloc,
+#                              --dry-run), else the folder sbatch was called from (SLURM_SUBMIT_DIR). The trainer
+#                              runs from it; a relative RECIPE is read from the folder the script started in.
 # The node list comes from `scontrol show hostnames`, or, where scontrol is absent, from SLURM_JOB_NODELIST expanded
 # here (names like gpu[01-04,09],cpu7: one bracket per name). A LoRA recipe's servers get launch.sh's LoRA flags,
 # an fp16 recipe's their --dtype float16.
@@ -25,13 +29,31 @@
 #SBATCH --job-name=mt-grpo
 #SBATCH --ntasks-per-node=1
 set -euo pipefail
-cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+is_repository() { [ -f "$1/mt_grpo_trainer.py" ] && [ -f "$1/scripts/launch_common.sh" ]; }
+if [ -n "${MT_GRPO_ROOT:-}" ]; then
+  is_repository "$MT_GRPO_ROOT" || { echo "slurm_launch.sh: MT_GRPO_ROOT=$MT_GRPO_ROOT is not the mt-grpo" \
+    "repository (no mt_grpo_trainer.py and scripts/launch_common.sh there)" >&2; exit 2; }
+  ROOT=$MT_GRPO_ROOT
+elif is_repository "$(dirname "${BASH_SOURCE[0]}")/.."; then
+  ROOT=$(dirname "${BASH_SOURCE[0]}")/..
+elif [ -n "${SLURM_SUBMIT_DIR:-}" ] && is_repository "$SLURM_SUBMIT_DIR"; then
+  ROOT=$SLURM_SUBMIT_DIR
+else
+  echo "slurm_launch.sh: cannot find the mt-grpo repository: sbatch runs a copy of this script, and the folder it" \
+    "was submitted from (SLURM_SUBMIT_DIR=${SLURM_SUBMIT_DIR:-}) is not the repository. Set MT_GRPO_ROOT to it:" \
+    "MT_GRPO_ROOT=/path/to/mt-grpo sbatch ... /path/to/mt-grpo/scripts/slurm_launch.sh RECIPE.yaml" >&2
+  exit 2
+fi
+ROOT=$(cd "$ROOT" && pwd -P)
+source "$ROOT/scripts/launch_common.sh"  # check_recipe, recipe_path, read_recipe, *_flags, show
 
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 RECIPE=${1:?usage: scripts/slurm_launch.sh [--dry-run] RECIPE.yaml [trainer flags...]}
 shift
-[ -f "$RECIPE" ] || { echo "slurm_launch.sh: recipe not found: $RECIPE" >&2; exit 2; }
+check_recipe slurm_launch.sh
+RECIPE=$(recipe_path)
+cd "$ROOT"  # the trainer runs from the repository (srun steps start in this folder)
 [ -n "${SLURM_JOB_NODELIST:-}" ] || { echo "slurm_launch.sh: SLURM_JOB_NODELIST is not set: submit with sbatch," \
   "run inside salloc, or set it (e.g. SLURM_JOB_NODELIST='gpu[1-4]') for --dry-run." >&2; exit 2; }
 
@@ -93,11 +115,9 @@ if [ $((GPUS_PER_NODE % VLLM_TP)) != 0 ]; then
   exit 2
 fi
 MAIN_NODE=${NODES[0]}
-source scripts/launch_common.sh  # recipe_value, flag_value, lora_server_flags, server_dtype_flags, show
-MODEL=$(recipe_value model_name_or_path)
-[ -n "$MODEL" ] || { echo "slurm_launch.sh: $RECIPE has no model_name_or_path" >&2; exit 2; }
-lora_server_flags "$@"
-server_dtype_flags "$@"
+read_recipe "$@"  # MODEL, USE_PEFT, LORA_R, FP16: the recipe's, or a trainer flag's
+lora_server_flags
+server_dtype_flags
 
 # The servers: GPUS_PER_NODE / VLLM_TP on each vLLM node, one srun step each, on its own GPUs and port
 SERVER_NODES=() SERVER_CMDS=() URLS=()
