@@ -128,6 +128,12 @@ def parse_completions_response(response: dict, num_prompts: int, n: int, kept_as
 # ------------------------------------------------------------------------------------------------
 # HTTP to a vLLM server: every wait bounded, every retry counted
 # ------------------------------------------------------------------------------------------------
+def backoff(attempt: int) -> float:
+    """Seconds to wait before retry `attempt` (0, 1, ...): 1, 2, 4, ..., at most 30. Used by the client's retries of a
+    request and by server_pool's retries of a server that answers /health."""
+    return min(2.0**attempt, 30.0)
+
+
 def wait_for_health(http, base_url: str, timeout: float) -> None:
     """Until the server at `base_url` answers /health with 200, at most `timeout` seconds."""
     deadline, last_error = time.monotonic() + timeout, None
@@ -166,7 +172,7 @@ def post_with_retries(http, base_url: str, path: str, body: dict, parse: Callabl
         except RetryableResponse as e:
             error = str(e)
         if attempt < max_retries:
-            time.sleep(min(2.0**attempt, 30.0))
+            time.sleep(backoff(attempt))
     raise ConnectionError(
         f"vLLM server at {base_url} failed {path} {max_retries + 1} times ({error}). Is it "
         "still running? Check its log."

@@ -11,11 +11,18 @@ reach every server, and a server that dies is either left out or stops the run.
   the NCCL path opens one group per server (`nccl_master_port + i`). The probes ask each server (`servers`) and a
   stale or wrong one stops the run with its URL. At start every server must serve the same model, and
   `server_sampler` refuses any whose logprobs are raw (each client checks its own).
-- **A server lost mid-run** (`vllm_server_loss`). A request that fails after the client's retries, on a server that
-  then fails /health, is lost. `retry`: the server leaves the pool for the rest of the run and the request's
-  conversations are sent again to the others, which hold the same weights (they were synced together); the lost
-  request returned nothing, so every turn is sampled once. `stop`: the run stops with the server's URL. Either way
-  the time to notice is bounded by `vllm_request_timeout` and `vllm_max_retries`.
+- **Transient errors are not a loss** (`vllm_server_max_failures`). A call to a server (a request part, or one server's
+  share of a weight-sync endpoint) that fails after the client's own retries (5xx, a dropped connection, a timeout) is
+  sent again to the same server, after a backoff, while the server answers /health with 200: a server that is alive
+  but answers 503 now and then, or for a while, loses nothing. The failed call returned nothing, so nothing is
+  sampled twice; a re-sent reset or reload does again what it does once.
+- **A server lost mid-run** (`vllm_server_loss`). A server is lost when a call fails and its /health does not answer
+  200, or when one call has failed `vllm_server_max_failures` times in a row. `retry`: the server leaves the pool for
+  the rest of the run and the call's conversations are sent again to the others, which hold the same weights (they
+  were synced together; a weight sync goes on with the others, which it syncs alike); the lost call returned nothing,
+  so every turn is sampled once. `stop`: the run stops with the server's URL. Either way the time to notice is
+  bounded: at most `vllm_server_max_failures` x (`vllm_max_retries` + 1) attempts of `vllm_request_timeout` each,
+  with the backoffs between them (completions.backoff).
 
 Deliberately left out: adding servers during a run, and taking a lost one back (restart the run from its checkpoint).
 """
@@ -24,10 +31,12 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
 
+from completions import backoff
 from fields import arg
 from weight_sync import WeightSync
 
@@ -59,6 +68,10 @@ class ServerPoolArguments:
     vllm_server_loss: str = arg("retry", "vllm_server_urls: a server that stops answering: retry (its requests go to "
                                 "the others, synced alike; it stays out) | stop (the run stops naming it).",
                                 choices=SERVER_LOSS)
+    vllm_server_max_failures: int = arg(3, "vllm_server_urls: times in a row one call may fail on a server that "
+                                        "answers /health (each after vllm_max_retries retries) before the server "
+                                        "counts as lost; a failed /health loses it at once. 3 rides out a burst of "
+                                        "5xx.")
 
 
 class GroupRouter:
@@ -139,14 +152,18 @@ class ServerPool:
     """A generation backend over several `VLLMServerClient`s (mt_grpo_trainer.py), with the client's interface:
     `submit` and `generate` route by group (GroupRouter), `sync_weights` reaches every server (WeightSync calls the
     endpoints below, each fanned out), and `servers` are the live clients the probes ask one by one. `on_loss`:
-    what a lost server does (`vllm_server_loss`: retry | stop)."""
+    what a lost server does (`vllm_server_loss`: retry | stop); `max_failures`: failures in a row of one call on a
+    healthy server before it is lost (`vllm_server_max_failures`)."""
 
     external = True
     can_submit = True
 
-    def __init__(self, clients: list, on_loss: str = "retry"):
+    def __init__(self, clients: list, on_loss: str = "retry", max_failures: int = 3):
         if on_loss not in SERVER_LOSS:
             raise ValueError(f"vllm_server_loss must be one of {', '.join(SERVER_LOSS)}; got {on_loss!r}.")
+        if max_failures < 1:
+            raise ValueError(f"vllm_server_max_failures must be at least 1 (1: a server is lost at its first failed "
+                             f"call); got {max_failures}.")
         models = {c.base_url: c.base_model_name for c in clients}
         if len(set(models.values())) > 1:
             raise ValueError(f"The servers of `vllm_server_urls` serve different models ({models}): start every one "
@@ -155,7 +172,7 @@ class ServerPool:
             raise ValueError("The servers of `vllm_server_urls` truncate top-k/top-p ties differently ("
                              f"{ {c.base_url: c.params.ties for c in clients} }): run them on one kind of device, "
                              "or set `vllm_tie_rule`.")
-        self.clients, self.on_loss = list(clients), on_loss
+        self.clients, self.on_loss, self.max_failures = list(clients), on_loss, max_failures
         self.router = GroupRouter(len(clients))
         first = clients[0]
         self.params, self.base_model_name = first.params, first.base_model_name
@@ -175,7 +192,7 @@ class ServerPool:
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
         if len(urls) == 1:
             return client(urls[0])
-        return cls([client(url) for url in urls], args.vllm_server_loss)
+        return cls([client(url) for url in urls], args.vllm_server_loss, args.vllm_server_max_failures)
 
     # -- what the env and the trainer read ---------------------------------------------------------
     @property
@@ -236,21 +253,43 @@ class ServerPool:
         """The client's samples of `prompts`, grouped back by prompt (n each); their tokens leave the server's load
         when it answers or fails."""
         try:
-            samples = self.clients[server].generate(prompts, max_tokens, n, params)
+            samples = self._call(server, lambda c: c.generate(prompts, max_tokens, n, params))
         finally:
             self.router.finish(server, request_tokens(prompts, max_tokens, n))
         return [samples[j * n : (j + 1) * n] for j in range(len(prompts))]
 
-    def _lost(self, server: int, error: Exception) -> None:
-        """A server failed a request after its retries: if it is still healthy the error is the request's and is
-        raised; if not, it is lost, and `stop` raises while `retry` leaves it out (raising when none is left)."""
+    def _call(self, server: int, call):
+        """`call(client)` on server `server`. A ConnectionError (the client's retries spent) is met by sending the
+        call again, after a backoff, while the server answers /health; the call's `max_failures`-th failure in a row,
+        or one with /health failing, is raised: the caller then loses the server (`_lost`)."""
         client = self.clients[server]
+        for failure in range(1, self.max_failures + 1):
+            try:
+                return call(client)
+            except ConnectionError as error:
+                if not self._healthy(client):
+                    raise ConnectionError(f"{error}; /health fails too") from error
+                if failure == self.max_failures:
+                    raise ConnectionError(f"{error}; failed {failure} times in a row while /health answered 200, "
+                                          "vllm_server_max_failures") from error
+                logger.warning("The vLLM server at %s failed a call (%s) but answers /health: sending it again "
+                               "(failure %d of vllm_server_max_failures %d).", client.base_url, error, failure,
+                               self.max_failures)
+                time.sleep(backoff(failure))
+
+    @staticmethod
+    def _healthy(client) -> bool:
         try:
-            healthy = client.http.get("/health", timeout=5.0).status_code == 200
+            return client.http.get("/health", timeout=5.0).status_code == 200
         except httpx.HTTPError:
-            healthy = False
-        if healthy:
-            raise error
+            return False
+
+    def _lost(self, server: int, error: Exception) -> None:
+        """A server failed a call past `_call`'s retries: it is lost. `stop` raises; `retry` leaves it out (raising
+        when none is left). A server another call already lost stays out, and nothing more is said."""
+        client = self.clients[server]
+        if self.on_loss == "retry" and not self.router.alive[server]:
+            return
         if self.on_loss == "stop":
             raise ConnectionError(
                 f"The vLLM server at {client.base_url} stopped answering ({error}); vllm_server_loss: stop ends the "
@@ -274,10 +313,11 @@ class ServerPool:
                 "rollout/retried_requests": float(self.retried_requests)}
 
     def _each(self, call) -> None:
-        """`call(client)` on every live server at once. A server lost meanwhile is left out (`retry`) or stops the
-        run (`stop`), as in generation; any other error is raised."""
+        """`call(client)` on every live server at once, each sent again as a request is (`_call`). A server lost
+        meanwhile is left out (`retry`: the others are synced alike) or stops the run (`stop`), as in generation; any
+        other error is raised."""
         servers = [i for i, ok in enumerate(self.router.alive) if ok]
-        futures = {i: self.parts.submit(call, self.clients[i]) for i in servers}
+        futures = {i: self.parts.submit(self._call, i, call) for i in servers}
         for i, future in futures.items():
             try:
                 future.result()

@@ -1,7 +1,9 @@
-"""Several vLLM servers (server_pool.py): the router's bookkeeping without servers, then two vllm-cpu servers started
-once for the module, side by side: groups routed with affinity and balanced, both servers synced and probed (a stale
-one named), the LoRA adapter on both, and a server killed mid-rollout (its requests retried on the other, or the run
-stopped, as `vllm_server_loss` says)."""
+"""Several vLLM servers (server_pool.py): the router's bookkeeping without servers; two loopback fakes in vLLM's format
+(test_vllm_client.Server) that answer 503 or drop connections now and then, or always, while /health says 200 (the
+pool sends a failed call again and loses nothing, or loses the server as `vllm_server_loss` says); then two vllm-cpu
+servers started once for the module, side by side: groups routed with affinity and balanced, both servers synced and
+probed (a stale one named), the LoRA adapter on both, and a server killed mid-rollout (its requests retried on the
+other, or the run stopped, as `vllm_server_loss` says)."""
 
 import collections
 import contextlib
@@ -9,12 +11,13 @@ import copy
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import RECIPE, VELTRIA, cpu_server, fake_search
 from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient, make_backend, parse_args
@@ -22,6 +25,8 @@ from sampling import SamplingParams
 from protocol import XMLProtocol
 from server_pool import GroupRouter, ServerPool, request_tokens
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from test_vllm_client import Server
+from test_vllm_client import client as fake_client
 from vllm_cpu import VLLM_PYTHON
 from weight_sync import Probes, WeightSyncConfig, policy_prompt_logprobs
 
@@ -95,12 +100,131 @@ def test_forget_drops_the_groups_and_the_table_is_bounded():
     assert sorted(router._lengths.items()) == [(2, 1)]
 
 
+QUESTIONS = ["What is the capital of Veltria?", "Who founded Morvane?", "Where is Kessa?", "When was Doria built?"]
+search = fake_search(lambda query: VELTRIA)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two loopback fakes that fail now and then, or always, while /health says 200
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fakes():
+    servers = [Server(), Server()]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def slept(monkeypatch):
+    """Every backoff (the client's and the pool's), recorded in seconds instead of slept."""
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    return waits
+
+
+def fake_pool(fakes, on_loss: str = "retry", **kwargs) -> ServerPool:
+    """A pool of the real clients of `fakes` (1 retry each: 2 attempts a call; 3 failures in a row lose a server)."""
+    return pool_of([fake_client(s.port, max_retries=1, **kwargs) for s in fakes], on_loss)
+
+
+def fake_rollouts(env, pool, times: int) -> list:
+    """`times` rollouts of the four questions, 2 episodes each, in rounds: the fakes' samples end each episode at its
+    first turn, so each server gets one request part per rollout, its faults met in order. Each rollout has every
+    group's episodes exactly once and every model turn one sample a server returned."""
+    calls = recorded(pool)
+    prompts = [env.prompt(q) for q in QUESTIONS for _ in range(2)]
+    expected = collections.Counter(tuple(env.render_ids(p, add_generation_prompt=True)) for p in prompts)
+    for _ in range(times):
+        calls.clear()
+        episodes = env.rollout(prompts, pool)
+        assert collections.Counter(tuple(ep.prompt_ids) for ep in episodes) == expected
+        assert_each_turn_sampled_once(episodes, calls)
+    return calls
+
+
+def test_servers_answering_503_now_and_then_lose_nothing(fakes, slept, tiny_model_dir):
+    """Both servers answer /health with 200 but 503 to every 3rd POST, and the second drops a connection and answers
+    503 to a burst longer than the client's 2 attempts (its 6th to 10th POSTs, with the 9th). `retry`: every rollout
+    completes with every group once, both servers stay in the pool, nothing is moved; the second server's failed calls
+    were sent again to it after the pool's backoffs (2 s, then 2 s and 4 s; the client's are 1 s)."""
+    env = tiny_env(AutoTokenizer.from_pretrained(tiny_model_dir), "rounds")
+    fakes[0].fault = lambda k: 503 if k % 3 == 0 else None
+    fakes[1].fault = lambda k: "drop" if k == 4 else 503 if k % 3 == 0 or 6 <= k <= 10 else None
+    pool = fake_pool(fakes)
+    fake_rollouts(env, pool, times=8)
+    assert len(pool.servers) == 2 and pool.retried_requests == 0
+    assert [len(s.answered) for s in fakes] == [8, 8]
+    assert [w for w in slept if w != 1.0] == [2.0, 2.0, 4.0]
+
+
+def test_a_weight_syncs_fan_out_rides_out_503s(fakes, slept, tiny_model_dir, tmp_path):
+    """12 disk syncs (the issue's reset died at the 11th) while both servers answer 503 to every 3rd POST and the
+    second to a burst: each sync reloads and resets the prefix cache on both servers (a reload whose reset failed is
+    sent again whole), and both stay in the pool."""
+    fakes[0].fault = lambda k: 503 if k % 3 == 0 else None
+    fakes[1].fault = lambda k: 503 if k % 3 == 0 or 6 <= k <= 10 else None
+    pool = fake_pool(fakes, weight_sync=WeightSyncConfig(folder=str(tmp_path / "sync")))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for _ in range(12):
+        metrics = pool.sync_weights(model, Accelerator(cpu=True))
+        assert metrics["rollout/servers_live"] == 2.0
+    for server in fakes:  # each reset right after a reload; a reload repeated where its reset failed
+        done = [path for i, path in enumerate(server.answered) if path != server.answered[i - 1] or i == 0]
+        assert done == ["/collective_rpc", "/reset_prefix_cache"] * 12
+    assert 2.0 in slept and 4.0 in slept
+
+
+@pytest.mark.parametrize("on_loss", ["retry", "stop"])
+def test_a_server_that_always_answers_503_is_named_and_lost(fakes, slept, tiny_model_dir, tmp_path, on_loss):
+    """The second server answers /health with 200 and every POST with 503. It is lost after 3 failed calls in a row of
+    2 attempts each, within backoffs of 3 x 1 s + 2 s + 4 s. `retry`: the rollout completes on the first server with
+    every group once, and a weight sync syncs the first alone; `stop`: the rollout, and a weight sync, stop naming
+    the second server's URL."""
+    env = tiny_env(AutoTokenizer.from_pretrained(tiny_model_dir), "rounds")
+    fakes[1].fault = lambda k: 503
+    second = f"http://127.0.0.1:{fakes[1].port}"
+    named = rf"The vLLM server at {second} stopped answering .*failed 3 times in a row while /health answered 200"
+    sync = WeightSyncConfig(folder=str(tmp_path / "sync"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    if on_loss == "stop":
+        with pytest.raises(ConnectionError, match=named + ".*vllm_server_loss: stop ends the run"):
+            fake_rollouts(env, fake_pool(fakes, "stop"), times=1)
+        with pytest.raises(ConnectionError, match=named):
+            fake_pool(fakes, "stop", weight_sync=sync).sync_weights(model, Accelerator(cpu=True))
+        return
+    pool = fake_pool(fakes)
+    fake_rollouts(env, pool, times=2)
+    assert [c.base_url for c in pool.servers] == [f"http://127.0.0.1:{fakes[0].port}"] and pool.retried_requests == 1
+    assert len(fakes[1].requests) == 6 and fakes[1].answered == []
+    assert sorted(slept) == [1.0, 1.0, 1.0, 2.0, 4.0]
+    pool = fake_pool(fakes, weight_sync=sync)
+    assert pool.sync_weights(model, Accelerator(cpu=True))["rollout/servers_live"] == 1.0
+    assert fakes[0].answered[-2:] == ["/collective_rpc", "/reset_prefix_cache"] and fakes[1].answered == []
+
+
+def test_a_server_whose_health_fails_is_lost_at_its_first_failed_call(fakes, slept, tiny_model_dir):
+    """Every POST 503 and /health 503: lost after one call of 2 attempts, without the pool's retries."""
+    env = tiny_env(AutoTokenizer.from_pretrained(tiny_model_dir), "rounds")
+    pool = fake_pool(fakes)  # (healthy at start)
+    fakes[1].fault, fakes[1].healthy = (lambda k: 503), False
+    fake_rollouts(env, pool, times=1)
+    assert len(pool.servers) == 1 and len(fakes[1].requests) == 2 and slept == [1.0]
+
+
+def test_vllm_server_max_failures_is_checked_and_reaches_the_pool(fakes):
+    with pytest.raises(ValueError, match="vllm_server_max_failures must be at least 1"):
+        ServerPool([fake_client(s.port) for s in fakes], "retry", max_failures=0)
+    config, _, _ = parse_args(["--config", RECIPE, "--output_dir", "unused", "--generation_backend", "vllm_server",
+                               "--vllm_server_urls", *(f"http://127.0.0.1:{s.port}" for s in fakes),
+                               "--vllm_server_max_failures", "5"])
+    assert ServerPool.connect(config, lambda url: fake_client(int(url.rsplit(":", 1)[1]))).max_failures == 5
+
+
 # ------------------------------------------------------------------------------------------------
 # Two vllm-cpu servers
 # ------------------------------------------------------------------------------------------------
 live = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh")
-QUESTIONS = ["What is the capital of Veltria?", "Who founded Morvane?", "Where is Kessa?", "When was Doria built?"]
-search = fake_search(lambda query: VELTRIA)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,18 @@ def load(name):
 class Server:
     """A loopback server whose behaviour each test sets: `mode` is ok | down_5xx | slow (it answers once
     `release` is set, then appends the request to `answered`); `finish` lists the finish_reason of the next
-    responses (then "length")."""
+    responses (then "length"); `fault(k)` of the k-th POST (from 1) is None (answer it), an HTTP status to answer
+    instead, or "drop" (close the connection unanswered); `healthy` False: /health answers 503. POSTs other than
+    /v1/completions (the weight-sync endpoints) answer 200 `{}`; `answered` lists every path answered 200."""
 
     def __init__(self):
         self.mode = "ok"
         self.requests, self.answered = [], []
         self.release = threading.Event()
         self.finish = []
+        self.fault = lambda k: None
+        self.healthy = True
+        self.lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,18 +51,23 @@ class Server:
 
             def do_GET(self):
                 if self.path == "/health":
-                    self.reply(200, {})
+                    self.reply(200 if server.healthy else 503, {})
                 elif self.path == "/v1/models":
                     self.reply(200, load("models.json"))
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((self.path, body))
-                if server.mode == "down_5xx":
-                    return self.reply(503, {"error": "overloaded"})
+                with server.lock:
+                    server.requests.append((self.path, body))
+                    fault = server.fault(len(server.requests))
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if server.mode == "down_5xx" or fault:
+                    return self.reply(fault or 503, {"error": "overloaded"})
                 if server.mode == "slow":
                     server.release.wait(timeout=60)
-                self.reply(200, server.completion_for(body))
+                self.reply(200, server.completion_for(body) if self.path == "/v1/completions" else {})
                 server.answered.append(self.path)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -171,6 +181,13 @@ def test_5xx_is_retried_then_raised(server):
     with pytest.raises(ConnectionError, match=r"failed /v1/completions 3 times \(status 503"):
         c.generate([[1]], [2])
     assert len(server.requests) == 3
+
+
+def test_a_dropped_connection_is_retried(server):
+    c = client(server.port, max_retries=2, prompts_per_request=1)
+    server.fault = lambda k: "drop" if k < 3 else None
+    assert [s.token_ids for s in c.generate([[1]], [2])] == [[100, 100]]
+    assert len(server.requests) == 3 and server.answered == ["/v1/completions"]
 
 
 def test_every_request_has_a_timeout(server):
