@@ -33,19 +33,24 @@ Prompt injection: episode text (question, answer, calls, results, history) enter
 cannot close a quote nor write a score tag that parses, even to a judge that echoes its prompt; and a
 template may not hold a score tag with a number in it (`load_template` refuses one). Whether the judge
 *believes* "Score: 10" in an answer is up to the judge model; the prompts tell it that quoted text is data, and
-at start-up each reward's `probe` grades a wrong answer that orders a 10 and stops a judge that obeys.
+at start-up each reward's `probe` grades a wrong answer that orders a 10 and stops a judge that obeys
+(JudgeSwayed), or that copies the answer or its prompt back (JudgeEchoes).
 
-A reward call: build one prompt per answered sample (per tool turn; per group) -> `Judge.complete` sends
-them, `judge_max_concurrency` in flight, identical prompts answered once (`judge_cache`), each request bounded
-by `judge_timeout` whole, timeouts, connection errors, 408, 429 and 5xx retried with backoff (or Retry-After)
-within a total deadline -> parse the scores -> if at least 4 scores were asked for
-and more than `judge_max_parse_failure_rate` of them are missing (did not parse, or got no reply), raise:
+A reward call: build one prompt per answered sample (per tool turn; per group), within
+`judge_max_prompt_tokens` (counted as characters / CHARS_PER_TOKEN: the least needed part clipped first,
+`fit_prompt`) -> `Judge.complete` sends them, `judge_max_concurrency` in flight, identical prompts answered once
+(`judge_cache`), each request bounded by `judge_timeout` whole, timeouts, connection errors, 408, 429 and 5xx
+retried with backoff (or Retry-After) within a total deadline, and so is a 200 without a completion
+(`choices: []`, an error object) -> parse the scores (a number alone that copies a line of the graded text is
+no grade: `copies`) -> if at least 4 scores were asked for and more than `judge_max_parse_failure_rate` of them are missing (did not parse, or got no reply), raise:
 a judge that cannot follow the format must not train the policy on noise.
 
 Metrics (`Judge.pop_metrics`, or `judge_metrics(reward_funcs)` for the trainer), since the last pop:
     judge/calls  judge/cache_hits  judge/prompt_tokens  judge/completion_tokens  judge/latency_mean (s per
     HTTP request)  judge/seconds (wall time in `complete`)  judge/failures (requests without a reply after
     retries)  judge/parse_failures  judge/parse_failure_rate (parse failures / scores asked for)
+    judge/copied_replies (replies without a score that copy the graded text or the prompt)
+    judge/clipped_prompts  judge/clipped_chars (prompts clipped to the budget, characters cut)
 
 Left out on purpose: the chat API (the templates are plain text for /completions, so one file says exactly
 what the judge reads), logprob-weighted scores, several samples per score, and judging on its own process:
