@@ -198,7 +198,7 @@ def _mcp_tools(args) -> list[Callable]:
         return []
     from tools.mcp import mcp_tools
 
-    return mcp_tools(args.mcp_servers, args.tool_timeout)
+    return mcp_tools(args.mcp_servers, args.tool_timeout, getattr(args, "mcp_startup_timeout", None))
 
 
 def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]:

@@ -26,15 +26,22 @@ None and its instance out of the pool (tools.Toolset). See docs/guide.md, "Bring
 """
 
 import ast
+import asyncio
 import inspect
+import logging
 import textwrap
+import threading
+import time
 import typing
 from typing import Callable
 
 from registry import resolve
 from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_tool_turn
-from tools import STEP_REWARD_TYPES, Toolset, run_async
+from tools import (STEP_REWARD_TYPES, Toolset, clean_text, cut_tool_output, join, own_event_loop, run_async,
+                   settle_all)
+
+logger = logging.getLogger("mt_grpo")
 
 CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
 RESERVED = ("reset", "get_reward")
@@ -44,9 +51,9 @@ def episode_columns(inputs: list[dict], episodes: list) -> dict[str, list]:
     """What every reward function receives besides prompts and completions: the dataset's columns and, as TRL
     passes them, `environments`, each episode's environment instance (when the run has an environment_factory)."""
     columns = reward_columns(inputs)
-    for ep in episodes:  # a timed-out call still running ends before any reward reads the instance
-        if getattr(ep.toolset, "environment", None) is not None:
-            ep.toolset.settle()
+    stateful = [ep.toolset for ep in episodes if getattr(ep.toolset, "environment", None) is not None]
+    # a timed-out call still running ends before any reward reads the instance: all waited for at once, one grace
+    settle_all(stateful, max([t.timeout for t in stateful], default=0.0))
     if any(getattr(ep.toolset, "environment", None) is not None for ep in episodes):
         columns["environments"] = [ep.toolset.environment for ep in episodes]
     return columns
@@ -128,6 +135,7 @@ class EnvironmentPool:
         self.probe_tools: dict = {}  # name -> the probe instance's tools
         self.template_tools: dict = {}  # name -> their schemas for the chat template, made once
         self.steps: dict = {}  # name -> whether its class keeps step_rewards (has_step_rewards)
+        self.loops: dict = {}  # id(instance) -> its own event loop (loop_of)
         for name, make in self.factories.items():
             instance = make()
             self.probe_tools[name] = check_environment(instance, name, self.standalone)
@@ -162,58 +170,129 @@ class EnvironmentPool:
                              "that environment.")
         return name
 
-    def start(self, rows: list[dict], prompts: list[list[dict]]) -> tuple[list[list[dict]], list[Toolset]]:
+    def start(self, rows: list[dict], prompts: list[list[dict]], reset_timeout: float = 10.0,
+              fit: Callable | None = None) -> tuple[list[list[dict]], list[Toolset]]:
         """An instance per row, reset with the row: the prompts with each observation appended to the last user
-        message, and each episode's Toolset."""
+        message, and each episode's Toolset. The resets run at once, each on its instance's own event loop when
+        async, all within one `reset_timeout`; a reset still running then makes its Toolset `stuck` (logged, naming
+        the class and the row): its episode ends unplayed, without rewards, and its instance is not reused.
+        `fit(prompt, toolset, observation) -> observation`: the observation cut to the prompt budget."""
         if rows is None or len(rows) != len(prompts):
             raise ValueError("An env with an environment_factory resets each episode's instance with its dataset row: "
                              "pass `rows=` (one dict per prompt) to MultiTurnToolEnv.rollout.")
-        out_prompts, toolsets = [], []
-        for position, (row, prompt) in enumerate(zip(rows, prompts)):
+        toolsets = []
+        for position, row in enumerate(rows):
             name = self.environment_name(row)
             instance = self.free[name].pop() if self.free[name] else self.factories[name]()
-            label = row_label(row, position)
-            kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
-            try:
-                observation = run_async(instance.reset(**{**kwargs, "prompt": prompt}))
-            except Exception as e:
-                raise RuntimeError(f"{type(instance).__name__}.reset raised {type(e).__name__}: {e}, for {label}. Fix "
-                                   "the class, or the row (reset receives the row's columns as keyword "
-                                   "arguments).") from e
-            if observation is not None:
-                if not isinstance(observation, str):
-                    raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__} for "
-                                     f"{label}; return the first observation as a string, or None.")
-                prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             functions = {fn.__name__: fn for fn in self.standalone + tool_methods(instance)}
-            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance, label=label))
-            if self.steps[name]:
-                toolsets[-1].step_rewards()  # a wrong type, or none after reset, fails here, naming the class
-                if getattr(instance, "step_rewards", None) is None:
-                    raise ValueError(f"{type(instance).__name__} sets `step_rewards`, but has none after reset for "
-                                     f"{label}: set `self.step_rewards = []` in `reset`.")
-            elif getattr(instance, "step_rewards", None) is not None:  # made where has_step_rewards could not see
-                raise ValueError(f"{type(instance).__name__} has `step_rewards` after reset, but neither a new "
-                                 "instance nor the class's source showed it at start-up, so no turn reward reads it: "
-                                 "create it in `__init__` (`self.step_rewards = []`), or declare `step_rewards: "
-                                 "list[float]` on the class.")
+            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance,
+                                    label=row_label(row, position), loop=self.loop_of(instance)))
             self.handed_out[id(instance)] = (name, toolsets[-1])
-            out_prompts.append(prompt)
-        return out_prompts, toolsets
+        resets = [self._start_reset(t, row, prompt) for t, row, prompt in zip(toolsets, rows, prompts)]
+        deadline = time.monotonic() + reset_timeout
+        for thread, _ in resets:
+            join(thread, max(0.0, deadline - time.monotonic()))
+        hung = [t for t, (thread, _) in zip(toolsets, resets) if thread.is_alive()]
+        for toolset, (thread, _) in zip(toolsets, resets):
+            if thread.is_alive():
+                toolset.running, toolset.running_call, toolset.stuck = thread, "reset", True
+        if hung:
+            logger.warning("%d reset(s) still running after reset_timeout=%gs; those episodes end unplayed, without "
+                           "rewards, and their instances are not reused: %s", len(hung), reset_timeout,
+                           "; ".join(f"{type(t.environment).__name__}.reset ({t.label})" for t in hung))
+        return [self._prompt(t, prompt, out, fit) for t, prompt, (_, out) in zip(toolsets, prompts, resets)], toolsets
+
+    def _start_reset(self, toolset: Toolset, row: dict, prompt: list[dict]) -> tuple[threading.Thread, list]:
+        """(the daemon thread running the instance's reset with the row's columns, the list its outcome lands in)."""
+        instance, out = toolset.environment, []
+        kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
+
+        def reset():
+            try:
+                out.append(("ok", run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop)))
+            except Exception as e:  # reported by _prompt, on the main thread
+                out.append(("error", e))
+
+        thread = threading.Thread(target=reset, daemon=True, name=f"reset-{type(instance).__name__}")
+        thread.start()
+        return thread, out
+
+    def _prompt(self, toolset: Toolset, prompt: list[dict], out: list, fit: Callable | None) -> list[dict]:
+        """The episode's prompt: the row's, with the reset's observation appended (cut to fit the prompt budget)."""
+        if toolset.stuck:
+            return prompt
+        instance, label = toolset.environment, toolset.label
+        kind, observation = out[0]
+        if kind == "error":
+            raise RuntimeError(f"{type(instance).__name__}.reset raised {type(observation).__name__}: {observation}, "
+                               f"for {label}. Fix the class, or the row (reset receives the row's columns as keyword "
+                               "arguments).") from observation
+        if observation is not None:
+            if not isinstance(observation, str):
+                raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__} for "
+                                 f"{label}; return the first observation as a string, or None.")
+            observation = clean_text(observation, f"{type(instance).__name__}.reset")
+            if fit is not None:
+                observation = fit(prompt, toolset, observation)
+            prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        if self.steps[self.handed_out[id(instance)][0]]:
+            toolset.step_rewards()  # a wrong type, or none after reset, fails here, naming the class
+            if getattr(instance, "step_rewards", None) is None:
+                raise ValueError(f"{type(instance).__name__} sets `step_rewards`, but has none after reset for "
+                                 f"{label}: set `self.step_rewards = []` in `reset`.")
+        elif getattr(instance, "step_rewards", None) is not None:  # made where has_step_rewards could not see
+            raise ValueError(f"{type(instance).__name__} has `step_rewards` after reset, but neither a new "
+                             "instance nor the class's source showed it at start-up, so no turn reward reads it: "
+                             "create it in `__init__` (`self.step_rewards = []`), or declare `step_rewards: "
+                             "list[float]` on the class.")
+        return prompt
+
+    def loop_of(self, instance) -> asyncio.AbstractEventLoop:
+        """The instance's own event loop, made at its first episode (tools.own_event_loop)."""
+        if id(instance) not in self.loops:
+            self.loops[id(instance)] = own_event_loop(type(instance).__name__)
+        return self.loops[id(instance)]
 
     def release(self, toolsets: list) -> None:
         """Return the episodes' instances once their rewards are read (a reward may read the final state). An
         instance still running a timed-out call (Toolset.settle) is dropped: a new one takes its place."""
-        for toolset in toolsets:
-            instance = getattr(toolset, "environment", None)
-            if instance is not None and id(instance) in self.handed_out:
-                name, _ = self.handed_out.pop(id(instance))
-                if toolset.settle():
-                    self.free[name].append(instance)
+        mine = [t for t in toolsets if getattr(t, "environment", None) is not None
+                and id(t.environment) in self.handed_out]
+        settle_all(mine, max([t.timeout for t in mine], default=0.0))  # one grace for the batch, none for the stuck
+        for toolset in mine:
+            name, _ = self.handed_out.pop(id(toolset.environment))
+            if not toolset.stuck:
+                self.free[name].append(toolset.environment)
+            else:
+                self.loops.pop(id(toolset.environment), None)
 
     def stuck(self, instance) -> bool:
         """Whether `instance`'s episode left a timed-out call running past the grace (its rewards are None)."""
         return self.handed_out[id(instance)][1].stuck if id(instance) in self.handed_out else False
+
+    def reward_of(self, instance):
+        """`instance.get_reward()`, on a daemon thread (an async one on the instance's loop), within its episode's
+        tool_timeout; None, logged, and the instance not reused, when it is still running then."""
+        toolset, out = self.handed_out[id(instance)][1], []
+
+        def read():
+            try:
+                out.append((True, run_async(instance.get_reward(), toolset.loop)))
+            except Exception as e:  # raised below, on the thread that reads the rewards
+                out.append((False, e))
+
+        thread = threading.Thread(target=read, daemon=True, name=f"get_reward-{type(instance).__name__}")
+        thread.start()
+        join(thread, toolset.timeout)
+        if thread.is_alive():
+            toolset.running, toolset.running_call, toolset.stuck = thread, "get_reward", True
+            logger.warning("%s.get_reward still running after %gs (%s): the episode's reward is None and the instance "
+                           "is not reused.", type(instance).__name__, toolset.timeout, toolset.label)
+            return None
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
 
     def turn_rewards(self, instance) -> list[list[float]]:
         """What `instance` reported per tool turn of its current episode (Toolset.turn_rewards)."""
@@ -231,6 +310,33 @@ class EnvironmentPool:
             if self.steps[name] and f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
                 turn.append(_step_reward_func(cls, self))
         return outcome, turn
+
+
+def prompt_fitter(render_ids: Callable, tokenizer, max_prompt_length: int) -> Callable:
+    """fit(prompt, toolset, observation) for EnvironmentPool.start: the observation, cut (with cut_tool_output's
+    visible marker) so that the prompt it ends fits `max_prompt_length` tokens; a warning naming the class and the
+    row, once per class. The dataset's prompts were already held to that length without it (tasks.build_dataset)."""
+    warned: set[str] = set()
+
+    def fit(prompt: list[dict], toolset: Toolset, observation: str) -> str:
+        with_it = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        over = len(render_ids(with_it, True, toolset)) - max_prompt_length
+        if over <= 0:
+            return observation
+        own = len(tokenizer.encode(observation, add_special_tokens=False))
+        cut = cut_tool_output(observation, tokenizer, max(0, own - over - CUT_MARKER_TOKENS))
+        name = type(toolset.environment).__name__
+        if name not in warned:
+            warned.add(name)
+            logger.warning("%s.reset's observation (%d tokens, %s) makes a prompt longer than max_prompt_length=%d: "
+                           "cut to fit, with a marker (first time only; raise max_prompt_length, or return a shorter "
+                           "observation).", name, own, toolset.label, max_prompt_length)
+        return cut
+
+    return fit
+
+
+CUT_MARKER_TOKENS = 24  # room for cut_tool_output's "[truncated: N of M tokens shown]" line
 
 
 def has_step_rewards(instance) -> bool:
@@ -267,18 +373,28 @@ def row_label(row: dict, position: int) -> str:
     return index + " (" + ", ".join(f"{k}={str(v)[:40]!r}" for k, v in fields) + ")"
 
 
+def environment_number(value, what: str) -> float:
+    """A reward an environment reported, as a float: a Python, numpy or one-element torch number (as reward
+    functions may return, and TRL takes); a bool, text or anything else fails naming `what`."""
+    if not isinstance(value, (bool, str, bytes)) and type(value).__name__ not in ("bool_", "bool"):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise ValueError(f"{what} gave {value!r} ({type(value).__name__}); it must be a number (a float, or a numpy or "
+                     "torch scalar).")
+
+
 def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
     """`get_reward()` of each episode whose environment is exactly `cls` (None for the others, and for an episode
-    whose timed-out call still runs: its state is not settled), as TRL scores it."""
+    whose timed-out call still runs: its state is not settled), as TRL scores it; bounded by the episode's
+    tool_timeout (a get_reward still running then gives None, logged)."""
 
     def get_reward(prompts=None, completions=None, environments=None, **kwargs):
         values = []
         for env in environments or []:
-            value = run_async(env.get_reward()) if type(env) is cls and not pool.stuck(env) else None
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"{cls.__name__}.get_reward returned {value!r} ({type(value).__name__}); it must "
-                                 "return a number (float), the episode's reward.")
-            values.append(None if value is None else float(value))
+            value = pool.reward_of(env) if type(env) is cls and not pool.stuck(env) else None
+            values.append(None if value is None else environment_number(value, f"{cls.__name__}.get_reward"))
         return values
 
     get_reward.__name__ = cls.__name__
@@ -296,12 +412,8 @@ def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
             if type(env) is not cls or pool.stuck(env):
                 values.append([None] * turns)
                 continue
-            recorded = pool.turn_rewards(env)[:turns]
-            for k, step in enumerate(recorded):
-                bad = [v for v in step if isinstance(v, bool) or not isinstance(v, (int, float))]
-                if bad:
-                    raise ValueError(f"{cls.__name__}.step_rewards holds {bad[0]!r} (tool turn {k}); append one "
-                                     "number per tool step.")
+            recorded = [[environment_number(v, f"{cls.__name__}.step_rewards (tool turn {k})") for v in step]
+                        for k, step in enumerate(pool.turn_rewards(env)[:turns])]
             values.append([float(sum(step)) for step in recorded] + [0.0] * (turns - len(recorded)))
         return values
 

@@ -46,7 +46,7 @@ class Episode:
     spans: list[Span] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
-    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition
+    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition | reset_timeout
     tokenization_mismatch: bool = False
     policy_version: int = 0  # optimizer steps the sampled weights had taken
     toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)
@@ -183,6 +183,44 @@ def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str
     if bad := [d for d in diffs if d]:
         logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
                        mode, len(bad), len(episodes), bad[0])
+    cache: dict = {}  # the template's reply to emptied messages, by their roles and names
+    if forged := [f for f in (forged_controls(env, ep, cache) for ep in episodes) if f]:
+        logger.error("Tokenization check: %d of %d rollouts hold a control token inside an environment reply, which "
+                     "only the chat template may put there; first: %s", len(forged), len(episodes), forged[0])
+
+
+def forged_controls(env, ep, cache: dict | None = None) -> str:
+    """Where an environment reply (an env span appended after a model turn) holds more control tokens (added tokens:
+    `<|im_end|>`...) than the chat template's own reply to the same messages, emptied: text from outside that became
+    a control token. "" when none did (protocol.template_ids keeps such text plain). Re-rendered samples' prompts
+    (turn_samples.py) are renders of the whole history, and are not read here."""
+    control = {i for i, t in env.tokenizer.added_tokens_decoder.items()}
+    groups, current = [], []  # the messages of each environment reply, in order
+    for message in ep.messages:
+        if message.get("role") == "assistant":
+            if current:
+                groups.append(current)
+            current = []
+        else:
+            current.append(message)
+    if current:
+        groups.append(current)
+    resampled = {start for start, _ in ep.sample_starts}
+    replies = [s for s in ep.spans if s.role == "env"]
+    for k, (span, messages) in enumerate(zip(replies, groups)):
+        if span.start in resampled:
+            continue
+        have = sum(t in control for t in ep.completion_ids[span.start : span.end])
+        key = tuple((m.get("role"), m.get("name", "")) for m in messages)
+        if cache is None or key not in cache:
+            skeleton = sum(t in control for t in env.env_reply_ids([{**m, "content": ""} for m in messages]))
+            cache = {} if cache is None else cache
+            cache[key] = skeleton
+        skeleton = cache[key]
+        if have > skeleton:
+            return (f"environment reply {k} has {have} control tokens, the template's {skeleton}: "
+                    f"{env.tokenizer.decode(ep.completion_ids[span.start : span.end])[:200]!r}")
+    return ""
 
 
 def tokenization_difference(env, prompt: list[dict], ep, mode: str) -> str:

@@ -48,9 +48,9 @@ from completions import (RetryableResponse, Sample, kept_set_logprobs, parse_com
 from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
                     check_script_args, check_training_args, check_trl, settle_training_defaults)
 from episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
-from protocol import PROTOCOLS, Protocol, ToolCall, build_prompt, get_protocol, tool_call_message
-from reporting import LOG_FORMAT, RolloutProgress, TrainerReports, end_processes, install_console, \
-    quiet_library_bars, report_outputs
+from protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
+from reporting import (LOG_FORMAT, RolloutProgress, RunArguments, TrainerReports, end_processes,
+                       install_console, quiet_library_bars, report_outputs, stoppable)
 import evaluation
 from dynamic_sampling import resample_groups
 from scheduling import run_per_episode
@@ -62,8 +62,8 @@ from rewards.judge import JudgeArguments
 from sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
 from server_pool import ServerPool, ServerPoolArguments
 from tasks import TaskArguments
-from environments import episode_columns
-from tools import Toolset, ToolResult, cut_tool_output, run_turns
+from environments import episode_columns, prompt_fitter
+from tools import ToolArguments, Toolset, ToolResult, cut_tool_output, run_turns, stop_point
 from turn_samples import TURN_SAMPLES, next_sample_prompt
 from weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
 
@@ -74,22 +74,14 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(TaskArguments, ServerPoolArguments, WeightSyncArguments, JudgeArguments):
-    """Arguments of the multi-turn environment and of MT-GRPO; it inherits the task's (tasks/), the vLLM client's
-    (server_pool.py), the weight sync's (weight_sync.py) and the LLM judge's (rewards/judge.py). Training
+class MTGRPOScriptArguments(TaskArguments, ToolArguments, RunArguments, ServerPoolArguments, WeightSyncArguments,
+                            JudgeArguments):
+    """Arguments of the multi-turn environment and of MT-GRPO; it inherits the task's (tasks/), the tools' (tools/),
+    the run's (reporting.py), the vLLM client's (server_pool.py), the weight sync's and the LLM judge's. Training
     arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
     ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
     every rule across fields; docs/reference.md lists every field (generated from this class)."""
 
-    # Tools and environments
-    tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
-                                  "(None: the task's: search for fictional_kb; none for your own data).")
-    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).",
-                           choices=Choices(lambda: sorted(PROTOCOLS)))
-    environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
-                                                 "episode whose public methods are tools (docs/guide.md, 'Bring your "
-                                                 "own environment'); or {name: module:Class} by `environment` column.")
-    mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or streamable-HTTP URLs.")
     # Rewards: names from rewards/ or dotted paths `module:function`
     turn_reward_funcs: list[str] | None = arg(None, "Turn reward functions (R_T); None: the task's (fictional_kb, "
                                               "triviaqa: tool ran, answer in its result; none for your own data).")
@@ -138,8 +130,6 @@ class MTGRPOScriptArguments(TaskArguments, ServerPoolArguments, WeightSyncArgume
                                                "(None: the task's).")
     system_prompt: str | None = arg(None, "The system prompt's task part, inline or a text file; the tool format "
                                     "follows it (None: the task's, else a neutral one).")
-    tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
-    tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
                                   "ignore_whitespace (text) | off. Mismatches are logged.",
                                   choices=("strict", "ignore_whitespace", "off"))
@@ -154,10 +144,6 @@ class MTGRPOScriptArguments(TaskArguments, ServerPoolArguments, WeightSyncArgume
                                  choices=("auto", "per_episode", "rounds"))
     async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
     max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
-    max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
-                                          "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
-    save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
-                                   "for scripts/view_rollouts.py (0: off).")
 
     def __post_init__(self):
         check_script_args(self)
@@ -645,7 +631,8 @@ class MultiTurnToolEnv:
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
-                 turn_samples: str = "interleaved", questions: bool = True):
+                 turn_samples: str = "interleaved", questions: bool = True, reset_timeout: float | None = None,
+                 max_prompt_length: int | None = None):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
@@ -658,8 +645,11 @@ class MultiTurnToolEnv:
         self.max_tokens_per_turn = max_tokens_per_turn or max_completion_length  # None: only the budget
         self.max_completion_length = max_completion_length
         self.max_tool_response_tokens = max_tool_response_tokens or max_completion_length  # None: the budget's
-        self.tool_timeout = tool_timeout
+        self.tool_timeout, self.reset_timeout = tool_timeout, reset_timeout or tool_timeout
         self.tool_max_workers = tool_max_workers
+        # an environment's observation cut to the prompt budget
+        self.fit = None if max_prompt_length is None or environments is None else \
+            prompt_fitter(self.render_ids, tokenizer, max_prompt_length)
         self.tokenization_check = tokenization_check
         self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -683,8 +673,8 @@ class MultiTurnToolEnv:
 
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
-        """Token ids of a render (as `apply_chat_template(tokenize=True)` makes them)."""
-        return self.tokenizer.encode(self.render(messages, add_generation_prompt, toolset), add_special_tokens=False)
+        """Token ids of a render, outside text (tool results, user turns) as plain text (protocol.template_ids)."""
+        return template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset), messages)
 
     def env_reply_ids(self, tool_messages: list[dict]) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
@@ -692,8 +682,8 @@ class MultiTurnToolEnv:
         conversation, so the cost does not grow with the episode."""
         base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": _SENTINEL, "tool_calls": []}]
-        text = self.render(base + tool_messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text[text.rindex(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False)
+        after = lambda m: (t := self.render(m, add_generation_prompt=True))[t.rindex(_SENTINEL) + len(_SENTINEL):]  # noqa
+        return template_ids(self.tokenizer, after, base + tool_messages)
 
     def truncate_tool_output(self, text: str) -> str:  # cut by characters first: a 10 MB output is not tokenized whole
         return cut_tool_output(text, self.tokenizer, self.max_tool_response_tokens)
@@ -706,8 +696,9 @@ class MultiTurnToolEnv:
         reset each episode's environment instance (`environments`; it appends its observation to the prompt)."""
         toolsets = [self.toolset] * len(prompts)
         if self.environments is not None:
-            prompts, toolsets = self.environments.start(rows, prompts)
-        episodes = [Episode(self.render_ids(p, True, ts), toolset=ts, prompt_messages=p) for p, ts in zip(prompts, toolsets)]
+            prompts, toolsets = self.environments.start(rows, prompts, self.reset_timeout, self.fit)
+        episodes = [Episode(self.render_ids(p, True, ts), toolset=ts, prompt_messages=p,
+                            stop_reason="reset_timeout" if ts.stuck else "") for p, ts in zip(prompts, toolsets)]
         bar = RolloutProgress(len(episodes), progress)
         if self.scheduler == "per_episode" and not backend.can_submit:
             raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
@@ -727,6 +718,7 @@ class MultiTurnToolEnv:
         asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
+            stop_point()  # SIGTERM on one process: the step is dropped (reporting.stoppable)
             budgets = [self.budget(ep) for ep in live]
             samples = self._generate(backend, live, budgets, first, params)
             first = False
@@ -892,7 +884,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         )
         self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
         check_distributed_generation(backend, self.accelerator, args)
-        install_console(self, args.max_train_minutes)  # SIGTERM, time budget, one line per step (reporting.py)
+        install_console(self, args.max_train_minutes, args.stop_timeout)  # SIGTERM, time budget, one line per step (reporting.py)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -1080,6 +1072,10 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         with self.packing.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # the rows' layout
             return super()._compute_loss(model, inputs)
 
+    def train(self, *args, **kwargs):
+        """TRL's training loop; a SIGTERM mid-rollout ends it with the last step's checkpoint (reporting.stoppable)."""
+        return stoppable(self, super().train, *args, **kwargs)
+
     # -- forwards: packed tries where padding_free or per-turn samples ask for them (packing.py) ------------
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         return self.packing.logps_and_entropies(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
@@ -1124,6 +1120,7 @@ def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
         max_tokens_per_turn=args.max_tokens_per_turn,
         max_completion_length=args.max_completion_length, max_tool_response_tokens=args.max_tool_response_tokens,
         tool_timeout=args.tool_timeout, tool_max_workers=args.tool_max_workers, tokenization_check=args.tokenization_check,
+        reset_timeout=args.reset_timeout, max_prompt_length=args.max_prompt_length,
         few_shot=args.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
         scheduler=args.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
         environments=parts.environments, turn_samples=args.turn_samples, questions=parts.questions)

@@ -504,6 +504,62 @@ class StopStringMatcher:
             s in self.tokenizer.decode(ids[max(0, i - self.window + 1) : i + 1]) for s in self.stop_strings)
 
 
+# ------------------------------------------------------------------------------------------------
+# Text from outside as tokens: a tool's output, an environment's observation, a user turn, a dataset's question is
+# data. Its `<|im_end|><|im_start|>user` must stay those characters, never become the template's control tokens
+# (which would forge a turn in the training data).
+# ------------------------------------------------------------------------------------------------
+OUTSIDE_ROLES = ("tool", "user")  # the messages whose text comes from outside the model and the recipe
+_MARK = "\x00MT_GRPO_TEXT_{}\x00"
+
+
+def control_strings(tokenizer) -> list[str]:
+    """Every added token's text (ChatML's `<|im_start|>`, Qwen's `<tool_call>`...), longest first: what a tokenizer
+    matches whole in raw text."""
+    cached = getattr(tokenizer, "_mt_grpo_control", None)
+    if cached is None:
+        cached = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len,
+                        reverse=True)
+        try:
+            tokenizer._mt_grpo_control = cached
+        except AttributeError:  # a tokenizer that takes no attributes: recomputed each time
+            pass
+    return cached
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """`text` as plain text: special tokens split (`split_special_tokens`), and every other added token's string
+    encoded in two pieces, so that no control token can come out of it."""
+    control = control_strings(tokenizer)
+    if not any(c in text for c in control):
+        return tokenizer.encode(text, add_special_tokens=False)
+    pattern = "(" + "|".join(re.escape(c) for c in control) + ")"
+    ids = []
+    for k, piece in enumerate(re.split(pattern, text)):
+        if k % 2:  # a control string: its first character apart, so the tokenizer never sees it whole
+            ids += tokenizer.encode(piece[0], add_special_tokens=False, split_special_tokens=True)
+            piece = piece[1:]
+        ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True) if piece else []
+    return ids
+
+
+def template_ids(tokenizer, render: Callable[[list[dict]], str], messages: list[dict]) -> list[int]:
+    """Token ids of `render(messages)` (a chat template's text) with each outside message's text (OUTSIDE_ROLES) as
+    plain text (encode_text): the template's own tokens stay control tokens, the messages' cannot become any. Only
+    messages holding a control string are encoded apart, so everything else tokenizes as one render does."""
+    risky = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") in OUTSIDE_ROLES
+             and isinstance(m.get("content"), str) and any(c in m["content"] for c in control_strings(tokenizer))]
+    if not risky:
+        return tokenizer.encode(render(messages), add_special_tokens=False)
+    marked = [dict(m, content=_MARK.format(i)) if i in risky else m for i, m in enumerate(messages)]
+    pieces = re.split(_MARK.format("(\\d+)").replace("\x00", "\\x00"), render(marked))
+    ids = []
+    for k, piece in enumerate(pieces):
+        ids += encode_text(tokenizer, messages[int(piece)]["content"]) if k % 2 else \
+            tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
 def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = None) -> list[int]:
     """Every id that ends a model turn: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct
     lists <|im_end|> and <|endoftext|>), as TRL collects them."""

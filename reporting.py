@@ -11,7 +11,9 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,6 +21,8 @@ from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from fields import arg
+from tools import STOP, StopRequested
 from rewards import is_per_tool_turn
 from rewards.judge import judge_metrics
 
@@ -85,10 +89,11 @@ class RolloutProgress:
 
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
                  "tokenization_mismatch", "turns", "samples")
-STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition")
+STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout")
 # The stop reasons that are a limit cutting the episode, and the field to raise
 LIMITS = {"max_env_steps": "`max_env_steps` (or TRL's `max_tool_calling_iterations`)",
-          "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`"}
+          "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`",
+          "reset_timeout": "`reset_timeout` (or a reset that hangs: see the log)"}
 
 
 def warn_limit(trainer, metric: str, share: float) -> None:
@@ -268,19 +273,56 @@ def eval_metric_names(k: int, turn_funcs: list[Callable], outcome_funcs: list[Ca
         [f"rewards/outcome/{fn.__name__}" for fn in outcome_funcs]
 
 
-class GracefulStop(TrainerCallback):
-    """On SIGTERM (a preempted or cancelled job): finish the optimizer step in flight, save a
-    checkpoint, stop. `--resume_from_checkpoint last` then continues at the same step with the same
-    optimizer, scheduler and RNG state. The flag is max-reduced across ranks at each step end (one
-    scalar collective), so every rank stops at the same step even if only one got the signal."""
+@dataclass
+class RunArguments:
+    """The recipe keys of the run's console, records and stopping; the trainer's config inherits them."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
+                                          "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
+    save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
+                                   "for scripts/view_rollouts.py (0: off).")
+    stop_timeout: float = arg(300.0, "Seconds from a SIGTERM to the end of the run: it stops at the next safe point "
+                              "with a checkpoint; still running then, it exits (a second SIGTERM exits at once).")
+
+
+class GracefulStop(TrainerCallback):
+    """On SIGTERM (a preempted or cancelled job): stop at the next safe point, save a checkpoint, end the run.
+    `--resume_from_checkpoint last` then continues at the same step with the same optimizer, scheduler and RNG
+    state. Safe points: each step's end, where the flag is max-reduced across ranks (one scalar collective, so every
+    rank stops at the same step even if only one got the signal); and, on one process, each round of a rollout and
+    every wait on user code (tools.STOP: StopRequested; the step in flight is dropped and the last finished one
+    saved, its RNG state as it was when the dropped step began). `stop_timeout` bounds the rest: still running then,
+    the process exits, as it does at once on a second SIGTERM. The signal's arrival is logged."""
+
+    def __init__(self, trainer, stop_timeout: float = 300.0):
+        self.trainer, self.stop_timeout = trainer, stop_timeout
         self.requested = False
+        self.rng_at_step_begin = None
+        STOP.clear()
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
+        if self.requested:  # the second: a scheduler's last word, or an impatient user
+            os.write(2, b"A second SIGTERM: exiting now, without a checkpoint.\n")
+            os._exit(128 + signum)
+            return
         self.requested = True
+        if self.trainer.accelerator.num_processes == 1:  # several: their rollouts are not in step; the step's end
+            STOP.set()
+        # logging takes locks the interrupted thread may hold: report and time the bound from a thread of its own
+        threading.Thread(target=self._bounded, daemon=True, name="sigterm").start()
+
+    def _bounded(self):
+        logger.warning("SIGTERM received: stopping at the next safe point with a checkpoint, within stop_timeout=%gs "
+                       "(a second SIGTERM exits at once).", self.stop_timeout)
+        time.sleep(self.stop_timeout)
+        logger.error("Still running %gs after SIGTERM (stop_timeout): exiting without a new checkpoint.",
+                     self.stop_timeout)
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.rng_at_step_begin = rng_states()
 
     def on_step_end(self, args, state, control, **kwargs):
         flag = torch.tensor([float(self.requested)], device=self.trainer.accelerator.device)
@@ -288,6 +330,46 @@ class GracefulStop(TrainerCallback):
             logger.warning("SIGTERM: saving a checkpoint at step %d and stopping.", state.global_step)
             control.should_save = True
             control.should_training_stop = True
+
+
+def rng_states() -> dict:
+    """The RNG states a checkpoint saves (transformers' _save_rng_state), to put back before an interrupted step's
+    checkpoint: the resumed run then draws what the uninterrupted one would have."""
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state(),
+            "cuda": torch.cuda.random.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if states["cuda"] is not None:
+        torch.cuda.random.set_rng_state_all(states["cuda"])
+
+
+def stoppable(trainer, train: Callable, *args, **kwargs):
+    """`train(*args, **kwargs)`; on a StopRequested from a rollout, the checkpoint of the last finished step (its RNG
+    state as that step left it), then the end of the run."""
+    try:
+        return train(*args, **kwargs)
+    except StopRequested:
+        stop = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GracefulStop))
+        if stop.rng_at_step_begin is not None:
+            set_rng_states(stop.rng_at_step_begin)
+        step = trainer.state.global_step
+        logger.warning("SIGTERM: the rollout of step %d stopped; saving a checkpoint at step %d and stopping.",
+                       step + 1, step)
+        if not os.path.isdir(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        return None
 
 
 class TimeBudget(TrainerCallback):
@@ -352,13 +434,13 @@ class StepBar(ProgressCallback):
         pass
 
 
-def install_console(trainer, max_train_minutes: float | None) -> None:
+def install_console(trainer, max_train_minutes: float | None, stop_timeout: float = 300.0) -> None:
     """The trainer's callbacks beside TRL's: SIGTERM and the time budget stop a run cleanly, and the console gets
     StepPrinter's one line per step (and StepBar on a terminal), not transformers' dump of every metric."""
     from transformers.trainer_callback import PrinterCallback
 
     trainer.add_callback(StepPrinter())
-    trainer.add_callback(GracefulStop(trainer))
+    trainer.add_callback(GracefulStop(trainer, stop_timeout))
     if max_train_minutes is not None:
         trainer.add_callback(TimeBudget(trainer, max_train_minutes))
     trainer.remove_callback(PrinterCallback)

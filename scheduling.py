@@ -6,6 +6,7 @@ import concurrent.futures
 from typing import Callable
 
 from episodes import identical_runs
+from tools import stop_point
 
 
 def run_per_episode(env, episodes: list, backend, params, bar) -> None:
@@ -19,6 +20,7 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
     tool_pool = concurrent.futures.ThreadPoolExecutor(env.tool_max_workers, thread_name_prefix="tools")
     try:
         while ready or in_flight:
+            stop_point()  # SIGTERM on one process: the step is dropped (reporting.stoppable)
             requests = sum(kind == "generate" for kind, _ in in_flight.values())
             while ready and requests < backend.max_concurrent_requests:
                 batch, ready = next_request(ready, backend.prompts_per_request, env.budget)
@@ -28,7 +30,7 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
                                         env.budget(eps[0]), n, params)
                 in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
                 requests += 1
-            finished, _ = concurrent.futures.wait(in_flight,
+            finished, _ = concurrent.futures.wait(in_flight, timeout=1.0,  # 1 s: a SIGTERM is seen within it
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
             for future in finished:
                 kind, payload = in_flight.pop(future)

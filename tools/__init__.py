@@ -37,12 +37,14 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protocol import ToolCall, error_text
+from fields import Choices, arg
+from protocol import PROTOCOLS, ToolCall, error_text
 from registry import resolve
 
 logger = logging.getLogger("mt_grpo")
@@ -58,6 +60,28 @@ TOOLS: dict[str, str] = {
     "search": "tools.search:make_search_tool",  # offline BM25 over the task's corpus; a corpus tool
     "wiki_search": "tools.wiki_search:wiki_search",  # English Wikipedia summaries; needs the network
 }
+
+
+@dataclass
+class ToolArguments:
+    """The recipe keys of the tools, environments and MCP servers an episode calls; the trainer's config inherits
+    them."""
+
+    tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
+                                  "(None: the task's: search for fictional_kb; none for your own data).")
+    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).",
+                           choices=Choices(lambda: sorted(PROTOCOLS)))
+    environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
+                                                 "episode whose public methods are tools (docs/guide.md, 'Bring your "
+                                                 "own environment'); or {name: module:Class} by `environment` column.")
+    mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or streamable-HTTP "
+                                 "URLs.")
+    mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
+                                            "(None: the larger of tool_timeout and 30).")
+    tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
+    reset_timeout: float | None = arg(None, "Seconds an environment's `reset` (all of a batch's, at once) may run "
+                                      "before its episode ends unplayed (None: tool_timeout).")
+    tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
 
 
 def corpus_tool(factory: Callable) -> Callable:
@@ -173,9 +197,11 @@ def _signature(fn: Callable) -> inspect.Signature:
         return inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
-def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Thread | None, list[ToolResult]]:
+def start_call(tools: dict[str, Callable], call: ToolCall,
+               loop: asyncio.AbstractEventLoop | None = None) -> tuple[threading.Thread | None, list[ToolResult]]:
     """(the daemon thread running `call`, the one-item list its result lands in); no thread for a call that is
-    malformed or names no tool, whose error is the result at once."""
+    malformed or names no tool, whose error is the result at once. `loop`: where an async tool runs (its
+    environment's own loop; None: the shared one)."""
     if call.error:
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
@@ -192,8 +218,8 @@ def start_call(tools: dict[str, Callable], call: ToolCall) -> tuple[threading.Th
                                    time.monotonic() - begun))
             return
         try:
-            output = run_async(fn(**call.arguments))  # an async tool (an environment's async method): the shared loop
-            slot.append(ToolResult(str(output), True, time.monotonic() - begun))
+            output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
+            slot.append(ToolResult(clean_text(output, f"tool '{call.name}'"), True, time.monotonic() - begun))
         except Exception as e:  # the model sees the error and the turn reward counts a failure
             slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
                                    time.monotonic() - begun))
@@ -208,7 +234,7 @@ def finish_call(call: ToolCall, thread: threading.Thread | None, slot: list, wai
     """The call's result after waiting up to `wait` seconds for its thread; a timeout error when it still runs
     (the thread is abandoned: a late result never reaches the model)."""
     if thread is not None:
-        thread.join(wait)
+        join(thread, wait)
         if thread.is_alive():
             return timed_out(call, timeout)
     return slot[0]
@@ -238,15 +264,80 @@ def event_loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def run_async(value):
-    """`value`, awaited on the shared loop if it is awaitable (an async `get_reward`); as is otherwise."""
+def own_event_loop(name: str) -> asyncio.AbstractEventLoop:
+    """A new event loop on a daemon thread of its own: an environment instance's, so that an async method of it that
+    blocks (a `time.sleep`, a synchronous HTTP call) stalls only its own episode, never the others' nor MCP's."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name=f"async-{name}", daemon=True).start()
+    return loop
+
+
+def run_async(value, loop: asyncio.AbstractEventLoop | None = None, timeout: float | None = None):
+    """`value`, awaited on `loop` (None: the shared loop) if it is awaitable (an async `get_reward`); as is
+    otherwise. `timeout`: seconds to wait for it (TimeoutError after; the coroutine is cancelled)."""
     if not inspect.isawaitable(value):
         return value
-    return asyncio.run_coroutine_threadsafe(_as_coroutine(value), event_loop()).result()
+    future = asyncio.run_coroutine_threadsafe(_as_coroutine(value), loop or event_loop())
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"did not finish within {timeout:g}s") from None
+
+
+def clean_text(value, source: str) -> str:
+    """A tool's or an environment's output as text that any tokenizer takes: `str()` of a non-string; lone
+    surrogates, NUL and other C0 controls (but tab and newline) replaced by U+FFFD, with one warning per source,
+    naming it. (A lone surrogate made the tokenizer raise, naming neither the tool nor the environment.)"""
+    text = value if isinstance(value, str) else str(value)
+    repaired = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace") if _has_surrogate(text) else text
+    repaired = _CONTROLS.sub("\ufffd", repaired)
+    if repaired != text and source not in _REPAIRED:
+        _REPAIRED.add(source)
+        logger.warning("%s returned text with lone surrogates or control characters; they are shown as U+FFFD "
+                       "(first time only).", source)
+    return repaired
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_REPAIRED: set[str] = set()
 
 
 STEP_REWARD_TYPES = (list, tuple)  # a list appended to, or a tuple replaced by a longer one
 _LOGGED_FAILURES: set[str] = set()  # the environment methods whose first failure was logged
+_REPLACED: set[str] = set()  # the environment classes that replace their step_rewards list (logged once)
+
+
+class StopRequested(Exception):
+    """A SIGTERM asked a one-process run to stop (STOP, set by reporting.GracefulStop): raised at the rollout's
+    next safe point, or from any wait below, so that no wait on user code delays the stop; the step in flight is
+    dropped and reporting.stoppable saves the last finished one."""
+
+
+STOP = threading.Event()
+
+
+def stop_point() -> None:
+    """A safe point of the rollout: StopRequested once STOP is set."""
+    if STOP.is_set():
+        raise StopRequested
+
+
+def join(thread: threading.Thread, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """`thread.join(timeout)`, in slices of at most a quarter second, raising StopRequested as soon as STOP is set."""
+    deadline = clock() + timeout
+    while thread.is_alive() and (left := deadline - clock()) > 0:
+        stop_point()
+        thread.join(min(left, 0.25))
+    stop_point()
 
 
 @dataclass
@@ -254,12 +345,15 @@ class Toolset:
     """The tools one episode may call: `functions` by the name the model calls, `template_tools` their schemas
     for the chat template (Protocol.template_tools). Without an `environment` the tools are stateless and calls
     run concurrently; an environment's methods share its state, so its calls run one at a time, in order
-    (environments.py). `turn_rewards`: per tool turn run, the step rewards its own calls appended.
+    (environments.py), its async ones on the instance's own event loop (`loop`). `turn_rewards`: per tool turn run,
+    the step rewards its own calls appended.
 
     A call that times out is waited for before anything else touches the instance (the next call, the rewards,
-    a reset for another episode: `settle`), so calls never overlap, and what it appends late is credited to no
-    turn: the model was told that it failed. One still running `timeout` seconds after that marks the instance
-    `stuck`: the episode's further calls fail unrun, and the pool makes a new instance instead of reusing it."""
+    a reset for another episode: `settle`, or `settle_all` for a batch at once), so calls never overlap, and what it
+    appends late is credited to no turn: the model was told that it failed. One still running `timeout` seconds
+    after that marks the instance `stuck` (logged with its class, method and row), never waited for again: the
+    episode's further calls fail unrun, its rewards are None, and the pool makes a new instance instead of reusing
+    it."""
 
     functions: dict[str, Callable]
     template_tools: list[dict] | None = None
@@ -267,9 +361,11 @@ class Toolset:
     turn_rewards: list[list[float]] = field(default_factory=list)
     label: str = ""  # the class and the row, for the errors a user reads (EnvironmentPool.start)
     running: threading.Thread | None = None  # a timed-out call of the environment that may still run
+    running_call: str = ""  # its method, for the log
     stuck: bool = False
     failures: list[str] = field(default_factory=list)  # the calls that raised: class.method (row): the error
     timeout: float = 10.0  # the last call's bound, and the grace `settle` gives a timed-out call
+    loop: asyncio.AbstractEventLoop | None = None  # the environment's own event loop (None: the shared one)
 
     def run(self, calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
         """One model turn's calls."""
@@ -282,19 +378,19 @@ class Toolset:
         return results
 
     def _run_one(self, call: ToolCall, timeout: float, earned: list) -> ToolResult:
-        """One call on the environment, after any timed-out one has ended; what it appended to step_rewards while
+        """One call on the environment, after any timed-out one has ended; what it added to step_rewards while
         it ran goes to `earned`, unless it timed out."""
         if not self.settle(timeout):
             return ToolResult(error_text(f"tool '{call.name}' was not run: an earlier call of this episode timed "
                                          "out and is still running"), False)
-        before = len(self.step_rewards())
-        thread, slot = start_call(self.functions, call)
+        before = self.step_rewards(), list(self.step_rewards())  # the object, and what it held
+        thread, slot = start_call(self.functions, call, self.loop)
         if thread is not None:
-            thread.join(timeout)
+            join(thread, timeout)
         if thread is not None and thread.is_alive():
-            self.running = thread  # judged timed out here, so nothing it appends from now on is credited
+            self.running, self.running_call = thread, call.name  # timed out: nothing it adds from now on is credited
             return timed_out(call, timeout)
-        earned.extend(self.step_rewards()[before:])  # its thread has ended: every append it made is in
+        earned.extend(self.added_step_rewards(before))  # its thread has ended: every reward it added is in
         result = slot[0]
         if not result.ok and thread is not None:
             method = f"{type(self.environment).__name__}.{call.name}"
@@ -307,14 +403,8 @@ class Toolset:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds (None: the last call's timeout) for a timed-out call still running; False
-        (and `stuck`) if it still is."""
-        if self.running is not None:
-            self.running.join(self.timeout if timeout is None else timeout)
-            if self.running.is_alive():
-                self.stuck = True
-            else:
-                self.running = None
-        return not self.stuck
+        (and `stuck`) if it still is. A stuck call is not waited for again."""
+        return settle_all([self], self.timeout if timeout is None else timeout)
 
     def step_rewards(self) -> list | tuple:
         """The environment's step_rewards as it is now ([] when it has none); a wrong type fails naming it."""
@@ -326,6 +416,44 @@ class Toolset:
                             f"({self.label or 'during an episode'}); make it a list of numbers (one appended per "
                             "tool step), reset to [] in `reset`.")
         return steps
+
+    def added_step_rewards(self, before: tuple) -> list:
+        """What one call added to step_rewards, `before` being (the object, its contents) when the call started: the
+        new tail when it grew (appended to, or replaced by a longer one that starts the same, as a tuple is); the whole
+        new list when the method replaced it (`self.step_rewards = [r]` at every step: that step's rewards)."""
+        obj, held = before
+        current = self.step_rewards()
+        now = list(current)
+        if current is obj or (len(now) > len(held) and now[: len(held)] == held):
+            return now[len(held):]
+        method = type(self.environment).__name__
+        if method not in _REPLACED:
+            _REPLACED.add(method)
+            logger.warning("%s replaces its step_rewards list at a step instead of appending to it: each new list is "
+                           "read as that step's rewards (append instead, `self.step_rewards.append(r)`, to say so "
+                           "plainly).", method)
+        return now
+
+
+def settle_all(toolsets: list[Toolset], grace: float, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Wait for the timed-out calls still running in `toolsets`, all together, within one `grace` (seconds) for the
+    whole batch; each still running then makes its Toolset `stuck`, logged once with its class, method and row.
+    Stuck ones are not waited for again. True when none of them is stuck. `clock`: what the deadline reads."""
+    waiting = [t for t in toolsets if t.running is not None and not t.stuck]
+    deadline = clock() + grace
+    for toolset in waiting:
+        join(toolset.running, max(0.0, deadline - clock()), clock)
+    newly = [t for t in waiting if t.running.is_alive()]
+    for toolset in waiting:
+        if toolset in newly:
+            toolset.stuck = True
+        else:
+            toolset.running = None
+    if newly:
+        logger.warning("%d environment call(s) still running %gs after they timed out; their episodes get no "
+                       "reward from them and their instances are not reused: %s", len(newly), grace,
+                       "; ".join(f"{type(t.environment).__name__}.{t.running_call} ({t.label})" for t in newly))
+    return not any(t.stuck for t in toolsets)
 
 
 def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,
