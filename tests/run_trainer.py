@@ -22,8 +22,9 @@ launch` can start it on several processes:
     python tests/run_trainer.py inprocess SCRIPT.json OUT_DIR <trainer flags>
         trains (max_steps) with the in-process backend (`generation_backend: transformers`), its model.generate run for
         real but forced to write the script's turns (scripted_policy.ScriptedProcessing), so that the ranks' episodes
-        end in the rounds the test chooses. Writes OUT_DIR/rank-r.json: the prompts of each of its generate calls (0:
-        it joined the others' decoding with a dummy row) and the steps it trained, and OUT_DIR/grad.pt (first_gradient)
+        end in the rounds the test chooses; then evaluates on the dataset's first row alone. Writes OUT_DIR/rank-r.json:
+        the rows of each of its generate calls in training and in evaluation (0: it joined the others' decoding with
+        a dummy row), the steps it trained and the episodes evaluated, and OUT_DIR/grad.pt (first_gradient)
     python tests/run_trainer.py fsdp2 MODEL_DIR OUT_DIR
         the trainer's forwards of one step (policy_sampler_logprobs under top-p / top-k, packed log-probs of rows split
         into samples under a token budget, an importance-weighted loss, its backward) on a model sharded by FSDP2
@@ -253,8 +254,12 @@ def inprocess(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrai
     os.makedirs(out_dir, exist_ok=True)
     first_gradient(trainer, os.path.join(out_dir, "grad.pt"))
     trainer.train()
+    trained = len(calls)
+    # evaluation on the first question alone: the other rank's chunk is empty
+    metrics, _ = trainer.run_evaluation(trainer.train_dataset.select([0]))
     with open(os.path.join(out_dir, f"rank-{trainer.accelerator.process_index}.json"), "w") as f:
-        json.dump({"calls": calls, "steps": trainer.state.global_step}, f)
+        json.dump({"calls": calls[:trained], "eval_calls": calls[trained:], "steps": trainer.state.global_step,
+                   "eval_episodes": metrics["eval/episodes"]}, f)
     return trainer
 
 

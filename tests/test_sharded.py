@@ -5,7 +5,7 @@ with unequal rows (tests/run_trainer.py fsdp2), makes the same forwards and coll
 gives the gradient one unsharded process gives on the whole batch; the trainer under each shipped accelerate
 config (zero2, zero3, zero3_multinode) trains 2 steps on 2 CPU processes with unequal episodes, its first gradient
 one process's; and under ZeRO-3 it generates in-process (model.generate, a collective at every decoding step) while
-one rank has no episode left (DeepSpeed installed)."""
+one rank has no episode left, in training and in evaluation (DeepSpeed installed)."""
 
 import json
 
@@ -158,8 +158,11 @@ def test_zero3_generates_in_process_when_one_rank_has_no_episode_left(tiny_agent
     """ZeRO-3 with `generation_backend: transformers` on 2 CPU processes (its generate all-reduces at each decoding
     step: synced_gpus): model.generate runs for real, forced to write the script (ScriptedProcessing). Rank 0's
     episodes end in round 1, rank 1's go on for two more rounds; rank 0 joins those rounds' decoding with a dummy
-    row (a generate call of no prompts) and its prefill, and both train 2 steps."""
+    row (a generate call of no prompts) and its prefill, and both train 2 steps. Then an evaluation on one question:
+    rank 1's chunk is empty, and it joins rank 0's greedy episode the same way."""
     flags = episode_flags(tiny_agent_dir, tmp_path) + ["--per_device_train_batch_size", "4"]
     rank0, rank1 = deepspeed_run("zero3.yaml", "inprocess", flags, tmp_path)
     assert rank0["steps"] == rank1["steps"] == 2
     assert rank0["calls"] == [4, 0, 0, 4, 0, 0] and rank1["calls"] == [4, 4, 4, 4, 4, 4]
+    assert rank0["eval_calls"] == [1] and rank1["eval_calls"] == [0]
+    assert rank0["eval_episodes"] == rank1["eval_episodes"] == 1
