@@ -302,10 +302,11 @@ def check_backend(args: GRPOConfig, peft_config, backend) -> None:
     dropout = getattr(peft_config, "lora_dropout", 0) or 0
     if peft_config is not None and backend.external and dropout > 0 and not args.disable_dropout:
         # the server samples without dropout; a trainer forward with it scores another policy
-        raise ValueError(f"`lora_dropout` is {dropout} with `generation_backend: vllm_server`: the "
-                         "trainer's logprobs would carry dropout noise that the server's sampling has not, so on-policy "
-                         "importance weights would not be 1 and the weight-sync probe would fail. Set `lora_dropout: 0` "
-                         "or `disable_dropout: true`.")
+        name = backend.__name__ if isinstance(backend, type) else type(backend).__name__
+        raise ValueError(f"`lora_dropout` is {dropout} with an external sampler ({name}): the trainer's logprobs "
+                         "would carry dropout noise that the sampler's have not, so on-policy importance weights would "
+                         "not be 1 and the weight-sync probe would fail. Set `lora_dropout: 0` or `disable_dropout: "
+                         "true`.")
     if args.async_rollout and not backend.can_submit:
         raise ValueError("`async_rollout` overlaps a server's sampling with training: set "
                          "`generation_backend: vllm_server`, or `async_rollout: false` (an in-process "
@@ -339,9 +340,9 @@ def check_precision(args: GRPOConfig, peft_config) -> None:
 
 
 def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
-    """In-process generation on several processes runs in lock-step rounds (see another_round); two
-    settings would still hang, because every forward is then a collective and ranks generate different
-    numbers of tokens: refuse them with the fix."""
+    """In-process generation on several processes runs in lock-step rounds (see another_round), and under ZeRO-3 or
+    FSDP every rank joins each decoding step and prefill, with a dummy row where it has no live episode
+    (TransformersBackend.generate). Two settings are not tested that way: refuse them with the fix."""
     if backend.external or accelerator.num_processes == 1:
         return
     from trl.distributed import DistributedBackend
@@ -349,13 +350,13 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
     dist = DistributedBackend(accelerator)
     if dist.is_zero3 and not args.ds3_gather_for_generation:
         raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
-                         "transformers` on several processes would hang (ranks generate different numbers of "
-                         "tokens, and each forward gathers parameters). Set `ds3_gather_for_generation: "
-                         "true`, or use `generation_backend: vllm_server`.")
+                         "transformers` on several processes is untested (every decoding step would gather each "
+                         "layer's parameters again: slow). Set `ds3_gather_for_generation: true`, or use "
+                         "`generation_backend: vllm_server`.")
     if dist.fsdp_version == 2:
-        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes would hang "
-                         "(each forward is a collective and ranks generate different numbers of tokens). Use "
-                         "FSDP1, ZeRO-3, or `generation_backend: vllm_server`.")
+        raise ValueError("FSDP2 with `generation_backend: transformers` on several processes is untested "
+                         "(every forward is a collective). Use ZeRO-3 "
+                         "(accelerate_configs/zero3.yaml) or `generation_backend: vllm_server`.")
 
 
 # What TRL 1.16 passes every reward function besides the dataset's columns (the trainer's `_score` passes them here);

@@ -179,7 +179,7 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
     error naming the function and sample."""
     B = len(prompts)
     out = torch.full((B, len(funcs), max_turns), float("nan"))
-    for f, fn in enumerate(funcs):
+    for f, fn in enumerate(funcs if B else []):  # no sample (an evaluation rank with no question): no call
         name = getattr(fn, "__name__", repr(fn))
         per_tool_turn = is_per_tool_turn(fn)
         if per_tool_turn and tool_turns is None:

@@ -508,7 +508,7 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     return next((i for i in range(shortest) if any(row[i] != rows[0][i] for row in rows)), shortest)
 
 
-def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: bool = True):
+def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: bool = True, matched: bool = False):
     """(input_ids, attention_mask, past_key_values) for `model.generate` over `rows` (token lists).
 
     A GRPO group is one prompt sampled `num_generations` times, and every prompt of a task starts with the same
@@ -519,7 +519,9 @@ def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: b
     the positions they have unpadded, and the padding in the middle is masked like padding on the left. Same
     tokens, up to float summation order (tests/test_packing.py checks greedy generations are identical).
     `share=False` (a fixed cache_implementation, which generate builds itself), a single row or no common prefix:
-    the plain left-padded layout and no cache."""
+    the plain left-padded layout and no cache. `matched` (generation is a collective: TransformersBackend.synced): when
+    any rank prefills a prefix, a rank without one runs a forward of one token, its output dropped, so that under
+    FSDP every rank makes the prefill's parameter gathers (rank_max)."""
     from transformers import DynamicCache
     from trl.trainer.utils import pad
 
@@ -527,6 +529,8 @@ def prefilled_inputs(model, rows: list[list[int]], pad_id: int, device, share: b
     own = [torch.tensor(row[prefix:], device=device) for row in rows]
     input_ids = pad(own, padding_value=pad_id, padding_side="left")
     attention_mask = pad([torch.ones_like(row) for row in own], padding_value=0, padding_side="left")
+    if matched and rank_max(int(prefix > 0), device) and not prefix:
+        model(input_ids=input_ids[:1, -1:])  # (1, 1): joins the other ranks' prefill forward
     if not prefix:
         return input_ids, attention_mask, None
     shared = torch.tensor([rows[0][:prefix]], device=device)

@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 from trl.models import unwrap_model_for_generation
 
 from completions import Sample, kept_set_logprobs, listed_kept_sets
-from packing import matched_forwards, prefilled_inputs
+from packing import matched_forwards, prefilled_inputs, rank_max
 from protocol import StopStringMatcher
 from turn_samples import scored_parts
 from weight_sync import policy_prompt_logprobs
@@ -185,33 +185,51 @@ class TransformersBackend:
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,
         )
 
+    def synced(self) -> bool:
+        """Whether `generate` is a collective, as transformers decides synced_gpus, decided here so that every rank
+        knows it must join: under ZeRO-3 (and FSDP) on several processes each decoding step all-reduces whether any
+        rank is still generating (and under FSDP each forward gathers parameters)."""
+        from trl.distributed import DistributedBackend
+
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return False
+        dist = DistributedBackend(self.accelerator)
+        return bool(dist.is_zero3 or dist.fsdp_version)
+
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
                  params: SamplingParams | None = None) -> list[Sample]:
         from trl.distributed import DistributedBackend
 
-        tok, device = self.tokenizer, self.accelerator.device
+        tok, device, synced = self.tokenizer, self.accelerator.device, self.synced()
         rows = [ids for ids in prompts for _ in range(n)]
         limits = [m for m in max_tokens for _ in range(n)]
         with torch.no_grad(), unwrap_model_for_generation(
             self.model, self.accelerator, gather_deepspeed3_params=self.gather_deepspeed3_params
         ) as model, DistributedBackend(self.accelerator).summon_full_params(self.model, recurse=False):
-            if not rows:  # this rank has no live episode this round, but joined the gather above
+            if not rows and not synced:  # this rank has no live episode this round, but joined the gather above
                 return []
+            # Synced, a rank with no live episode decodes a dummy row (one pad token) that stops at once and then
+            # joins every decoding step until all ranks are done; its output is dropped. Every rank decodes up to
+            # the same max_new_tokens, so that a fixed-size cache holds the steps it joins after its own stop.
+            batch = rows or [[tok.pad_token_id]]
+            most = rank_max(max(limits, default=1), device) if synced else max(limits)
             # a group's prompt (and a task's system prompt) prefilled once: packing.prefilled_inputs
-            input_ids, attention_mask, cache = prefilled_inputs(model, rows, tok.pad_token_id, device,
-                                                                share=self.cache_implementation is None)
+            input_ids, attention_mask, cache = prefilled_inputs(model, batch, tok.pad_token_id, device,
+                                                                share=self.cache_implementation is None, matched=synced)
             # The model's own generation_config would fill every field we leave unset (transformers merges
             # it in); an empty one means only what we pass here applies.
             saved, model.generation_config = model.generation_config, GenerationConfig()
             try:
                 p = params or self.params
                 processing = SamplerProcessing(p, attention_mask, self.list_kept_sets)
+                stops = [StopAtStrings(self.stop, input_ids.shape[1])] if rows else [StopAtOnce()]
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                     generation_config=self.generation_config(p, max(limits)),
-                                     logits_processor=[processing],
-                                     stopping_criteria=[StopAtStrings(self.stop, input_ids.shape[1])])
+                                     generation_config=self.generation_config(p, most), synced_gpus=synced,
+                                     logits_processor=[processing], stopping_criteria=stops)
             finally:
                 model.generation_config = saved
+        if not rows:
+            return []
         if device.type == "cuda":
             # generate grows the KV cache by reallocation at every token; hand the caching allocator's ever
             # larger freed blocks back, so that runs and a server sharing the GPU can use them
@@ -280,6 +298,13 @@ class SamplerProcessing(LogitsProcessor):
             seen.scatter_(1, torch.where(real, input_ids, V), True)  # padding goes to the spare column V
             seen = seen[:, :V]
         return process_logits(scores, self.params, seen)
+
+
+class StopAtOnce(StoppingCriteria):
+    """A dummy row's criterion (TransformersBackend.generate): done at its first token."""
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class StopAtStrings(StoppingCriteria):

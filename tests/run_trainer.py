@@ -15,9 +15,16 @@ launch` can start it on several processes:
         LoRA adapter sync whose requests keep naming the base model, or the first adapter version
     python tests/run_trainer.py sharded SCRIPT.json OUT_DIR <trainer flags>
         trains (max_steps) with the scripted policy as an external sampler under top-p 0.9 / top-k 20, so that the
-        importance weights score the samples with policy_sampler_logprobs; under `accelerate launch` with a DeepSpeed
-        config on CPU (DS_ACCELERATOR=cpu). Writes OUT_DIR/rank-r.json: its forwards and collectives
-        (counted_collectives) and the steps it trained
+        importance weights score the samples with policy_sampler_logprobs, which the sampler reports as the starting
+        policy's own (the first step's weights are 1); under `accelerate launch` with a DeepSpeed config on CPU
+        (DS_ACCELERATOR=cpu), or on one process. Writes OUT_DIR/rank-r.json: its forwards and collectives
+        (counted_collectives) and the steps it trained, and OUT_DIR/grad.pt (first_gradient)
+    python tests/run_trainer.py inprocess SCRIPT.json OUT_DIR <trainer flags>
+        trains (max_steps) with the in-process backend (`generation_backend: transformers`), its model.generate run for
+        real but forced to write the script's turns (scripted_policy.ScriptedProcessing), so that the ranks' episodes
+        end in the rounds the test chooses; then evaluates on the dataset's first row alone. Writes OUT_DIR/rank-r.json:
+        the rows of each of its generate calls in training and in evaluation (0: it joined the others' decoding with
+        a dummy row), the steps it trained and the episodes evaluated, and OUT_DIR/grad.pt (first_gradient)
     python tests/run_trainer.py fsdp2 MODEL_DIR OUT_DIR
         the trainer's forwards of one step (policy_sampler_logprobs under top-p / top-k, packed log-probs of rows split
         into samples under a token budget, an importance-weighted loss, its backward) on a model sharded by FSDP2
@@ -158,24 +165,101 @@ def sharded_batch(vocab: int):
     return ids, att, parts[0][2], starts
 
 
-def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
-    from sampling import SamplingParams
-    from scripted_policy import ScriptedSampler
+def first_gradient(trainer, path: str) -> None:
+    """Save, on the main process, the first step's whole gradient (before clipping and the optimizer) to `path`:
+    under DeepSpeed gathered from its partitions (safe_get_full_grad, on every rank) as the engine's step begins
+    (accelerate's backward runs the step), else read after the first backward."""
+    import torch
 
+    saved = []
+
+    def save(named):
+        grads = {name: grad.detach().float().cpu().clone() for name, grad in named}
+        if trainer.accelerator.is_main_process and not saved:
+            torch.save(grads, path)
+        saved.append(True)
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.utils import safe_get_full_grad
+
+        step = DeepSpeedEngine.step
+
+        def first_step(engine, *args, **kwargs):
+            if not saved:
+                save((name, safe_get_full_grad(p)) for name, p in engine.module.named_parameters())
+            return step(engine, *args, **kwargs)
+
+        DeepSpeedEngine.step = first_step
+    else:
+        backward = trainer.accelerator.backward
+
+        def first_backward(loss, **kwargs):
+            backward(loss, **kwargs)
+            if not saved:
+                save((name, p.grad) for name, p in trainer.model.named_parameters())
+
+        trainer.accelerator.backward = first_backward
+
+
+def no_shm_all_reduce() -> None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
         import deepspeed.ops  # its shared-memory all-reduce is a C++ op that compiled for 8+ minutes here: gloo's
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sampling import SamplingParams
+    from scripted_policy import ScriptedSampler
+
+    no_shm_all_reduce()
     with open(script_path) as f:
         script = json.load(f)["script"]
     params = SamplingParams(top_p=0.9, top_k=20)
-    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedSampler(env.tokenizer, script, params))
+    # loaded before the trainer's arguments turn ZeRO-3's partitioned loading on: the sampler's own, whole copy
+    policy = AutoModelForCausalLM.from_pretrained(flags[flags.index("--model_name_or_path") + 1], dtype=torch.float32)
+    trainer = build_trainer(flags, backend_factory=lambda env: ScriptedSampler(env.tokenizer, script, params, policy))
     counts = {}
     counted_collectives(trainer.model, counts)
-    trainer.train()
     os.makedirs(out_dir, exist_ok=True)
+    first_gradient(trainer, os.path.join(out_dir, "grad.pt"))
+    trainer.train()
     with open(os.path.join(out_dir, f"rank-{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump({**counts, "steps": trainer.state.global_step}, f)
+    return trainer
+
+
+def inprocess(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
+    import sampling
+    from scripted_policy import ScriptedPolicy, ScriptedProcessing
+
+    no_shm_all_reduce()
+    with open(script_path) as f:
+        script = json.load(f)["script"]
+    trainer = build_trainer(flags)
+    ScriptedProcessing.policy = ScriptedPolicy(trainer.env.tokenizer, script)
+    sampling.SamplerProcessing = ScriptedProcessing
+    backend, calls = trainer.backend, []
+    generate = backend.generate
+
+    def counted(prompts, max_tokens, n=1, params=None):
+        calls.append(len(prompts) * n)
+        return generate(prompts, max_tokens, n, params)
+
+    backend.generate = counted
+    os.makedirs(out_dir, exist_ok=True)
+    first_gradient(trainer, os.path.join(out_dir, "grad.pt"))
+    trainer.train()
+    trained = len(calls)
+    # evaluation on the first question alone: the other rank's chunk is empty
+    metrics, _ = trainer.run_evaluation(trainer.train_dataset.select([0]))
+    with open(os.path.join(out_dir, f"rank-{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({"calls": calls[:trained], "eval_calls": calls[trained:], "steps": trainer.state.global_step,
+                   "eval_episodes": metrics["eval/episodes"]}, f)
     return trainer
 
 
@@ -252,6 +336,8 @@ if __name__ == "__main__":
         trainer = stale_adapter(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "sharded":
         trainer = sharded(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "inprocess":
+        trainer = inprocess(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "fsdp2":
         fsdp2(sys.argv[2], sys.argv[3])
         raise SystemExit(0)

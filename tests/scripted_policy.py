@@ -2,8 +2,10 @@
 (prompt ids in; sampled ids, logprobs and finish reason out; another_round, sync_weights) whose
 "model" writes given texts."""
 
+import torch
+
 from completions import Sample
-from sampling import SamplingParams, TransformersBackend
+from sampling import SamplerProcessing, SamplingParams, TransformersBackend, sampler_logprobs
 
 
 class ScriptedPolicy:
@@ -110,11 +112,51 @@ class ScriptedServer(ScriptedPolicy):
 class ScriptedSampler(ScriptedPolicy):
     """The scripted policy as an external sampler (a server's capabilities, without its HTTP): the trainer corrects
     for the mismatch with importance weights, and with truncating `params` (top-p, top-k) scores the samples with
-    policy_sampler_logprobs. No lock-step: each rank runs its own rounds, as against a server."""
+    policy_sampler_logprobs. No lock-step: each rank runs its own rounds, as against a server. `policy`: an unsharded
+    copy of the starting policy, whose own log-probs under `params` the sampler reports, as a server holding the
+    policy's weights does (the first step's importance weights are then 1 up to float summation order); None: -0.5
+    a token (weights far from 1)."""
 
     external = True
     aborted_requests = 0
 
-    def __init__(self, tokenizer, script: dict, params):
+    def __init__(self, tokenizer, script: dict, params, policy=None):
         super().__init__(tokenizer, script)
         self.params = params
+        self.policy = policy
+
+    def generate(self, prompts, max_tokens, n=1, params=None):
+        samples = super().generate(prompts, max_tokens, n, params)
+        if self.policy is None:
+            return samples
+        for ids, sample in zip((ids for ids in prompts for _ in range(n)), samples):
+            if sample.token_ids:  # the policy's logits at each sampled token, under the sampler's processing
+                row = torch.tensor([ids + sample.token_ids])
+                with torch.no_grad():
+                    logits = self.policy(input_ids=row).logits[0, len(ids) - 1 : -1].float()
+                drawn = row[0, len(ids):]
+                sample.logprobs[:] = sampler_logprobs(logits, params or self.params, keep=drawn).gather(
+                    1, drawn[:, None]).squeeze(1).tolist()
+        return samples
+
+
+class ScriptedProcessing(SamplerProcessing):
+    """The in-process backend's sampling with the scripted policy's turns forced over it: `model.generate` runs for
+    real (its decoding steps, its collectives), but each row writes its scripted turn and then the end-of-sequence
+    token; the logprob recorded for each token is still the policy's own (SamplerProcessing). Row r plays sample r
+    of ScriptedPolicy. tests/run_trainer.py `inprocess` puts it in sampling.py's place, with `policy` set."""
+
+    policy: ScriptedPolicy
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        super().__call__(input_ids, scores)
+        P, tok = self.prompt_mask.shape[1], self.policy.tokenizer
+        if not hasattr(self, "turns"):  # (R,) token lists: the prompt is the same at every step
+            prompts = [input_ids[r, :P][self.prompt_mask[r]].tolist() for r in range(len(input_ids))]
+            self.turns = [(tok.encode(self.policy.turn_text(ids, r), add_special_tokens=False)
+                           if any(q in tok.decode(ids) for q in self.policy.script) else [])  # [] : a dummy row
+                          + [tok.eos_token_id] for r, ids in enumerate(prompts)]
+        forced = torch.full_like(scores, float("-inf"))
+        for r, turn in enumerate(self.turns):
+            forced[r, turn[min(input_ids.shape[1] - P, len(turn) - 1)]] = 0.0
+        return forced

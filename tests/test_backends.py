@@ -113,3 +113,15 @@ def test_every_backend_has_the_generation_backend_interface():
     assert "max_concurrent_requests" in parameters(ScriptedServer, "__init__")
     assert "prompts_per_request" in parameters(ScriptedServer, "__init__")
     assert not TransformersBackend.can_submit and not hasattr(TransformersBackend, "submit")
+
+
+def test_an_external_sampler_passed_in_is_refused_with_lora_dropout(tiny_agent_dir, tmp_path):
+    """check_backend judges the backend the run uses, not the recipe's: under `generation_backend: transformers`, a
+    scripted external sampler passed to build_trainer with `use_peft` and TRL's default `lora_dropout` (0.05) is
+    refused, as a vLLM server is."""
+    from scripted_policy import ScriptedSampler
+
+    with pytest.raises(ValueError, match=r"`lora_dropout` is 0.05 with an external sampler \(ScriptedSampler\)"):
+        build_trainer(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path),
+                       "--use_peft", "true"],
+                      backend_factory=lambda env: ScriptedSampler(env.tokenizer, {}, SamplingParams()))

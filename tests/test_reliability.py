@@ -51,7 +51,7 @@ CASES = [
     ("", ["--fp16", "true"], ValueError, "`fp16: true` (fp16 autocast with a loss scaler) needs a GPU"),
     ("", ["--fp16", "true", "--dtype", "float16"], ValueError, "Set `dtype: float32` (float32 master weights"),
     ("", ["--use_peft", "true", "--generation_backend", "vllm_server"], ValueError,
-     "`lora_dropout` is 0.05 with `generation_backend: vllm_server`"),
+     "`lora_dropout` is 0.05 with an external sampler (VLLMServerClient)"),
     ("", ["--async_rollout", "true"], ValueError, "`async_rollout` overlaps a server's sampling with training"),
     ("", ["--dynamic_sampling", "true", "--dynamic_sampling_max_rounds", "0"], ValueError,
      "`dynamic_sampling_max_rounds` must be at least 1"),
