@@ -185,8 +185,8 @@ class EnvironmentPool:
             name = self.environment_name(row)
             instance = self.free[name].pop() if self.free[name] else self.factories[name]()
             functions = {fn.__name__: fn for fn in self.standalone + tool_methods(instance)}
-            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance,
-                                    label=row_label(row, position), loop=self.loop_of(instance), timeout=reset_timeout))
+            toolsets.append(Toolset(functions, self.template_tools[name], environment=instance, timeout=reset_timeout,
+                                    label=row_label(row, position), loop=self.loop_of(instance)))
             self.handed_out[id(instance)] = (name, toolsets[-1])
         resets = [self._start_reset(t, row, prompt) for t, row, prompt in zip(toolsets, rows, prompts)]
         deadline = time.monotonic() + reset_timeout
