@@ -31,7 +31,6 @@ import inspect
 import logging
 import textwrap
 import threading
-import time
 import typing
 from typing import Callable
 
@@ -173,9 +172,10 @@ class EnvironmentPool:
     def start(self, rows: list[dict], prompts: list[list[dict]], reset_timeout: float = 10.0,
               fit: Callable | None = None) -> tuple[list[list[dict]], list[Toolset]]:
         """An instance per row, reset with the row: the prompts with each observation appended to the last user
-        message, and each episode's Toolset. The resets run at once, each on its instance's own event loop when
-        async, all within one `reset_timeout`; a reset still running then makes its Toolset `stuck` (logged, naming
-        the class and the row): its episode ends unplayed, without rewards, and its instance is not reused.
+        message, and each episode's Toolset. The resets run one at a time, each on a thread of its own (on its
+        instance's own event loop when async), within `reset_timeout`; a reset still running then makes its Toolset
+        `stuck` (logged, naming the class and the row): its episode ends unplayed, without rewards, and its instance
+        is not reused.
         `fit(prompt, toolset, observation) -> observation`: the observation cut to the prompt budget."""
         if rows is None or len(rows) != len(prompts):
             raise ValueError("An env with an environment_factory resets each episode's instance with its dataset row: "
@@ -188,10 +188,10 @@ class EnvironmentPool:
             toolsets.append(Toolset(functions, self.template_tools[name], environment=instance, timeout=reset_timeout,
                                     label=row_label(row, position), loop=self.loop_of(instance)))
             self.handed_out[id(instance)] = (name, toolsets[-1])
-        resets = [self._start_reset(t, row, prompt) for t, row, prompt in zip(toolsets, rows, prompts)]
-        deadline = time.monotonic() + reset_timeout
-        for thread, _ in resets:
-            join(thread, max(0.0, deadline - time.monotonic()))
+        resets = []
+        for toolset, row, prompt in zip(toolsets, rows, prompts):  # one at a time, as TRL resets: user code (a game
+            resets.append(self._start_reset(toolset, row, prompt))  # generator's parser) need not be thread-safe
+            join(resets[-1][0], reset_timeout)
         hung = [t for t, (thread, _) in zip(toolsets, resets) if thread.is_alive()]
         for toolset, (thread, _) in zip(toolsets, resets):
             if thread.is_alive():
@@ -373,16 +373,15 @@ def row_label(row: dict, position: int) -> str:
     return index + " (" + ", ".join(f"{k}={str(v)[:40]!r}" for k, v in fields) + ")"
 
 
-def environment_number(value, what: str) -> float:
+def environment_number(value, error: Callable[[], str]) -> float:
     """A reward an environment reported, as a float: a Python, numpy or one-element torch number (as reward
-    functions may return, and TRL takes); a bool, text or anything else fails naming `what`."""
+    functions may return, and TRL takes); a bool, text or anything else fails with `error()`."""
     if not isinstance(value, (bool, str, bytes)) and type(value).__name__ not in ("bool_", "bool"):
         try:
             return float(value)
         except (TypeError, ValueError, RuntimeError):
             pass
-    raise ValueError(f"{what} gave {value!r} ({type(value).__name__}); it must be a number (a float, or a numpy or "
-                     "torch scalar).")
+    raise ValueError(error())
 
 
 def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
@@ -394,7 +393,9 @@ def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
         values = []
         for env in environments or []:
             value = pool.reward_of(env) if type(env) is cls and not pool.stuck(env) else None
-            values.append(None if value is None else environment_number(value, f"{cls.__name__}.get_reward"))
+            values.append(None if value is None else environment_number(value, lambda: (
+                f"{cls.__name__}.get_reward returned {value!r} ({type(value).__name__}); it must return a number (a "
+                "float, or a numpy or torch scalar), the episode's reward.")))
         return values
 
     get_reward.__name__ = cls.__name__
@@ -412,7 +413,9 @@ def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
             if type(env) is not cls or pool.stuck(env):
                 values.append([None] * turns)
                 continue
-            recorded = [[environment_number(v, f"{cls.__name__}.step_rewards (tool turn {k})") for v in step]
+            recorded = [[environment_number(v, lambda: f"{cls.__name__}.step_rewards holds {v!r} (tool turn {k}); append "
+                                            "one number per tool step (a float, or a numpy or torch scalar).")
+                         for v in step]
                         for k, step in enumerate(pool.turn_rewards(env)[:turns])]
             values.append([float(sum(step)) for step in recorded] + [0.0] * (turns - len(recorded)))
         return values

@@ -79,8 +79,8 @@ class ToolArguments:
     mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
                                             "(None: the larger of tool_timeout and 30).")
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
-    reset_timeout: float | None = arg(None, "Seconds an environment's `reset` (all of a batch's, at once) may run "
-                                      "before its episode ends unplayed (None: tool_timeout).")
+    reset_timeout: float | None = arg(None, "Seconds one environment `reset` may run before its episode ends unplayed "
+                                      "(None: tool_timeout).")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
 
 
