@@ -29,7 +29,7 @@ class CallRecord:
     args: dict
     ok: bool
     seconds: float
-    output: str
+    output: str | list  # the tool message's content: a list where the tool returned one (tools.tool_output)
 
 
 @dataclass

@@ -770,8 +770,8 @@ class MultiTurnToolEnv:
         return None
 
     def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
-        messages = [{"role": "tool", "name": "" if c.error else c.name,
-                     "content": self.truncate_tool_output(r.output)}
+        messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output),
+                     **({} if r.reward is None else {"reward": r.reward})}  # tools.tool_output: a step reward
                     for c, r in zip(calls, results)]
         ids = self.env_reply_ids(messages)
         # The model may have closed its turn itself with an end-of-turn id; the template's close must not

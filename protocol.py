@@ -70,9 +70,56 @@ class Turn:
 
 
 def final_answer(text: str) -> str | None:
-    """The last complete <answer>...</answer> of a text, stripped; None if there is none."""
-    answers = ANSWER_PATTERN.findall(text or "")
+    """The last complete <answer>...</answer> of a text outside its tool calls (`outside_calls`), stripped; None if
+    there is none. An answer inside a call's arguments is part of the call."""
+    answers = ANSWER_PATTERN.findall(outside_calls(text or ""))
     return answers[-1].strip() if answers else None
+
+
+_CALL_OPEN = re.compile(r"<(tool|tool_call)>")  # either protocol's call block: xml's <tool>, the templates' <tool_call>
+
+
+def outside_calls(text: str) -> str:
+    """`text` without its tool-call blocks (either protocol's): each from its opening tag to its closing tag. A block
+    left open ends with the JSON object after its tag, or, when that JSON is unfinished, at the end of the text (xml's
+    sampling stops at an answer's closing tag, also inside a call's arguments: XMLProtocol.parse)."""
+    kept, pos = [], 0
+    while m := _CALL_OPEN.search(text, pos):
+        kept.append(text[pos : m.start()])
+        close = text.find(f"</{m.group(1)}>", m.end())
+        if close >= 0:
+            pos = close + len(m.group(1)) + 3
+            continue
+        body = text[m.end():]
+        try:
+            pos = len(text) - len(body.lstrip()) + json.JSONDecoder().raw_decode(body.lstrip())[1]
+        except ValueError:  # unfinished: the rest of the turn is the call's
+            pos = len(text)
+    return "".join(kept) + text[pos:]
+
+
+def json_text(value) -> str:
+    """A tool's non-string value as the model reads it: JSON (`ensure_ascii=False`, as Qwen's templates write
+    `tojson`), or `str()` when it is not JSON-able."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def is_text_block(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def content_text(content) -> str:
+    """A message's content as the text a chat template renders: a string as it is; a content list of text blocks
+    (`[{"type": "text", "text": ...}]`, what TRL passes through from a tool that returns a list) their texts, one
+    a line; any other value (a list of anything else) as JSON (`json_text`)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(is_text_block(part) for part in content):
+        return "\n".join(part["text"] for part in content)
+    return json_text(content)
 
 
 def error_text(message: str) -> str:
@@ -236,9 +283,12 @@ class XMLProtocol(Protocol):
         return f"{self.REASONING_OPEN}{thought}{self.REASONING_CLOSE}\n" if thought else ""
 
     def parse(self, text: str) -> Turn:
-        """Sampling stops at </tool> or </answer>, so a turn holds at most one closing tag, at its end.
-        Error messages never quote the protocol's tags: a small model copies them into its next turn,
-        where sampling would stop at the copied closing tag."""
+        """Sampling stops at </tool> or </answer>, so a turn holds at most one closing tag, at its end. An
+        <answer> inside a call's arguments is part of the call (`final_answer`); since sampling stops at its
+        </answer> there too, such a call arrives cut off, unclosed, and fails with an error that says so (the
+        stop string is the backend's: sampling cannot go on past it exactly). Error messages never quote the
+        protocol's tags: a small model copies them into its next turn, where sampling would stop at the copied
+        closing tag."""
         if (answer := final_answer(text)) is not None:
             return Turn(answer=answer)
         if m := self._TOOL.search(text):
@@ -255,6 +305,9 @@ class XMLProtocol(Protocol):
                 return Turn(calls=[ToolCall(
                     call["name"], error='"args" must be a JSON object of keyword arguments.')])
             return Turn(calls=[ToolCall(call["name"], args)])
+        if ANSWER_CLOSE in (text.rpartition(self.TOOL_OPEN)[2] if self.TOOL_OPEN in text else ""):
+            return Turn(calls=[ToolCall("", error="the tool call was cut off: an answer closed inside its arguments, "
+                                        "which ends the turn. Write the arguments without answer tags.")])
         if any(tag in text for tag in (self.TOOL_OPEN, self.TOOL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)):
             return Turn(calls=[ToolCall(
                 "", error="a tool call or answer was opened but not closed, or closed but not opened.")])
@@ -262,14 +315,14 @@ class XMLProtocol(Protocol):
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
         """Assistant turns render as sampled (their calls are in the text); each run of tool messages
-        becomes one user message <result>...</result>."""
+        becomes one user message <result>...</result> of their texts (content_text)."""
         out: list[dict] = []
         for m in messages:
             if m["role"] == "tool":
                 if out and out[-1].get("_results"):
-                    out[-1]["_results"].append(m["content"])
+                    out[-1]["_results"].append(content_text(m["content"]))
                 else:
-                    out.append({"role": "user", "_results": [m["content"]]})
+                    out.append({"role": "user", "_results": [content_text(m["content"])]})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         for m in out:
@@ -438,7 +491,8 @@ class ChatTemplateProtocol(Protocol):
         return tool_schemas(tools)
 
     def parse(self, text: str) -> Turn:
-        """An <answer> ends the episode (calls beside it are not run); else the turn's calls, in order.
+        """An <answer> ends the episode (calls beside it are not run), unless it is inside a call's arguments,
+        where it is part of the call (`final_answer`); else the turn's calls, in order.
         Only the text after the last </think> counts, as in the templates, which keep only that as the
         turn's content. Error messages never quote the protocol's tags: a small model copies them into its
         next turn."""
@@ -467,11 +521,12 @@ class ChatTemplateProtocol(Protocol):
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
         """Assistant turns render as sampled, without `tool_calls`: their calls are in the text, and the
-        template would write them a second time. Tool messages pass through (Qwen needs no tool_call_id)."""
+        template would write them a second time. Tool messages pass through (Qwen needs no tool_call_id), a content
+        list as its text (content_text: a text-only template would render a list's repr, or nothing)."""
         out = []
         for m in messages:
             if m["role"] == "tool":
-                out.append({"role": "tool", "name": m["name"], "content": m["content"]})
+                out.append({"role": "tool", "name": m["name"], "content": content_text(m["content"])})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
@@ -548,14 +603,15 @@ def template_ids(tokenizer, render: Callable[[list[dict]], str], messages: list[
     plain text (encode_text): the template's own tokens stay control tokens, the messages' cannot become any. Only
     messages holding a control string are encoded apart, so everything else tokenizes as one render does."""
     risky = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") in OUTSIDE_ROLES
-             and isinstance(m.get("content"), str) and any(c in m["content"] for c in control_strings(tokenizer))]
+             and isinstance(m.get("content"), (str, list))  # a tool's content list renders as its text (content_text)
+             and any(c in content_text(m["content"]) for c in control_strings(tokenizer))]
     if not risky:
         return tokenizer.encode(render(messages), add_special_tokens=False)
     marked = [dict(m, content=_MARK.format(i)) if i in risky else m for i, m in enumerate(messages)]
     pieces = re.split(_MARK.format("(\\d+)").replace("\x00", "\\x00"), render(marked))
     ids = []
     for k, piece in enumerate(pieces):
-        ids += encode_text(tokenizer, messages[int(piece)]["content"]) if k % 2 else \
+        ids += encode_text(tokenizer, content_text(messages[int(piece)]["content"])) if k % 2 else \
             tokenizer.encode(piece, add_special_tokens=False)
     return ids
 

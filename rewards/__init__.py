@@ -35,17 +35,26 @@ import math
 from typing import Callable
 
 from registry import resolve
-from rewards.conversation import count_tool_turns, is_per_tool_turn, per_tool_turn, per_turn, tool_turns
+from rewards.conversation import count_tool_turns, is_per_tool_turn, per_tool_turn, per_turn, step_reward, tool_turns
 from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, exist_answer_in_search_results
 
 __all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn", "tool_turns",
            "count_tool_turns", "reward_columns"]
 
+@per_tool_turn
+def tool_rewards(prompts=None, completions=None, **kwargs) -> list[list[float]]:
+    """Each tool turn's step rewards, summed: what its tools returned beside their output, `(output, reward)` (verl's
+    function tools; tools.tool_output). A turn whose tools returned none earned 0. Any task's turn reward."""
+    return [[float(sum(r for m in messages if (r := step_reward(m)) is not None)) for _, messages in tool_turns(c)]
+            for c in completions]
+
+
 # Old names, each its own function that calls the new one: a recipe naming it keeps its logged metric names
 # (`rewards/turn/<fn.__name__>`) and `eval_metrics` entries.
 RENAMED_REWARD_FUNCS = [exist_answer_in_search_results]  # now answer_in_tool_result
 REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn
-                                     for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS}
+                                     for fn in TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS
+                                     + [tool_rewards]}
 
 
 def get_reward_func(name: str) -> Callable:

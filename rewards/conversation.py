@@ -5,6 +5,9 @@
     ...
     {"role": "assistant", "content": "...<answer>Morvane</answer>", "tool_calls": []}
 
+A tool message's content is a list where the tool returned one (as TRL passes it; `content` gives its text), and it
+has a `reward` where the tool returned (output, reward) (tools.tool_output; `tool_rewards` sums them per tool turn).
+
 A tool turn is an assistant message with the tool messages that answer it (one per call: XML makes
 one call per turn, chat_template may make several). The trainer and the rewards count tool turns
 with the same `tool_turns`, so a per-turn reward's list lines up with the turns the trainer sees.
@@ -16,7 +19,7 @@ a reward function must score odd text, never raise on it.
 import ast
 from typing import Callable
 
-from protocol import ERROR_PREFIX, THINK_CLOSE, final_answer
+from protocol import ERROR_PREFIX, THINK_CLOSE, content_text, final_answer
 
 
 def per_tool_turn(fn: Callable) -> Callable:
@@ -43,8 +46,9 @@ def role(message) -> str | None:
 
 
 def content(message) -> str:
+    """The message's text: its content, a content list's text (protocol.content_text), "" for anything else."""
     text = message.get("content") if isinstance(message, dict) else None
-    return text if isinstance(text, str) else ""
+    return text if isinstance(text, str) else content_text(text) if isinstance(text, list) else ""
 
 
 def visible_text(message) -> str:
@@ -116,8 +120,15 @@ def malformed(tool_message) -> bool:
 
 
 def completion_answer(completion) -> str | None:
-    """The last complete <answer>...</answer> (outside the thinking) of the last assistant message that has one."""
+    """The last complete <answer>...</answer> (outside the thinking and the tool calls: protocol.final_answer) of the
+    last assistant message that has one."""
     for message in reversed(completion or []):
         if role(message) == "assistant" and (answer := final_answer(visible_text(message))) is not None:
             return answer
     return None
+
+
+def step_reward(tool_message) -> float | None:
+    """The step reward a tool returned with its output (`(output, reward)`: tools.tool_output); None if none."""
+    value = tool_message.get("reward") if isinstance(tool_message, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

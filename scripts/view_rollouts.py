@@ -272,7 +272,7 @@ function callsList(ep) {
   for (const c of calls) {
     const li = el("li", isError(c) ? "err" : "", `turn ${c.turn} ${c.name}(${JSON.stringify(c.args)}) ` +
       `${c.ok === false ? "✗" : "✓"} ${fmt(c.seconds)} s`);
-    if (c.output !== undefined) li.append(el("div", "out", String(c.output)));
+    if (c.output !== undefined) li.append(el("div", "out", typeof c.output === "string" ? c.output : JSON.stringify(c.output)));
     list.append(li);
   }
   return list;

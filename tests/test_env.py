@@ -291,3 +291,96 @@ def test_end_of_turn_ids_of_the_generation_config_are_not_doubled(qwen_style_tok
     model_turn, reply = ep.spans[0], ep.spans[1]
     assert tokenizer.decode(ep.completion_ids[model_turn.start : model_turn.end]).endswith("</tool>" + end_of_turn)
     assert tokenizer.decode(ep.completion_ids[reply.start : reply.end]).startswith(expected_close + "\n<|im_start|>user\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 70: an <answer> inside a call's arguments; what a tool returns besides a string
+# ------------------------------------------------------------------------------------------------
+def submit(answer: str) -> str:
+    """Submit an answer to be graded.
+
+    Args:
+        answer: the answer.
+    """
+    return "Correct." if answer == "<answer>25</answer>" else f"Got {answer!r}."
+
+
+SUBMIT = '<reasoning>I submit.</reasoning>\n<tool>{"name": "submit", "args": {"answer": "<answer>25</answer>"}}</tool>'
+SUBMIT_SCRIPT = {"Q-submit": [SUBMIT, "<reasoning>Graded.</reasoning>\n<answer>25</answer>"],
+                 # what the backend returns: sampling stops at the stop string </answer>, inside the call
+                 "Q-cut": [SUBMIT[: SUBMIT.index("</answer>") + len("</answer>")], "<answer>25</answer>"]}
+
+
+def test_an_answer_inside_a_calls_arguments_runs_the_call(smollm2_tokenizer):
+    env = make_env(smollm2_tokenizer, [submit])
+    whole, cut = env.rollout([env.prompt(q) for q in SUBMIT_SCRIPT], ScriptedPolicy(smollm2_tokenizer, SUBMIT_SCRIPT))
+    assert (whole.stop_reason, whole.tool_turns, whole.tool_failures) == ("answer", 1, 0)
+    assert whole.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "submit", "arguments": {"answer": "<answer>25</answer>"}}}]
+    assert whole.messages[1] == {"role": "tool", "name": "submit", "content": "Correct."}
+    # cut off at the stop string: a tool turn whose call failed, saying why; the episode goes on to its answer
+    assert (cut.stop_reason, cut.tool_turns, cut.tool_failures) == ("answer", 1, 1)
+    assert cut.messages[1] == {"role": "tool", "name": "", "content": "Error: the tool call was cut off: an answer "
+                               "closed inside its arguments, which ends the turn. Write the arguments without answer tags."}
+    assert not whole.tokenization_mismatch and not cut.tokenization_mismatch
+
+
+def lookup(query: str) -> dict:
+    """Look up a city's record.
+
+    Args:
+        query: the city.
+    """
+    return {"city": query, "population": 1200, "capital": True, "note": "Morvane, ünd"}
+
+
+def passages(query: str) -> list:
+    """Passages about a city, as content blocks.
+
+    Args:
+        query: the city.
+    """
+    return [{"type": "text", "text": f"First about {query}."}, {"type": "text", "text": "a<|im_end|>b"}]
+
+
+def grade(query: str) -> tuple:
+    """Grade an answer, verl's way: (text, reward).
+
+    Args:
+        query: the answer.
+    """
+    return ("Correct.", 1.0) if query == "Morvane" else ("Wrong.", -0.5)
+
+
+@pytest.mark.parametrize("fmt", ["xml", "chat_template"])
+def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(smollm2_tokenizer, qwen_style_tokenizer,
+                                                                                fmt):
+    """A dict is JSON, a content list stays a list for the rewards (TRL's) and is its text for the model (a control
+    token in it stays text), and (text, reward) shows the text and gives the reward to that tool turn."""
+    from helpers import template_call, xml_call
+    from protocol import ChatTemplateProtocol
+    from rewards import REWARD_FUNCS
+    from rewards.conversation import content, failed
+
+    tokenizer = smollm2_tokenizer if fmt == "xml" else qwen_style_tokenizer
+    call = (lambda tool, q: xml_call(q, tool=tool)) if fmt == "xml" else (lambda tool, q: template_call(q, name=tool))
+    script = {"Q-returns": [call("lookup", "Veltria"), call("passages", "Veltria"), call("grade", "Morvane"),
+                            call("grade", "Quorvath"), "<answer>Morvane</answer>"]}
+    env = make_env(tokenizer, [lookup, passages, grade], protocol=ChatTemplateProtocol() if fmt != "xml" else None,
+                   max_env_steps=4, max_completion_length=1000)
+    (ep,) = env.rollout([env.prompt("Q-returns")], ScriptedPolicy(tokenizer, script))
+    assert (ep.stop_reason, ep.tool_turns, ep.tool_failures) == ("answer", 4, 0) and not ep.tokenization_mismatch
+    assert [m for m in ep.messages if m["role"] == "tool"] == [
+        {"role": "tool", "name": "lookup",
+         "content": '{"city": "Veltria", "population": 1200, "capital": true, "note": "Morvane, ünd"}'},
+        {"role": "tool", "name": "passages", "content": passages("Veltria")},  # the list itself, as TRL passes it
+        {"role": "tool", "name": "grade", "content": "Correct.", "reward": 1.0},
+        {"role": "tool", "name": "grade", "content": "Wrong.", "reward": -0.5}]
+    listed = ep.messages[3]
+    assert content(listed) == "First about Veltria.\na<|im_end|>b" and not failed(listed)
+    replies = [tokenizer.decode(ep.completion_ids[s.start : s.end]) for s in ep.spans if s.role == "env"]
+    assert "First about Veltria.\na<|im_end|>b" in replies[1]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reply_ids = [ep.completion_ids[s.start : s.end] for s in ep.spans if s.role == "env"]
+    assert reply_ids[1].count(im_end) == reply_ids[0].count(im_end)  # the tool's <|im_end|> is text, not a turn's end
+    assert REWARD_FUNCS["tool_rewards"]([None], [ep.messages]) == [[0.0, 0.0, 1.0, -0.5]]

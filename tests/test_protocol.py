@@ -17,8 +17,8 @@ from typing import Literal, Optional
 import pytest
 
 from helpers import EMPTY_THINK, chat_template, template_call
-from protocol import (DEFAULT_TASK_PROMPT, ChatTemplateProtocol, Turn, XMLProtocol, build_prompt, check_examples,
-                      get_protocol, load_examples, load_text, neutral_arguments, prompt_problem, tool_call_message,
+from protocol import (DEFAULT_TASK_PROMPT, ChatTemplateProtocol, ToolCall, Turn, XMLProtocol, build_prompt,
+                      check_examples, final_answer, get_protocol, load_examples, load_text, neutral_arguments, prompt_problem, tool_call_message,
                       tool_schemas)
 from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
@@ -80,11 +80,18 @@ PARSE_CASES = [
     ("reasoning, then a call", "<think>\nI look it up; the <answer> comes later.\n</think>\n\n" + template_call(), None,
      [("search", {"query": "capital of Veltria"}, False)]),
     ("a call inside the reasoning only", "<think>\nMaybe " + template_call() + "\n</think>\n\nI know it.", None, []),
+    # issue 70: an <answer> inside a call's arguments is part of the call, which runs
+    ("an answer inside a call's arguments", '<tool_call>\n{"name": "submit", "arguments": {"answer": '
+     '"<answer>25</answer>"}}\n</tool_call>', None, [("submit", {"answer": "<answer>25</answer>"}, False)]),
+    ("an answer inside an unclosed call", '<tool_call>\n{"name": "submit", "arguments": {"answer": "<answer>25</answer>',
+     None, [("", {}, True)]),
+    ("an answer after a call that holds one", '<tool_call>\n{"name": "submit", "arguments": {"answer": '
+     '"<answer>25</answer>"}}\n</tool_call>\n<answer>26</answer>', "26", []),
 ]
 # transformers' response parsing differs on these: it takes an unclosed block at the end as a call, fails the
 # whole turn on one block that is not JSON, and leaves a closing tag alone as plain text.
 NOT_AS_RESPONSE_TEMPLATE = {"bad JSON after a good call", "unclosed block", "unclosed block, then a call",
-                            "closing tag alone"}
+                            "closing tag alone", "an answer inside an unclosed call"}
 
 
 def summary(turn: Turn):
@@ -126,6 +133,7 @@ MALFORMED = {
         '{"name": "search", "args": {}}</tool>',
         "<answer>Morvane",
         "Morvane</answer>",
+        '<tool>{"name": "submit", "args": {"answer": "<answer>25</answer>',  # cut off by the stop string
     ],
     ChatTemplateProtocol: [c[1] for c in PARSE_CASES if any(malformed for *_, malformed in c[3])],
 }
@@ -140,6 +148,23 @@ def test_error_messages_never_quote_a_tag(cls):
         assert errors, text
         for error in errors:
             assert not [tag for tag in tags if tag in error], (text, error)
+
+
+def test_an_answer_inside_a_call_is_part_of_the_call():
+    """Issue 70: `<answer>` inside a call's arguments neither ends the episode nor reaches the rewards as the answer.
+    xml's sampling stops at the </answer> inside the JSON, so the call arrives cut off: it fails, saying why."""
+    from rewards.conversation import completion_answer
+
+    call = '<tool>{"name": "submit", "args": {"answer": "<answer>25</answer>"}}</tool>'
+    assert XMLProtocol().parse(call) == Turn(calls=[ToolCall("submit", {"answer": "<answer>25</answer>"})])
+    cut = XMLProtocol().parse('<reasoning>r</reasoning>' + call[: call.index("</answer>") + len("</answer>")])
+    assert (cut.kind, cut.answer, [c.name for c in cut.calls]) == ("tool", None, [""])
+    assert "cut off" in cut.calls[0].error and "without answer tags" in cut.calls[0].error
+    # a call whose JSON is finished, left open, then an answer: the answer is outside the call
+    assert XMLProtocol().parse('<tool>{"name": "search", "args": {}}<answer>Morvane</answer>').answer == "Morvane"
+    assert final_answer(call) is None and final_answer(call + "<answer>26</answer>") == "26"
+    tool_turn = {"role": "assistant", "content": call, "tool_calls": []}
+    assert completion_answer([tool_turn, {"role": "tool", "name": "submit", "content": "Correct."}]) is None
 
 
 def test_registry_and_stop_strings():

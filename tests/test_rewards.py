@@ -331,7 +331,7 @@ def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
     with pytest.raises(TypeError, match="now @per_tool_turn"):  # the old name of the mark
         per_turn(plain)
     assert {name for name, fn in REWARD_FUNCS.items() if is_per_tool_turn(fn)} == {
-        "tool_execution_per_turn", "answer_in_result_per_turn", "repeated_query_penalty_per_turn"}
+        "tool_execution_per_turn", "answer_in_result_per_turn", "repeated_query_penalty_per_turn", "tool_rewards"}
     assert is_per_tool_turn(get_reward_func("rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
     assert is_per_tool_turn(get_reward_func("reward_examples:one_per_tool_turn"))
 
@@ -340,7 +340,8 @@ def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
 # Registry
 # ------------------------------------------------------------------------------------------------
 def test_registry_holds_the_default_turn_and_outcome_functions_and_the_old_names():
-    assert list(REWARD_FUNCS.values()) == TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS
+    assert list(REWARD_FUNCS.values()) == TURN_REWARD_FUNCS + OUTCOME_REWARD_FUNCS + RENAMED_REWARD_FUNCS + [
+        REWARD_FUNCS["tool_rewards"]]  # any task's: a tool's (output, reward) step rewards (tools.tool_output)
 
 
 def test_answer_in_tool_result_keeps_its_old_name():

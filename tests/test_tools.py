@@ -357,3 +357,51 @@ def test_an_output_of_long_tokens_grows_the_window_until_it_holds_enough():
     assert tokenizer.lengths == [16_384, 32_768]  # MIN_WINDOW (164 tokens), doubled until it holds 201
     assert cut_tool_output(text[:5000], tokenizer, 10) == text[:1000] + "\n[truncated: 10 of 50 tokens shown]"
     assert cut_tool_output(text[:1000], tokenizer, 10) == text[:1000]  # 10 tokens: not cut
+
+
+# ------------------------------------------------------------------------------------------------
+# What a tool returns besides a string (issue 70): JSON, TRL's content lists, verl's (text, reward)
+# ------------------------------------------------------------------------------------------------
+BLOCKS = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+NOT_JSON = object()
+
+
+@pytest.mark.parametrize("value, content, reward", [
+    ("text", "text", None),
+    ({"city": "Morvane", "größe": 3}, '{"city": "Morvane", "größe": 3}', None),  # JSON, not Python's repr
+    ({"error": "no such city"}, '{"error": "no such city"}', None),  # a tool's own dict is no failed call here
+    (3, "3", None), (2.5, "2.5", None), (True, "true", None), (None, "null", None),
+    (BLOCKS, BLOCKS, None),  # TRL's content list: passed on as the list
+    (["a", 1], ["a", 1], None),  # any list
+    (("Correct.", 1.0), "Correct.", 1.0),  # verl's function tool: (text, reward)
+    (({"score": 2}, -1), '{"score": 2}', -1.0),
+    ((BLOCKS, 0.5), BLOCKS, 0.5),
+    ((1, 2, 3), "[1, 2, 3]", None),  # another tuple: JSON
+    (("yes", True), '["yes", true]', None),  # a bool is no reward
+    (NOT_JSON, str(NOT_JSON), None),
+    ([{"type": "text", "text": "bad \udc80 text"}], "bad \ufffd text", None),  # text a tokenizer refuses: repaired
+])
+def test_a_tools_return_as_content_and_step_reward(value, content, reward):
+    from protocol import ToolCall
+    from tools import ToolResult, run_tool_calls, tool_output
+
+    assert tool_output(value, "tool 'f'") == (content, reward)
+
+    def f() -> str:
+        """Return the value."""
+        return value
+
+    (result,) = run_tool_calls({"f": f}, [ToolCall("f")], timeout=60, max_workers=1)
+    assert (result.output, result.ok, result.reward) == (content, True, reward)
+    assert isinstance(result, ToolResult)
+
+
+def test_a_content_list_stays_a_list_when_it_fits_and_is_its_cut_text_when_not(smollm2_tokenizer):
+    from protocol import content_text
+    from tools import cut_tool_output
+
+    assert cut_tool_output(BLOCKS, smollm2_tokenizer, 8) is BLOCKS
+    long = [{"type": "text", "text": " ".join(["word"] * 50)}, {"type": "text", "text": "end"}]  # 51 + 1 tokens
+    cut = cut_tool_output(long, smollm2_tokenizer, 8)
+    assert cut == cut_tool_output(content_text(long), smollm2_tokenizer, 8) and cut.endswith("tokens shown]")
+    assert content_text(["a", {"b": "ü"}]) == '["a", {"b": "ü"}]' and content_text(BLOCKS) == "first\nsecond"

@@ -1,6 +1,7 @@
 """The tools the agent can call, by name.
 
-A tool is a plain function with typed keyword arguments that returns a string. The trainer renders
+A tool is a plain function with typed keyword arguments that returns a string (other returns: `tool_output`). The
+trainer renders
 its signature and the first line of its docstring into the system prompt, and the model calls it by
 its function name (`__name__`): `<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a
 tool raises an exception with a message that says what went wrong: the environment shows it to the
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fields import Choices, arg
-from protocol import PROTOCOLS, ToolCall, error_text
+from protocol import PROTOCOLS, ToolCall, content_text, error_text, json_text
 from registry import resolve
 
 logger = logging.getLogger("mt_grpo")
@@ -148,11 +149,16 @@ def build_tool(name: str, corpus: list[dict] | None) -> Callable:
 CHARS_PER_TOKEN, MIN_WINDOW = 16, 16_384
 
 
-def cut_tool_output(text: str, tokenizer, max_tokens: int) -> str:
+def cut_tool_output(text: str | list, tokenizer, max_tokens: int) -> str | list:
     """`text` cut to its first `max_tokens` tokens, with a marker saying how much was shown; as it is when
     shorter. Only a window of the text's start is tokenized (CHARS_PER_TOKEN characters a token, at least
     MIN_WINDOW, doubled while it holds too few tokens); the marker counts the tokens of the whole text when the
-    window held all of it, else its characters."""
+    window held all of it, else its characters. A tool's content list (`tool_output`) stays a list when its text
+    fits, and becomes that text, cut, when it does not."""
+    if isinstance(text, list):
+        shown = content_text(text)
+        cut = cut_tool_output(shown, tokenizer, max_tokens)
+        return text if cut is shown else cut
     window = max(max_tokens * CHARS_PER_TOKEN + CHARS_PER_TOKEN, MIN_WINDOW)
     while True:
         ids = tokenizer.encode(text[:window], add_special_tokens=False)
@@ -169,9 +175,34 @@ def cut_tool_output(text: str, tokenizer, max_tokens: int) -> str:
 
 @dataclass
 class ToolResult:
-    output: str
+    output: str | list  # the tool message's content (tool_output)
     ok: bool
     seconds: float = 0.0
+    reward: float | None = None  # the step reward of a tool that returned (output, reward)
+
+
+def tool_output(value, source: str) -> tuple[str | list, float | None]:
+    """(the tool message's content, the step reward) of what a tool returned:
+        str                   the text (clean_text)
+        list                  the list, as TRL passes it on (content blocks `[{"type": "text", "text": ...}]`, or
+                              any list): the rewards see the list, the model its text (protocol.content_text)
+        (output, number)      verl's function-tool pair: `output` as here, and the number as the call's step
+                              reward (the tool message's `reward`, which the `tool_rewards` turn reward reads)
+        dict, number, bool,   JSON (`json.dumps(..., ensure_ascii=False)`), not Python's repr
+        None, other tuples
+    A value that is not JSON-able is shown with `str()`."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float)) \
+            and not isinstance(value[1], bool):
+        if source not in _REWARDED:
+            _REWARDED.add(source)
+            logger.info("%s returns (output, reward): the reward is its tool turn's step reward, which the `tool_rewards`"
+                        " turn reward reads (list it in turn_reward_funcs).", source)
+        return tool_output(value[0], source)[0], float(value[1])
+    if isinstance(value, list):
+        text = content_text(value)
+        cleaned = clean_text(text, source)
+        return (value if cleaned == text else cleaned), None  # text the tokenizer would refuse: the repaired text
+    return clean_text(value if isinstance(value, str) else json_text(value), source), None
 
 
 def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: float,
@@ -219,7 +250,8 @@ def start_call(tools: dict[str, Callable], call: ToolCall,
             return
         try:
             output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
-            slot.append(ToolResult(clean_text(output, f"tool '{call.name}'"), True, time.monotonic() - begun))
+            content, reward = tool_output(output, f"tool '{call.name}'")
+            slot.append(ToolResult(content, True, time.monotonic() - begun, reward))
         except Exception as e:  # the model sees the error and the turn reward counts a failure
             slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
                                    time.monotonic() - begun))
@@ -286,7 +318,8 @@ def run_async(value, loop: asyncio.AbstractEventLoop | None = None, timeout: flo
 
 
 def clean_text(value, source: str) -> str:
-    """A tool's or an environment's output as text that any tokenizer takes: `str()` of a non-string; lone
+    """A tool's or an environment's output as text that any tokenizer takes: `str()` of a non-string (a tool's
+    return goes through `tool_output` first); lone
     surrogates, NUL and other C0 controls (but tab and newline) replaced by U+FFFD, with one warning per source,
     naming it. (A lone surrogate made the tokenizer raise, naming neither the tool nor the environment.)"""
     text = value if isinstance(value, str) else str(value)
@@ -309,6 +342,7 @@ def _has_surrogate(text: str) -> bool:
 
 _CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _REPAIRED: set[str] = set()
+_REWARDED: set[str] = set()  # the tools whose (output, reward) return was logged
 
 
 STEP_REWARD_TYPES = (list, tuple)  # a list appended to, or a tuple replaced by a longer one
