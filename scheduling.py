@@ -6,7 +6,7 @@ import concurrent.futures
 from typing import Callable
 
 from episodes import identical_runs
-from tools import stop_point
+from tools import MAIN, stop_point
 
 
 def run_per_episode(env, episodes: list, backend, params, bar) -> None:
@@ -19,36 +19,36 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
     in_flight: dict[concurrent.futures.Future, tuple] = {}
     tool_pool = concurrent.futures.ThreadPoolExecutor(env.tool_max_workers, thread_name_prefix="tools")
     try:
-        while ready or in_flight:
-            stop_point()  # SIGTERM on one process: the step is dropped (reporting.stoppable)
-            requests = sum(kind == "generate" for kind, _ in in_flight.values())
-            while ready and requests < backend.max_concurrent_requests:
-                batch, ready = next_request(ready, backend.prompts_per_request, env.budget)
-                n = batch[0][1]
-                eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
-                future = backend.submit([ep.context_ids for ep in eps],
-                                        env.budget(eps[0]), n, params)
-                in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
-                requests += 1
-            finished, _ = concurrent.futures.wait(in_flight, timeout=1.0,  # 1 s: a SIGTERM is seen within it
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                kind, payload = in_flight.pop(future)
-                if kind == "generate":
-                    samples = future.result()
-                    if len(samples) != len(payload):
-                        raise RuntimeError(f"generation backend returned {len(samples)} samples for "
-                                           f"{len(payload)} conversations")
-                    for ep, sample in zip(payload, samples):
-                        if (calls := env.record_model_turn(ep, sample)) is not None:
-                            in_flight[tool_pool.submit(ep.toolset.run, calls, env.tool_timeout,
-                                                       env.tool_max_workers)] = ("tools", (ep, calls))
-                else:
-                    ep, calls = payload
-                    env.record_env_turn(ep, calls, future.result())
-                    if not ep.done:
-                        ready.append(([ep], 1))
-            bar.update(episodes, tool_calls=sum(len(p[1]) for k, p in in_flight.values() if k == "tools"))
+        with MAIN.serving():  # a tool that uses `signal` runs on this (the main) thread
+            while ready or in_flight:
+                stop_point()  # SIGTERM on one process: the step is dropped (reporting.stoppable)
+                requests = sum(kind == "generate" for kind, _ in in_flight.values())
+                while ready and requests < backend.max_concurrent_requests:
+                    batch, ready = next_request(ready, backend.prompts_per_request, env.budget)
+                    n = batch[0][1]
+                    eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
+                    future = backend.submit([ep.context_ids for ep in eps],
+                                            env.budget(eps[0]), n, params)
+                    in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
+                    requests += 1
+                finished = MAIN.wait(in_flight, 1.0)  # 1 s: a SIGTERM is seen within it
+                for future in finished:
+                    kind, payload = in_flight.pop(future)
+                    if kind == "generate":
+                        samples = future.result()
+                        if len(samples) != len(payload):
+                            raise RuntimeError(f"generation backend returned {len(samples)} samples for "
+                                               f"{len(payload)} conversations")
+                        for ep, sample in zip(payload, samples):
+                            if (calls := env.record_model_turn(ep, sample)) is not None:
+                                in_flight[tool_pool.submit(ep.toolset.run, calls, env.tool_timeout,
+                                                           env.tool_max_workers)] = ("tools", (ep, calls))
+                    else:
+                        ep, calls = payload
+                        env.record_env_turn(ep, calls, future.result())
+                        if not ep.done:
+                            ready.append(([ep], 1))
+                bar.update(episodes, tool_calls=sum(len(p[1]) for k, p in in_flight.values() if k == "tools"))
     finally:
         tool_pool.shutdown(wait=False)
 

@@ -2,20 +2,25 @@
 `wiki_search` without a network (real sockets, nothing mocked), and `build_tools`: registry names,
 dotted paths and corpus tools."""
 
+import contextlib
 import inspect
 import os
 import pickle
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import tools.wiki_search
-from helpers import ROOT
-from tools import TOOLS, build_tools
+from helpers import ROOT, make_env, xml_answer, xml_call
+from protocol import ToolCall
+from scripted_policy import ScriptedPolicy, ScriptedServer
+from tools import TOOLS, ToolResult, Toolset, build_tools, run_tool_calls, run_turns
 from tools.search import BM25Search, make_search_tool
 
 KALOSH = "Kalosh: Kalosh is a city on the Dun River."
@@ -405,3 +410,119 @@ def test_a_content_list_stays_a_list_when_it_fits_and_is_its_cut_text_when_not(s
     cut = cut_tool_output(long, smollm2_tokenizer, 8)
     assert cut == cut_tool_output(content_text(long), smollm2_tokenizer, 8) and cut.endswith("tokens shown]")
     assert content_text(["a", {"b": "ü"}]) == '["a", {"b": "ü"}]' and content_text(BLOCKS) == "first\nsecond"
+# tools that use `signal` (issue 70, bug 2): Python refuses it off the main thread, where calls run
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def alarm_after(seconds: int):
+    """A SIGALRM timeout, written as TRL's examples/scripts/grpo_agent.py times its SQL query."""
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"Operation timed out after {seconds} seconds")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def lookup(query: str) -> str:
+    """Look a name up, within 5 seconds.
+
+    Args:
+        query: the name, e.g. "Veltria".
+    """
+    with alarm_after(5):
+        return "Morvane" if query == "Veltria" else "not found"
+
+
+def check(query: str) -> str:
+    """Check an answer against 1/2 (math_verify, with its default timeouts: SIGALRM).
+
+    Args:
+        query: the answer, e.g. "0.5".
+    """
+    from math_verify import parse, verify
+
+    return str(verify(parse("$\\frac{1}{2}$"), parse(query)))
+
+
+def slow_lookup(query: str) -> str:
+    """Look a name up, slowly.
+
+    Args:
+        query: the name.
+    """
+    with alarm_after(60):
+        time.sleep(30)
+    return "late"
+
+
+SIGNAL_SCRIPT = {"Q-signal": [[xml_call("Veltria", tool="lookup"), xml_call("0.5", tool="check"),
+                               xml_call("3", tool="check"), xml_answer("Morvane")]] * 2}
+
+
+@pytest.mark.parametrize("scheduler", ["rounds", "per_episode"])
+def test_tools_that_use_signal_return_real_results(smollm2_tokenizer, scheduler):
+    """TRL's SIGALRM tool and math_verify's defaults raise "signal only works in main thread" on a worker thread:
+    their calls run on the main thread instead, in rounds (the rollout's own thread) and per episode (handed to the
+    scheduler's loop), and the model sees their real results."""
+    env = make_env(smollm2_tokenizer, [lookup, check], scheduler=scheduler, max_env_steps=3, max_completion_length=600)
+    policy = ScriptedPolicy(smollm2_tokenizer, SIGNAL_SCRIPT) if scheduler == "rounds" else \
+        ScriptedServer(smollm2_tokenizer, SIGNAL_SCRIPT)
+    episodes = env.rollout([env.prompt("Q-signal")] * 2, policy)
+    for ep in episodes:
+        assert [(c.name, c.ok, c.output) for c in ep.calls] == [("lookup", True, "Morvane"), ("check", True, "True"),
+                                                                ("check", True, "False")]
+        assert ep.stop_reason == "answer"
+
+
+def test_a_signal_tool_on_the_main_thread_is_bounded_by_tool_timeout():
+    call = ToolCall(name="slow_lookup", arguments={"query": "Veltria"})
+    assert run_tool_calls({"slow_lookup": slow_lookup}, [call], 0.5, 4) == \
+        [ToolResult("Error: tool 'slow_lookup' timed out after 0.5s", False, 0.5)]
+
+
+def test_a_signal_tool_off_the_main_thread_fails_naming_the_fix():
+    """A rollout beside training (async_rollout) has no main thread to run such a call: it fails, naming the fix."""
+    results = []
+    thread = threading.Thread(target=lambda: results.extend(
+        run_tool_calls({"check": check}, [ToolCall(name="check", arguments={"query": "0.5"})], 5.0, 4)))
+    thread.start()
+    thread.join()
+    assert not results[0].ok
+    assert "tool 'check' uses `signal`" in results[0].output and "parsing_timeout=None" in results[0].output
+
+
+class Lookups:
+    """An environment whose tool times itself with SIGALRM and earns a step reward."""
+
+    def reset(self, **kwargs):
+        self.step_rewards = []
+
+    def lookup(self, query: str) -> str:
+        """Look a name up, within 5 seconds.
+
+        Args:
+            query: the name, e.g. "Veltria".
+        """
+        with alarm_after(5):
+            self.step_rewards.append(1.0 if query == "Veltria" else 0.0)
+            return "Morvane" if query == "Veltria" else "not found"
+
+
+def test_an_environments_signal_method_runs_on_the_main_thread_with_its_step_rewards():
+    """An environment's calls run on run_turns' pool; one that uses `signal` is handed to the main thread, once per
+    call: each step reward is credited once."""
+    envs = [Lookups(), Lookups()]
+    for env in envs:
+        env.reset()
+    toolsets = [Toolset({"lookup": env.lookup}, environment=env) for env in envs]
+    turns = [(toolsets[0], [ToolCall("lookup", {"query": "Veltria"})]),
+             (toolsets[1], [ToolCall("lookup", {"query": "X"})])]
+    for _ in range(2):  # the first turn finds that the method uses `signal`; the second goes to the main thread at once
+        results = run_turns(turns, 5.0, 4)
+        assert [[(r.output, r.ok) for r in rs] for rs in results] == [[("Morvane", True)], [("not found", True)]]
+    assert [t.turn_rewards for t in toolsets] == [[[1.0], [1.0]], [[0.0], [0.0]]]

@@ -6,7 +6,7 @@ its signature and the first line of its docstring into the system prompt, and th
 its function name (`__name__`): `<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a
 tool raises an exception with a message that says what went wrong: the environment shows it to the
 model as `Error: ...` and counts a failed call. The trainer bounds each call with `tool_timeout`, so a
-tool need not.
+tool need not. Calls run on worker threads; a sync tool that uses `signal` runs on the main thread (MAIN, below).
 
 To add a tool: write the function in a module under `tools/` (docstring: one line saying what it
 does, then an `Args:` section with one line per argument), then either add one line
@@ -35,10 +35,12 @@ returns the tool, and mark it `@corpus_tool`. `build_tools` calls it once, at st
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import os
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -179,6 +181,7 @@ class ToolResult:
     ok: bool
     seconds: float = 0.0
     reward: float | None = None  # the step reward of a tool that returned (output, reward)
+    main_thread: bool = False  # not run: the tool uses `signal`, and the call is to run on the main thread
 
 
 def tool_output(value, source: str) -> tuple[str | list, float | None]:
@@ -217,6 +220,9 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
         deadline = time.monotonic() + timeout
         for i, (thread, slot) in enumerate(wave, start):
             results[i] = finish_call(calls[i], thread, slot, max(0.0, deadline - time.monotonic()), timeout)
+    for i, result in enumerate(results):  # the tools that use `signal`: one at a time, after the concurrent ones
+        if result.main_thread:
+            results[i] = run_on_main(tools, calls[i], timeout)
     return results
 
 
@@ -231,34 +237,46 @@ def _signature(fn: Callable) -> inspect.Signature:
 def start_call(tools: dict[str, Callable], call: ToolCall,
                loop: asyncio.AbstractEventLoop | None = None) -> tuple[threading.Thread | None, list[ToolResult]]:
     """(the daemon thread running `call`, the one-item list its result lands in); no thread for a call that is
-    malformed or names no tool, whose error is the result at once. `loop`: where an async tool runs (its
-    environment's own loop; None: the shared one)."""
+    malformed or names no tool, whose error is the result at once, nor for one of a tool that uses `signal`, whose
+    result says to run it on the main thread (`run_on_main`). `loop`: where an async tool runs (its environment's
+    own loop; None: the shared one)."""
     if call.error:
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
         return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False)]
+    if _function(tools[call.name]) in _SIGNAL_TOOLS:
+        return None, [ToolResult("", False, main_thread=True)]
     slot: list[ToolResult] = []
-    fn = tools[call.name]
-
-    def run():
-        begun = time.monotonic()
-        try:
-            _signature(fn).bind(**call.arguments)  # the arguments against the signature, so that a TypeError the
-        except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
-            slot.append(ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False,
-                                   time.monotonic() - begun))
-            return
-        try:
-            output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
-            content, reward = tool_output(output, f"tool '{call.name}'")
-            slot.append(ToolResult(content, True, time.monotonic() - begun, reward))
-        except Exception as e:  # the model sees the error and the turn reward counts a failure
-            slot.append(ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
-                                   time.monotonic() - begun))
-
-    thread = threading.Thread(target=run, daemon=True, name=f"tool-{call.name}")
+    thread = threading.Thread(target=lambda: slot.append(_call(tools[call.name], call, loop)), daemon=True,
+                              name=f"tool-{call.name}")
     thread.start()
     return thread, slot
+
+
+def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) -> ToolResult:
+    """`call` run here, on this thread; its failure as the `Error: ...` the model sees. A sync tool refused
+    `signal` off the main thread is not failed: its result says to run it on the main thread."""
+    begun = time.monotonic()
+    try:
+        _signature(fn).bind(**call.arguments)  # the arguments against the signature, so that a TypeError the
+    except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
+        return ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False, time.monotonic() - begun)
+    try:
+        output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
+        content, reward = tool_output(output, f"tool '{call.name}'")
+        return ToolResult(content, True, time.monotonic() - begun, reward)
+    except Exception as e:  # the model sees the error and the turn reward counts a failure
+        if _refused_signal(e) and threading.current_thread() is not threading.main_thread():
+            if inspect.iscoroutinefunction(_function(fn)):  # its loop's thread is never the main one
+                return ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main "
+                                             f"thread, and async tools run on an event loop's: {SIGNAL_FIX}"), False)
+            _SIGNAL_TOOLS.add(_function(fn))
+            logger.warning("Tool '%s' uses `signal` (%s), which works only on the main thread: its calls run there "
+                           "from now on, one at a time, after the concurrent ones, each bounded by tool_timeout "
+                           "(docs/guide.md, 'Adding a tool'). To keep them concurrent: %s", call.name, e, SIGNAL_FIX)
+            return ToolResult("", False, time.monotonic() - begun, main_thread=True)
+        return ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
+                          time.monotonic() - begun)
 
 
 def finish_call(call: ToolCall, thread: threading.Thread | None, slot: list, wait: float,
@@ -374,6 +392,159 @@ def join(thread: threading.Thread, timeout: float, clock: Callable[[], float] = 
     stop_point()
 
 
+# A sync tool that sets a signal handler or an alarm (TRL's grpo_agent.py tool times its query with SIGALRM;
+# math_verify's parse and verify do by default) is refused on any thread but the main one: "signal only works in
+# main thread". Its first call shows it; from then on its calls run on the main thread, one at a time, each bounded
+# by tool_timeout through WATCHDOG (a real-time signal, so that the tool's own SIGALRM stays its own). A thread that
+# is not the main one hands its call to the main thread (MAIN), which runs it where it waits for the tools: in
+# run_turns (rounds) and in the per-episode scheduler's loop. A rollout beside training (async_rollout) has no such
+# wait, and the call fails naming the tool and SIGNAL_FIX.
+SIGNAL_REFUSED = "signal only works in main thread"
+SIGNAL_FIX = ("drop the signal from the tool, as tool_timeout bounds each call (math_verify: "
+              "`parse(..., parsing_timeout=None)`, `verify(..., timeout_seconds=None)`)")
+WATCHDOG = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+_SIGNAL_TOOLS: set = set()  # the functions whose calls run on the main thread
+_OFF_MAIN: set[str] = set()  # the tools whose call found no main thread to run on (logged once)
+_ARMED = threading.Event()  # a call runs on the main thread under WATCHDOG
+
+
+class _Overtime(BaseException):
+    """Raised in the main thread by WATCHDOG's handler: a BaseException, so that a tool's `except Exception` does
+    not take it for its own error and carry on."""
+
+
+def _function(fn: Callable) -> Callable:
+    """The function behind `fn` (an environment's bound method: its class's function, the same for every instance)."""
+    return getattr(fn, "__func__", fn)
+
+
+def _refused_signal(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from (math_verify re-raises it with its own message), is Python's
+    refusal of `signal` off the main thread."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ValueError) and SIGNAL_REFUSED in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _on_watchdog(signum, frame):
+    if _ARMED.is_set():
+        raise _Overtime
+
+
+class MainThread:
+    """The calls handed to the main thread by the threads that may not run them (tools that use `signal`), run there
+    while it waits in `wait`, inside `serving()`."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.inbox: list[tuple[Callable[[], ToolResult], concurrent.futures.Future]] = []
+        self.posted = concurrent.futures.Future()  # done while the inbox holds a call
+        self.depth = 0  # the main thread's `serving()` scopes open now
+
+    @contextlib.contextmanager
+    def serving(self):
+        """On the main thread, the scope where it runs the calls handed to it; elsewhere, nothing."""
+        main = threading.current_thread() is threading.main_thread()
+        with self.lock:
+            self.depth += main
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= main
+                left, self.inbox = (self.inbox, []) if not self.depth else ([], self.inbox)
+            for _, future in left:  # handed over by a call abandoned after its timeout
+                if future.set_running_or_notify_cancel():
+                    future.set_result(ToolResult(error_text("the rollout ended before the call ran"), False))
+
+    def wait(self, futures, timeout: float) -> set:
+        """`concurrent.futures.wait(futures, timeout, FIRST_COMPLETED)`'s done set, running meanwhile the calls handed
+        to the main thread (on it)."""
+        end = time.monotonic() + timeout
+        while True:
+            if threading.current_thread() is threading.main_thread():
+                self.run_handed()
+            done, _ = concurrent.futures.wait([*futures, self.posted], max(0.0, end - time.monotonic()),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            done.discard(self.posted)
+            if done or time.monotonic() >= end:
+                return done
+
+    def run_handed(self) -> None:
+        with self.lock:
+            jobs, self.inbox = self.inbox, []
+            if self.posted.done():
+                self.posted = concurrent.futures.Future()
+        for job, future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_result(job())
+
+    def hand_over(self, job: Callable[[], ToolResult]) -> ToolResult | None:
+        """`job()`'s result, run by the main thread; None when the main thread is not serving."""
+        future = concurrent.futures.Future()
+        with self.lock:
+            if not self.depth:
+                return None
+            self.inbox.append((job, future))
+            if not self.posted.done():
+                self.posted.set_result(None)
+        while True:
+            stop_point()
+            try:
+                return future.result(0.25)
+            except concurrent.futures.TimeoutError:
+                continue
+
+
+MAIN = MainThread()
+
+
+def run_on_main(tools: dict[str, Callable], call: ToolCall, timeout: float,
+                loop: asyncio.AbstractEventLoop | None = None) -> ToolResult:
+    """`call` of a tool that uses `signal`, run on the main thread (here, or handed to it), bounded by `timeout`
+    seconds; an error naming the tool and the fix where no main thread can run it."""
+    job = lambda: _on_main(tools[call.name], call, timeout, loop)  # noqa: E731
+    if threading.current_thread() is threading.main_thread():
+        return job()
+    result = MAIN.hand_over(job)
+    if result is None:
+        if call.name not in _OFF_MAIN:
+            _OFF_MAIN.add(call.name)
+            logger.warning("Tool '%s' uses `signal`, which works only on the main thread, and this rollout runs off "
+                           "it (async_rollout): its calls fail. To run them: %s, or set async_rollout: false.",
+                           call.name, SIGNAL_FIX)
+        result = ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main thread, and "
+                                       f"this rollout runs off it: {SIGNAL_FIX}, or set async_rollout: false"), False)
+    return result
+
+
+def _on_main(fn: Callable, call: ToolCall, timeout: float, loop) -> ToolResult:
+    """`call` run on the main thread, interrupted after `timeout` seconds: a timer thread sends the main thread
+    WATCHDOG, whose handler raises _Overtime there (a blocking system call is interrupted too)."""
+    if WATCHDOG is None:  # no real-time signals (not Linux): unbounded
+        return _call(fn, call, loop)
+    if signal.getsignal(WATCHDOG) is not _on_watchdog:  # kept once set: a late WATCHDOG finds it, disarmed
+        signal.signal(WATCHDOG, _on_watchdog)
+    timer = threading.Timer(timeout, signal.pthread_kill, (threading.main_thread().ident, WATCHDOG))
+    timer.daemon = True
+    try:
+        try:
+            _ARMED.set()
+            timer.start()
+            return _call(fn, call, loop)
+        finally:
+            _ARMED.clear()
+            timer.cancel()
+    except _Overtime:
+        _ARMED.clear()
+        timer.cancel()
+        return timed_out(call, timeout)
+
+
 @dataclass
 class Toolset:
     """The tools one episode may call: `functions` by the name the model calls, `template_tools` their schemas
@@ -424,9 +595,12 @@ class Toolset:
         if thread is not None and thread.is_alive():
             self.running, self.running_call = thread, call.name  # timed out: nothing it adds from now on is credited
             return timed_out(call, timeout)
-        earned.extend(self.added_step_rewards(before))  # its thread has ended: every reward it added is in
         result = slot[0]
-        if not result.ok and thread is not None:
+        ran = thread is not None or result.main_thread
+        if result.main_thread:  # a method that uses `signal`
+            result = run_on_main(self.functions, call, timeout, self.loop)
+        earned.extend(self.added_step_rewards(before))  # its call has ended: every reward it added is in
+        if not result.ok and ran:
             method = f"{type(self.environment).__name__}.{call.name}"
             self.failures.append(f"{method} ({self.label}): {result.output}")
             if method not in _LOGGED_FAILURES:  # once per method: a policy's bad calls are many
@@ -498,8 +672,8 @@ def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,
     by_toolset: dict[int, list[int]] = {}
     for i, (toolset, _) in enumerate(turns):
         by_toolset.setdefault(id(toolset), []).append(i)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(turns))),
-                                               thread_name_prefix="env-turns") as pool:
+    with MAIN.serving(), concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(turns))),
+                                                               thread_name_prefix="env-turns") as pool:
         stateful = {pool.submit(turns[i][0].run, turns[i][1], timeout, max_workers): i
                     for i, (toolset, _) in enumerate(turns) if toolset.environment is not None}
         for indices in by_toolset.values():
@@ -508,6 +682,8 @@ def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,
                 flat = toolset.run([c for i in indices for c in turns[i][1]], timeout, max_workers)
                 for i in indices:
                     results[i], flat = flat[: len(turns[i][1])], flat[len(turns[i][1]):]
+        while not all(future.done() for future in stateful):  # running the calls they hand to the main thread
+            MAIN.wait(stateful, 1.0)
         for future, i in stateful.items():
             results[i] = future.result()
     return results
