@@ -11,6 +11,7 @@ The trainer takes what TRL's GRPOTrainer takes, and more loosely:
                          when evaluation is on)
 """
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ import torch
 
 from checks import check_environment_args, required_columns
 from protocol import end_of_turn_ids
-from tasks import Task, build_dataset, load_eval_task, load_task, recipe_columns, task_defaults, validate_dataset
+from tasks import (EMPTY_PROMPT, Task, TaskArguments, build_dataset, load_eval_task, load_task, recipe_columns,
+                   task_defaults, validate_dataset)
 
 logger = logging.getLogger("mt_grpo")
 
@@ -59,22 +61,24 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     show_log()  # a Python script's run says what it chose, as a recipe's does
     factory = environment_factory if environment_factory is not None else args.environment_factory
     if factory is not None:
+        no_dataset_by_default(args, train_dataset)
         check_environment_args(args, train_dataset)
+    env = factory is not None  # reset gives the prompt: a row may have none (tasks.validate_dataset)
     # the task's own tools and rewards fill what the caller and the config leave unset (tasks.task_defaults)
     defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
         task_defaults(args.dataset_name, args.corpus_path) if train_dataset is None else {}
     turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
     needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
-    train = _task(train_dataset, args, needs_answer, "train_dataset") if train_dataset is not None or \
+    train = _task(train_dataset, args, needs_answer, "train_dataset", env) if train_dataset is not None or \
         args.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
     if eval_dataset is None and evaluation:
         if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
-            eval_dataset = load_recipe_task(args, needs_answer, held_out=True)
+            eval_dataset = load_recipe_task(args, needs_answer, held_out=True, environment=env)
         else:
             raise ValueError(f"`eval_strategy: {args.eval_strategy}` needs held-out data: pass `eval_dataset`, "
                              "or set `eval_strategy: no`.")
-    held_out = _task(eval_dataset, args, needs_answer, "eval_dataset") if evaluation else None
+    held_out = _task(eval_dataset, args, needs_answer, "eval_dataset", env) if evaluation else None
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
@@ -109,7 +113,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     name, or a list; weighted by TRL's `reward_weights`) join the outcome rewards, and those marked @per_tool_turn the
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
-    from checks import check_reward_lists_given_once
+    from checks import check_reward_lists_given_once, check_reward_weights
     from rewards import get_reward_func, is_per_tool_turn
     from rewards.judge import build_judge_rewards
 
@@ -122,12 +126,10 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     lists = {}
     for kind, passed in (("turn", turn_funcs), ("outcome", outcome_funcs)):
         names = next((x for x in (as_list(passed), getattr(args, f"{kind}_reward_funcs")) if x is not None), None)
-        weights = getattr(args, f"{kind}_reward_weights") if names is not None else None
+        check_reward_weights(args, kind, names)  # the config's weights, for the functions of either place
+        weights = getattr(args, f"{kind}_reward_weights")
         names = names if names is not None else [] if reward_funcs is not None else \
             defaults.get(f"{kind}_reward_funcs", [])
-        if weights is not None and len(weights) != len(names):
-            raise ValueError(f"`{kind}_reward_weights` has {len(weights)} values for {len(names)} functions: give "
-                             "one weight per function, or leave the weights unset.")
         lists[kind] = (list(names), list(weights) if weights is not None else [1.0] * len(names))
     judge = None  # judge rewards (rewards/judge.py) share one client, checked once at start-up
     resolved = {}
@@ -157,32 +159,35 @@ def _questions(task: Task | None) -> bool:
     return task is not None and "prompt" not in task.dataset.column_names
 
 
-def _task(data, args, needs_answer: list[str], name: str) -> Task | None:
+def _task(data, args, needs_answer: list[str], name: str, environment: bool = False) -> Task | None:
     """A Task from what the caller passed: a Task as is, a datasets.Dataset validated, None for the train set: the
-    config's `dataset_name`."""
+    config's `dataset_name`. `environment`: an environment_factory's reset gives the prompts."""
     if isinstance(data, Task):
         return data
     if data is None:
-        return load_recipe_task(args, needs_answer) if name == "train_dataset" else None
+        return load_recipe_task(args, needs_answer, environment=environment) if name == "train_dataset" else None
     import datasets
 
     if not isinstance(data, datasets.Dataset):
         raise ValueError(f"`{name}` is a {type(data).__name__}; pass a datasets.Dataset (e.g. "
                          "`Dataset.from_list([{'question': ..., 'answer': ...}])`), or leave it out to load the "
                          "config's `dataset_name`.")
-    task = validate_dataset(data, columns=recipe_columns(args), answer_required=needs_answer, source=name)
+    task = validate_dataset(data, columns=recipe_columns(args), answer_required=needs_answer, source=name,
+                            environment=environment)
     _report_skipped(task, name)
     return task
 
 
-def load_recipe_task(args, answer_required: bool | list[str] = True, held_out: bool = False) -> Task:
-    """The recipe's training task (`dataset_name` and the fields beside it), or its held-out one (`eval_*`)."""
+def load_recipe_task(args, answer_required: bool | list[str] = True, held_out: bool = False,
+                     environment: bool = False) -> Task:
+    """The recipe's training task (`dataset_name` and the fields beside it), or its held-out one (`eval_*`).
+    `environment`: an environment_factory's reset gives the prompts (tasks.validate_dataset)."""
     if held_out:
-        task = load_eval_task(args, answer_required=answer_required)
+        task = load_eval_task(args, answer_required=answer_required, environment=environment)
     else:
         task = load_task(args.dataset_name, args.dataset_split, args.max_samples, args.corpus_path, args.kb_seed,
                          args.kb_multi_hop, dataset_config=args.dataset_config, columns=recipe_columns(args),
-                         answer_required=answer_required)
+                         answer_required=answer_required, environment=environment)
     _report_skipped(task, args.eval_dataset_name or args.dataset_name if held_out else args.dataset_name)
     return task
 
@@ -209,13 +214,25 @@ def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]
     return tools + served
 
 
+def no_dataset_by_default(args, train_dataset) -> None:
+    """TRL's environment_factory without a train_dataset: the environment's reset gives each prompt, and TRL needs no
+    dataset. A `dataset_name` left at its default (the knowledge base, surely not meant for your environment) then
+    means none, as in TRL; another `dataset_name` is loaded. On the trainer's copy of the config."""
+    default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
+    if train_dataset is None and args.dataset_name == default:
+        logger.info("environment_factory without a train_dataset: the environment's reset gives each prompt, as in "
+                    "TRL (`dataset_name` %r, its default, is not loaded: set it to your data, or pass train_dataset).",
+                    default)
+        args.dataset_name = None
+
+
 def placeholder_task(args) -> Task:
     """No dataset: a generation batch of empty user messages, cycled, which the environment's reset fills (TRL's
     placeholder rows)."""
     import datasets
 
     rows = max(1, args.generation_batch_size // args.num_generations)
-    return Task(datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows}), corpus=None,
+    return Task(datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows}), corpus=None,
                 eval_metrics={})
 
 

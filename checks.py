@@ -34,7 +34,8 @@ logger = logging.getLogger("mt_grpo")
 #   trl.trainer.utils._use_triton(device) -> bool   the fused LM head's switch to score labelled positions only
 #   trl.trainer.utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size, ...)
 #       the fused LM head's kernel; chunk_size: the vocabulary columns of one tile (narrowed on CPU)
-#   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.models.unwrap_model_for_generation,
+#   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.trainer.utils.nanstd (TRL's metrics, reporting.py),
+#   trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
 TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
@@ -57,20 +58,12 @@ def settle_training_defaults(config) -> None:
 
 
 def check_script_args(args) -> None:
-    """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field."""
+    """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field. The reward
+    weights are checked where their functions are known, which may come from the trainer's arguments
+    (check_reward_weights)."""
     check_choices(args)  # every field declared with `choices` (fields.py)
     check_judge_args(args)
     check_server_urls(args)
-    for kind in ("turn", "outcome"):
-        funcs, weights = getattr(args, f"{kind}_reward_funcs"), getattr(args, f"{kind}_reward_weights")
-        if weights is not None and funcs is None:
-            raise ValueError(f"`{kind}_reward_weights` is set but `{kind}_reward_funcs` is not: list the functions "
-                             "they weigh (the task's default list takes no weights).")
-        if weights is not None and len(weights) != len(funcs):
-            raise ValueError(
-                f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
-                f"{len(funcs)} functions; give one weight per function, or leave the weights unset."
-            )
     if args.max_train_minutes is not None and not args.max_train_minutes > 0:
         raise ValueError(f"`max_train_minutes` must be > 0 (or unset for no limit), got {args.max_train_minutes}.")
     if not 0.0 <= args.turn_credit_discount <= 1.0:
@@ -172,18 +165,14 @@ def check_reward_sources(args, mode: str, credits_turns: bool, turn_funcs: list[
 
 
 def check_environment_args(args, train_dataset) -> None:
-    """What TRL's environment_factory needs of the rest of the config."""
+    """What TRL's environment_factory needs of the rest of the config (after builders.no_dataset_by_default)."""
     if args.async_rollout:
         raise ValueError("`environment_factory` with `async_rollout`: the next batch's episodes would reset instances "
                          "whose final state this batch's rewards still read. Set `async_rollout: false`.")
-    if train_dataset is None and args.dataset_name == "fictional_kb":  # the field's default: surely not meant
-        raise ValueError("`environment_factory` without a dataset, and `dataset_name` is still its default, the "
-                         "knowledge base. Pass `train_dataset`, set `dataset_name` to your data, or set "
-                         "`dataset_name` to None (null) so that reset gives each prompt.")
     if train_dataset is None and args.dataset_name is None and args.max_steps <= 0:
-        raise ValueError("No dataset (`dataset_name: null`): the environment's reset gives each prompt, and "
-                         "`max_steps` sets the run's length, as in TRL. Set `max_steps` to a positive number of "
-                         "steps, or give a `dataset_name`.")
+        raise ValueError("No dataset (no `train_dataset`, and `dataset_name` null or left at its default): the "
+                         "environment's reset gives each prompt, and `max_steps` sets the run's length, as in TRL. "
+                         "Set `max_steps` to a positive number of steps, or give a `dataset_name`.")
 
 
 def check_training_args(args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
@@ -393,6 +382,19 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
         if not environments and needs is not None and needs.default is needs.empty:
             raise ValueError(f"Reward function '{fn.__name__}' takes `environments`, which a run passes only with an "
                              "`environment_factory` (as TRL does): give one, or read the completions instead.")
+
+
+def check_reward_weights(args, kind: str, funcs: list | None) -> None:
+    """`<kind>_reward_weights` of the config against the `<kind>_reward_funcs` the run was given, in the config or
+    to MTGRPOEnvTrainer(...) (`funcs`; None: given nowhere)."""
+    weights = getattr(args, f"{kind}_reward_weights")
+    if weights is not None and funcs is None:
+        raise ValueError(f"`{kind}_reward_weights` is set but `{kind}_reward_funcs` is not, in the config or to "
+                         "MTGRPOEnvTrainer(...): list the functions they weigh (the task's default list takes no "
+                         "weights; TRL's `reward_funcs` take `reward_weights`).")
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"`{kind}_reward_weights` has {len(weights)} values but `{kind}_reward_funcs` has "
+                         f"{len(funcs)} functions; give one weight per function, or leave the weights unset.")
 
 
 def check_reward_lists_given_once(args, turn_funcs, outcome_funcs) -> None:

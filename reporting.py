@@ -149,12 +149,13 @@ def _nanmean(x: torch.Tensor) -> float:
 
 
 def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
-    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list (one value per
-    tool turn the episode took); None when absent."""
+    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list: one value per
+    tool turn the episode took, and one for an episode without a tool call, whose first turn is credited like
+    any other (mt_grpo_trainer.per_turn_reward_table: its tokens got A_O + A_T(0)); None when absent."""
     if values is None:
         return None
     row = values[i].reshape(-1).tolist()
-    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:tool_turns]]
+    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:max(tool_turns, 1)]]
 
 
 def reward_metrics(scores, signal: torch.Tensor, turn_funcs: list[Callable], outcome_funcs: list[Callable],
@@ -169,6 +170,48 @@ def reward_metrics(scores, signal: torch.Tensor, turn_funcs: list[Callable], out
             out[f"{prefix}rewards/{kind}/{fn.__name__}"] = _nanmean(per_func[:, i])
         out[f"{prefix}rewards/{kind}/mean"] = _nanmean(R)
     out[f"{prefix}rewards/frac_zero_signal_groups"] = 1 - signal.float().mean().item() if len(signal) else math.nan
+    return out
+
+
+def per_sample_rewards(scores) -> torch.Tensor:
+    """(B, F) each function's value per sample, turn functions first (TRL's `reward_func_names` order): a per-turn
+    function's is the mean over the sample's tool turns. What TRL's completions table and `rewards/<func>/...` show."""
+    return torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func], dim=1)
+
+
+def trl_metrics(stats: torch.Tensor, per_func: torch.Tensor, weights: torch.Tensor, names: list[str],
+                group_size: int, scale_rewards: str, tools: bool) -> dict[str, float]:
+    """TRL 1.16's metrics of a generation batch (GRPOTrainer._generate_and_score_completions), by its names and
+    definitions, beside ours, so that what reads a TRL run reads this one. `stats`: gathered episode_stats rows;
+    `per_func`: per_sample_rewards; `weights`: (F,) each function's weight; `tools`: the run has tools (TRL logs
+    `tools/...` only then). `reward` is the weighted sum of every function, turn ones included (TRL's GRPO trains
+    on it; here it is logged, and the advantages are MT-GRPO's). A function named `turn` or `outcome` keeps only our
+    `rewards/<kind>/...` names."""
+    from trl.trainer.utils import nanstd
+
+    out = {}
+    for i, name in enumerate(names):
+        if name not in ("turn", "outcome"):
+            out[f"rewards/{name}/mean"] = _nanmean(per_func[:, i])
+            out[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
+    reward = (per_func * weights.to(per_func.device)[None, :]).nansum(dim=1)
+    reward[torch.isnan(per_func).all(dim=1)] = float("nan")  # unscorable: every function returned None
+    out["reward"], out["reward_std"] = _nanmean(reward), nanstd(reward).item()
+    std = nanstd(reward) if scale_rewards == "batch" else nanstd(reward.view(-1, group_size), dim=1) \
+        if group_size > 1 else torch.zeros(1)
+    out["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+    s = dict(zip(EPISODE_STATS, stats[:, : len(EPISODE_STATS)].T))
+    lengths, clipped = s["model_tokens"], s["truncated"].bool()  # TRL counts model tokens (tool_mask) too
+    ended = lengths[~clipped] if (~clipped).any() else torch.zeros(1)
+    for kind, values in (("", lengths), ("_terminated", ended)):
+        out[f"completions/mean{kind}_length"] = values.mean().item()
+        out[f"completions/min{kind}_length"] = values.min().item()
+        out[f"completions/max{kind}_length"] = values.max().item()
+    out["completions/clipped_ratio"] = clipped.float().mean().item()
+    if tools:
+        calls = s["tool_calls"].sum()
+        out["tools/call_frequency"] = (calls / len(stats)).item()
+        out["tools/failure_frequency"] = (s["tool_failures"].sum() / calls).item() if calls > 0 else 0.0
     return out
 
 
@@ -480,7 +523,11 @@ class TrainerReports:
         m["rollout/staleness"].append(gather(staleness).mean().item())
         if self.backend.external:
             m["rollout/aborted_requests"].append(float(self.backend.aborted_requests))  # cumulative
-        m["completions/mean_length"].append(m["rollout/model_tokens"][-1])
+        tools = bool(self.env.tools) or self.env.environments is not None
+        for name, value in trl_metrics(stats, per_sample_rewards(scores), torch.cat([self.turn_weights,
+                                       self.outcome_weights]), self.reward_func_names, G, self.args.scale_rewards,
+                                       tools).items():  # TRL's names, beside ours
+            m[name].append(value)
         if mode == "train":
             self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
                                                     + stats[:, EPISODE_STATS.index("env_tokens")].sum())
@@ -497,6 +544,16 @@ class TrainerReports:
         first = (token_turns == 0).long()
         m["sampling/logprob_diff_first_turn"].append(self._masked_mean(gap, mask * first))
         m["sampling/logprob_diff_later_turns"].append(self._masked_mean(gap, mask * (1 - first)))
+        # TRL's names of the same (over every model token; 0 where there is none)
+        m["sampling/sampling_logp_difference/mean"].append(self._masked_mean(gap, mask))
+        m["sampling/importance_sampling_ratio/mean"].append(m["sampling/importance_weight_mean"][-1])
+        for name, x, pick, none in (("sampling_logp_difference/max", gap, torch.amax, -math.inf),
+                                    ("importance_sampling_ratio/min", weights, torch.amin, math.inf),
+                                    ("importance_sampling_ratio/max", weights, torch.amax, -math.inf)):
+            on = x[mask.bool()]
+            local = pick(on) if on.numel() else x.new_tensor(none)  # a process without model tokens: no say
+            value = pick(gather(local.view(1))).item()
+            m[f"sampling/{name}"].append(value if math.isfinite(value) else 0.0)
 
     def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
@@ -529,8 +586,7 @@ class TrainerReports:
         """TRL's completions table (`log_completions`): prompts, canonical completions, rewards, A_O."""
         self._logs["prompt"].extend(gather_object(prompts))
         self._logs["completion"].extend(gather_object([ep.messages for ep in episodes]))
-        per_func = torch.cat([torch.nanmean(scores.turn_per_func, dim=2), scores.outcome_per_func],
-                             dim=1)  # (B, F)
+        per_func = per_sample_rewards(scores)  # (B, F)
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(per_func[:, i].tolist())
         self._logs["advantages"].extend(adv.outcome.tolist())

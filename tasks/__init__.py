@@ -37,6 +37,9 @@ strings, an empty one when answers are required, a malformed prompt) are skipped
 bad row in a large file should not stop a run, and `Task.skipped` says which rows to fix ("row 17: empty
 question"; rows count from 0, so in a .jsonl file without blank lines that is line 18). A dataset with no
 valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
+With an environment_factory (`environment`), whose reset gives the prompt, a row may have no prompt and no
+question, or an empty one, as in TRL: it becomes EMPTY_PROMPT (a dataset of only an `environment` column routes
+each row to its class), and its question is "".
 
 A task may bring the task's part of the system prompt and worked examples (`Task.system_prompt`,
 `Task.examples`); the search tasks here bring theirs (tasks/fictional_kb.py). Any other dataset gets the neutral
@@ -96,6 +99,7 @@ MAX_SKIP_REASONS = 5
 QA_EVAL_METRICS = {"exact_match": "exact_match_reward_func", "first_search_hit": "exist_answer_in_search_results"}
 FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.List(datasets.Value("string"))})
 MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})  # a chat prompt
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one: the environment's reset fills it
 
 
 @dataclass
@@ -135,13 +139,14 @@ def task_defaults(dataset_name: str | None, corpus_path: str | None = None) -> d
 def load_task(dataset_name: str, split: str = "train", max_samples: int | None = None,
               corpus_path: str | None = None, seed: int = 0, multi_hop: float = 0.0, *,
               dataset_config: str | None = None, columns: dict[str, str] | None = None,
-              answer_required: bool | list[str] = True) -> Task:
+              answer_required: bool | list[str] = True, environment: bool = False) -> Task:
     """The task named by the recipe's `dataset_name` (see the module docstring). `max_samples` keeps
     the first that many valid rows; `corpus_path` (.jsonl of {title, text}) replaces the task's
     corpus; `seed` picks the fictional knowledge base and its test split; `multi_hop` is the
     fictional knowledge base's fraction of two-hop questions (0.0 to 1.0); `dataset_config` is a hub
     dataset's (or folder's) configuration; `columns` maps question / answer / prompt to the dataset's
-    columns; `answer_required` False keeps rows without an answer (for rewards that need none)."""
+    columns; `answer_required` False keeps rows without an answer (for rewards that need none); `environment`: an
+    environment_factory's reset gives the prompt (validate_dataset)."""
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
     if multi_hop and dataset_name not in KB_TASKS:
@@ -179,7 +184,8 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
         eval_metrics = dict(TASK_EVAL_METRICS)
     else:
         data = read_dataset(dataset_name, split, dataset_config)
-    task = validate_dataset(data, columns, answer_required, source=dataset_name, max_samples=max_samples)
+    task = validate_dataset(data, columns, answer_required, source=dataset_name, max_samples=max_samples,
+                            environment=environment)
     task.corpus = corpus_override if corpus_override is not None else corpus
     task.system_prompt, task.examples, task.eval_metrics = task_prompt, examples, eval_metrics
     task.defaults = task_defaults(dataset_name, corpus_path)
@@ -192,7 +198,7 @@ HELD_OUT_SPLITS = {"fictional_kb": "test", "fictional_kb_entities": "validation"
                    "textworld_quest": "test"}
 
 
-def load_eval_task(args, answer_required: bool | list[str] = True) -> Task:
+def load_eval_task(args, answer_required: bool | list[str] = True, environment: bool = False) -> Task:
     """The eval task of a recipe (MTGRPOScriptArguments `args`): `eval_dataset_name` (default: the
     training dataset) at `eval_dataset_split` (default: the task's held-out split), read with the recipe's
     columns (and its `dataset_config`, for the training dataset). It must not be the training split of the
@@ -211,7 +217,7 @@ def load_eval_task(args, answer_required: bool | list[str] = True) -> Task:
     config = getattr(args, "dataset_config", None) if name == args.dataset_name else None
     return load_task(name, split, args.eval_max_samples, args.corpus_path, args.kb_seed,
                      args.kb_multi_hop, dataset_config=config, columns=recipe_columns(args),
-                     answer_required=answer_required)
+                     answer_required=answer_required, environment=environment)
 
 
 def recipe_columns(args) -> dict[str, str]:
@@ -348,23 +354,26 @@ def load_hub_dataset(name: str, config: str | None, split: str, label: str | Non
 # ------------------------------------------------------------------------------------------------
 def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None = None,
                      answer_required: bool | list[str] = True, source: str = "train_dataset",
-                     max_samples: int | None = None) -> Task:
+                     max_samples: int | None = None, environment: bool = False) -> Task:
     """A Task of the valid rows of `dataset` (the module docstring's columns and rules): `columns` maps
     question / answer / prompt to the dataset's columns (missing: the same name); `max_samples` keeps the first
-    that many valid rows; `source` names the dataset in errors."""
+    that many valid rows; `source` names the dataset in errors; `environment`: an environment_factory's reset
+    gives the prompt, so a row may have none, or an empty one."""
     if not isinstance(dataset, datasets.Dataset):
         hint = (" (a DatasetDict: pick a split, e.g. dataset['train'])" if isinstance(dataset, datasets.DatasetDict)
                 else "")
         raise ValueError(f"{source} is a {type(dataset).__name__}{hint}; pass a datasets.Dataset.")
-    roles = _resolve_columns(dataset.column_names, columns or {}, answer_required, source)
+    roles = _resolve_columns(dataset.column_names, columns or {}, answer_required, source, environment)
     extras = [c for c in dataset.column_names if c not in roles.values() and c not in ROLES]
-    out = {role: [] for role in ROLES if role == "question" or roles[role]} | {c: [] for c in extras}
+    prompts = roles["prompt"] or environment and not roles["question"]  # none given: EMPTY_PROMPT, reset fills it
+    out = {role: [] for role in ROLES if role == "question" or roles[role] or role == "prompt" and prompts} | \
+        {c: [] for c in extras}
     reasons, num_skipped = [], 0
     # in batches: a row at a time from Arrow is slow, and the whole table as Python lists is large
     rows = ({c: batch[c][k] for c in batch} for batch in dataset.iter(batch_size=1000)
             for k in range(len(batch[dataset.column_names[0]])))
     for i, row in enumerate(rows):
-        values, problem = _valid_row(row, roles, answer_required)
+        values, problem = _valid_row(row, roles, answer_required, environment)
         if problem:
             num_skipped += 1
             if len(reasons) < MAX_SKIP_REASONS:
@@ -388,7 +397,8 @@ def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None =
     return Task(dataset=dataset, corpus=None, num_skipped=num_skipped, skipped=reasons)
 
 
-def _resolve_columns(names: list[str], columns: dict[str, str], answer_required: bool | list[str], source: str) -> dict:
+def _resolve_columns(names: list[str], columns: dict[str, str], answer_required: bool | list[str], source: str,
+                     environment: bool = False) -> dict:
     """role -> the dataset's column holding it, or None when the dataset has none (and may lack it)."""
     unknown = sorted(set(columns) - set(ROLES))
     if unknown:
@@ -402,7 +412,7 @@ def _resolve_columns(names: list[str], columns: dict[str, str], answer_required:
                              f"{names}. Set `{role}_column` to one of them.")
         roles[role] = column if column in names else None
     missing = [role for role in ("question", "answer") if roles[role] is None
-               and (roles["prompt"] is None if role == "question" else answer_required)]
+               and (roles["prompt"] is None and not environment if role == "question" else answer_required)]
     if missing:
         # answer_required may name the rewards that read the answer: say which, so the fix is clear
         needing = (f" ({', '.join(answer_required)} read it: give the column, or take them out of the recipe's "
@@ -414,12 +424,15 @@ def _resolve_columns(names: list[str], columns: dict[str, str], answer_required:
     return roles
 
 
-def _valid_row(row: dict, roles: dict, answer_required: bool) -> tuple[dict, str]:
-    """(the row's question, answer and prompt, "") if it is usable, else ({}, why not)."""
+def _valid_row(row: dict, roles: dict, answer_required: bool, environment: bool = False) -> tuple[dict, str]:
+    """(the row's question, answer and prompt, "") if it is usable, else ({}, why not). With an `environment`, a row
+    without a prompt or question, or with an empty one, is usable: the environment's reset gives the prompt."""
     values, problem = {}, ""
-    if roles["prompt"]:
-        prompt = row[roles["prompt"]]
-        if problem := prompt_problem(prompt):
+    if roles["prompt"] or environment and not roles["question"]:
+        prompt = row[roles["prompt"]] if roles["prompt"] else None
+        if environment and not prompt:  # None, [] or "": TRL's empty user message (a string stays a string)
+            prompt = "" if isinstance(prompt, str) else EMPTY_PROMPT
+        if prompt != "" and (problem := prompt_problem(prompt)):
             return {}, problem
         values["prompt"] = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]}
                                                                    for m in prompt]
@@ -428,11 +441,11 @@ def _valid_row(row: dict, roles: dict, answer_required: bool) -> tuple[dict, str
         if problem in ("no answer", "empty answer") and not answer_required:
             problem = ""
     question = row[roles["question"]] if roles["question"] else None
-    if roles["prompt"] and not (isinstance(question, str) and question.strip()):
+    if "prompt" in values and not (isinstance(question, str) and question.strip()):
         question = prompt_question(values["prompt"])  # the prompt stands in for a missing question
     if not isinstance(question, str):
         problem = "no question" if question is None else f"question is a {type(question).__name__}, not a string"
-    elif not question.strip():
+    elif not question.strip() and not environment:
         problem = "empty question"
     values["question"] = question.strip() if isinstance(question, str) else question
     return ({}, problem) if problem else (values, "")
@@ -469,7 +482,8 @@ def build_dataset(args, env, task, tools_of: Callable | None = None):
     # a column, not datasets.map: map hashes its function for the cache, and a closure over the env cannot be
     # pickled (dill warned at every start, and the cache never worked)
     rest = task.dataset.remove_columns(["prompt"]) if has_prompt else task.dataset
-    prompts = [env.prompt(p, tools_of(name) if tools_of else None) for p, name in zip(sources, names)]
+    prompts = [env.prompt(p if p else EMPTY_PROMPT, tools_of(name) if tools_of else None)  # "": an environment's
+               for p, name in zip(sources, names)]
     # a table without columns has no rows: the placeholder rows of an environment's run are prompts only
     dataset = rest.add_column("prompt", prompts) if rest.column_names else datasets.Dataset.from_dict({"prompt": prompts})
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]

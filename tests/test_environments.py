@@ -448,7 +448,13 @@ trainer.save_state()
     assert all(r["prompt_text"].endswith("user\n The lock has 2 digits.<|im_end|>\n<|im_start|>assistant\n")
                for r in records)
     # per_turn credit from the step rewards, by hand: (+1, +1), (-0.5), (-0.5, +1), no turn; get_reward 1, 0, 0, 0
-    assert [r["R_T"] for r in records[:4]] == [[1.0, 1.0], [-0.5], [-0.5, 1.0], []]
+    # the episode without a tool call has its first turn, credited 0 and pooled (issue 70: it once recorded [])
+    assert [r["R_T"] for r in records[:4]] == [[1.0, 1.0], [-0.5], [-0.5, 1.0], [0.0]]
+    mean = 1 / 3  # of the group's six turns; std 0.7528
+    std = (sum((x - mean) ** 2 for x in (1.0, 1.0, -0.5, -0.5, 1.0, 0.0)) / 5) ** 0.5
+    a = {x: (x - mean) / std for x in (1.0, -0.5, 0.0)}
+    assert [r["A_T"] for r in records[:4]] == [pytest.approx(v) for v in
+                                               ([a[1.0], a[1.0]], [a[-0.5]], [a[-0.5], a[1.0]], [a[0.0]])]
     assert [r["R_O"] for r in records[:4]] == [1.0, 0.0, 0.0, 0.0]
     assert changed_parameters(tiny_agent_dir, out), "a group with signal moved no parameter"
 
@@ -461,10 +467,16 @@ def test_environment_config_errors(tiny_agent_dir, tmp_path):
                         bf16=False, report_to="none")
     with pytest.raises(ValueError, match=r"`max_steps` sets the run's length"):
         MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Lock)
-    # no dataset and the default dataset_name: a newcomer's run once trained on the knowledge base silently
-    args.dataset_name, args.max_steps = "fictional_kb", 2
-    with pytest.raises(ValueError, match=r"`dataset_name` is still its default, the knowledge base"):
+    # no dataset and the default dataset_name: no dataset, as in TRL (issue 70: it was refused; before that, a
+    # newcomer's run trained on the knowledge base silently), so max_steps is needed, and then it builds
+    args.dataset_name = "fictional_kb"
+    with pytest.raises(ValueError, match=r"`max_steps` sets the run's length"):
         MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Lock)
+    args.max_steps = 2
+    trainer = MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Lock)
+    assert trainer.args.dataset_name is None and args.dataset_name == "fictional_kb"  # the caller's config as given
+    assert len(trainer.train_dataset) == 1 and trainer.train_dataset[0]["prompt"][-1] == {"role": "user", "content": ""}
+    assert sorted(t.__name__ for t in trainer.env.environments.tools()) == ["press"]  # no search tool of the base
     argv = ["--config", env_recipe(tmp_path), "--model_name_or_path", tiny_agent_dir, "--output_dir", str(tmp_path)]
     with pytest.raises(ValueError, match=r"`environment_factory` with `async_rollout`"):
         build_trainer(argv + ["--async_rollout", "true", "--generation_backend", "vllm_server",

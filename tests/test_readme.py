@@ -39,10 +39,11 @@ def test_every_config_field_has_help():
 
 def documented_metric(name: str, text: str) -> bool:
     """`rewards/turn/exact_match_reward_func` is documented by the row `rewards/turn/<func>` (and likewise under
-    `dynamic_sampling/first_draw/` and `dynamic_sampling/replacements/`), and
-    `rollout/stop/answer` by `rollout/stop/<reason>` when that row names `answer`."""
+    `dynamic_sampling/first_draw/` and `dynamic_sampling/replacements/`), TRL's `rewards/exact_match_reward_func/mean`
+    by `rewards/<func>/mean`, and `rollout/stop/answer` by `rollout/stop/<reason>` when that row names `answer`."""
     generic = re.sub(r"^((dynamic_sampling/(first_draw|replacements)/)?rewards/(turn|outcome))/"
                      r"(?!mean$|frac_zero_std_groups$)[^/]+$", r"\1/<func>", name)
+    generic = re.sub(r"^rewards/(?!turn/|outcome/)[^/]+/(mean|std)$", r"rewards/<func>/\1", generic)
     stop = re.match(r"^rollout/stop/(.+)$", name)
     if stop:
         row = next((line for line in text.splitlines() if line.startswith("| `rollout/stop/<reason>` |")), "")

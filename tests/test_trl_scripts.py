@@ -62,9 +62,19 @@ def test_a_trl_game_script_trains_under_both_trainers_with_only_its_import_chang
     with open(out / "log_history.json") as f:
         steps = [h for h in json.load(f) if "loss" in h]
     assert len(steps) == 1 and math.isfinite(steps[0]["loss"]) and math.isfinite(steps[0]["grad_norm"])
-    # the game's reward, under its function's name in TRL's key and in ours
-    key = "rewards/reward_walk/mean" if trainer == "trl" else "rewards/outcome/reward_walk"
-    assert key in steps[0]
+    # TRL's metric names in both runs (issue 70: a TRL dashboard reads ours), and ours beside them
+    assert TRL_STEP_METRICS <= set(steps[0]), sorted(TRL_STEP_METRICS - set(steps[0]))
+    assert trainer == "trl" or "rewards/outcome/reward_walk" in steps[0]
+
+
+# What TRL 1.16 logs at a step of this script (no KL: beta 0; no vLLM), every name of which a run here logs too
+TRL_STEP_METRICS = {"loss", "grad_norm", "learning_rate", "num_tokens", "entropy", "reward", "reward_std",
+                    "frac_reward_zero_std", "rewards/reward_walk/mean", "rewards/reward_walk/std",
+                    "completions/mean_length", "completions/min_length", "completions/max_length",
+                    "completions/clipped_ratio", "completions/mean_terminated_length",
+                    "completions/min_terminated_length", "completions/max_terminated_length",
+                    "tools/call_frequency", "tools/failure_frequency", "clip_ratio/low_mean", "clip_ratio/low_min",
+                    "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "step_time"}
 
 
 def our_config(tmp_path, **overrides):
@@ -175,7 +185,8 @@ def test_a_scripted_player_makes_all_8_moves_under_both_trainers_defaults(game, 
 
 def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, tmp_path):
     """A `prompt` dataset with a tool, and an environment without a dataset: no search tool, no turn reward that
-    reads `answer`, no word of question answering in the prompt; the advantage follows the signals given."""
+    reads `answer`, no word of question answering in the prompt; the advantage follows the signals given. The
+    environment's run leaves `dataset_name` at its default, as a TRL script does (issue 70: it was refused)."""
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
@@ -197,7 +208,7 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
     built = [MTGRPOEnvTrainer(model=model_dir, reward_funcs=reward, args=our_config(tmp_path), train_dataset=prompts,
                               tools=[multiply]),
              MTGRPOEnvTrainer(model=model_dir, reward_funcs=reward, environment_factory=game.GridWalkEnv,
-                              args=our_config(tmp_path, dataset_name=None))]
+                              args=our_config(tmp_path))]  # `dataset_name` at its default: no dataset, as in TRL
     for trainer, tools in zip(built, (["multiply"], ["step"])):
         env = trainer.env
         names = sorted(env.tools) if env.environments is None else [t.__name__ for t in env.environments.tools()]
@@ -283,3 +294,126 @@ def test_reward_funcs_take_trls_forms_and_every_reward_gets_trls_keywords(model_
         alone = MTGRPOEnvTrainer(model=model_dir, reward_funcs=single, args=our_config(tmp_path), train_dataset=data,
                                  backend=ScriptedPolicy(tokenizer, script))
         assert len(alone.outcome_reward_funcs) == 1 and alone.turn_reward_funcs == []
+
+
+def test_reward_weights_in_the_config_weigh_the_functions_given_to_the_trainer(model_dir, tmp_path):
+    """`outcome_reward_weights` / `turn_reward_weights` in the config, with the functions given to
+    MTGRPOEnvTrainer(...) (issue 70: the config was refused before the trainer existed); weights without functions
+    anywhere, or a count that differs, fail at the trainer naming the field."""
+    from datasets import Dataset
+
+    from mt_grpo_trainer import MTGRPOEnvTrainer
+    from rewards.conversation import per_tool_turn
+
+    def short(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def polite(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    @per_tool_turn
+    def each_turn(completions, **kwargs):
+        return [[] for _ in completions]
+
+    data = Dataset.from_dict({"prompt": ["Say hello."] * 2})
+    config = our_config(tmp_path, outcome_reward_weights=[1.0, 2.0], turn_reward_weights=[0.5])  # no functions here
+    trainer = MTGRPOEnvTrainer(model=model_dir, args=config, train_dataset=data, outcome_reward_funcs=[short, polite],
+                               turn_reward_funcs=[each_turn])
+    assert trainer.outcome_weights.tolist() == [1.0, 2.0] and trainer.turn_weights.tolist() == [0.5]
+    with pytest.raises(ValueError, match=r"`outcome_reward_weights` has 2 values but `outcome_reward_funcs` has 1 "):
+        MTGRPOEnvTrainer(model=model_dir, args=config, train_dataset=data, outcome_reward_funcs=[short],
+                         turn_reward_funcs=[each_turn])
+    with pytest.raises(ValueError, match=r"`outcome_reward_weights` is set but `outcome_reward_funcs` is not, in the "
+                                         r"config or to MTGRPOEnvTrainer"):
+        MTGRPOEnvTrainer(model=model_dir, args=our_config(tmp_path, outcome_reward_weights=[1.0]), train_dataset=data,
+                         reward_funcs=short)
+
+
+def test_trls_multi_environment_dataset_trains_and_logs_trls_metric_names(model_dir, tmp_path):
+    """TRL's multi-environment example (issue 70): a dict of factories and a dataset of only an `environment` column,
+    with `dataset_name` left at its default; each row's reset gives its prompt and its class's tools. One step logs
+    TRL's metric names beside ours, with TRL's definitions, by hand; a row with an empty prompt is not malformed."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from env_examples import Counter, Lock, counter_value
+    from helpers import rollout_records
+    from mt_grpo_trainer import MTGRPOEnvTrainer
+    from scripted_policy import ScriptedPolicy
+
+    class Counting(Counter):
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            return "Count to 4."
+
+    call = '<reasoning>Go.</reasoning>\n<tool>{{"name": "{}", "args": {}}}</tool>'
+    done = "<reasoning>So.</reasoning>\n<answer>done</answer>"
+    # the lock (code "12", Lock's default): one wrong press, then both right; the counter: one add
+    script = {"The lock has 2 digits.": [call.format("press", '{"digit": 2}'), call.format("press", '{"digit": 1}'),
+                                         call.format("press", '{"digit": 2}'), done],
+              "Count to 4.": [call.format("add", '{"amount": 4}'), done]}
+    factories = {"lock": Lock, "counter": Counting}
+    config = our_config(tmp_path, per_device_train_batch_size=4, save_rollouts_steps=1, max_completion_length=512)
+    trainer = MTGRPOEnvTrainer(model=model_dir, reward_funcs=counter_value, args=config, environment_factory=factories,
+                               train_dataset=Dataset.from_dict({"environment": ["lock", "counter"]}),
+                               backend=ScriptedPolicy(AutoTokenizer.from_pretrained(model_dir), script))
+    assert trainer.advantage_mode == "per_turn"  # Lock's step rewards
+    assert [f.__name__ for f in trainer.turn_reward_funcs + trainer.outcome_reward_funcs] == \
+        ["Lock_steps", "counter_value", "Lock"]
+    trainer.train()
+    step = [h for h in trainer.state.log_history if "loss" in h][0]
+    records = rollout_records(config.output_dir)
+    lock, counter = (next(r for r in records if r["environment"] == name) for name in ("Lock", "Counting"))
+    assert "press(" in lock["prompt_text"] and "add(" not in lock["prompt_text"] and "add(" in counter["prompt_text"]
+    # each function's per-sample value (a per-turn one: the mean of its turns): Lock_steps (-0.5 + 1 + 1) / 3 on the
+    # locks, None on the counters; counter_value 4 on the counters; Lock 1 on the locks
+    steps = 1.5 / 3
+    assert step["rewards/Lock_steps/mean"] == pytest.approx(steps) and step["rewards/Lock_steps/std"] == 0.0
+    assert step["rewards/counter_value/mean"] == 4.0 and step["rewards/Lock/mean"] == 1.0
+    assert step["rewards/outcome/Lock"] == 1.0  # ours beside
+    # `reward`: each sample's weighted sum, 1.5 on the locks and 4 on the counters; every group alike within
+    assert step["reward"] == pytest.approx((2 * (steps + 1) + 2 * 4) / 4)
+    assert step["reward_std"] == pytest.approx(torch_std([steps + 1] * 2 + [4.0] * 2))
+    assert step["frac_reward_zero_std"] == 1.0
+    # tools: 3 calls per lock and 1 per counter, over 4 episodes; one wrong press is no failure (it returned)
+    assert step["tools/call_frequency"] == 2.0 and step["tools/failure_frequency"] == 0.0
+    lengths = [sum(r["tokens"]["model_mask"]) for r in records]
+    assert step["completions/mean_length"] == pytest.approx(sum(lengths) / 4)
+    assert (step["completions/min_length"], step["completions/max_length"]) == (min(lengths), max(lengths))
+    assert step["completions/clipped_ratio"] == 0.0 and step["completions/mean_terminated_length"] == \
+        pytest.approx(sum(lengths) / 4)
+    # an empty prompt, TRL's placeholder, is a prompt the environment fills, not a malformed row
+    empty = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * 2, "environment": ["lock", "counter"]})
+    again = MTGRPOEnvTrainer(model=model_dir, reward_funcs=counter_value, args=config, environment_factory=factories,
+                             train_dataset=empty)
+    assert [row["environment"] for row in again.train_dataset] == ["lock", "counter"]
+
+
+def torch_std(values: list[float]) -> float:
+    """The sample standard deviation (Bessel's correction), as TRL's nanstd."""
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def test_the_sampler_gap_is_logged_under_trls_names_too():
+    """`sampling/sampling_logp_difference/...` and `sampling/importance_sampling_ratio/...` (TRL's names) over the
+    model tokens, beside ours, by hand on one process; a token off the mask counts for none."""
+    from collections import defaultdict
+
+    import torch
+    from accelerate import Accelerator
+
+    from reporting import TrainerReports
+
+    reports = TrainerReports()
+    reports.accelerator, reports._metrics = Accelerator(cpu=True), {"train": defaultdict(list)}
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    weights = torch.tensor([[0.5, 2.0, 1.0], [1.5, 1.0, 1.0]])
+    trainer = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]])
+    reports._log_sampler_gap("train", weights, mask, trainer, sampler, None, torch.tensor([[0, 1, -1], [0, -1, -1]]))
+    m = {k: v[-1] for k, v in reports._metrics["train"].items()}
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert m["sampling/sampling_logp_difference/max"] == 1.0  # not the 9 of the token off the mask
+    assert (m["sampling/importance_sampling_ratio/min"], m["sampling/importance_sampling_ratio/max"]) == (0.5, 2.0)
+    assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(4.0 / 3) == m["sampling/importance_weight_mean"]

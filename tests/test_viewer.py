@@ -471,3 +471,37 @@ def test_the_guide_shows_every_field_of_a_record(smollm2_tokenizer):
     assert set(schema(train)["tokens"]) - set(evaluation["tokens"]) == {"advantage", "trainer_logprob", "is_weight"}
     assert [evaluation[k] for k in ("R_T", "R_O", "A_T", "A_O")] == [None] * 4 and schema(evaluation)["turns"] == \
         schema(train)["turns"]
+
+
+def test_an_episode_without_a_tool_call_records_the_turn_credit_its_tokens_got(smollm2_tokenizer):
+    """per_turn (issue 70): an episode that called no tool still has a first turn, and its tokens got
+    A_O + A_T(0); its record shows that turn's R_T and A_T (it once showed `[]` for both), and the per-token
+    advantage it records is that sum. Two tool turns beside it keep one value each."""
+    import torch
+
+    from episodes import pad_episodes
+    from mt_grpo_trainer import mt_grpo_advantages
+    from reporting import episode_records
+    from scripted_policy import ScriptedPolicy
+
+    call = '<reasoning>Look it up.</reasoning>\n<tool>{"name": "search", "args": {"query": "Veltria"}}</tool>'
+    searching, direct = "What is the capital of Veltria?", "Who founded Veltria?"
+    script = {searching: [call, call, "<reasoning>Found it.</reasoning>\n<answer>Morvane</answer>"],
+              direct: ["<reasoning>I know it.</reasoning>\n<answer>Ost</answer>"]}
+    env = make_env(smollm2_tokenizer, [fake_search(lambda query: "Veltria: its capital is Morvane.")])
+    episodes = env.rollout([env.prompt(searching), env.prompt(direct)], ScriptedPolicy(smollm2_tokenizer, script))
+    assert [ep.tool_turns for ep in episodes] == [2, 0]
+    # what per_turn_reward_table gives: the searches' two turns, and the direct answer's first turn (0 from a
+    # per-turn function); pooled over the group: mean 0.3, std 0.2646
+    R_T, R_O = torch.tensor([[0.5, 0.4], [0.0, float("nan")]]), torch.tensor([1.0, 0.0])
+    batch = pad_episodes(episodes, smollm2_tokenizer.pad_token_id, False)
+    adv = mt_grpo_advantages(R_T, R_O, batch["token_turns"], group_size=2, mode="per_turn", turn_advantage_coef=1.0)
+    records = episode_records(smollm2_tokenizer, episodes, [{"question": searching}, {"question": direct}], step=1,
+                              mode="train", first_index=0, group_size=2, rewards={}, R_T=R_T, R_O=R_O, A_T=adv.turn,
+                              A_O=adv.outcome, token_values={"advantage": adv.tokens})
+    std = (((0.5 - 0.3) ** 2 + (0.4 - 0.3) ** 2 + 0.3 ** 2) / 2) ** 0.5
+    assert records[0]["R_T"] == pytest.approx([0.5, 0.4]) and records[1]["R_T"] == [0.0]
+    assert records[0]["A_T"] == pytest.approx([0.2 / std, 0.1 / std]) and records[1]["A_T"] == pytest.approx([-0.3 / std])
+    assert records[1]["A_O"] == pytest.approx(-0.7071, abs=1e-4)
+    model = [a for a, m in zip(records[1]["tokens"]["advantage"], records[1]["tokens"]["model_mask"]) if m]
+    assert model and model == pytest.approx([records[1]["A_O"] + records[1]["A_T"][0]] * len(model))
