@@ -14,11 +14,18 @@ log pi_trainer - log pi_sampler of every sampled token, and:
   is below 0.5 or above 2 (`sequence_mask` with clip 0.5-2 zeroes them), and the std of the summed log-ratio;
 - token IS (`token_*`): the share of tokens whose weight is outside [0.5, 2], and the std of the log-ratio.
 
+Each share comes with a 95% interval: Wilson's for the episodes' shares, a bootstrap over episodes for the tokens'
+share (the tokens of one episode are not independent). Cells run shortest length first, every dtype at a length
+before the next length, and each is printed (and appended to `--jsonl`) as it finishes, so a run cut short keeps
+the short lengths of every dtype (studies/gpu_check.py caps it so).
+
 The sampler is the Qwen3 recipe's (T 0.7, top_p 0.8, top_k 20; `--plain`: T 0.7 alone). Results and the
 runs made so far: docs/results.md, "Importance weights: spread with episode length".
 """
 
 import argparse
+import json
+import math
 import time
 
 import torch
@@ -67,13 +74,31 @@ def log_ratios(model, tokenizer, params: SamplingParams, length: int, episodes: 
     return out
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval of a share k / n."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def token_share_interval(ratios: list[torch.Tensor], draws: int = 1000) -> tuple[float, float]:
+    """95% bootstrap interval of the share of tokens outside [0.5, 2], resampling whole episodes."""
+    outside = torch.tensor([float((r.abs() > LOG2).sum()) for r in ratios])
+    counts = torch.tensor([float(len(r)) for r in ratios])
+    pick = torch.randint(len(ratios), (draws, len(ratios)), generator=torch.Generator().manual_seed(0))
+    shares = (outside[pick].sum(1) / counts[pick].sum(1)).sort().values
+    return float(shares[int(0.025 * draws)]), float(shares[int(0.975 * draws) - 1])
+
+
 def spread(ratios: list[torch.Tensor]) -> dict:
     sequence = torch.stack([r.sum() for r in ratios])
     tokens = torch.cat(ratios)
-    return {"seq_below_0.5": float((sequence < -LOG2).float().mean()),
-            "seq_above_2": float((sequence > LOG2).float().mean()),
+    below, above, n = int((sequence < -LOG2).sum()), int((sequence > LOG2).sum()), len(ratios)
+    return {"seq_below_0.5": below / n, "seq_below_0.5_ci": wilson(below, n),
+            "seq_above_2": above / n, "seq_above_2_ci": wilson(above, n),
             "seq_logratio_std": float(sequence.std()),
             "tok_outside_0.5_2": float((tokens.abs() > LOG2).float().mean()),
+            "tok_outside_0.5_2_ci": token_share_interval(ratios),
             "tok_logratio_std": float(tokens.std()),
             "tok_max_abs": float(tokens.abs().max())}
 
@@ -88,23 +113,27 @@ def main():
     parser.add_argument("--rows_per_forward", type=int, default=4, help="rows per scoring forward (memory)")
     parser.add_argument("--plain", action="store_true", help="temperature 0.7 alone, no top_p / top_k")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--jsonl", default=None, help="append each cell to this file as it finishes")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     params = SamplingParams(temperature=0.7) if args.plain else SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
     folder = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     results = []
-    for dtype in args.dtypes:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
-        for length in args.lengths:
+    models = {dtype: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+              for dtype in args.dtypes}
+    for length in args.lengths:  # shortest first, every dtype: a cut run keeps both precisions' short cells
+        for dtype, model in models.items():
             t0 = time.perf_counter()
             ratios = [r for seed in range(args.seeds)
                       for r in log_ratios(model, tokenizer, params, length, args.episodes, seed, args.rows_per_forward)]
             results.append({"device": device, "dtype": dtype, "length": length, "episodes": len(ratios),
                             **spread(ratios), "seconds": time.perf_counter() - t0})
             print(results[-1], flush=True)
-        del model
-    header = list(results[0])
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(results[-1]) + "\n")
+    header = [k for k in results[0] if not k.endswith("_ci")]
     print_table(f"IS weight spread ({'T 0.7' if args.plain else 'T 0.7, top_p 0.8, top_k 20'}, {device})", header,
                 [[row[k] for k in header] for row in results])
     if args.csv:

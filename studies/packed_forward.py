@@ -2,6 +2,7 @@
 
     python studies/packed_forward.py --models smollm2-135m qwen2.5-7b --groups 4     # bf16 on a GPU
     python studies/packed_forward.py --models smollm2-135m --groups 1 --prompt 408   # fp32 on CPU
+    python studies/packed_forward.py --models qwen2.5-7b --groups 2 --dense --json out.json   # + the dense mask
 
 The batch is `--groups` GRPO groups of `--generations` episodes of one `--prompt`-token prompt, with completion
 lengths drawn uniformly from [`--min-completion`, `--max-completion`] (every completion token attended and
@@ -12,13 +13,16 @@ trainer. Each group is one micro-batch, in both arms:
     GRPOTrainer forwards);
   - packed: the group folded into a prefix trie (TRL's TreeRow, packing.py's layout and mask): the prompt
     once, no padding; on a GPU flex_attention over a BlockMask of the trie, on CPU SDPA with a dense mask, as the
-    trainer chooses (packing.packed_attention, which names its choice in the log).
+    trainer chooses (packing.packed_attention, which names its choice in the log);
+  - packed_dense (`--dense`): the same tries under SDPA with the dense boolean mask, whatever the device (on a
+    GPU, what the packed arm ran before flex_attention).
 Both score the completion positions through the same LM head (chunks of 4,096 positions, log-softmax, the
 label's log-prob), so the two arms differ only in what the backbone forwards. Per model and arm it prints the
 seconds per micro-batch (mean of `--repeats` after a warm-up), real tokens per second, the model FLOPs
 utilisation against the device's peak (6 x parameters x real tokens per second; attention FLOPs left out, so a
-lower bound) and the peak memory, then `packed/padded <model>: <ratio>`. The trainer's own numbers on CPU come
-from studies/step_anatomy.py.
+lower bound) and the peak memory, then `packed/padded <model>: <ratio>`, and how many graphs torch.compile made
+(transformers compiles flex_attention; each new row length can recompile). `--json` writes the same figures. The
+trainer's own numbers on CPU come from studies/step_anatomy.py.
 
 It needs torch and transformers only: where TRL is not installed (the project's GPU machine), TreeRow is loaded
 from TRL's wheel in --trl-wheel, since importing `trl` itself pulls in datasets and accelerate (packing.py imports
@@ -27,6 +31,7 @@ nothing else of TRL at import time; tests/test_packed_attention.py runs this fil
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -135,6 +140,25 @@ def packed_step(model, ids, att, T) -> int:
     return unique
 
 
+def packed_dense_step(model, ids, att, T) -> int:
+    """packed_step under SDPA with the dense boolean mask of the trie (packing's choice on CPU), on any device."""
+    import packing
+
+    chosen = packing.packed_attention
+    packing.packed_attention = lambda model, device: "sdpa"  # a dense mask goes to SDPA under PACKED_FLEX too
+    try:
+        return packed_step(model, ids, att, T)
+    finally:
+        packing.packed_attention = chosen
+
+
+def compile_counts() -> dict:
+    """torch.compile's counters so far: graphs made, frames compiled (a recompile counts again)."""
+    from torch._dynamo.utils import counters
+
+    return {k: int(v) for k, v in counters["stats"].items()}
+
+
 def measure(fn, repeats: int, cuda: bool) -> tuple[float, float]:
     """Seconds per call (mean of `repeats` after one warm-up) and peak GPU memory in GiB (0 on CPU)."""
     fn()
@@ -160,6 +184,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trl-wheel", help="TRL's wheel, where TRL is not installed")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: by device name)")
+    ap.add_argument("--dense", action="store_true", help="also the packed_dense arm (the trie's dense mask, SDPA)")
+    ap.add_argument("--json", help="write the figures to this file (one object per model)")
     args = ap.parse_args()
     load_tree_row(args.trl_wheel)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # packing names the attention it chose
@@ -171,6 +197,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     print(f"device: {name}, {dtype}; {args.groups} group(s) of {args.generations} episodes, prompt {args.prompt} "
           f"tokens, completions {args.min_completion}-{args.max_completion}; peak {peak} TFLOPS")
+    report = {"device": name, "dtype": str(dtype), "peak_tflops": peak, "models": []}
     for model_name in args.models:
         model = make_model(model_name, device, dtype)
         params = sum(p.numel() for p in model.parameters())
@@ -183,22 +210,37 @@ def main():
         real = sum(int(att.sum()) for _, att, _ in groups)
         padded_tokens = sum(ids.numel() for ids, _, _ in groups)
         unique = []
-        results = {}
-        for arm, step in (("padded", padded_step), ("packed", packed_step)):
+        results, compiled = {}, {}
+        arms = [("padded", padded_step)] + [("packed_dense", packed_dense_step)] * args.dense + [("packed", packed_step)]
+        for arm, step in arms:
             def run():
                 model.zero_grad(set_to_none=True)
                 for ids, att, T in groups:
                     out = step(model, ids, att, T)
                     if arm == "packed" and len(unique) < len(groups):
                         unique.append(out)
+            before = compile_counts()
             results[arm] = measure(run, args.repeats, cuda)
+            compiled[arm] = {k: v - before.get(k, 0) for k, v in compile_counts().items()}
         print(f"\n{model_name}: {params / 1e9:.2f} B parameters; {real} real tokens, {padded_tokens} padded, "
               f"{sum(unique)} packed (packing ratio {real / sum(unique):.2f})")
+        entry = {"model": model_name, "parameters": params, "real_tokens": real, "padded_tokens": padded_tokens,
+                 "packed_tokens": sum(unique), "attention": getattr(model, "_packed_attention", None), "arms": {}}
         for arm, (seconds, memory) in results.items():
             tps = real / seconds
-            mfu = f"{6 * params * tps / (peak * 1e12):.1%}" if peak else "-"
-            print(f"  {arm:7s} {seconds:8.3f} s  {tps:10.0f} real tokens/s  MFU {mfu:>6s}  peak {memory:6.1f} GiB")
-        print(f"packed/padded {model_name}: {results['packed'][0] / results['padded'][0]:.2f}")
+            mfu = 6 * params * tps / (peak * 1e12) if peak else None
+            entry["arms"][arm] = {"seconds": seconds, "real_tokens_per_s": tps, "mfu": mfu, "peak_gib": memory,
+                                  "compiled": compiled[arm]}
+            print(f"  {arm:12s} {seconds:8.3f} s  {tps:10.0f} real tokens/s  MFU {f'{mfu:.1%}' if mfu else '-':>6s}  "
+                  f"peak {memory:6.1f} GiB  compiled {compiled[arm]}")
+        for arm in results:
+            if arm != "padded":
+                entry[f"{arm}/padded"] = results[arm][0] / results["padded"][0]
+                print(f"{arm}/padded {model_name}: {entry[f'{arm}/padded']:.2f}")
+        report["models"].append(entry)
+        if args.json:  # after each model: a run cut later keeps it
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
         del model
         if cuda:
             torch.cuda.empty_cache()

@@ -166,6 +166,43 @@ def test_flex_packed_equals_the_dense_mask_and_the_padded_forward(tiny_model_dir
     assert flex[~scored].eq(0).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_on_cuda_equals_the_dense_mask_and_the_padded_forward_with_gradients(tiny_model_dir, monkeypatch, dtype):
+    """What the trainer runs on a GPU: flex_attention, compiled, over the trie's BlockMask (packing.packed_attention's
+    choice on CUDA), float32 weights under `dtype` autocast (the recipes' `dtype: float32, bf16: true`), forward and
+    backward. Against the packed dense mask (SDPA) and the padded path: the log-probs and the gradient of their sum.
+    float32: to summation order; bf16: within its rounding (8 significant bits: a tile wrongly skipped or seen
+    moves the log-probs by about 1, far above it). studies/gpu_check.py runs it."""
+    import packing
+    from packing import packed_logps_and_entropies
+    from test_packing import gradient, padded
+
+    model = load(tiny_model_dir, "sdpa").cuda().train()
+    ids, att, T = shared_prompt_batch(model.config.vocab_size, 200, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
+    ids, att = ids.cuda(), att.cuda()
+    scored = att[:, -T:].bool()
+    autocast = lambda: torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+
+    def packed_arm():
+        logps = packed_logps_and_entropies(model, ids, att, T, autocast=autocast)[0][scored]
+        return logps.detach(), gradient(model, logps.sum())
+
+    with autocast():
+        logps = padded(model, ids, att, T)[0][scored].float()
+    reference = logps.detach(), gradient(model, logps.sum())
+    with monkeypatch.context() as m:
+        m.setattr(packing, "packed_attention", lambda *a: "sdpa")  # the dense boolean mask, as on CPU
+        dense = packed_arm()
+    assert packing.packed_attention(model, ids.device) == "flex"
+    flex = packed_arm()
+    rtol, grad_tol = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for other in (dense, reference):
+        torch.testing.assert_close(flex[0], other[0], rtol=rtol, atol=rtol)
+        assert (flex[1] - other[1]).norm() <= grad_tol * other[1].norm(), (flex[1] - other[1]).norm() / other[1].norm()
+    assert torch.isfinite(flex[1]).all() and flex[1].norm() > 0
+
+
 @pytest.mark.parametrize("window", [None, 6, 40])
 @pytest.mark.parametrize("block", [16, 128])
 def test_the_block_mask_skips_only_unseen_tiles_and_computes_whole_only_seen_ones(window, block):
