@@ -368,7 +368,14 @@ def test_an_output_of_long_tokens_grows_the_window_until_it_holds_enough():
 # What a tool returns besides a string (issue 70): JSON, TRL's content lists, verl's (text, reward)
 # ------------------------------------------------------------------------------------------------
 BLOCKS = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-NOT_JSON = object()
+class NotJSON:
+    """A value json.dumps refuses, with the same str() on every test worker (pytest-xdist compares test ids)."""
+
+    def __str__(self):
+        return "<a NotJSON>"
+
+
+NOT_JSON = NotJSON()
 
 
 @pytest.mark.parametrize("value, content, reward", [
