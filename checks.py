@@ -101,9 +101,6 @@ def check_server_urls(args) -> None:
     urls = args.vllm_server_urls
     if not urls:
         return
-    if args.generation_backend != "vllm_server":
-        raise ValueError(f"`vllm_server_urls` is set but `generation_backend` is {args.generation_backend!r}: set "
-                         "`generation_backend: vllm_server`, or remove `vllm_server_urls`.")
     if bad := [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]:
         raise ValueError(f"`vllm_server_urls` holds {bad}: give each server as http://HOST:PORT.")
     if len({u.rstrip("/") for u in urls}) < len(urls):
@@ -288,6 +285,9 @@ def check_best_metric(args: GRPOConfig, turn_funcs: list[Callable], outcome_func
 def check_backend(args: GRPOConfig, peft_config, backend) -> None:
     """What the backend (its class before it is built, or the one the run uses: `external`, `can_submit`) must offer
     for the recipe. `peft_config`: the LoRA config, or None."""
+    if getattr(args, "vllm_server_urls", None) and not backend.external:  # servers listed, but sampling in-process
+        raise ValueError(f"`vllm_server_urls` is set but `generation_backend` is {args.generation_backend!r}: set "
+                         "`generation_backend: vllm_server`, or remove `vllm_server_urls`.")
     dropout = getattr(peft_config, "lora_dropout", 0) or 0
     if peft_config is not None and backend.external and dropout > 0 and not args.disable_dropout:
         # the server samples without dropout; a trainer forward with it scores another policy
