@@ -37,8 +37,8 @@ from typing import Callable
 from registry import resolve
 from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_tool_turn
-from tools import (STEP_REWARD_TYPES, Toolset, clean_text, cut_tool_output, join, own_event_loop, run_async,
-                   settle_all)
+from tools import (STEP_REWARD_TYPES, Toolset, clean_text, cut_tool_output, in_thread, join, own_event_loop,
+                   run_async, settle_all)
 
 logger = logging.getLogger("mt_grpo")
 
@@ -192,11 +192,10 @@ class EnvironmentPool:
         for toolset, row, prompt in zip(toolsets, rows, prompts):  # one at a time, as TRL resets: user code (a game
             resets.append(self._start_reset(toolset, row, prompt))  # generator's parser) need not be thread-safe
             join(resets[-1][0], reset_timeout)
-        hung = [t for t, (thread, _) in zip(toolsets, resets) if thread.is_alive()]
         for toolset, (thread, _) in zip(toolsets, resets):
             if thread.is_alive():
                 toolset.running, toolset.running_call, toolset.stuck = thread, "reset", True
-        if hung:
+        if hung := [t for t in toolsets if t.stuck]:
             logger.warning("%d reset(s) still running after reset_timeout=%gs; those episodes end unplayed, without "
                            "rewards, and their instances are not reused: %s", len(hung), reset_timeout,
                            "; ".join(f"{type(t.environment).__name__}.reset ({t.label})" for t in hung))
@@ -204,26 +203,18 @@ class EnvironmentPool:
 
     def _start_reset(self, toolset: Toolset, row: dict, prompt: list[dict]) -> tuple[threading.Thread, list]:
         """(the daemon thread running the instance's reset with the row's columns, the list its outcome lands in)."""
-        instance, out = toolset.environment, []
+        instance = toolset.environment
         kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
-
-        def reset():
-            try:
-                out.append(("ok", run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop)))
-            except Exception as e:  # reported by _prompt, on the main thread
-                out.append(("error", e))
-
-        thread = threading.Thread(target=reset, daemon=True, name=f"reset-{type(instance).__name__}")
-        thread.start()
-        return thread, out
+        return in_thread(lambda: run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop),
+                         f"reset-{type(instance).__name__}")
 
     def _prompt(self, toolset: Toolset, prompt: list[dict], out: list, fit: Callable | None) -> list[dict]:
         """The episode's prompt: the row's, with the reset's observation appended (cut to fit the prompt budget)."""
         if toolset.stuck:
             return prompt
         instance, label = toolset.environment, toolset.label
-        kind, observation = out[0]
-        if kind == "error":
+        ok, observation = out[0]
+        if not ok:
             raise RuntimeError(f"{type(instance).__name__}.reset raised {type(observation).__name__}: {observation}, "
                                f"for {label}. Fix the class, or the row (reset receives the row's columns as keyword "
                                "arguments).") from observation
@@ -273,16 +264,9 @@ class EnvironmentPool:
     def reward_of(self, instance):
         """`instance.get_reward()`, on a daemon thread (an async one on the instance's loop), within its episode's
         tool_timeout; None, logged, and the instance not reused, when it is still running then."""
-        toolset, out = self.handed_out[id(instance)][1], []
-
-        def read():
-            try:
-                out.append((True, run_async(instance.get_reward(), toolset.loop)))
-            except Exception as e:  # raised below, on the thread that reads the rewards
-                out.append((False, e))
-
-        thread = threading.Thread(target=read, daemon=True, name=f"get_reward-{type(instance).__name__}")
-        thread.start()
+        toolset = self.handed_out[id(instance)][1]
+        thread, out = in_thread(lambda: run_async(instance.get_reward(), toolset.loop),
+                                f"get_reward-{type(instance).__name__}")
         join(thread, toolset.timeout)
         if thread.is_alive():
             toolset.running, toolset.running_call, toolset.stuck = thread, "get_reward", True

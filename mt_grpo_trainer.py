@@ -830,7 +830,8 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         score_labelled_tokens_only()
         check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
         check_training_args(args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
-        if backend is None:  # the configured one's capabilities, before it connects; a given one's below
+        configured = backend is None
+        if configured:  # the configured one's capabilities, before it connects; a given one's below
             check_backend(args, peft_config, backend_class(args))
         weights, step_rewards = (args.turn_reward_weights, args.outcome_reward_weights), False
         if env is None:  # the Python API and the recipe: build from the config
@@ -856,7 +857,8 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
                                                        list(eval_metric_funcs or {}))
         if backend is None or not hasattr(backend, "generate"):
             backend = backend(env) if backend is not None else make_backend(args, env)
-        check_backend(args, peft_config, backend)  # the backend this run uses (a test's scripted one too)
+        if not configured:  # a backend given (or made by a given function): what it can do, not what the config says
+            check_backend(args, peft_config, backend)
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each, with the weights
         # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them). On the
         # trainer's copy of the config: the caller's is never changed

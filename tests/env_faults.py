@@ -29,11 +29,8 @@ class Replacing:
         return "scored"
 
 
-class NumpyRewards:
-    """Rewards as numpy and torch scalars, as reward functions may return them."""
-
-    def reset(self, **kwargs) -> None:
-        self.step_rewards = []
+class NumpyRewards(Replacing):
+    """Rewards as numpy and torch scalars, as reward functions may return them (appended, not replaced)."""
 
     def score(self, worth: float) -> str:
         """Score a step.
@@ -106,6 +103,14 @@ class LongObservation:
         return "pong"
 
 
+def hang_past_free(count: int) -> None:
+    """Past the first `MT_GRPO_TEST_FREE` calls: say so in the file `MT_GRPO_TEST_FLAG`, then hang."""
+    if count > int(os.environ.get("MT_GRPO_TEST_FREE", "4")):
+        with open(os.environ["MT_GRPO_TEST_FLAG"], "w") as f:
+            f.write("hung")
+        FOREVER.wait()
+
+
 class HangingReset:
     """For the trainer's SIGTERM test: the reset of every episode after the first `MT_GRPO_TEST_FREE` hangs."""
 
@@ -113,10 +118,7 @@ class HangingReset:
 
     def reset(self, **kwargs) -> str:
         HangingReset.resets += 1
-        if HangingReset.resets > int(os.environ.get("MT_GRPO_TEST_FREE", "4")):
-            with open(os.environ["MT_GRPO_TEST_FLAG"], "w") as f:
-                f.write("hung")
-            FOREVER.wait()
+        hang_past_free(HangingReset.resets)
         return " Ready."
 
     def ping(self) -> str:
@@ -138,8 +140,5 @@ class HangingTool(HangingReset):
     def ping(self) -> str:
         """Say you are here."""
         HangingTool.calls += 1
-        if HangingTool.calls > int(os.environ.get("MT_GRPO_TEST_FREE", "4")):
-            with open(os.environ["MT_GRPO_TEST_FLAG"], "w") as f:
-                f.write("hung")
-            FOREVER.wait()
+        hang_past_free(HangingTool.calls)
         return "pong"

@@ -322,17 +322,28 @@ def own_event_loop(name: str) -> asyncio.AbstractEventLoop:
     return loop
 
 
-def run_async(value, loop: asyncio.AbstractEventLoop | None = None, timeout: float | None = None):
+def run_async(value, loop: asyncio.AbstractEventLoop | None = None):
     """`value`, awaited on `loop` (None: the shared loop) if it is awaitable (an async `get_reward`); as is
-    otherwise. `timeout`: seconds to wait for it (TimeoutError after; the coroutine is cancelled)."""
+    otherwise. Its waits are bounded by the thread that runs it (`in_thread`, `start_call`)."""
     if not inspect.isawaitable(value):
         return value
-    future = asyncio.run_coroutine_threadsafe(_as_coroutine(value), loop or event_loop())
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"did not finish within {timeout:g}s") from None
+    return asyncio.run_coroutine_threadsafe(_as_coroutine(value), loop or event_loop()).result()
+
+
+def in_thread(fn: Callable[[], object], name: str) -> tuple[threading.Thread, list]:
+    """(a started daemon thread running `fn()`, the list its outcome lands in: `(True, value)` or `(False, the
+    exception)`), for a caller that waits a bounded time (`join`) and raises a failure on its own thread."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except Exception as e:  # handed to the caller, which reports it where the run reads it
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    thread.start()
+    return thread, out
 
 
 def clean_text(value, source: str) -> str:
