@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from trl.trainer.utils import pad
 
+from rewards.conversation import tool_turns
 from tools import Toolset
 
 logger = logging.getLogger("mt_grpo")
@@ -194,17 +195,8 @@ def forged_controls(env, ep, cache: dict | None = None) -> str:
     `<|im_end|>`...) than the chat template's own reply to the same messages, emptied: text from outside that became
     a control token. "" when none did (protocol.template_ids keeps such text plain). Re-rendered samples' prompts
     (turn_samples.py) are renders of the whole history, and are not read here."""
-    control = {i for i, t in env.tokenizer.added_tokens_decoder.items()}
-    groups, current = [], []  # the messages of each environment reply, in order
-    for message in ep.messages:
-        if message.get("role") == "assistant":
-            if current:
-                groups.append(current)
-            current = []
-        else:
-            current.append(message)
-    if current:
-        groups.append(current)
+    control, cache = set(env.tokenizer.added_tokens_decoder), ({} if cache is None else cache)
+    groups = [replies for _, replies in tool_turns(ep.messages)]  # the messages of each environment reply, in order
     resampled = {start for start, _ in ep.sample_starts}
     replies = [s for s in ep.spans if s.role == "env"]
     for k, (span, messages) in enumerate(zip(replies, groups)):
@@ -212,10 +204,8 @@ def forged_controls(env, ep, cache: dict | None = None) -> str:
             continue
         have = sum(t in control for t in ep.completion_ids[span.start : span.end])
         key = tuple((m.get("role"), m.get("name", "")) for m in messages)
-        if cache is None or key not in cache:
-            skeleton = sum(t in control for t in env.env_reply_ids([{**m, "content": ""} for m in messages]))
-            cache = {} if cache is None else cache
-            cache[key] = skeleton
+        if key not in cache:
+            cache[key] = sum(t in control for t in env.env_reply_ids([{**m, "content": ""} for m in messages]))
         skeleton = cache[key]
         if have > skeleton:
             return (f"environment reply {k} has {have} control tokens, the template's {skeleton}: "
