@@ -31,7 +31,7 @@ def resample_groups(trainer, inputs: list[dict], episodes: list, scores, seconds
         empty = (~signal).nonzero().flatten().tolist()  # global group indices: the same on every process
         if not empty or round_ == args.dynamic_sampling_max_rounds:
             break
-        new_rows = dict(zip(empty, resample_questions(len(trainer.train_dataset), len(empty), trainer.args.seed,
+        new_rows = dict(zip(empty, resample_questions(len(trainer.train_dataset), len(empty), args.seed,
                                                       trainer.state.global_step, round_)))
         mine = [i for i in range(B) if (rank * B + i) // G in new_rows]
         new_inputs = [dict(trainer.train_dataset[new_rows[(rank * B + i) // G]]) for i in mine]
