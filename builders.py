@@ -60,6 +60,11 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
 
     show_log()  # a Python script's run says what it chose, as a recipe's does
     factory = environment_factory if environment_factory is not None else args.environment_factory
+    adapted = adapted_parts(args, factory)  # another framework's environment (adapters/), one at most
+    if adapted is not None:
+        factory = adapted.environment_factory if adapted.environment_factory is not None else factory
+        train_dataset = train_dataset if train_dataset is not None else adapted.train_dataset
+        eval_dataset = eval_dataset if eval_dataset is not None else adapted.eval_dataset
     if factory is not None:
         no_dataset_by_default(args, train_dataset)
         check_environment_args(args, train_dataset)
@@ -90,6 +95,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     tools = next(t for t in (tools, args.tools, defaults.get("tools"), []) if t is not None)
     tools = _join_tools(build_tools(tools if isinstance(tools, (list, tuple)) else [tools], corpus if corpus is not
                                     None else getattr(source, "corpus", None)), _mcp_tools(args))
+    if adapted is not None:
+        tools, outcome, turn = _join_tools(tools, adapted.tools), outcome + adapted.outcome_funcs, turn + adapted.turn_funcs
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
@@ -100,12 +107,29 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     return Parts(
         tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool, weights=weights,
         turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source),
-        task_prompt=load_text(args.system_prompt) or getattr(source, "system_prompt", None),
+        task_prompt=load_text(args.system_prompt) or getattr(adapted, "system_prompt", None)
+        or getattr(source, "system_prompt", None),
         examples=load_examples(args.few_shot_examples) if args.few_shot_examples is not None
         else getattr(source, "examples", None),
         eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
         step_rewards=pool is not None and bool(pool.reward_funcs[1]),
     )
+
+
+def adapted_parts(args, factory):
+    """What the adapter the config names adds (adapters/): None when it names none. Two frameworks in one run, or
+    an adapter's environment beside `environment_factory`, fail naming both."""
+    from adapters import adapt, fields_set
+
+    named = fields_set(args)
+    if not named:
+        return None
+    parts = adapt(args)
+    if len(parts) > 1:
+        raise ValueError(f"{named} name environments of two frameworks; a run trains one: keep one of them.")
+    if factory is not None and parts[0].environment_factory is not None:
+        raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
+    return parts[0]
 
 
 def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:

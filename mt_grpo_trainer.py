@@ -42,6 +42,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.trainer.utils import use_adapter
 
+from adapters import AdapterArguments
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from completions import (RetryableResponse, Sample, kept_set_logprobs, parse_completions_response, post_with_retries,
                          wait_for_health)
@@ -74,8 +75,8 @@ logger = logging.getLogger("mt_grpo")
 # 1. Config (`arg`, in fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(TaskArguments, ToolArguments, RunArguments, ServerPoolArguments, WeightSyncArguments,
-                            JudgeArguments):
+class MTGRPOScriptArguments(TaskArguments, ToolArguments, AdapterArguments, RunArguments, ServerPoolArguments,
+                            WeightSyncArguments, JudgeArguments):
     """Arguments of the multi-turn environment and of MT-GRPO; it inherits the task's (tasks/), the tools' (tools/),
     the run's (reporting.py), the vLLM client's (server_pool.py), the weight sync's and the LLM judge's. Training
     arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,

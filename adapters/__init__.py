@@ -1,0 +1,73 @@
+"""Environments written for other frameworks, trained here unchanged: each adapter is a module of this package that
+turns the framework's own objects (verl's tool and interaction configs, an ms-swift scheduler, a verifiers
+environment, an OpenEnv environment) into what the trainer already runs: an `environment_factory` class (TRL's
+contract with this project's extensions: `respond` for user turns, `done`, `step_rewards`, `end_episode`;
+environments.py), reward functions, and a dataset or its defaults. No wrapper code from the user: one recipe field
+(or constructor keyword) names the framework's object.
+
+    recipe field              module         what it names
+    verl_tool_config          verl.py        verl's tools YAML (`tools: [{class_name, config, tool_schema}]`)
+    verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
+    multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
+    verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
+    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
+
+`adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fields import arg
+
+
+@dataclass
+class AdapterArguments:
+    """The recipe keys that name another framework's environment (adapters/); the trainer's config inherits them."""
+
+    verl_tool_config: str | None = arg(None, "verl's tools YAML (`tools_config_file`): native BaseTool classes and MCP "
+                                       "tools, each its own `tool_schema` (docs/guide.md, 'From verl').")
+    verl_interaction_config: str | None = arg(None, "verl's interaction YAML (`interaction_config_path`): user turns "
+                                              "from `generate_response`, picked per row by `interaction_kwargs.name`.")
+    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler, `plugin.py:Class` or `module:Class` "
+                                           "(docs/guide.md, 'From ms-swift').")
+    verifiers_env: str | None = arg(None, "A classic verifiers environment: the module whose `load_environment` "
+                                    "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
+                                    "verifiers').")
+    verifiers_env_args: dict | None = arg(None, "Keyword arguments of `load_environment` (verifiers_env).")
+    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or the URL of its HTTP server "
+                                  "(docs/guide.md, 'From OpenEnv').")
+    openenv_action: str | None = arg(None, "openenv_env: its Action class `module:Class` (None: found from the "
+                                     "environment's `step` signature).")
+
+
+@dataclass
+class Adapted:
+    """What an adapter adds to a run (builders.assemble merges it; None and [] add nothing)."""
+
+    environment_factory: Callable | dict | None = None  # environments.py's contract, with the extensions
+    outcome_funcs: list[Callable] = field(default_factory=list)  # outcome rewards, weight 1
+    turn_funcs: list[Callable] = field(default_factory=list)  # @per_tool_turn rewards, weight 1
+    train_dataset: object = None  # a datasets.Dataset, when the framework brings its own (verifiers)
+    eval_dataset: object = None
+    system_prompt: str | None = None  # the framework's system prompt, when it brings one
+    tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+
+
+ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
+    "verl_tool_config": "adapters.verl", "verl_interaction_config": "adapters.verl",
+    "multi_turn_scheduler": "adapters.swift", "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
+}
+
+
+def adapt(args) -> list[Adapted]:
+    """What each adapter named by the config adds (one call per module, however many of its fields are set)."""
+    import importlib
+
+    modules = dict.fromkeys(module for name, module in ADAPTERS.items() if getattr(args, name, None) is not None)
+    return [importlib.import_module(module).adapt(args) for module in modules]
+
+
+def fields_set(args) -> list[str]:
+    return [f.name for f in dataclasses.fields(AdapterArguments) if getattr(args, f.name, None) is not None]
