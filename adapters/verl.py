@@ -302,12 +302,11 @@ def verl_messages(messages: list[dict]) -> list[dict]:
 # The environment class
 # ------------------------------------------------------------------------------------------------
 def environment_class(tools: list, interactions: dict) -> type:
-    """One environment_factory class for the configs: a method per native tool (named after it, carrying its
-    `json_schema`), `respond` when there are interactions, `step_rewards`, `end_episode`."""
+    """One environment_factory class for the configs: VerlEnvironment with a method per native tool (named after
+    it, carrying its `json_schema`), and `respond` when there are interactions."""
     from tools.mcp import tool_signature
 
-    namespace = {"__doc__": "verl's tools and interactions (adapters/verl.py), one instance per episode.",
-                 "__init__": _init, "reset": _reset, "end_episode": _end_episode,
+    namespace = {"__doc__": VerlEnvironment.__doc__, "__module__": __name__,
                  "_verl_tools": {tool_name(t): t for t in tools}, "_verl_interactions": dict(interactions)}
     for tool in tools:
         name, schema = tool_name(tool), tool_json_schema(tool)
@@ -316,9 +315,8 @@ def environment_class(tools: list, interactions: dict) -> type:
                              f"it must be a Python identifier not starting with `_` nor one of {sorted(RESERVED)}: "
                              "rename it in `tool_schema.function.name`.")
         namespace[name] = _tool_method(name, schema, tool_signature(schema["function"].get("parameters") or {}))
-    if interactions:
-        namespace["respond"] = _respond
-    return type("VerlEnvironment", (), namespace)
+    bases = (VerlEnvironment, UserTurns) if interactions else (VerlEnvironment,)
+    return type("VerlEnvironment", bases, namespace)
 
 
 RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "done")
@@ -342,55 +340,63 @@ def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Calla
     return method
 
 
-def _init(self):
-    self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
-    self.tools_kwargs, self.interaction, self.interaction_kwargs, self.request_id = {}, None, {}, None
-    self.agent_data = None
+class VerlEnvironment:
+    """verl's tools and interactions (adapters/verl.py), one instance per episode; the objects verl built are
+    shared by all instances (`_verl_tools`, `_verl_interactions`, set on the generated subclass)."""
 
+    _verl_tools: dict = {}
+    _verl_interactions: dict = {}
 
-def _reset(self, **row):
-    """A new episode: verl's request id, the row's tools_kwargs, and the row's interaction started."""
-    self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
-    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
-    self.tools_kwargs = dict(extra.get("tools_kwargs") or row.get("tools_kwargs") or {})
-    self.request_id, self.interaction, self.interaction_kwargs = uuid.uuid4().hex, None, {}
-    if self._verl_interactions:
-        self.interaction_kwargs = interaction_kwargs(row, list(self._verl_interactions))
-        interaction = self._verl_interactions[self.interaction_kwargs["name"]]
-        _run(_awaited(interaction.start_interaction(self.request_id, **self.interaction_kwargs)))
-        self.interaction = interaction  # started: end_episode finalizes it
-    self.agent_data = types.SimpleNamespace(
-        messages=list(row.get("prompt") or []), request_id=self.request_id, tools_kwargs=self.tools_kwargs,
-        interaction=self.interaction, interaction_kwargs=self.interaction_kwargs, tool_rewards=self.tool_rewards,
-        turn_scores=self.turn_scores, extra_fields={}, metrics={}, image_data=None, video_data=None)
-    return None
+    def __init__(self):
+        self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
+        self.tools_kwargs, self.interaction, self.interaction_kwargs, self.request_id = {}, None, {}, None
+        self.agent_data = None
 
-
-def _respond(self, messages: list[dict]):
-    """A model turn without a tool call: the interaction's generate_response, as the user's reply."""
-    if self.interaction is None:
+    def reset(self, **row):
+        """A new episode: verl's request id, the row's tools_kwargs, and the row's interaction started."""
+        self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        self.tools_kwargs = dict(extra.get("tools_kwargs") or row.get("tools_kwargs") or {})
+        self.request_id, self.interaction, self.interaction_kwargs = uuid.uuid4().hex, None, {}
+        if self._verl_interactions:
+            self.interaction_kwargs = interaction_kwargs(row, list(self._verl_interactions))
+            interaction = self._verl_interactions[self.interaction_kwargs["name"]]
+            _run(_awaited(interaction.start_interaction(self.request_id, **self.interaction_kwargs)))
+            self.interaction = interaction  # started: end_episode finalizes it
+        self.agent_data = types.SimpleNamespace(
+            messages=list(row.get("prompt") or []), request_id=self.request_id, tools_kwargs=self.tools_kwargs,
+            interaction=self.interaction, interaction_kwargs=self.interaction_kwargs, tool_rewards=self.tool_rewards,
+            turn_scores=self.turn_scores, extra_fields={}, metrics={}, image_data=None, video_data=None)
         return None
-    conversation = verl_messages(messages)
-    self.agent_data.messages = conversation
-    terminate, content, score, _metadata = _run(_awaited(self.interaction.generate_response(
-        self.request_id, conversation, **self.interaction_kwargs)))
-    if score is not None:
-        self.turn_scores.append(score)
-    return {"content": "" if content is None else str(content), "done": bool(terminate),
-            "score": None if score is None else float(score)}
+
+    def end_episode(self):
+        """finalize_interaction, for every episode that started one (0.7.1 never calls it; its docs ask for it)."""
+        interaction, self.interaction = self.interaction, None
+        if interaction is None:
+            return
+        finalize = interaction.finalize_interaction
+        try:  # BaseInteraction's takes nothing; the shipped ones take (instance_id, **kwargs)
+            _run(_awaited(finalize(self.request_id) if _positional(finalize) else finalize()))
+        except Exception as e:
+            _log_once(f"{type(interaction).__name__}.finalize_interaction", "%s.finalize_interaction raised %s: %s "
+                      "(first time only).", type(interaction).__name__, type(e).__name__, e)
 
 
-def _end_episode(self):
-    """finalize_interaction, for every episode that started one (0.7.1 never calls it; its docs ask for it)."""
-    interaction, self.interaction = self.interaction, None
-    if interaction is None:
-        return
-    finalize = interaction.finalize_interaction
-    try:  # BaseInteraction's takes nothing; the shipped ones take (instance_id, **kwargs)
-        _run(_awaited(finalize(self.request_id) if _positional(finalize) else finalize()))
-    except Exception as e:
-        _log_once(f"{type(interaction).__name__}.finalize_interaction", "%s.finalize_interaction raised %s: %s "
-                  "(first time only).", type(interaction).__name__, type(e).__name__, e)
+class UserTurns:
+    """`respond` of a run with interactions: the user's turns come from the row's interaction."""
+
+    def respond(self, messages: list[dict]):
+        """A model turn without a tool call: the interaction's generate_response, as the user's reply."""
+        if self.interaction is None:
+            return None
+        conversation = verl_messages(messages)
+        self.agent_data.messages = conversation
+        terminate, content, score, _metadata = _run(_awaited(self.interaction.generate_response(
+            self.request_id, conversation, **self.interaction_kwargs)))
+        if score is not None:
+            self.turn_scores.append(score)
+        return {"content": "" if content is None else str(content), "done": bool(terminate),
+                "score": None if score is None else float(score)}
 
 
 # ------------------------------------------------------------------------------------------------
