@@ -204,6 +204,17 @@ def test_the_gsm8k_interaction_answers_as_the_user_and_scores_each_turn(qwen_sty
     assert torch.allclose(adv.tokens[1][turns[1] == 1], torch.tensor(0.57735), atol=1e-4)
 
 
+def test_tools_and_an_interaction_in_one_environment(qwen_style_tokenizer):
+    """Both configs: one class; a tool turn's R_T is its step reward, the answer's the interaction's score."""
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG, INTERACTION_CONFIG)
+    row = verl_row("72", 0, interaction="gsm8k")
+    row["extra_info"]["tools_kwargs"] = verl_row("72", 0)["extra_info"]["tools_kwargs"]
+    ep, = roll(env, [row], {"Natalia sold clips": [call("70"), final("72")]})
+    assert [m["role"] for m in ep.messages] == ["assistant", "tool", "assistant", "user"]
+    assert ep.messages[-1]["content"] == "Your response is correct!"
+    assert turn_table(pool, [ep], [row])[0].tolist() == pytest.approx([-0.05, 1.0])
+
+
 def test_finalize_interaction_runs_for_every_episode_even_one_that_raised(qwen_style_tokenizer, tmp_path):
     """A user's interaction (subclassing verl's BaseInteraction) whose generate_response raises for one row: that
     episode ends on the error, and every episode's interaction is finalized once, with its own request id."""
@@ -236,18 +247,19 @@ args = MTGRPOConfig(output_dir={out!r}, dataset_name={data!r}, {field}={config!r
                     max_steps=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=512,
                     max_tokens_per_turn=64, max_tool_response_tokens=32, use_cpu=True, bf16=False, report_to="none",
                     save_strategy="no", learning_rate=1e-3, logging_steps=1, disable_tqdm=True,
-                    save_rollouts_steps=1, max_env_steps=3, eval_strategy="no", max_prompt_length=4096)
+                    save_rollouts_steps=1, max_env_steps=3, eval_strategy="no", max_prompt_length=4096{more})
 trainer = MTGRPOEnvTrainer({model!r}, args=args, backend=lambda env: ScriptedTransformersBackend(env.tokenizer, script))
 trainer.train()
 trainer.save_state()
 """
 
 
-def train(tmp_path, model_dir, field, config, rows, script):
+def train(tmp_path, model_dir, field, config, rows, script, **more):
     out = str(tmp_path / "out")
     data = write_parquet(tmp_path / "train.parquet", rows)
+    more = "".join(f", {k}={v!r}" for k, v in more.items())
     run([sys.executable, "-c", TRAIN.format(script=script, out=out, data=data, field=field, config=config,
-                                            model=model_dir)], tmp_path)
+                                            model=model_dir, more=more)], tmp_path)
     records = rollout_records(out) + rollout_records(out, "step-000002.jsonl")
     return [h for h in final_metrics(out) if "loss" in h], records
 
@@ -267,20 +279,26 @@ def test_the_gsm8k_tool_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path)
     assert [r["R_T"] for r in natalia] == [pytest.approx([-0.05, 0.0]), [0.0], pytest.approx([-0.05]), [0.0]]
     assert [r["R_O"] for r in natalia] == [1.0, 1.0, 0.0, 1.0]
     assert [r["stop_reason"] for r in natalia] == ["no_action"] * 4
+    # verl's prompt as the row has it: its own system message, none of ours (no <answer> format asked)
+    assert natalia[0]["prompt_text"].startswith("<|im_start|>system\nYou are a math expert. You are given")
+    assert "<answer>" not in natalia[0]["prompt_text"]
 
 
 def test_the_gsm8k_interaction_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path):
     """verl's gsm8k interaction config and a parquet of gsm8k_multiturn_w_interaction rows: two steps; each model
     turn's R_T is the interaction's score, A_T by hand."""
     script = {"Natalia sold clips": [[final("72", "A:")], [final("70", "B:"), final("72")],
-                                     [final("70", "C:"), final("71"), final("72")], [final("1", "D:")]],
+                                     [final("70", "C:"), final("71"), final("72")],
+                                     [final("1", "D:"), final("2"), final("3"), final("4")]],
               "Weng earns": [[final("10", "A:")], [final("12", "B:"), final("10")], [final("10", "C:")],
                              [final("10", "D:")]]}
     steps, records = train(tmp_path, qwen_agent_dir, "verl_interaction_config", INTERACTION_CONFIG,
-                           [verl_row("72", 0, "gsm8k"), verl_row("10", 1, "gsm8k")], script)
+                           [verl_row("72", 0, "gsm8k"), verl_row("10", 1, "gsm8k")], script, max_user_turns=3)
     assert len(steps) == 2 and "rewards/turn/VerlEnvironment_steps" in steps[0]
     natalia = [r for r in records if "Natalia" in r["prompt_text"]]
+    # D's fourth answer gets no reply (max_user_turns=3, as verl's multi_turn.max_user_turns): no turn reward
     assert [r["R_T"] for r in natalia] == [[1.0], [0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    assert [r["stop_reason"] for r in natalia] == ["env_done"] * 3 + ["no_action"]
     pooled = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     mean = sum(pooled) / len(pooled)
     std = (sum((x - mean) ** 2 for x in pooled) / (len(pooled) - 1)) ** 0.5
@@ -316,3 +334,30 @@ def test_a_row_naming_an_unknown_interaction_fails_naming_the_fix():
         env_class().reset(**verl_row("72", 0))  # the tool rows have interaction_kwargs without a name
     with pytest.raises(ValueError, match="is not a file"):
         adapted(tool_config="no/such/tool_config.yaml")
+
+
+def test_an_mcp_entry_serves_its_selected_tools(tmp_path):
+    """verl's mcp_tool_config.yaml form: `config.type: mcp`, the servers of an mcpServers JSON, `tool_selected_list`;
+    the server's tools join the run's tools with their own schema, and a call returns the server's text."""
+    from tasks.fictional_kb import build_fictional_kb
+    from tools import mcp
+    from tools.search import make_search_tool
+
+    if not hasattr(mcp, "mcp_tools_from_map"):  # the mcpServers map lands on main from the `mcpfix` branch
+        pytest.skip("tools.mcp.mcp_tools_from_map is not on this branch yet")
+
+    servers = tmp_path / "mcp_server.json"
+    servers.write_text('{"mcpServers": {"kb": {"command": "python", "args": ["tools/kb_mcp_server.py", "--seed", '
+                       '"0", "--crashable"]}}}')
+    config = tmp_path / "mcp_tool_config.yaml"
+    config.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config:\n"
+                      "      rate_limit: 120\n      timeout: 120\n      type: mcp\n    mcp:\n"
+                      f"      mcp_servers_config_path: {servers}\n      tool_selected_list:\n        - search\n")
+    try:
+        result = adapted(str(config))
+        assert result.environment_factory is None and [fn.__name__ for fn in result.tools] == ["search"]
+        assert result.tools[0].json_schema["function"]["name"] == "search"
+        local = make_search_tool(build_fictional_kb(seed=0)[0])  # the server serves this search (--crashable adds two
+        assert result.tools[0](query="capital of Ratomora") == local(query="capital of Ratomora")  # tools: dropped)
+    finally:
+        mcp.close_mcp_servers()
