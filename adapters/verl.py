@@ -310,16 +310,18 @@ def environment_class(tools: list, interactions: dict) -> type:
                  "_verl_tools": {tool_name(t): t for t in tools}, "_verl_interactions": dict(interactions)}
     for tool in tools:
         name, schema = tool_name(tool), tool_json_schema(tool)
-        if not name.isidentifier() or name.startswith("_") or name in RESERVED:
-            raise ValueError(f"verl tool {name!r} ({type(tool).__name__}): a tool's name here is a method's name, so "
-                             f"it must be a Python identifier not starting with `_` nor one of {sorted(RESERVED)}: "
+        if name.startswith("_") or name in RESERVED:
+            raise ValueError(f"verl tool {name!r} ({type(tool).__name__}): a tool's name here is a method's name of "
+                             f"the environment, so it must not start with `_` nor be one of {sorted(RESERVED)}: "
                              "rename it in `tool_schema.function.name`.")
         namespace[name] = _tool_method(name, schema, tool_signature(schema["function"].get("parameters") or {}))
     bases = (VerlEnvironment, UserTurns) if interactions else (VerlEnvironment,)
     return type("VerlEnvironment", bases, namespace)
 
 
-RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "done")
+# the contract's names, and the attributes a VerlEnvironment keeps
+RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "done", "tool_rewards", "turn_scores",
+            "tools_kwargs", "interaction", "interaction_kwargs", "request_id", "agent_data")
 
 
 def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Callable:

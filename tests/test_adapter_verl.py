@@ -151,24 +151,23 @@ def test_compute_score_gets_verls_arguments(qwen_style_tokenizer):
     """compute_score(data_source, solution_str, ground_truth, extra_info) by dotted path: the whole response decoded
     without special tokens (tool turns included), reward_model.ground_truth, the row's extra_info with the
     episode's tool_rewards, turn_scores and num_turns; its dict's "score" is the reward, its other keys logged."""
-    import user_verl
     from rewards import get_reward_func
 
     env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
     rows = [verl_row("72", 0), verl_row("10", 1)]
     ep72, ep10 = roll(env, rows, {"Natalia sold clips": [call("70"), final("72")], "Weng earns": [final("12")]})
-    reward = get_reward_func("user_verl:compute_score")
+    # verl's custom_reward_function {path, name} as `path:name`
+    reward = get_reward_func(os.path.join(FIXTURES, "user_verl.py") + ":compute_score")
     assert reward.__name__ == "compute_score"
     reward.tokenizer = qwen_style_tokenizer  # as builders.assemble sets it
-    logged = {}
-    user_verl.SCORED.clear()
+    logged, scored = {}, reward.verl_compute_score.__globals__["SCORED"]
     values = reward(prompts=["a", "b"], completions=[ep72.messages, ep10.messages],
                     completion_ids=[ep72.completion_ids, ep10.completion_ids],
                     environments=[ep72.toolset.environment, ep10.toolset.environment],
                     log_extra=lambda column, v: logged.update({column: v}),
                     **{k: [r[k] for r in rows] for k in ("data_source", "reward_model", "extra_info", "ability")})
     assert values == [1.0, 0.0] and logged == {"compute_score/turns": [4, 2]}
-    first, second = user_verl.SCORED
+    first, second = scored
     assert first["solution_str"] == qwen_style_tokenizer.decode(ep72.completion_ids, skip_special_tokens=True)
     assert "Current parsed answer='70'" in first["solution_str"] and first["solution_str"].endswith("#### 72")
     assert (first["data_source"], first["ground_truth"], second["ground_truth"]) == ("openai/gsm8k", "72", "10")
