@@ -280,7 +280,9 @@ def test_the_gsm8k_tool_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path)
     assert [r["stop_reason"] for r in natalia] == ["no_action"] * 4
     # verl's prompt as the row has it: its own system message, none of ours (no <answer> format asked)
     assert natalia[0]["prompt_text"].startswith("<|im_start|>system\nYou are a math expert. You are given")
-    assert "<answer>" not in natalia[0]["prompt_text"]
+    prompt = natalia[0]["prompt_text"]
+    assert "`#### <answer>`.\n\n# Tools" in prompt and "inside <answer> </answer>" not in prompt
+    assert prompt.count("<|im_start|>") == 3  # system, the question, the generation prompt: no worked example
 
 
 def test_the_gsm8k_interaction_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path):
