@@ -97,6 +97,9 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
                                     None else getattr(source, "corpus", None)), _mcp_tools(args))
     if adapted is not None:
         tools, outcome, turn = _join_tools(tools, adapted.tools), outcome + adapted.outcome_funcs, turn + adapted.turn_funcs
+    for fn in turn + outcome:  # verl's compute_score reads the response as verl decodes it (adapters/verl.py)
+        if hasattr(fn, "verl_compute_score"):
+            fn.tokenizer = tokenizer
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
@@ -138,7 +141,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
     from checks import check_reward_lists_given_once, check_reward_weights
-    from rewards import get_reward_func, is_per_tool_turn
+    from rewards import as_reward_func, get_reward_func, is_per_tool_turn
     from rewards.judge import build_judge_rewards
 
     check_reward_lists_given_once(args, turn_funcs, outcome_funcs)
@@ -159,10 +162,10 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     resolved = {}
     for kind, (names, weights) in lists.items():
         funcs, judge = build_judge_rewards(names, args, judge)
-        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else f for f in funcs], weights
+        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else as_reward_func(f) for f in funcs], weights
     extra, judge = build_judge_rewards(given, args, judge)
     for fn, w in zip(extra, trl_weights):
-        fn = get_reward_func(fn) if isinstance(fn, str) else fn
+        fn = get_reward_func(fn) if isinstance(fn, str) else as_reward_func(fn)
         kind = "turn" if is_per_tool_turn(fn) else "outcome"
         resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
     for fn in resolved["turn"][0] + resolved["outcome"][0]:
