@@ -53,6 +53,9 @@ class Adapted:
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+    # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
+    # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
+    settings: dict = field(default_factory=dict)
 
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
