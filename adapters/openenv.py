@@ -271,9 +271,6 @@ class RemoteEpisode:
         self.done = bool(reply.get("done"))
         return observation_text(reply.get("observation") or {})
 
-    def end_episode(self) -> None:
-        self.episode_id = None
-
 
 def remote_class(url: str, action_cls: type | None = None) -> type:
     """The episode class of the server at `url`: its action schema from GET /schema (or `openenv_action`)."""
