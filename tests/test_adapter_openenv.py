@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import FIXTURES, ROOT, final_metrics, make_env, rollout_records, run
+from helpers import FIXTURES, ROOT, make_env, rollout_records
 from scripted_policy import ScriptedPolicy
 
 OE = os.path.join(FIXTURES, "openenv")
@@ -174,7 +174,8 @@ def oe_recipe(tmp_path, **fields) -> str:
 
     with open(os.path.join(ROOT, "tests", "recipes", "tiny.yaml")) as f:
         recipe = {k: v for k, v in yaml.safe_load(f).items()
-                  if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs")}
+                  if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs",
+                               "advantage_mode", "turn_advantage_coef")}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4,
                                     "max_env_steps": 3, **fields}))
@@ -182,8 +183,9 @@ def oe_recipe(tmp_path, **fields) -> str:
 
 
 @pytest.mark.parametrize("target", ["echo_env:EchoEnvironment", "number_guess:NumberGuessEnvironment"])
-def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([OE, os.environ.get("PYTHONPATH", "")]))
+def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path):
+    from mt_grpo_trainer import build_trainer
+
     fields = {"openenv_env": target}
     if target.startswith("number_guess"):  # a dataset of seeds, so that a group plays one game
         data = tmp_path / "seeds.jsonl"
@@ -192,9 +194,10 @@ def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path, monk
     else:
         fields["max_steps"] = 2  # no dataset: reset gives the prompt, as in TRL
     out = str(tmp_path / "out")
-    run([sys.executable, "mt_grpo_trainer.py", "--config", oe_recipe(tmp_path, **fields), "--model_name_or_path",
-         tiny_agent_dir, "--output_dir", out], tmp_path)
-    steps = [h for h in final_metrics(out) if "loss" in h]
+    trainer = build_trainer(["--config", oe_recipe(tmp_path, **fields), "--model_name_or_path", tiny_agent_dir,
+                             "--output_dir", out])
+    trainer.train()  # in this process, as the command line builds it
+    steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2
     name = target.split(":")[1]
     assert f"rewards/turn/{name}_steps" in steps[0], sorted(steps[0])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import FIXTURES, ROOT, final_metrics, make_env, rollout_records, run
+from helpers import FIXTURES, ROOT, make_env, rollout_records
 from scripted_policy import ScriptedPolicy
 
 VF = os.path.join(FIXTURES, "verifiers")
@@ -42,8 +42,6 @@ def episodes(tokenizer, parts, script: dict, rows: list[dict], **overrides):
     protocol = XMLProtocol()
     pool = EnvironmentPool(parts.environment_factory, [], protocol)
     limits = {**parts.settings, **overrides}
-    import inspect; from mt_grpo_trainer import MultiTurnToolEnv  # TEMP until main's user turns land
-    limits = {k: v for k, v in limits.items() if k in inspect.signature(MultiTurnToolEnv).parameters}
     env = make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None, examples=None,
                    max_completion_length=800, max_tokens_per_turn=96, max_tool_response_tokens=64, **limits)
     prompts = [env.prompt(row["prompt"]) for row in rows]
@@ -168,8 +166,6 @@ def test_multiturn_env_replies_as_the_user_and_its_stop_condition_ends_the_game(
 def test_per_step_rewards_the_environment_sets_are_each_turns_credit(tokenizer):
     """An environment that sets its trajectory step's reward in env_response (-0.1 a wrong guess, 1 the right one):
     each user turn's R_T is its step's reward."""
-    from adapters.verifiers import adapt
-
     import vf_guess
 
     class ScoredGuessEnv(vf_guess.GuessEnv):
@@ -234,21 +230,38 @@ def vf_recipe(tmp_path, **fields) -> str:
     with open(os.path.join(ROOT, "tests", "recipes", "tiny.yaml")) as f:
         recipe = {k: v for k, v in yaml.safe_load(f).items()
                   if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs",
-                               "max_env_steps")}
+                               "max_env_steps", "advantage_mode", "turn_advantage_coef")}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4, **fields}))
     return str(path)
 
 
+def train(recipe: str, model_dir: str, out: str) -> list[dict]:
+    """The recipe trained in this process (build_trainer, as the command line builds it): the steps' logs."""
+    from mt_grpo_trainer import build_trainer
+
+    trainer = build_trainer(["--config", recipe, "--model_name_or_path", model_dir, "--output_dir", out])
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
 @pytest.mark.parametrize("module", ["vf_calculator", "vf_guess"])
-def test_one_recipe_line_trains_two_steps(module, tiny_agent_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([VF, os.environ.get("PYTHONPATH", "")]))
+def test_one_recipe_line_trains_two_steps(module, tiny_agent_dir, tmp_path):
     out = str(tmp_path / "out")
-    run([sys.executable, "mt_grpo_trainer.py", "--config", vf_recipe(tmp_path, verifiers_env=module),
-         "--model_name_or_path", tiny_agent_dir, "--output_dir", out], tmp_path)
-    steps = [h for h in final_metrics(out) if "loss" in h]
+    steps = train(vf_recipe(tmp_path, verifiers_env=module), tiny_agent_dir, out)
     assert len(steps) == 2
-    first = {"vf_calculator": "rewards/outcome/correct_answer", "vf_guess": "rewards/outcome/correct_answer"}[module]
-    assert first in steps[0], sorted(steps[0])
+    assert "rewards/outcome/correct_answer" in steps[0], sorted(steps[0])
+    if module == "vf_guess":  # user turns: the per-turn reward of replies
+        assert "rewards/turn/GuessEnv_steps" in steps[0], sorted(steps[0])
     record = rollout_records(out)[0]
     assert {"vf_calculator": "calculator", "vf_guess": "guessing game"}[module] in record["prompt_text"]
+
+
+def test_the_environments_limits_fill_the_config_and_a_smaller_recipe_value_holds():
+    from builders import apply_settings
+
+    args = SimpleNamespace(max_env_steps=None, max_user_turns=5)
+    apply_settings(args, {"max_env_steps": 2, "max_user_turns": 9})
+    assert (args.max_env_steps, args.max_user_turns) == (2, 5)
+    apply_settings(args, {"max_env_steps": 1})
+    assert args.max_env_steps == 1
