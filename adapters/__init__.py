@@ -10,7 +10,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
-    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
+    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
 """
@@ -36,8 +36,8 @@ class AdapterArguments:
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
     verifiers_env_args: dict | None = arg(None, "Keyword arguments of `load_environment` (verifiers_env).")
-    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or the URL of its HTTP server "
-                                  "(docs/guide.md, 'From OpenEnv').")
+    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or its server's URL: `ws://host:port` "
+                                  "(sessions) or `http://host:port` (docs/guide.md, 'From OpenEnv').")
     openenv_action: str | None = arg(None, "openenv_env: its Action class `module:Class` (None: found from the "
                                      "environment's `step` signature).")
 

@@ -18,12 +18,14 @@ of a server that serves one, `openenv_env: http://127.0.0.1:8000`. OpenEnv's con
     an Observation as text                       its own fields (not done, reward, metadata): one field's value as
                                                  is; several as `name: value` lines (JSON for non-text values)
 
-Over HTTP (`openenv_env: http://...`), OpenEnv's HTTP endpoints with httpx: GET /schema (the action's JSON schema;
-a server without it needs `openenv_action`), POST /reset {"episode_id", "seed"?} and POST /step {"action": {...},
-"episode_id"} -> {"observation": {...}, "reward", "done"}. Each episode sends its own `episode_id` (ResetRequest's
-field; StepRequest takes extra fields), so a server that keeps an environment per episode id runs concurrent
-episodes; OpenEnv's own server runs each HTTP request on a fresh environment (its sessions are WebSockets), so it
-serves stateless environments only this way. See docs/from_openenv.md.
+Over the network: `openenv_env: ws://host:port` speaks OpenEnv's WebSocket sessions (`/ws`, what its EnvClient
+speaks: one session, one environment on the server, per episode instance); `openenv_env: http://host:port` its
+HTTP endpoints with httpx: GET /schema (the action's JSON schema; a server without it needs `openenv_action`),
+POST /reset {"episode_id", "seed"?} and POST /step {"action": {...}, "episode_id"} -> {"observation": {...},
+"reward", "done"}. Each HTTP episode sends its own `episode_id` (ResetRequest's field; StepRequest takes extra
+fields), so a server that keeps an environment per episode id runs concurrent episodes; OpenEnv's own server runs
+each HTTP request on a fresh environment, so over HTTP it serves stateless environments only. See
+docs/from_openenv.md.
 """
 
 import inspect
@@ -43,8 +45,10 @@ def adapt(args) -> Adapted:
     target = args.openenv_env
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"`openenv_env` is {target!r}; give the Environment class `module:Class` or its server's URL "
-                         "`http://host:port`.")
+                         "(`ws://host:port` for its sessions, `http://host:port`).")
     action = load_action(args.openenv_action) if args.openenv_action else None
+    if target.startswith(("ws://", "wss://")):
+        return Adapted(environment_factory=remote_class(target.rstrip("/"), action, SessionEpisode))
     if target.startswith(("http://", "https://")):
         return Adapted(environment_factory=remote_class(target.rstrip("/"), action))
     return Adapted(environment_factory=local_class(load_environment_class(target), action))
@@ -257,6 +261,9 @@ class RemoteEpisode:
         reply = self._post("/reset", body)
         return first_observation(prompt, reply.get("observation") or {})
 
+    def _step(self, action: dict) -> dict:
+        return self._post("/step", {"action": action, "episode_id": self.episode_id})
+
     def _act(self, arguments: dict) -> str:
         if self.action_cls is not None:
             from pydantic import ValidationError
@@ -265,19 +272,56 @@ class RemoteEpisode:
                 arguments = self.action_cls(**arguments).model_dump(exclude={"metadata"})
             except ValidationError as e:
                 raise ValueError(_validation_text(e)) from None
-        reply = self._post("/step", {"action": arguments, "episode_id": self.episode_id})
+        reply = self._step(arguments)
         if reply.get("reward") is not None:
             self.step_rewards.append(float(reply["reward"]))
         self.done = bool(reply.get("done"))
         return observation_text(reply.get("observation") or {})
 
 
-def remote_class(url: str, action_cls: type | None = None) -> type:
-    """The episode class of the server at `url`: its action schema from GET /schema (or `openenv_action`)."""
+class SessionEpisode(RemoteEpisode):
+    """One episode of an OpenEnv server over its WebSocket session route (`/ws`, what OpenEnv's EnvClient speaks):
+    the instance keeps one session (one environment on the server) for all its episodes; {"type": "reset"} starts
+    each, {"type": "step", "data": action} per call. Sessions keep state on OpenEnv's own server, unlike HTTP."""
+
+    def __init__(self):
+        self.ws, self.episode_id, self.step_rewards, self.done = None, None, [], False
+
+    def _send(self, message: dict) -> dict:
+        import websocket  # websocket-client
+
+        try:
+            if self.ws is None:
+                self.ws = websocket.create_connection(f"{self.url}/ws", timeout=HTTP_TIMEOUT)
+            self.ws.send(json.dumps(message))
+            reply = json.loads(self.ws.recv())
+        except (OSError, websocket.WebSocketException) as e:
+            self.ws = None  # the next call connects again
+            raise ConnectionError(f"OpenEnv session {self.url}/ws: {type(e).__name__}: {e}") from None
+        if reply.get("type") == "error":
+            data = reply.get("data") or {}
+            error = ValueError if data.get("code") == "VALIDATION_ERROR" else RuntimeError  # the model's call, or not
+            raise error(f"the server refused it ({data.get('code')}): {data.get('message')}")
+        return reply.get("data") or {}
+
+    def reset(self, prompt: list[dict] | None = None, **row) -> str:
+        self.step_rewards, self.done = [], False
+        data = self._send({"type": "reset", "data": {"seed": row["seed"]} if row.get("seed") is not None else {}})
+        return first_observation(prompt, data.get("observation") or {})
+
+    def _step(self, action: dict) -> dict:
+        return self._send({"type": "step", "data": action})
+
+
+def remote_class(url: str, action_cls: type | None = None, base: type | None = None) -> type:
+    """The episode class of the server at `url` (HTTP, or its WebSocket sessions with `base=SessionEpisode`): its
+    action schema from GET /schema (or `openenv_action`)."""
     import httpx
 
+    base = base or RemoteEpisode
+    http_url = "http" + url[len("ws"):] if url.startswith("ws") else url
     try:
-        reply = httpx.get(f"{url}/schema", timeout=HTTP_TIMEOUT)
+        reply = httpx.get(f"{http_url}/schema", timeout=HTTP_TIMEOUT)
     except httpx.HTTPError as e:
         raise ValueError(f"`openenv_env: {url}`: no OpenEnv server answers there ({type(e).__name__}: {e}). Start it "
                          "first (e.g. `uvicorn my_env.server.app:app --port 8000`), or fix the URL.") from None
@@ -290,7 +334,7 @@ def remote_class(url: str, action_cls: type | None = None) -> type:
         raise ValueError(f"`openenv_env: {url}`: the server has no GET /schema with the action's JSON schema "
                          f"({reply.status_code}); set `openenv_action: module:MyAction`, the Action class it takes.")
     methods = {schema["function"]["name"]: _remote_tool(schema)}
-    cls = type("OpenEnvServer", (RemoteEpisode,), {"url": url, "action_cls": action_cls, **methods})
+    cls = type("OpenEnvServer", (base,), {"url": url, "action_cls": action_cls, **methods})
     cls.__module__ = __name__
     return cls
 

@@ -151,6 +151,27 @@ def test_an_http_server_plays_the_same_game(tokenizer, guess_server):
     assert "the server refused the action" in [m["content"] for m in c.messages if m["role"] == "tool"][0]
 
 
+def test_websocket_sessions_play_the_game_as_openenvs_client_does(tokenizer):
+    """`ws://`: OpenEnv's EnvClient contract, a session (one environment on the server) per episode instance."""
+    from number_guess import GuessAction, NumberGuessEnvironment
+    from session_server import SessionServer
+
+    server = SessionServer(NumberGuessEnvironment, GuessAction)
+    port = server.start()
+    try:
+        factory = adapted(f"ws://127.0.0.1:{port}").environment_factory
+        rows = [{"prompt": "Guess the number.", "seed": 1}] * 2
+        script = {"Guess the number.": [[act("guess", guess=5), act("guess", guess=3)],
+                                        [act("guess", guess="three"), act("guess", guess=3)]]}
+        (a, b), pool = episodes(tokenizer, factory, script, rows)
+        assert "I picked a number from 1 to 10." in a.prompt_messages[-1]["content"]
+        assert turn_credit(pool, [a, b]) == [[pytest.approx(-0.1), 1.0], [0.0, 1.0]]  # a refused call earns 0
+        assert "VALIDATION_ERROR" in [m["content"] for m in b.messages if m["role"] == "tool"][0]
+        assert a.stop_reason == b.stop_reason == "env_done"
+    finally:
+        server.stop()
+
+
 def test_mistakes_fail_naming_the_fix():
     with pytest.raises(ValueError, match=r"no OpenEnv server answers there.*Start it"):
         adapted("http://127.0.0.1:9")
