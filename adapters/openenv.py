@@ -61,7 +61,7 @@ def load_environment_class(path: str) -> type:
     from registry import resolve
 
     cls = resolve(path, {}, "OpenEnv environment (openenv_env)")
-    if not isinstance(cls, type) or not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
+    if not (isinstance(cls, type) and callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
         raise ValueError(f"`openenv_env: {path}` is {cls!r}, not an OpenEnv Environment class (one with reset() and "
                          "step(action)): name the class, `module:MyEnvironment`.")
     return cls

@@ -451,7 +451,8 @@ async def _score(rubric, states: list) -> None:
     if getattr(rubric, "has_group_rewards", False):
         groups: dict = {}
         for state in states:
-            groups.setdefault(str(state.get("example_id")) + json.dumps(state.get("answer"), default=str), []).append(state)
+            key = (str(state.get("example_id")), json.dumps(state.get("answer"), default=str))  # one example's group
+            groups.setdefault(key, []).append(state)
         for group in groups.values():
             await rubric.score_group(group)
     else:

@@ -184,6 +184,24 @@ def test_per_step_rewards_the_environment_sets_are_each_turns_credit(tokenizer):
     assert turn_credit(pool, eps) == [[-0.1, 1.0], [1.0]]
 
 
+def test_a_rubric_with_a_group_function_scores_each_examples_episodes_together(tokenizer):
+    """A group reward function (plural arguments) is scored by score_group over the episodes of one example: here
+    1 for the group's fewest guesses, 0 for the others."""
+    import vf_guess
+
+    def fewest_guesses(states, **kwargs) -> list[float]:
+        counts = [len(s["guesses"]) for s in states]
+        return [1.0 if c == min(counts) else 0.0 for c in counts]
+
+    env = vf_guess.load_environment(secrets=[3])
+    env.rubric.add_reward_func(fewest_guesses, weight=2.0)
+    parts = adapt_env(env)
+    rows = [dict(parts.train_dataset[0])] * 2
+    script = {"Guess the secret number": [[guess(5), guess(3), guess(3)], [guess(3), guess(3)]]}
+    eps, _ = episodes(tokenizer, parts, script, rows)
+    assert outcome(parts, eps)["fewest_guesses"] == [0.0, 2.0]
+
+
 def adapt_env(env):
     """adapt() for an environment object made in the test (load_environment returns it)."""
     import types
