@@ -199,6 +199,7 @@ def oe_recipe(tmp_path, **fields) -> str:
                                "advantage_mode", "turn_advantage_coef")}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4,
+                                    "max_completion_length": 96, "max_tokens_per_turn": 24,
                                     "max_env_steps": 3, **fields}))
     return str(path)
 

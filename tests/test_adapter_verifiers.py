@@ -250,7 +250,8 @@ def vf_recipe(tmp_path, **fields) -> str:
                   if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs",
                                "max_env_steps", "advantage_mode", "turn_advantage_coef")}
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4, **fields}))
+    path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4,
+                                    "max_completion_length": 96, "max_tokens_per_turn": 24, **fields}))
     return str(path)
 
 
