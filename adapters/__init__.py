@@ -64,10 +64,17 @@ ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
 }
 
 
+REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env"}  # a field -> the one it completes
+
+
 def adapt(args) -> list[Adapted]:
     """What each adapter named by the config adds (one call per module, however many of its fields are set)."""
     import importlib
 
+    for name, needed in REQUIRES.items():
+        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
+            raise ValueError(f"`{name}` is set but `{needed}` is not: `{name}` completes `{needed}`; set `{needed}` "
+                             f"too, or remove `{name}`.")
     modules = dict.fromkeys(module for name, module in ADAPTERS.items() if getattr(args, name, None) is not None)
     return [importlib.import_module(module).adapt(args) for module in modules]
 

@@ -187,6 +187,10 @@ def test_mistakes_fail_naming_the_fix():
     with pytest.raises(ValueError, match=r"names no single Action class: set `openenv_action"):
         adapted("two_actions:TwoActions")
     assert adapted("two_actions:TwoActions", "number_guess:GuessAction").environment_factory.guess
+    from adapters import adapt
+
+    with pytest.raises(ValueError, match=r"`openenv_action` is set but `openenv_env` is not"):
+        adapt(SimpleNamespace(openenv_env=None, openenv_action="number_guess:GuessAction"))
 
 
 # -- one recipe line trains it ------------------------------------------------------------------------------------
