@@ -97,6 +97,28 @@ def test_tool_env_episode_runs_the_tool_and_scores_with_the_rubric(tokenizer):
     assert state["completion"][0].tool_calls[0].name == "calculate" and len(state["trajectory"]) == 2
 
 
+def test_chat_template_turn_with_two_calls_runs_both(qwen_style_tokenizer):
+    """The chat_template format (the tool's schema as verifiers built it, in the template's tools): one turn with two
+    calls gets both results, in order, then the answer ends the episode."""
+    from environments import EnvironmentPool
+    from protocol import ChatTemplateProtocol
+
+    parts = adapted("vf_calculator")
+    protocol = ChatTemplateProtocol(qwen_style_tokenizer)
+    pool = EnvironmentPool(parts.environment_factory, [], protocol)
+    env = make_env(qwen_style_tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None,
+                   examples=None, max_completion_length=1600, max_tokens_per_turn=400, **parts.settings)
+    row = dict(parts.train_dataset[3])
+    prompt = env.prompt(row["prompt"])
+    assert '"name": "calculate"' in env.render(prompt, add_generation_prompt=True)
+    two = protocol.format_call("calculate", {"expression": "7 * 8"}) + protocol.format_call("calculate",
+                                                                                            {"expression": "56 + 0"})
+    ep, = env.rollout([prompt], ScriptedPolicy(qwen_style_tokenizer, {row["prompt"][-1]["content"]: [
+        two, "<answer>56</answer>"]}), rows=[row])
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["56", "56"]
+    assert outcome(parts, [ep])["correct_answer"] == [1.0]
+
+
 def test_max_turns_stops_tool_calls_as_verifiers_does(tokenizer):
     """max_turns=3 model turns: two tool replies, and the third turn's call is not run (verifiers checks
     max_turns_reached after the model's turn, before env_response)."""
