@@ -65,6 +65,7 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         factory = adapted.environment_factory if adapted.environment_factory is not None else factory
         train_dataset = train_dataset if train_dataset is not None else adapted.train_dataset
         eval_dataset = eval_dataset if eval_dataset is not None else adapted.eval_dataset
+        apply_settings(args, adapted.settings)
     if factory is not None:
         no_dataset_by_default(args, train_dataset)
         check_environment_args(args, train_dataset)
@@ -133,6 +134,17 @@ def adapted_parts(args, factory):
     if factory is not None and parts[0].environment_factory is not None:
         raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
     return parts[0]
+
+
+def apply_settings(args, settings: dict) -> None:
+    """The limits an adapted environment brings (Adapted.settings), on the trainer's copy of the config: a field
+    left None takes the environment's value; one the recipe set keeps the smaller of the two (both are limits)."""
+    for name, value in settings.items():
+        mine = getattr(args, name, None)
+        if mine is None or value < mine:
+            if mine is not None:
+                logger.info("%s: %s from the environment (the recipe's %s is larger).", name, value, mine)
+            setattr(args, name, value)
 
 
 def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:

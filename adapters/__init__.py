@@ -10,7 +10,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
-    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
+    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
 """
@@ -36,8 +36,8 @@ class AdapterArguments:
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
     verifiers_env_args: dict | None = arg(None, "Keyword arguments of `load_environment` (verifiers_env).")
-    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or the URL of its HTTP server "
-                                  "(docs/guide.md, 'From OpenEnv').")
+    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or its server's URL: `ws://host:port` "
+                                  "(sessions) or `http://host:port` (docs/guide.md, 'From OpenEnv').")
     openenv_action: str | None = arg(None, "openenv_env: its Action class `module:Class` (None: found from the "
                                      "environment's `step` signature).")
 
@@ -53,6 +53,9 @@ class Adapted:
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+    # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
+    # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
+    settings: dict = field(default_factory=dict)
 
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
@@ -61,10 +64,17 @@ ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
 }
 
 
+REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env"}  # a field -> the one it completes
+
+
 def adapt(args) -> list[Adapted]:
     """What each adapter named by the config adds (one call per module, however many of its fields are set)."""
     import importlib
 
+    for name, needed in REQUIRES.items():
+        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
+            raise ValueError(f"`{name}` is set but `{needed}` is not: `{name}` completes `{needed}`; set `{needed}` "
+                             f"too, or remove `{name}`.")
     modules = dict.fromkeys(module for name, module in ADAPTERS.items() if getattr(args, name, None) is not None)
     return [importlib.import_module(module).adapt(args) for module in modules]
 
