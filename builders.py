@@ -133,6 +133,10 @@ def adapted_parts(args, factory):
         raise ValueError(f"{named} name environments of two frameworks; a run trains one: keep one of them.")
     if factory is not None and parts[0].environment_factory is not None:
         raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
+    default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
+    if parts[0].train_dataset is not None and args.dataset_name not in (None, default):
+        raise ValueError(f"{named} brings its own dataset, so `dataset_name: {args.dataset_name}` would not be read: "
+                         "remove `dataset_name`, or pass your rows as `train_dataset`, which replaces the environment's.")
     return parts[0]
 
 

@@ -25,7 +25,7 @@ POST /reset {"episode_id", "seed"?} and POST /step {"action": {...}, "episode_id
 "reward", "done"}. Each HTTP episode sends its own `episode_id` (ResetRequest's field; StepRequest takes extra
 fields), so a server that keeps an environment per episode id runs concurrent episodes; OpenEnv's own server runs
 each HTTP request on a fresh environment, so over HTTP it serves stateless environments only. See
-docs/from_openenv.md.
+docs/guide.md, 'From OpenEnv'.
 """
 
 import inspect

@@ -25,7 +25,7 @@ rollout loop would, with verifiers' own objects doing the environment's part:
 
 The messages verifiers code reads are dicts that also answer attribute access (`m["content"]`, `m.content`;
 a tool call's `.name`, `.arguments` (JSON text), `.id`, and the OpenAI shape `["function"]["name"]`), so code
-written for either of verifiers' message shapes reads them. See docs/from_verifiers.md for what is not supported.
+written for either of verifiers' message shapes reads them. See docs/guide.md, 'From verifiers' for what is not supported.
 """
 
 import asyncio
@@ -114,7 +114,7 @@ def check_classic(env, name: str) -> None:
         raise ValueError(f"`verifiers_env: {name}`: load_environment returned a {cls.__module__}.{cls.__name__}, not a "
                          "classic verifiers environment (vf.ToolEnv, vf.StatefulToolEnv or a vf.MultiTurnEnv with "
                          "env_response; `verifiers.legacy` in verifiers 0.3). verifiers.v1 environments run an agent "
-                         "behind an OpenAI-compatible endpoint and are not supported: see docs/from_verifiers.md.")
+                         "behind an OpenAI-compatible endpoint and are not supported: see docs/guide.md, 'From verifiers'.")
     if getattr(env, "rubric", None) is None:
         raise ValueError(f"`verifiers_env: {name}`: {cls.__name__} has no rubric; give it one "
                          "(`rubric=vf.Rubric(funcs=[...])`), the episodes' rewards.")

@@ -94,7 +94,7 @@ def read_yaml(path: str, field: str, key: str) -> list:
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"`{field}: {path}` has no `{key}:` list; verl's file is `{key}:` followed by a list of "
                          f"entries, each with a `class_name` ({'tools' if key == 'tools' else 'interaction'} "
-                         "example in docs/from_verl.md).")
+                         "example in docs/guide.md, 'From verl').")
     _refuse_interpolation(entries, f"{path}: {key}")
     return entries
 

@@ -306,3 +306,17 @@ def test_the_environments_limits_fill_the_config_and_a_smaller_recipe_value_hold
     assert (args.max_env_steps, args.max_user_turns) == (2, 5)
     apply_settings(args, {"max_env_steps": 1})
     assert args.max_env_steps == 1
+
+
+def test_a_dataset_name_beside_an_environment_that_brings_its_dataset_fails_naming_the_fix():
+    import dataclasses
+
+    from adapters import AdapterArguments
+    from builders import adapted_parts
+
+    blank = {f.name: None for f in dataclasses.fields(AdapterArguments)}
+    args = SimpleNamespace(**{**blank, "verifiers_env": "vf_calculator", "dataset_name": "mine.jsonl"})
+    with pytest.raises(ValueError, match=r"brings its own dataset, so `dataset_name: mine.jsonl` would not be read"):
+        adapted_parts(args, None)
+    args.dataset_name = "fictional_kb"  # the default: the environment's rows
+    assert adapted_parts(args, None).train_dataset is not None
