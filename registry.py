@@ -29,6 +29,10 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     module_name, _, attr = entry.partition(":") if ":" in entry else entry.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"{what}: the path '{entry}' must look like `module:function` or `module.function`.")
+    if not module_name.endswith(".py"):  # `verl.utils.reward_score...` without verl installed: its copy
+        from adapters.compat import provide_for
+
+        provide_for(module_name)
     try:
         module = load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except FileNotFoundError:
