@@ -1,7 +1,8 @@
 """adapters/verifiers.py: classic verifiers environments (tests/fixtures/verifiers/: environment modules in verifiers'
-own style, on the copy of verifiers 0.1.14's classic classes that ships in adapters/compat/verifiers) run by the trainer unchanged: their
-datasets, tool schemas, hidden arguments, env_response as the user, stop conditions, max_turns, rubrics and
-per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line trains each."""
+own style, on the copy of verifiers 0.1.14's classic classes that ships in adapters/compat/verifiers) run by the
+trainer unchanged: their datasets, tool schemas, hidden arguments, env_response as the user, stop conditions,
+max_turns, rubrics and per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line
+trains each."""
 
 import os
 import sys

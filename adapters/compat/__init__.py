@@ -63,8 +63,8 @@ def provide(framework: str) -> bool:
     return True
 
 
-def provide_for(module_name: str) -> None:
-    """`provide` the framework a dotted path names (`verl.utils.reward_score.default_compute_score`), if any."""
+def provide_for(module_name: str) -> bool:
+    """`provide` the framework a module's dotted name starts with (`verl.utils.reward_score`), if it is one with a
+    copy here. True when the copy is in use."""
     top = module_name.split(".", 1)[0]
-    if top in COPIES:
-        provide(top)
+    return top in COPIES and provide(top)
