@@ -87,6 +87,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
+    if adapted is not None and adapted.use_tokenizer is not None:  # the adapter counts tokens with the run's own
+        adapted.use_tokenizer(tokenizer)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
     from rewards import get_reward_func
 
@@ -138,7 +140,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
     from checks import check_reward_lists_given_once, check_reward_weights
-    from rewards import get_reward_func, is_per_tool_turn
+    from rewards import get_reward_func, is_per_tool_turn, swift_style
     from rewards.judge import build_judge_rewards
 
     check_reward_lists_given_once(args, turn_funcs, outcome_funcs)
@@ -159,10 +161,10 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     resolved = {}
     for kind, (names, weights) in lists.items():
         funcs, judge = build_judge_rewards(names, args, judge)
-        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else f for f in funcs], weights
+        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else swift_style(f) for f in funcs], weights
     extra, judge = build_judge_rewards(given, args, judge)
     for fn, w in zip(extra, trl_weights):
-        fn = get_reward_func(fn) if isinstance(fn, str) else fn
+        fn = get_reward_func(fn) if isinstance(fn, str) else swift_style(fn)
         kind = "turn" if is_per_tool_turn(fn) else "outcome"
         resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
     for fn in resolved["turn"][0] + resolved["outcome"][0]:

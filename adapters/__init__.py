@@ -9,6 +9,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     verl_tool_config          verl.py        verl's tools YAML (`tools: [{class_name, config, tool_schema}]`)
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
+    external_plugins          swift.py       ms-swift plugin files (their `multi_turns` and `orms` registrations)
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
     openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
 
@@ -30,8 +31,15 @@ class AdapterArguments:
                                        "tools, each its own `tool_schema` (docs/guide.md, 'From verl').")
     verl_interaction_config: str | None = arg(None, "verl's interaction YAML (`interaction_config_path`): user turns "
                                               "from `generate_response`, picked per row by `interaction_kwargs.name`.")
-    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler, `plugin.py:Class` or `module:Class` "
-                                           "(docs/guide.md, 'From ms-swift').")
+    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler: `plugin.py:Class`, `module:Class`, "
+                                           "or a name in swift's `multi_turns` registry (docs/guide.md, 'From "
+                                           "ms-swift').")
+    external_plugins: list[str] | None = arg(None, "ms-swift plugin files imported at start-up, as swift's "
+                                             "`--external_plugins`: what they register in `multi_turns` and `orms` "
+                                             "can be named by `multi_turn_scheduler` and the reward lists.")
+    swift_max_turns: int | None = arg(None, "multi_turn_scheduler: swift's `--max_turns`, the model turns an episode "
+                                      "may take (each continuation counts; None: no limit but the scheduler's own and "
+                                      "the token budget). Given to the scheduler as `max_turns`.")
     verifiers_env: str | None = arg(None, "A classic verifiers environment: the module whose `load_environment` "
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
@@ -53,11 +61,13 @@ class Adapted:
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+    use_tokenizer: Callable | None = None  # called with the run's tokenizer once it is loaded (after adapt)
 
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
     "verl_tool_config": "adapters.verl", "verl_interaction_config": "adapters.verl",
-    "multi_turn_scheduler": "adapters.swift", "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
+    "multi_turn_scheduler": "adapters.swift", "external_plugins": "adapters.swift", "swift_max_turns": "adapters.swift",
+    "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
 }
 
 

@@ -31,7 +31,9 @@ passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
+import inspect
 import math
+import sys
 from typing import Callable
 
 from registry import resolve
@@ -62,12 +64,26 @@ def get_reward_func(name: str) -> Callable:
     `package.module.func` (registry.py resolves both, for tools too). Fails with a ValueError that
     says what to change."""
     try:
-        return resolve(name, REWARD_FUNCS, "reward function")
+        return swift_style(resolve(name, REWARD_FUNCS, "reward function"))
     except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
+        swift = sys.modules.get("adapters.swift")  # a run with ms-swift plugins: their `orms` names too
+        if swift is not None and (found := swift.lookup_reward(name)) is not None:
+            return found
         if name.startswith("judge"):
             raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
                              "(rewards/judge.py; they need `judge_base_url`).") from None
         raise
+
+
+def swift_style(fn: Callable) -> Callable:
+    """An ms-swift ORM reward (a class deriving from swift's ORM, or whose __call__ takes `completions` first; or an
+    instance of one) as a function of ours: swift's keywords, completions as text (adapters/swift.py). Anything else
+    as is."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    from adapters.swift import is_swift_reward, swift_reward
+
+    return swift_reward(fn) if is_swift_reward(fn) else fn
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:
