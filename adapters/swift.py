@@ -243,6 +243,7 @@ class SwiftEpisode:
     scheduler = None
     tokenizer = None
     max_turns = None
+    _lock = None  # the scheduler's: its check_finished and step run one at a time, as in swift
 
     def reset(self, **row) -> str | None:
         self.done = False
@@ -251,7 +252,9 @@ class SwiftEpisode:
         self._row = {k: v for k, v in row.items() if k != "prompt"}
         self._uuid = uuid.uuid4().hex
         self._turn = 0  # swift's current_turn: the model turns the scheduler has seen
-        self._message = None  # the model's open message after a continuation: where its next sample starts
+        self._message = None  # the model's message after a continuation: where its next sample starts
+        self._at = None  # its index in the conversation (a tool turn since then starts a new message)
+        self._inserted = ""
         self._step_rewards = 0  # how many step_rewards the rollout_infos held (the gym convention's turn rewards)
         return self._trajectory_start(row.get("prompt"))
 
@@ -282,9 +285,9 @@ class SwiftEpisode:
         return RolloutInferRequest(messages=[swift_message(m) for m in messages], data_dict=deepcopy(self._row),
                                    uuid=self._uuid)
 
-    def _sample(self, content: str) -> str:
+    def _sample(self, content: str, at: int) -> str:
         """This turn's sampled text: the model's message after what the last continuation left in it."""
-        if self._message is None:
+        if self._message is None or at != self._at:
             return content
         if content.startswith(self._message):
             return content[len(self._message):]
@@ -312,25 +315,27 @@ class SwiftEpisode:
         self._turn += 1
         turn = self._turn
         content = messages[-1].get("content") or ""
-        sample = self._sample(content)
+        sample = self._sample(content, len(messages) - 1)
         request = self._request(messages)
         choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=sample),
                                               finish_reason="stop")  # a turn cut by a token limit is never answered
         result = scheduler.on_turn_end(request, choice, turn)
         result = (await result if inspect.isawaitable(result) else result) or {}
         score = self._infos(result.get("rollout_infos"))
-        stop = result["done"] if "done" in result else scheduler.check_finished(request, choice, turn)
+        with self._lock:  # swift runs the sync methods of its one scheduler one at a time (one event loop)
+            stop = result["done"] if "done" in result else scheduler.check_finished(request, choice, turn)
         self.rollout_infos["num_turns"] = turn
         if stop or (self.max_turns and turn >= self.max_turns):
             return None
         before = deepcopy(request.messages)
-        request, extras = step_result(scheduler.step(request, choice, turn), label)
+        with self._lock:
+            request, extras = step_result(scheduler.step(request, choice, turn), label)
         gained = self._infos(extras.get("rollout_infos"))
         score = gained if score is None else score + (gained or 0.0)
         self.rollout_infos["num_turns"] = turn
-        return self._reply(before, request.messages, sample, score, label, Reply)
+        return self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
 
-    def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply):
+    def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply, at: int):
         """What step did to the conversation, as a Reply: a new user message, or text inserted in the model's."""
         n = len(before)
         if len(after) < n or [swift_message(m) for m in after[:n - 1]] != before[:n - 1] \
@@ -358,7 +363,7 @@ class SwiftEpisode:
         kept = common_prefix(rest, sample)
         inserted = rest[kept:]
         keep_tokens = None if kept == len(sample) else self._tokens(sample[:kept])
-        self._message, self._inserted = new, inserted
+        self._message, self._inserted, self._at = new, inserted, at
         return Reply(content=inserted, continuation=True, keep_tokens=keep_tokens, score=score)
 
     def _tokens(self, text: str) -> int:
@@ -375,7 +380,10 @@ class SwiftEpisode:
 def make_environment(scheduler, tokenizer, max_turns) -> type:
     """A SwiftEpisode subclass named after the scheduler (its rewards log under that name: `<Class>_steps`)."""
     name = type(scheduler).__name__
+    import threading
+
     return type(name, (SwiftEpisode,), {"scheduler": scheduler, "tokenizer": tokenizer, "max_turns": max_turns,
+                                       "_lock": threading.Lock(),
                                        "__module__": __name__, "__doc__": f"ms-swift scheduler {name}, as an "
                                        "environment (adapters/swift.py)."})
 

@@ -369,3 +369,26 @@ def test_the_swift_plugin_trains_from_the_recipe(tiny_agent_dir, tmp_path):
     # the tiny agent answers at times: the tip then goes inside its message, and it samples on
     inserts = [t["text"] for r in records for t in r["turns"] if t["role"] == "insert"]
     assert inserts and set(inserts) == {"But wait... It seems I made a mistake,"}, [r["turns"] for r in records]
+
+
+def test_on_trajectory_start_may_add_to_the_question_only(tmp_path):
+    path = write_plugin(tmp_path, """
+        class Hinted(MultiTurnScheduler):
+            async def on_trajectory_start(self, requests):
+                for request in requests:
+                    request.messages[-1]['content'] += ' (hint: ' + request.data_dict['hint'] + ')'
+
+            def step(self, infer_request, response_choice, current_turn):
+                return {'infer_request': infer_request}
+
+        class Rewriter(Hinted):
+            async def on_trajectory_start(self, requests):
+                requests[0].messages = [{'role': 'user', 'content': 'another question'}]
+        """)
+    from adapters.swift import adapt
+
+    env = adapt(config(f"{path}:Hinted")).environment_factory()
+    assert env.reset(prompt=[{"role": "user", "content": "Add 2 and 3."}], hint="five") == " (hint: five)"
+    env = adapt(config(f"{path}:Rewriter")).environment_factory()
+    with pytest.raises(ValueError, match="on_trajectory_start rewrote the prompt"):
+        env.reset(prompt=[{"role": "user", "content": "Add 2 and 3."}], hint="five")
