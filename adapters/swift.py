@@ -230,6 +230,16 @@ def step_result(ret, label: str) -> tuple:
                      "the request, or (request, extra_dict) (3.x).")
 
 
+def kept_by_mask(extras: dict, ids: list[int] | None, by_text: int) -> int:
+    """The sample's tokens that stay, from what step returned when it says (4.x's response_token_ids and
+    response_loss_mask: the sample's ids it kept, mask 1, then the inserted ones, mask 0), else `by_text`."""
+    returned, mask = extras.get("response_token_ids"), extras.get("response_loss_mask")
+    if not ids or not returned or not mask or len(mask) != len(returned):
+        return by_text
+    kept = next((i for i, m in enumerate(mask) if not m), len(mask))
+    return kept if kept <= len(ids) and list(returned[:kept]) == list(ids[:kept]) else by_text
+
+
 def common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -317,8 +327,10 @@ class SwiftEpisode:
         content = messages[-1].get("content") or ""
         sample = self._sample(content, len(messages) - 1)
         request = self._request(messages)
+        ids = None if self.tokenizer is None else self.tokenizer.encode(sample, add_special_tokens=False)
         choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=sample),
-                                              finish_reason="stop")  # a turn cut by a token limit is never answered
+                                              finish_reason="stop",  # a turn cut by a token limit is never answered
+                                              token_ids=ids)  # the sample's text re-encoded (respond sees text)
         result = scheduler.on_turn_end(request, choice, turn)
         result = (await result if inspect.isawaitable(result) else result) or {}
         score = self._infos(result.get("rollout_infos"))
@@ -333,7 +345,10 @@ class SwiftEpisode:
         gained = self._infos(extras.get("rollout_infos"))
         score = gained if score is None else score + (gained or 0.0)
         self.rollout_infos["num_turns"] = turn
-        return self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
+        reply = self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
+        if reply.continuation and reply.keep_tokens is not None:
+            reply.keep_tokens = kept_by_mask(extras, ids, reply.keep_tokens)
+        return reply
 
     def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply, at: int):
         """What step did to the conversation, as a Reply: a new user message, or text inserted in the model's."""

@@ -401,6 +401,53 @@ def get_logger():
     return logging.getLogger('swift')
 
 
+def to_device(data, device, non_blocking: bool = False):
+    """swift.utils.to_device: move the tensors of a nested structure to `device`."""
+    import torch
+    if isinstance(data, dict):
+        return type(data)({k: to_device(v, device, non_blocking) for k, v in data.items()})
+    if isinstance(data, (tuple, list)):
+        return type(data)(to_device(v, device, non_blocking) for v in data)
+    if isinstance(data, torch.Tensor):
+        return data.to(device=device, non_blocking=non_blocking)
+    return data
+
+
+# -- swift/rollout/gym_env.py: the gym environment base (swift's GYMScheduler, which steps it, is refused) ------------
+class Env(ABC):
+    """Base environment interface for GRPO training: async reset(config) -> (observation, info, system_message),
+    async step(messages) -> (next_observation, reward, done, info), async close()."""
+
+    def __init__(self, env_config):
+        self.env_config = env_config
+
+    async def reset(self, config):
+        raise NotImplementedError
+
+    async def step(self, action):
+        raise NotImplementedError
+
+    async def close(self):
+        raise NotImplementedError
+
+
+envs = {}
+rm_plugins = {}
+
+
+# -- what a plugin file names but mt-grpo does not run: importable (a plugin may subclass it), refused when made ------
+def _not_here(name: str, instead: str):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{name} is ms-swift's, and mt-grpo's copy of swift (adapters/swift_compat.py) does not "
+                           f"run it: {instead}, or install ms-swift.")
+    return type(name, (), {'__init__': __init__, '__doc__': f'A stand-in for swift\'s {name} ({instead}).'})
+
+
+TransformersEngine = _not_here('TransformersEngine', "mt-grpo's sampler generates every turn")
+Template = _not_here('Template', "mt-grpo renders conversations with the model's chat template")
+DefaultRMPlugin = _not_here('DefaultRMPlugin', 'a reward model goes inside a reward function here')
+
+
 # -- the `swift` modules a plugin file imports from -------------------------------------------------------------------
 _PROTOCOL = ['InferRequest', 'RolloutInferRequest', 'RequestConfig', 'ChatMessage', 'ChatCompletionResponse',
              'ChatCompletionResponseChoice', 'RolloutResponseChoice', 'RolloutOutput', 'Function',
@@ -408,10 +455,13 @@ _PROTOCOL = ['InferRequest', 'RolloutInferRequest', 'RequestConfig', 'ChatMessag
 _SCHEDULERS = ['RolloutScheduler', 'MultiTurnScheduler', 'MathTipsScheduler', 'multi_turns']
 _REWARDS = ['ORM', 'AsyncORM', 'MathAccuracy', 'Format', 'ReActFormat', 'orms']
 MODULES = {  # module name -> the names it offers (ms-swift 4.x paths, then 3.x's)
-    'swift': [], 'swift.utils': ['get_logger', 'remove_response'], 'swift.template': ['Messages'],
-    'swift.infer_engine': _PROTOCOL, 'swift.infer_engine.protocol': _PROTOCOL,
-    'swift.rollout': _SCHEDULERS, 'swift.rollout.multi_turn': _SCHEDULERS + _PROTOCOL + ['Messages'],
-    'swift.rewards': _REWARDS, 'swift.rewards.orm': _REWARDS,
+    'swift': [], 'swift.utils': ['get_logger', 'remove_response', 'to_device'],
+    'swift.template': ['Messages', 'Template'],
+    'swift.infer_engine': _PROTOCOL + ['TransformersEngine'], 'swift.infer_engine.protocol': _PROTOCOL,
+    'swift.rollout': _SCHEDULERS + ['Env', 'envs'], 'swift.rollout.multi_turn': _SCHEDULERS + _PROTOCOL + ['Messages'],
+    'swift.rollout.gym_env': ['Env', 'envs', 'Messages'],
+    'swift.rewards': _REWARDS + ['rm_plugins'], 'swift.rewards.orm': _REWARDS,
+    'swift.rewards.rm_plugin': ['DefaultRMPlugin', 'rm_plugins'],
     'swift.plugin': _SCHEDULERS + _REWARDS, 'swift.plugin.multi_turn': _SCHEDULERS + _PROTOCOL,
     'swift.plugin.orm': _REWARDS,
     'swift.llm': _PROTOCOL, 'swift.llm.infer': _PROTOCOL, 'swift.llm.infer.protocol': _PROTOCOL,

@@ -206,7 +206,11 @@ def test_a_missing_swift_name_says_what_the_copy_offers():
 
     swift_modules()
     with pytest.raises(ImportError, match="pip install ms-swift"):
-        from swift.infer_engine import TransformersEngine  # noqa: F401
+        from swift.infer_engine import VllmEngine  # noqa: F401
+    from swift.infer_engine import TransformersEngine  # a plugin may import it (swift's own does): it stands in
+
+    with pytest.raises(RuntimeError, match="mt-grpo's sampler generates every turn"):
+        TransformersEngine("Qwen/Qwen2.5-7B-Instruct")
 
 
 def test_a_step_that_appends_a_tool_message_or_rewrites_history_fails_naming_the_fix(tmp_path):
@@ -232,21 +236,21 @@ class Tipped(object):
     """A scripted model: the first sample of each question, then, once the conversation holds a tip (a continuation
     inside the open message, or a user message), the next turn of its script."""
 
-    def __init__(self, tokenizer, script: dict):
+    def __init__(self, tokenizer, script: dict, marker: str = "mistake"):
         from scripted_policy import ScriptedPolicy
 
         self.policy = ScriptedPolicy(tokenizer, script)
         self.policy.turn_text = self.turn_text
-        self.tokenizer, self.script = tokenizer, script
+        self.tokenizer, self.script, self.marker = tokenizer, script, marker
 
     def turn_text(self, ids, sample=0):
         text = self.tokenizer.decode(ids)
         question = next(q for q in self.script if q in text)
         variants = self.script[question]
         turns = variants[sample % len(variants)] if isinstance(variants[0], list) else variants
-        if len(variants) > 1 and isinstance(variants[0], list) and turns[0] not in text and "mistake" in text:
+        if len(variants) > 1 and isinstance(variants[0], list) and turns[0] not in text and self.marker in text:
             turns = next(v for v in variants if v[0] in text or v[0].split("</think>")[0] in text)
-        return turns[min(text.count("mistake"), len(turns) - 1)]
+        return turns[min(text.count(self.marker), len(turns) - 1)]
 
 
 def swift_env(tokenizer, spec, **fields):
@@ -287,6 +291,31 @@ def test_a_continuation_tip_sits_inside_the_models_message_with_mask_0(smollm2_t
                                        solution=[SOLUTION]) == [1.0]
     # one model turn for the credit: the continuation's turn is the turn it continues, answered by no one
     assert ep.tool_turns == 0 and pool.reward_funcs[1][0].__name__ == "MathTipsScheduler_steps"
+
+
+def test_swift_s_own_plugin_file_imports_and_its_react_tool_scheduler_runs(smollm2_tokenizer, smollm2_dir):
+    """examples/train/grpo/plugin/plugin.py, verbatim (it imports swift's engines, templates and gym envs, which the
+    copy stands in for): its ToolCallScheduler runs the calculator named in the model's ReAct text and appends the
+    result inside the model's message (a continuation keeping the whole sample); its CountdownORM is a reward by its
+    `orms` name."""
+    from rewards import get_reward_func
+
+    spec = os.path.join("tests", "fixtures", "swift", "examples_plugin.py") + ":tool_call_scheduler"
+    env, pool = swift_env(smollm2_tokenizer, spec, swift_max_turns=5, model_name_or_path=smollm2_dir)
+    question = "What is 2 + 3?"
+    first = "Thought: add them.\nAction: calculator\nAction Input: 2+3\n"
+    final = "\nThought: I now know the final answer\nFinal Answer: \\(\\boxed{5}\\)"
+    rows = [{"prompt": [{"role": "user", "content": question}], "solution": "5"}]
+    (ep,) = roll(env, rows, Tipped(smollm2_tokenizer, {question: [first, final]}, marker="Result:"))
+    assert [s.role for s in ep.spans] == ["model", "insert", "model"] and ep.stop_reason == "no_action"
+    decode = lambda s: smollm2_tokenizer.decode(ep.completion_ids[s.start:s.end])  # noqa: E731
+    assert (decode(ep.spans[0]), decode(ep.spans[1])) == (first, "Result: 5")
+    assert ep.messages[0]["content"] == first + "Result: 5" + final
+    assert ep.toolset.environment.rollout_infos == {"tool_results": "Result: 5", "num_turns": 2}
+    countdown = get_reward_func("external_countdown")
+    assert countdown(prompts=["p"] * 2, completions=[[{"role": "assistant", "content": "<answer>(2+3)*4</answer>"}],
+                                                      [{"role": "assistant", "content": "<answer>2+3+4</answer>"}]],
+                     target=[20, 20], nums=[[2, 3, 4]] * 2) == [1.0, 0.0]
 
 
 GRADED = """
