@@ -37,7 +37,6 @@ installed, a plugin's `swift` imports come from adapters/swift_compat.py (a copy
 """
 
 import asyncio
-import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -272,11 +271,14 @@ class SwiftEpisode:
         """swift's on_trajectory_start, when the scheduler defines one: it may add to the last user message (that
         text is reset's observation); any other change to the prompt is refused."""
         hook = getattr(type(self.scheduler), "on_trajectory_start", None)
-        if hook is None or getattr(hook, "__qualname__", "").split(".")[0] in ("RolloutScheduler", "MultiTurnScheduler"):
+        defined_by = getattr(hook, "__qualname__", "").split(".")[0]
+        if hook is None or defined_by in ("RolloutScheduler", "MultiTurnScheduler"):  # swift's no-op
             return None
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else deepcopy(list(prompt or []))
         request = self._request(messages)
-        asyncio.run(self.scheduler.on_trajectory_start([request]))
+        started = self.scheduler.on_trajectory_start([request])
+        if inspect.isawaitable(started):  # swift's hooks are async; a sync override is taken too
+            run_coroutine(started)
         new = request.messages
         before = [swift_message(m) for m in messages]
         if new == before:

@@ -19,7 +19,6 @@ import sys
 import types
 import uuid as _uuid
 from abc import ABC
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Union
 

@@ -35,7 +35,8 @@ def respond(env, messages):
     return asyncio.run(env.respond(messages))
 
 
-QUESTION = [{"role": "system", "content": "Think, then answer."}, {"role": "user", "content": "What is sqrt(36*sqrt(16))?"}]
+QUESTION = [{"role": "system", "content": "Think, then answer."},
+            {"role": "user", "content": "What is sqrt(36*sqrt(16))?"}]
 
 
 # -- the scheduler's turns as replies ---------------------------------------------------------------------------------
@@ -69,7 +70,8 @@ def test_math_tips_multi_turn_scheduler_is_a_new_round():
     reply = respond(env, first)
     assert (reply.continuation, reply.done, reply.score) == (False, False, None)
     assert reply.content.startswith("The answer is not correct")
-    again = first + [{"role": "user", "content": reply.content}, {"role": "assistant", "content": "<answer>11</answer>"}]
+    again = first + [{"role": "user", "content": reply.content},
+                     {"role": "assistant", "content": "<answer>11</answer>"}]
     assert respond(env, again) is None  # tips once: the query before the last answer is the tip
     assert env.rollout_infos["num_turns"] == 2 and env.multi_turn_infos is env.rollout_infos
 
@@ -140,7 +142,8 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
     assert seen["messages"] == [QUESTION + completion]
     assert seen["rollout_infos"] == [{"num_turns": 2}] == seen["multi_turn_infos"]
     assert seen["is_truncated"] == [False] and seen["finish_reason"] == ["stop"]
-    assert probe(prompts=[QUESTION], completions=[completion], solution=[SOLUTION], stop_reasons=["turn_length"]) == [19.0]
+    assert probe(prompts=[QUESTION], completions=[completion], solution=[SOLUTION],
+                 stop_reasons=["turn_length"]) == [19.0]
     assert seen["is_truncated"] == [True]
     # by dotted path, by the plugin's `orms` name, and swift's built-in 'accuracy' (MathAccuracy)
     fmt = get_reward_func("plugin:MultiTurnFormat")
@@ -170,7 +173,7 @@ def test_an_async_orm_and_a_trl_function_are_told_apart():
     assert swift_style(Later())(prompts=["q"], completions=[[{"role": "assistant", "content": "x"}]]) == [1.0]
 
 
-# -- errors -------------------------------------------------------------------------------------------------------------
+# -- errors ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, body, message", [
     ("missing.py:S", None, "plugin file 'missing.py' not found"),
     ("{plugin}:Nope", "", "has no class 'Nope'"),
