@@ -424,3 +424,17 @@ def test_on_trajectory_start_may_add_to_the_question_only(tmp_path):
     env = adapt(config(f"{path}:Rewriter")).environment_factory()
     with pytest.raises(ValueError, match="on_trajectory_start rewrote the prompt"):
         env.reset(prompt=[{"role": "user", "content": "Add 2 and 3."}], hint="five")
+
+
+def test_max_turns_without_a_scheduler_and_a_step_of_the_wrong_type_fail_naming_the_fix(tmp_path):
+    from adapters.swift import adapt
+
+    with pytest.raises(ValueError, match="`swift_max_turns` is set but `multi_turn_scheduler` is not"):
+        adapt(config(None, swift_max_turns=3))
+    path = write_plugin(tmp_path, """
+        class Text(MultiTurnScheduler):
+            def step(self, infer_request, response_choice, current_turn):
+                return 'try again'
+        """)
+    with pytest.raises(ValueError, match=r"Text.step returned str: return \{'infer_request': infer_request\}"):
+        respond(episode(f"{path}:Text"), QUESTION + [{"role": "assistant", "content": "x"}])
