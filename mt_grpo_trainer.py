@@ -515,20 +515,17 @@ class VLLMServerClient:
     def another_round(self, has_work: bool) -> bool:
         return has_work  # the server batches on its own; ranks need not wait for each other
 
-    def _check_length(self, prompts: list[list[int]], max_tokens: list[int]) -> None:
-        check_length(self.max_model_len, prompts, max_tokens)  # vLLM would silently shorten max_tokens: say so
-
     def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1,
                params: SamplingParams | None = None) -> concurrent.futures.Future:
         """One /v1/completions request, in the background: a Future of len(prompts) * n samples,
         prompt-major. The per-episode scheduler keeps `max_concurrent_requests` of these in flight."""
-        self._check_length(prompts, [max_tokens] * len(prompts))
+        check_length(self.max_model_len, prompts, [max_tokens] * len(prompts))  # vLLM would shorten it
         return self.pool.submit(
             lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params) for s in row])
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
                  params: SamplingParams | None = None) -> list[Sample]:
-        self._check_length(prompts, max_tokens)
+        check_length(self.max_model_len, prompts, max_tokens)
         # Requests carry one max_tokens each, so group prompts by their limit, then chunk.
         by_limit: dict[int, list[int]] = {}
         for i, m in enumerate(max_tokens):
@@ -807,8 +804,7 @@ class MultiTurnToolEnv:
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
 
-    # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
-    turn_per_func: torch.Tensor
+    turn_per_func: torch.Tensor  # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
     outcome_per_func: torch.Tensor  # (B, F_outcome)
     R_T: torch.Tensor  # (B, K) weighted turn reward (NaN: not applicable, or no such tool turn)
     R_O: torch.Tensor  # (B,) weighted outcome reward
