@@ -41,9 +41,8 @@ QUESTION = [{"role": "system", "content": "Think, then answer."},
 
 # -- the scheduler's turns as replies ---------------------------------------------------------------------------------
 def test_math_tips_scheduler_is_a_continuation_that_keeps_the_thinking(qwen_style_tokenizer, tiny_model_dir):
-    """swift's MathTipsScheduler cuts the completion at <answer> and appends its tip inside the model's message: the
-    reply inserts the tip (continuation), keeping the tokens of '<think>...</think>'? No: it cuts at the first of
-    <answer> and </think>, so '<think>4 times 9 is 36' stays."""
+    """swift's MathTipsScheduler cuts the completion at the first of <answer> and </think> and appends its tip inside
+    the model's message: the reply inserts the tip (continuation), and the tokens of '<think>4 times 9 is 36' stay."""
     env = episode(f"{PLUGIN}:MathTipsScheduler", model_name_or_path=tiny_model_dir)
     reply = respond(env, QUESTION + [{"role": "assistant", "content": WRONG}])
     kept = "<think>4 times 9 is 36"
@@ -235,7 +234,7 @@ def test_a_step_that_appends_a_tool_message_or_rewrites_history_fails_naming_the
 
 
 # -- episodes: the scheduler's replies in the token stream, and each turn's credit -----------------------------------
-class Tipped(object):
+class Tipped:
     """A scripted model: the first sample of each question, then, once the conversation holds a tip (a continuation
     inside the open message, or a user message), the next turn of its script."""
 
