@@ -30,6 +30,9 @@ reaches the scheduler, which sees the turns without one, as swift's loop does wh
 scheduler that runs tools itself from the model's text (plugin.py's ReAct ToolCallScheduler) is a continuation or
 a new round like any other. A step that appends a `tool` message is refused (give the tools to the recipe).
 
+Datasets: a local JSON/JSONL file in swift's format (`messages`, its reference answer dropped, or `query`) becomes
+the prompts (swift_dataset); its other columns are the scheduler's `data_dict` and the rewards' keywords.
+
 Not supported, each refused at start-up naming the alternative: a scheduler that overrides `run` (swift's full
 customization: it drives swift's inference engine itself, ThinkingModelTipsScheduler among them), swift's
 GYMScheduler and OpenEnvScheduler (an environment_factory class, or the `openenv_env` field). Without ms-swift
@@ -508,6 +511,31 @@ def load_tokenizer(args):
     return AutoTokenizer.from_pretrained(name, revision=getattr(args, "model_revision", None))
 
 
+def swift_dataset(name, max_samples=None):
+    """A recipe's dataset when it is a local JSON/JSONL file in swift's format: a `messages` column (the reference
+    answer, a trailing assistant message, is dropped, as swift's remove_response does) or `query` (with `system`),
+    and no `prompt`; as a datasets.Dataset whose `prompt` is those messages, its other columns kept (`solution`...).
+    None for any other dataset (the trainer loads it as usual)."""
+    if not isinstance(name, str) or not name.endswith((".json", ".jsonl")) or not os.path.isfile(name):
+        return None
+    import datasets
+
+    data = datasets.load_dataset("json", data_files=name, split="train")
+    columns = set(data.column_names)
+    if "prompt" in columns or not columns & {"messages", "query"}:
+        return None
+
+    def prompt(row) -> dict:
+        if row.get("messages"):
+            messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+            return {"prompt": messages[:-1] if messages[-1]["role"] == "assistant" else messages}
+        system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        return {"prompt": system + [{"role": "user", "content": row["query"]}]}
+
+    data = data.map(prompt, remove_columns=sorted(columns & {"messages", "query", "system", "response"}))
+    return data.select(range(min(max_samples, len(data)))) if max_samples is not None else data
+
+
 def adapt(args) -> Adapted:
     global TRAINER_ARGS
     TRAINER_ARGS = args
@@ -537,4 +565,10 @@ def adapt(args) -> Adapted:
         if getattr(scheduler, "_tokenizer", None) is None and "_tokenizer" in vars(scheduler):
             scheduler._tokenizer = run_tokenizer
 
-    return Adapted(environment_factory=environment, use_tokenizer=use_tokenizer)
+    # swift-format files (`messages`) become prompts; the held-out one too when the run evaluates (a given train
+    # set needs a given eval set: builders.assemble)
+    train = swift_dataset(getattr(args, "dataset_name", None), getattr(args, "max_samples", None))
+    held_out = getattr(args, "eval_dataset_name", None)
+    evaluates = train is not None and held_out and getattr(args, "eval_strategy", "no") != "no"
+    return Adapted(environment_factory=environment, use_tokenizer=use_tokenizer, train_dataset=train,
+                   eval_dataset=swift_dataset(held_out, getattr(args, "eval_max_samples", None)) if evaluates else None)

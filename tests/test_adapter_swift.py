@@ -437,3 +437,27 @@ def test_max_turns_without_a_scheduler_and_a_step_of_the_wrong_type_fail_naming_
         """)
     with pytest.raises(ValueError, match=r"Text.step returned str: return \{'infer_request': infer_request\}"):
         respond(episode(f"{path}:Text"), QUESTION + [{"role": "assistant", "content": "x"}])
+
+
+def test_a_dataset_in_swift_s_format_becomes_prompts(tmp_path):
+    """swift's `messages` column (its reference answer, the last assistant message, dropped) or `query` + `system`
+    becomes the prompt; the other columns stay for the scheduler's data_dict and the rewards."""
+    import json
+
+    from adapters.swift import adapt
+
+    data = adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=os.path.join("tests", "fixtures", "swift",
+                                                                                  "math.jsonl"), max_samples=3))
+    rows = list(data.train_dataset)
+    assert len(rows) == 3 and set(rows[0]) == {"prompt", "solution"}
+    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"] and "sqrt" in rows[0]["prompt"][1]["content"]
+    path = tmp_path / "queries.jsonl"
+    path.write_text(json.dumps({"query": "2+2?", "system": "Be brief.", "response": "4", "solution": "4"}) + "\n")
+    adapted = adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=str(path), max_samples=None,
+                           eval_dataset_name=str(path), eval_strategy="steps", eval_max_samples=None))
+    (row,), (held_out,) = adapted.train_dataset, adapted.eval_dataset
+    assert row == held_out == {"prompt": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "2+2?"}], "solution": "4"}
+    prompts = tmp_path / "prompts.jsonl"  # already the trainer's format: loaded by the trainer as usual
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "solution": "4"}) + "\n")
+    assert adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=str(prompts))).train_dataset is None
