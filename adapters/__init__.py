@@ -11,7 +11,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
     external_plugins          swift.py       ms-swift plugin files (their `multi_turns` and `orms` registrations)
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
-    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
+    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
 """
@@ -44,8 +44,8 @@ class AdapterArguments:
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
     verifiers_env_args: dict | None = arg(None, "Keyword arguments of `load_environment` (verifiers_env).")
-    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or the URL of its HTTP server "
-                                  "(docs/guide.md, 'From OpenEnv').")
+    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or its server's URL: `ws://host:port` "
+                                  "(sessions) or `http://host:port` (docs/guide.md, 'From OpenEnv').")
     openenv_action: str | None = arg(None, "openenv_env: its Action class `module:Class` (None: found from the "
                                      "environment's `step` signature).")
 
@@ -58,10 +58,14 @@ class Adapted:
     outcome_funcs: list[Callable] = field(default_factory=list)  # outcome rewards, weight 1
     turn_funcs: list[Callable] = field(default_factory=list)  # @per_tool_turn rewards, weight 1
     train_dataset: object = None  # a datasets.Dataset, when the framework brings its own (verifiers)
+    read_dataset_name: bool = False  # train_dataset is the recipe's dataset_name, read in the framework's format
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
     use_tokenizer: Callable | None = None  # called with the run's tokenizer once it is loaded (after adapt)
+    # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
+    # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
+    settings: dict = field(default_factory=dict)
 
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
@@ -71,10 +75,18 @@ ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
 }
 
 
+REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env",  # a field -> the one it completes
+            "swift_max_turns": "multi_turn_scheduler"}
+
+
 def adapt(args) -> list[Adapted]:
     """What each adapter named by the config adds (one call per module, however many of its fields are set)."""
     import importlib
 
+    for name, needed in REQUIRES.items():
+        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
+            raise ValueError(f"`{name}` is set but `{needed}` is not: `{name}` completes `{needed}`; set `{needed}` "
+                             f"too, or remove `{name}`.")
     modules = dict.fromkeys(module for name, module in ADAPTERS.items() if getattr(args, name, None) is not None)
     return [importlib.import_module(module).adapt(args) for module in modules]
 

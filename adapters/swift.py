@@ -571,4 +571,5 @@ def adapt(args) -> Adapted:
     held_out = getattr(args, "eval_dataset_name", None)
     evaluates = train is not None and held_out and getattr(args, "eval_strategy", "no") != "no"
     return Adapted(environment_factory=environment, use_tokenizer=use_tokenizer, train_dataset=train,
+                   read_dataset_name=train is not None,
                    eval_dataset=swift_dataset(held_out, getattr(args, "eval_max_samples", None)) if evaluates else None)

@@ -158,3 +158,39 @@ def test_an_environment_with_respond_trains_from_the_recipe(tiny_agent_dir, tmp_
     replies = [t for r in records for t in r["turns"] if t["role"] == "env"]
     assert replies and all("user\n" in t["text"] and "step_rewards" in t for t in replies)
     assert {r["environment"] for r in records} == {"Quiz"}
+
+
+def test_user_turns_under_the_per_episode_scheduler(smollm2_tokenizer):
+    """The same quiz through a server's per-episode scheduler (requests out of order): the same conversations."""
+    from scripted_policy import ScriptedServer
+
+    env, _ = lock_env(smollm2_tokenizer, factory=examples.Quiz, max_user_turns=3, scheduler="per_episode")
+    rows = [{"prompt": "Guess the number.", "secret": "7"}] * 2 + [{"prompt": "Guess again.", "secret": "1"}] * 2
+    script = {"Guess the number.": [[answer("3"), answer("7")], [answer("2"), answer("4"), answer("5"), answer("6")]],
+              "Guess again.": [answer("1")]}
+    episodes = roll(env, rows, script, ScriptedServer(smollm2_tokenizer, script))
+    assert [ep.stop_reason for ep in episodes] == ["env_done", "answer", "env_done", "env_done"]
+    assert [ep.user_turns for ep in episodes] == [2, 3, 1, 1]
+    assert episodes[0].messages[-1]["content"] == "Correct!" and episodes[1].messages[-2]["content"] == "Wrong, try again."
+
+
+def test_the_guides_quiz_runs_as_written(smollm2_tokenizer, tmp_path, monkeypatch):
+    """docs/guide.md's "The environment as the user": its Quiz, imported from the file the guide names."""
+    import os
+    import re
+
+    from helpers import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "guide.md")).read()
+    (code,) = re.findall(r"```python\n# my_env/quiz.py\n(.*?)```", text, re.S)
+    (tmp_path / "my_env").mkdir()
+    (tmp_path / "my_env" / "quiz.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from my_env.quiz import Quiz
+
+    env, _ = lock_env(smollm2_tokenizer, factory=Quiz)
+    wrong, right = roll(env, [{"prompt": "Guess the number.", "secret": "7"}, {"prompt": "Guess again.", "secret": "1"}],
+                        {"Guess the number.": [answer("3"), answer("7")], "Guess again.": [answer("1")]})
+    assert wrong.stop_reason == right.stop_reason == "env_done"
+    assert [m["content"] for m in wrong.messages if m["role"] == "user"] == ["Wrong, try again.", "Correct!"]
+    assert env.environments.turn_rewards(wrong.toolset.environment) == [[0.0], [1.0]]
