@@ -166,7 +166,7 @@ def check_scheduler(cls, spec) -> None:
         raise ValueError(f"{what} ({cls.__name__}) is not an ms-swift MultiTurnScheduler: subclass "
                          "`swift.rollout.multi_turn.MultiTurnScheduler` and implement `step` (and optionally "
                          "`check_finished`), as swift's plugin.py does.")
-    for name in ("GYMScheduler", "OpenEnvScheduler"):
+    for name in ("OpenEnvScheduler", "GYMScheduler"):
         if _base(cls, name) is not None:
             raise ValueError(f"{what} ({cls.__name__}) is swift's {name}, which steps swift gym environments (`envs`). "
                              "mt-grpo runs such an environment as an environment_factory class: reset(**row) returns "
@@ -344,9 +344,12 @@ class SwiftEpisode:
         self.rollout_infos["num_turns"] = turn
         if stop or (self.max_turns and turn >= self.max_turns):
             return None
-        before = deepcopy(request.messages)
+        before, images = deepcopy(request.messages), len(request.images or [])
         with self._lock:
             request, extras = step_result(scheduler.step(request, choice, turn), label)
+        if len(getattr(request, "images", None) or []) > images:
+            raise ValueError(f"{label}.step added images to the request; mt-grpo's episodes are text: a multimodal "
+                             "scheduler (swift's DeepEyes example) does not run here.")
         gained = self._infos(extras.get("rollout_infos"))
         score = gained if score is None else score + (gained or 0.0)
         self.rollout_infos["num_turns"] = turn

@@ -392,8 +392,20 @@ class MathTipsScheduler(MultiTurnScheduler):
         return result
 
 
-# swift's registry; its gym and OpenEnv schedulers are not copied (adapters/swift.py says what to use instead)
-multi_turns = {'math_tip_trick': MathTipsScheduler}
+class GYMScheduler(MultiTurnScheduler):
+    """A stand-in: a plugin that subclasses swift's gym scheduler imports, and adapters/swift.py refuses it, naming
+    what to write instead (swift's code is not copied)."""
+
+    def step(self, infer_request, response_choice, current_turn: int) -> Dict:
+        return {'infer_request': infer_request}
+
+
+class OpenEnvScheduler(GYMScheduler):
+    """A stand-in, as GYMScheduler (an OpenEnv server trains through the `openenv_env` field)."""
+
+
+multi_turns = {'math_tip_trick': MathTipsScheduler, 'gym_scheduler': GYMScheduler,
+               'openenv_scheduler': OpenEnvScheduler}
 
 
 def get_logger():
@@ -451,7 +463,8 @@ DefaultRMPlugin = _not_here('DefaultRMPlugin', 'a reward model goes inside a rew
 _PROTOCOL = ['InferRequest', 'RolloutInferRequest', 'RequestConfig', 'ChatMessage', 'ChatCompletionResponse',
              'ChatCompletionResponseChoice', 'RolloutResponseChoice', 'RolloutOutput', 'Function',
              'ChatCompletionMessageToolCall', 'random_uuid']
-_SCHEDULERS = ['RolloutScheduler', 'MultiTurnScheduler', 'MathTipsScheduler', 'multi_turns']
+_SCHEDULERS = ['RolloutScheduler', 'MultiTurnScheduler', 'MathTipsScheduler', 'GYMScheduler', 'OpenEnvScheduler',
+               'multi_turns']
 _REWARDS = ['ORM', 'AsyncORM', 'MathAccuracy', 'Format', 'ReActFormat', 'orms']
 MODULES = {  # module name -> the names it offers (ms-swift 4.x paths, then 3.x's)
     'swift': [], 'swift.utils': ['get_logger', 'remove_response', 'to_device'],

@@ -193,6 +193,13 @@ def test_an_async_orm_and_a_trl_function_are_told_apart():
             pass
         """, "is swift's GYMScheduler"),
     ("{plugin}:Broken", "import swift.infer_engine.vllm_engine_pieces_nobody_has\n", "failed to import"),
+    ("{plugin}:Sudoku", """
+        from swift.rollout.multi_turn import OpenEnvScheduler
+        class Sudoku(OpenEnvScheduler):
+            def parse_action(self, text):
+                return {'message': text}
+        """, "is swift's OpenEnvScheduler.*the `openenv_env` field"),
+    ("gym_scheduler", None, "is swift's GYMScheduler"),
 ])
 def test_scheduler_errors_name_the_problem_and_the_fix(tmp_path, spec, body, message):
     from adapters.swift import adapt
@@ -222,6 +229,12 @@ def test_a_step_that_appends_a_tool_message_or_rewrites_history_fails_naming_the
                 infer_request.messages.append({'role': 'tool', 'content': '42'})
                 return {'infer_request': infer_request}
 
+        class Zoom(MultiTurnScheduler):
+            def step(self, infer_request, response_choice, current_turn):
+                infer_request.messages.append({'role': 'user', 'content': '<tool_response><image></tool_response>'})
+                infer_request.images.append('crop.png')
+                return {'infer_request': infer_request}
+
         class Rewrite(MultiTurnScheduler):
             def step(self, infer_request, response_choice, current_turn):
                 infer_request.messages[0]['content'] = 'another system prompt'
@@ -229,6 +242,8 @@ def test_a_step_that_appends_a_tool_message_or_rewrites_history_fails_naming_the
         """)
     with pytest.raises(ValueError, match="Tool calls are run by the recipe's `tools`"):
         respond(episode(f"{path}:ToolStep"), QUESTION + [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match="added images to the request; mt-grpo's episodes are text"):
+        respond(episode(f"{path}:Zoom"), QUESTION + [{"role": "assistant", "content": "x"}])
     with pytest.raises(ValueError, match="rewrote the conversation"):
         respond(episode(f"{path}:Rewrite"), QUESTION + [{"role": "assistant", "content": "x"}])
 
