@@ -88,6 +88,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
+    if adapted is not None and adapted.use_tokenizer is not None:  # the adapter counts tokens with the run's own
+        adapted.use_tokenizer(tokenizer)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
     from rewards import get_reward_func
 
@@ -134,7 +136,8 @@ def adapted_parts(args, factory):
     if factory is not None and parts[0].environment_factory is not None:
         raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
     default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
-    if parts[0].train_dataset is not None and args.dataset_name not in (None, default):
+    if parts[0].train_dataset is not None and args.dataset_name not in (None, default) \
+            and not parts[0].read_dataset_name:  # swift's adapter reads dataset_name itself
         raise ValueError(f"{named} brings its own dataset, so `dataset_name: {args.dataset_name}` would not be read: "
                          "remove `dataset_name`, or pass your rows as `train_dataset`, which replaces the environment's.")
     return parts[0]

@@ -9,6 +9,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     verl_tool_config          verl.py        verl's tools YAML (`tools: [{class_name, config, tool_schema}]`)
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
+    external_plugins          swift.py       ms-swift plugin files (their `multi_turns` and `orms` registrations)
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
     openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
@@ -32,8 +33,15 @@ class AdapterArguments:
                                        "tools, each its own `tool_schema` (docs/guide.md, 'From verl').")
     verl_interaction_config: str | None = arg(None, "verl's interaction YAML (`interaction_config_path`): user turns "
                                               "from `generate_response`, picked per row by `interaction_kwargs.name`.")
-    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler, `plugin.py:Class` or `module:Class` "
-                                           "(docs/guide.md, 'From ms-swift').")
+    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler: `plugin.py:Class`, `module:Class`, "
+                                           "or a name in swift's `multi_turns` registry (docs/guide.md, 'From "
+                                           "ms-swift').")
+    external_plugins: list[str] | None = arg(None, "ms-swift plugin files imported at start-up, as swift's "
+                                             "`--external_plugins`: what they register in `multi_turns` and `orms` "
+                                             "can be named by `multi_turn_scheduler` and the reward lists.")
+    swift_max_turns: int | None = arg(None, "multi_turn_scheduler: swift's `--max_turns`, the model turns an episode "
+                                      "may take (each continuation counts; None: no limit but the scheduler's own and "
+                                      "the token budget). Given to the scheduler as `max_turns`.")
     verifiers_env: str | None = arg(None, "A classic verifiers environment: the module whose `load_environment` "
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
@@ -52,9 +60,11 @@ class Adapted:
     outcome_funcs: list[Callable] = field(default_factory=list)  # outcome rewards, weight 1
     turn_funcs: list[Callable] = field(default_factory=list)  # @per_tool_turn rewards, weight 1
     train_dataset: object = None  # a datasets.Dataset, when the framework brings its own (verifiers)
+    read_dataset_name: bool = False  # train_dataset is the recipe's dataset_name, read in the framework's format
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+    use_tokenizer: Callable | None = None  # called with the run's tokenizer once it is loaded (after adapt)
     # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
     # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
     settings: dict = field(default_factory=dict)
@@ -62,11 +72,13 @@ class Adapted:
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
     "verl_tool_config": "adapters.verl", "verl_interaction_config": "adapters.verl",
-    "multi_turn_scheduler": "adapters.swift", "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
+    "multi_turn_scheduler": "adapters.swift", "external_plugins": "adapters.swift", "swift_max_turns": "adapters.swift",
+    "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
 }
 
 
-REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env"}  # a field -> the one it completes
+REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env",  # a field -> the one it completes
+            "swift_max_turns": "multi_turn_scheduler"}
 
 
 def adapt(args) -> list[Adapted]:

@@ -5,7 +5,8 @@ canonical conversation of protocol.py (rewards/conversation.py reads it). Beside
 receives TRL's keywords, as TRL 1.16 passes them: `completion_ids` (each episode's completion tokens, the
 environment's included), `trainer_state`, `log_extra(column, values)` (a column of the completions table),
 `log_metric(name, value)` (a logged metric), and `environments` (each episode's instance, in a run with an
-environment_factory). A function that requires any of them is never taken for one that lacks a column.
+environment_factory); and ours, `stop_reason` (why each episode ended: answer, budget, env_done, ...). A function
+that requires any of them is never taken for one that lacks a column.
 It returns one of two forms:
 
     per sample (default)   list[float | None]: one value per sample; None = "not applicable".
@@ -31,7 +32,9 @@ passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
+import inspect
 import math
+import sys
 from typing import Callable
 
 from registry import resolve
@@ -64,6 +67,9 @@ def get_reward_func(name: str) -> Callable:
     try:
         fn = resolve(name, REWARD_FUNCS, "reward function")
     except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
+        swift = sys.modules.get("adapters.swift")  # a run with ms-swift plugins: their `orms` names too
+        if swift is not None and (found := swift.lookup_reward(name)) is not None:
+            return found
         if name.startswith("judge"):
             raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
                              "(rewards/judge.py; they need `judge_base_url`).") from None
@@ -73,10 +79,22 @@ def get_reward_func(name: str) -> Callable:
 
 def as_reward_func(fn: Callable) -> Callable:
     """`fn` as this trainer calls a reward: another framework's reward signature adapted (verl's `compute_score(
-    data_source, solution_str, ground_truth, extra_info)`: adapters/verl.py), any other function as is."""
+    data_source, solution_str, ground_truth, extra_info)`: adapters/verl.py; an ms-swift ORM class or instance:
+    swift_style), any other function as is."""
     from adapters.verl import as_reward_func as verl_form
 
-    return verl_form(fn)
+    return verl_form(swift_style(fn))
+
+
+def swift_style(fn: Callable) -> Callable:
+    """An ms-swift ORM reward (a class deriving from swift's ORM, or whose __call__ takes `completions` first; or an
+    instance of one) as a function of ours: swift's keywords, completions as text (adapters/swift.py). Anything else
+    as is."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    from adapters.swift import is_swift_reward, swift_reward
+
+    return swift_reward(fn) if is_swift_reward(fn) else fn
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:
