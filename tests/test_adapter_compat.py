@@ -375,7 +375,7 @@ print(copy, verl.tools.base_tool.__file__)
 
 def test_an_installed_framework_wins_and_a_broken_one_gives_way_to_the_copy(tmp_path):
     """A `verl` on the path whose modules import is used as is; one whose import fails (verl's own needs ray) is
-    dropped, whole, for the copy, and the log says why."""
+    dropped, whole, for the copy, and the log says why. A scorer the copy lacks fails naming it."""
     site = tmp_path / "site"
     for module in ("tools/base_tool", "tools/schemas", "interactions/base", "utils/reward_score/__init__"):
         path = site / "verl" / f"{module}.py"
@@ -393,6 +393,15 @@ def test_an_installed_framework_wins_and_a_broken_one_gives_way_to_the_copy(tmp_
     assert broken.returncode == 0, broken.stderr
     assert broken.stdout.split() == ["True", os.path.join(COMPAT, "verl", "verl", "tools", "base_tool.py")]
     assert "verl is installed but does not import here (ModuleNotFoundError: No module named 'ray')" in broken.stderr
+
+    lacks = ("from adapters.compat import provide; provide('verl')\n"
+             "from verl.utils.reward_score import default_compute_score\n"
+             "print(default_compute_score('openai/gsm8k', '#### 3', '3'))\n"
+             "default_compute_score('numina_olympiads', '3', '3')")  # prime_math: not in the copy
+    run = subprocess.run([sys.executable, "-c", lacks], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True,
+                         text=True)
+    assert run.stdout.split() == ["1.0"]
+    assert "cannot import name 'prime_math' from 'verl.utils.reward_score'" in run.stderr, run.stderr
 
 
 def test_the_copies_ship_with_their_licenses_and_provenance():
