@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 import torch
 
+from adapters import adapt, fields_set  # importing it registers other frameworks' reward forms (rewards.py)
 from checks import check_environment_args, required_columns
 from protocol import end_of_turn_ids
 from tasks import (EMPTY_PROMPT, Task, TaskArguments, build_dataset, load_eval_task, load_task, recipe_columns,
@@ -125,8 +126,6 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
 def adapted_parts(args, factory):
     """What the adapter the config names adds (adapters/): None when it names none. Two frameworks in one run, or
     an adapter's environment beside `environment_factory`, fail naming both."""
-    from adapters import adapt, fields_set
-
     named = fields_set(args)
     if not named:
         return None

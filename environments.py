@@ -37,7 +37,7 @@ from typing import Callable
 from registry import resolve
 from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_tool_turn
-from user_turns import environment_done, responds
+from user_turns import environment_done, environment_number, responds
 from tools import (STEP_REWARD_TYPES, Toolset, clean_text, cut_tool_output, in_thread, join, own_event_loop,
                    run_async, settle_all)
 
@@ -389,17 +389,6 @@ def row_label(row: dict, position: int) -> str:
     index = f"row {row['row']}" if "row" in row else f"the batch's row {position}"
     fields = [(k, v) for k, v in row.items() if k not in ("row", "prompt")][:3]
     return index + " (" + ", ".join(f"{k}={str(v)[:40]!r}" for k, v in fields) + ")"
-
-
-def environment_number(value, error: Callable[[], str]) -> float:
-    """A reward an environment reported, as a float: a Python, numpy or one-element torch number (as reward
-    functions may return, and TRL takes); a bool, text or anything else fails with `error()`."""
-    if not isinstance(value, (bool, str, bytes)) and type(value).__name__ not in ("bool_", "bool"):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    raise ValueError(error())
 
 
 def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:

@@ -44,19 +44,23 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     return fn
 
 
+# Each is called with a module's name before it is imported, and with a missing module's name when an import fails;
+# True when it made the module importable (adapters/compat registers its copies of verl, verifiers and OpenEnv).
+IMPORT_HELPERS: list[Callable[[str], bool]] = []
+
+
 def _import(module_name: str):
     """The module at `module_name` (a dotted name, or a .py file). One that needs verl, verifiers or OpenEnv where
     the framework is not installed (`verl.utils.reward_score`, or a user's module that imports it) gets the
-    framework's copy in adapters/compat, and is imported once more."""
-    from adapters.compat import provide_for
-
+    framework's copy (IMPORT_HELPERS), and is imported once more."""
     load = load_file if module_name.endswith(".py") else importlib.import_module
     if not module_name.endswith(".py"):
-        provide_for(module_name)
+        for helper in IMPORT_HELPERS:
+            helper(module_name)
     try:
         return load(module_name)
     except ModuleNotFoundError as e:
-        if not provide_for(e.name or ""):
+        if not any([helper(e.name or "") for helper in IMPORT_HELPERS]):
             raise
         return load(module_name)
 

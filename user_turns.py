@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 logger = logging.getLogger("mt_grpo")
 
@@ -151,9 +152,18 @@ def environment_done(environment) -> bool:
 
 
 def number(value, label: str) -> float:
-    from environments import environment_number
-
     score = environment_number(value, lambda: f"{label}.respond gave score {value!r}; give a number or None.")
     if math.isnan(score):
         raise ValueError(f"{label}.respond gave a NaN score; give a number, or None for no score.")
     return score
+
+
+def environment_number(value, error: Callable[[], str]) -> float:
+    """A reward an environment reported, as a float: a Python, numpy or one-element torch number (as reward
+    functions may return, and TRL takes); a bool, text or anything else fails with `error()`."""
+    if not isinstance(value, (bool, str, bytes)) and type(value).__name__ not in ("bool_", "bool"):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise ValueError(error())

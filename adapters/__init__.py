@@ -19,10 +19,15 @@ which each adapter puts on sys.path before it imports the user's code, when the 
 """
 
 import dataclasses
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from adapters.compat import provide_for
 from fields import arg
+from registry import IMPORT_HELPERS
+from rewards import REWARD_FORMS, REWARD_NAMES
 
 
 @dataclass
@@ -95,3 +100,29 @@ def adapt(args) -> list[Adapted]:
 
 def fields_set(args) -> list[str]:
     return [f.name for f in dataclasses.fields(AdapterArguments) if getattr(args, f.name, None) is not None]
+
+
+def swift_form(fn: Callable) -> Callable:
+    """An ms-swift ORM reward (a class deriving from swift's ORM, or whose __call__ takes `completions` first; or an
+    instance of one) as a function of ours: swift's keywords, completions as text (adapters/swift.py)."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    from adapters.swift import is_swift_reward, swift_reward
+
+    return swift_reward(fn) if is_swift_reward(fn) else fn
+
+
+def verl_form(fn: Callable) -> Callable:
+    from adapters.verl import as_reward_func
+
+    return as_reward_func(fn)
+
+
+def _swift_name(name: str):
+    swift = sys.modules.get("adapters.swift")  # a run with ms-swift plugins: their `orms` names too
+    return swift.lookup_reward(name) if swift is not None else None
+
+
+REWARD_FORMS.extend([swift_form, verl_form])  # swift's first: a class is unwrapped before verl's check
+REWARD_NAMES.append(_swift_name)
+IMPORT_HELPERS.append(provide_for)  # a dotted path that needs a framework not installed gets its copy

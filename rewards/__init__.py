@@ -32,9 +32,7 @@ passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
-import inspect
 import math
-import sys
 from typing import Callable
 
 from registry import resolve
@@ -67,9 +65,9 @@ def get_reward_func(name: str) -> Callable:
     try:
         fn = resolve(name, REWARD_FUNCS, "reward function")
     except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
-        swift = sys.modules.get("adapters.swift")  # a run with ms-swift plugins: their `orms` names too
-        if swift is not None and (found := swift.lookup_reward(name)) is not None:
-            return found
+        for lookup in REWARD_NAMES:  # names another framework registers (ms-swift plugins' `orms`)
+            if (found := lookup(name)) is not None:
+                return found
         if name.startswith("judge"):
             raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
                              "(rewards/judge.py; they need `judge_base_url`).") from None
@@ -77,24 +75,19 @@ def get_reward_func(name: str) -> Callable:
     return as_reward_func(fn)
 
 
+# Other frameworks' reward forms, which adapters/ registers when it is imported (the trainer and builders import it):
+# each takes a function and gives it back in this trainer's form, or as it is when the form is not its own (verl's
+# compute_score, an ms-swift ORM class). REWARD_NAMES: lookups of reward names a framework registers.
+REWARD_FORMS: list[Callable[[Callable], Callable]] = []
+REWARD_NAMES: list[Callable[[str], Callable | None]] = []
+
+
 def as_reward_func(fn: Callable) -> Callable:
-    """`fn` as this trainer calls a reward: another framework's reward signature adapted (verl's `compute_score(
-    data_source, solution_str, ground_truth, extra_info)`: adapters/verl.py; an ms-swift ORM class or instance:
-    swift_style), any other function as is."""
-    from adapters.verl import as_reward_func as verl_form
-
-    return verl_form(swift_style(fn))
-
-
-def swift_style(fn: Callable) -> Callable:
-    """An ms-swift ORM reward (a class deriving from swift's ORM, or whose __call__ takes `completions` first; or an
-    instance of one) as a function of ours: swift's keywords, completions as text (adapters/swift.py). Anything else
-    as is."""
-    if inspect.isfunction(fn) or inspect.ismethod(fn):
-        return fn
-    from adapters.swift import is_swift_reward, swift_reward
-
-    return swift_reward(fn) if is_swift_reward(fn) else fn
+    """`fn` as this trainer calls a reward: another framework's reward form adapted (REWARD_FORMS), any other
+    function as is."""
+    for form in REWARD_FORMS:
+        fn = form(fn)
+    return fn
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:

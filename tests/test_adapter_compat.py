@@ -194,6 +194,7 @@ from transformers import AutoTokenizer
 from environments import EnvironmentPool
 from helpers import make_env
 from protocol import XMLProtocol
+import builders  # noqa: F401  (the trainer imports it, and with it adapters/, which registers the copies)
 from rewards import get_reward_func
 from scripted_policy import ScriptedPolicy
 
@@ -226,7 +227,7 @@ def roll(value, rows, script, **limits):
             "tools": sorted(t.__name__ for t in pool.all_tools()), "rows": rows}}
 
 
-# a reward by dotted path whose module imports verl, resolved before any adapter ran
+# a reward by dotted path whose module imports verl, resolved before any adapter ran (no adapter field is set)
 score = get_reward_func("wordcount_verl.compute_score")
 out = {{}}
 text = "the cat saw the cat and a dog"

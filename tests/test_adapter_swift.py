@@ -127,7 +127,7 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
             seen.update(kwargs, completions=completions, solution=solution)
             return [float(len(c)) for c in completions]
 
-    from rewards import swift_style
+    from adapters import swift_form as swift_style
 
     probe = swift_style(Probe)
     assert probe.__name__ == "Probe"
@@ -155,7 +155,7 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
 
 def test_an_async_orm_and_a_trl_function_are_told_apart():
     from adapters.swift import is_swift_reward, swift_modules
-    from rewards import swift_style
+    from adapters import swift_form as swift_style
 
     swift_modules()
     import swift.rewards as swift_rewards
