@@ -222,19 +222,23 @@ def _report_skipped(task: Task, source: str) -> None:
 
 
 def _mcp_tools(args) -> list[Callable]:
-    """The tools of the recipe's `mcp_servers` (tools/mcp.py), connected at start-up."""
-    if not args.mcp_servers:
+    """The tools of the recipe's `mcp_servers` and `mcp_servers_config` that `mcp_tool_filter` keeps (tools/mcp.py),
+    connected at start-up."""
+    config, selected = getattr(args, "mcp_servers_config", None), getattr(args, "mcp_tool_filter", None)
+    if not args.mcp_servers and config is None and not selected:
         return []
     from tools.mcp import mcp_tools
 
-    return mcp_tools(args.mcp_servers, args.tool_timeout, getattr(args, "mcp_startup_timeout", None))
+    return mcp_tools(args.mcp_servers, args.tool_timeout, getattr(args, "mcp_startup_timeout", None), config=config,
+                     selected=selected)
 
 
 def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]:
     clash = sorted({t.__name__ for t in tools} & {t.__name__ for t in served})
     if clash:
-        raise ValueError(f"`mcp_servers` give tool(s) {clash}, which `tools` already has, and the model calls a tool "
-                         "by its name. Remove one from `tools` or from `mcp_servers`.")
+        raise ValueError(f"MCP servers (mcp_servers, mcp_servers_config) give tool(s) {clash}, which `tools` already "
+                         "has, and the model calls a tool by its name. Remove one from `tools`, or leave it out with "
+                         "mcp_tool_filter.")
     return tools + served
 
 
