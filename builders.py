@@ -73,7 +73,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
         task_defaults(args.dataset_name, args.corpus_path) if train_dataset is None else {}
     turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
-    needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
+    needs_answer = [fn.__name__ for fn in turn + outcome  # [] when none; answer_aliases is made from `answer`
+                    if {"answer", "answer_aliases"} & set(required_columns(fn))]
     train = _task(train_dataset, args, needs_answer, "train_dataset", env) if train_dataset is not None or \
         args.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
