@@ -387,6 +387,17 @@ def test_a_server_that_refuses_the_connection_asks_for_its_token(secured, transp
     assert "give its token as `auth_token`" in message
 
 
+def test_an_entry_with_auth_token_connects_over_sse_as_verl_does_and_the_error_says_so(secured):
+    """verl sends an entry with `auth_token` over SSE whatever its URL: a streamable-HTTP server then refuses, and
+    the error names the key that picks the other transport. With it, the same entry connects."""
+    entry = {"url": secured["http"], "auth_token": TOKEN}
+    with pytest.raises(ValueError, match=re.escape('set "transport": "http" in its entry of mcp_servers_config (an '
+                                                   "entry with auth_token connects over SSE, as verl does)")):
+        mcp_tools_from_map({"kb": entry}, None, timeout=TIMEOUT)
+    (search,) = mcp_tools_from_map({"kb": {**entry, "transport": "http"}}, ["search"], timeout=TIMEOUT)
+    assert search(query="capital of Ratomora").startswith(RATOMORA)
+
+
 def test_a_filter_naming_a_tool_no_server_has_names_the_tools_there_are(http_url):
     with pytest.raises(ValueError, match=re.escape("mcp_tool_filter names ['serch'], which no MCP server has; the "
                                                    "servers' tools are ['search', 'crash', 'sleep']")):

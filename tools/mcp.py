@@ -52,8 +52,9 @@ A server's own tool errors: the SDK's server (MCPServer, FastMCP) sends the mess
 client, and only "Error executing tool NAME" for any other exception. `errors_for_the_model(tool)` wraps a
 tool so that every exception reaches the model as `Type: message` (tools/kb_mcp_server.py uses it).
 
-Left out on purpose: resources, prompts, sampling and elicitation (the agent only calls tools), and tools a
-server adds after start-up (the model's prompt is fixed for the run).
+Left out on purpose: resources, prompts, sampling and elicitation (the agent only calls tools), tools a
+server adds after start-up (the model's prompt is fixed for the run), OAuth (it needs a person at a browser: give
+the token), websocket transports, and VS Code's `servers` / `inputs` shape of the map.
 """
 
 import asyncio
