@@ -37,11 +37,11 @@ The columns (each renamed by `columns`, the recipe's `question_column` / `answer
                missing: it is filled with the prompt's last user message, for the rewards that read it.
 Every other column reaches the reward functions as a keyword argument. A task comes out as a
 `datasets.Dataset` with the columns `question: str`, `answer` (as the dataset has it) and `answer_aliases:
-list[str]` (when there is an answer), `prompt` (when there is one) and the others. Malformed rows (no question, an answer that is not a string or a list of
-strings, an empty one when answers are required, a malformed prompt) are skipped and counted, not fatal: one
-bad row in a large file should not stop a run, and `Task.skipped` says which rows to fix ("row 17: empty
-question"; rows count from 0, so in a .jsonl file without blank lines that is line 18). A dataset with no
-valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
+list[str]` (when there is an answer), `prompt` (when there is one) and the others. Malformed rows (no question,
+an answer that is not a string or a list of strings, an empty one when answers are required, a malformed
+prompt) are skipped and counted, not fatal: one bad row in a large file should not stop a run, and
+`Task.skipped` says which rows to fix ("row 17: empty question"; rows count from 0, so in a .jsonl file without
+blank lines that is line 18). A dataset with no valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
 With an environment_factory (`environment`), whose reset gives the prompt, a row may have no prompt and no
 question, or an empty one, as in TRL: it becomes EMPTY_PROMPT (a dataset of only an `environment` column routes
 each row to its class), and its question is "".

@@ -115,6 +115,7 @@ class ServerSpec:
     include: list[str] | None = None  # the server's own tool filter: only these (None: all)
     exclude: list[str] = field(default_factory=list)  # ... and never these
     source: str = "mcp_servers"  # the recipe field that named it, for messages
+    sse_by_token: bool = False  # SSE because the entry has verl's auth_token and names no transport
 
 
 ENTRY_SHAPE = ('a command line ("python my_server.py --flag"), a URL ("http://127.0.0.1:8000/mcp"), '
@@ -154,31 +155,31 @@ def url_transport(url: str) -> str:
     return "sse" if re.search(r"/sse(/|$)", urlparse(url).path) else "http"
 
 
-def servers_map(servers) -> dict:
+def servers_map(servers, source: str = "mcp_servers_config") -> dict:
     """The name -> entry map of `servers`: a dict with or without its top-level "mcpServers" key, or the path of
-    a .json file holding one."""
+    a .json file holding one. `source` names where it came from, in errors."""
     if isinstance(servers, str):
         if not os.path.isfile(servers):
-            raise ValueError(f"mcp_servers_config: no file {servers!r}. Give the path of a JSON file "
+            raise ValueError(f"{source}: no file {servers!r}. Give the path of a JSON file "
                              '{"mcpServers": {name: {...}}} (Claude Desktop\'s, verl\'s mcp_server.json), or the map '
                              "itself in the recipe.")
         with open(servers, encoding="utf-8") as f:
             try:
                 servers = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"mcp_servers_config: {f.name} is not JSON ({e}); fix the file.") from None
+                raise ValueError(f"{source}: {f.name} is not JSON ({e}); fix the file.") from None
     if isinstance(servers, dict) and "mcpServers" in servers:
         servers = servers["mcpServers"]
     if not isinstance(servers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in servers.items()):
-        raise ValueError(f"mcp_servers_config is {_short(servers)}, not a map of servers; write "
+        raise ValueError(f"{source} is {_short(servers)}, not a map of servers; write "
                          '{"mcpServers": {"name": {"command": "...", "args": [...]}, "other": {"url": "..."}}}.')
     return servers
 
 
-def parse_map_entry(name: str, entry: dict) -> ServerSpec | None:
+def parse_map_entry(name: str, entry: dict, source: str = "mcp_servers_config") -> ServerSpec | None:
     """One server of an `mcpServers` map -> ServerSpec (None for a `disabled` one); a ValueError naming the server,
-    the key and the fix otherwise."""
-    where = f"MCP server {name!r} (mcp_servers_config)"
+    the key and the fix otherwise. `source`: the field (or file) that holds the map, for messages."""
+    where = f"MCP server {name!r} ({source})"
     unknown = sorted(set(entry) - SERVER_KEYS - EDITOR_KEYS)
     if unknown:
         raise ValueError(f"{where} has key(s) {unknown}, which this trainer does not read; remove them. An entry "
@@ -200,7 +201,7 @@ def parse_map_entry(name: str, entry: dict) -> ServerSpec | None:
         logger.info("%s: its `timeout` (%s ms) is not used here: `tool_timeout` bounds every tool call, and "
                     "`mcp_startup_timeout` its start.", where, entry["timeout"])
     if url:
-        return _remote(name, entry, url, kind, where, include, exclude or [])
+        return _remote(name, entry, url, kind, where, include, exclude or [], source)
     if kind not in (None, "stdio"):
         raise ValueError(f"{where} has a `command` and transport {kind!r}; a command is a stdio server: remove the "
                          "transport, or give the server's `url`.")
@@ -216,10 +217,10 @@ def parse_map_entry(name: str, entry: dict) -> ServerSpec | None:
         raise ValueError(f"{where}: `env` is a map of strings (quote numbers: \"1\") and `cwd` a folder; got env "
                          f"{env!r}, cwd {cwd!r}.")
     return ServerSpec(name, command=_interpreter(command + args), env=env, cwd=cwd, include=include,
-                      exclude=exclude or [], source="mcp_servers_config")
+                      exclude=exclude or [], source=source)
 
 
-def _remote(name: str, entry: dict, url, kind: str | None, where: str, include, exclude) -> ServerSpec:
+def _remote(name: str, entry: dict, url, kind: str | None, where: str, include, exclude, source: str) -> ServerSpec:
     if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
         raise ValueError(f"{where}: url {url!r} is not an http(s) URL; give the server's address, e.g. "
                          "\"http://127.0.0.1:8000/mcp\" (streamable HTTP) or \".../sse\" (SSE).")
@@ -236,13 +237,14 @@ def _remote(name: str, entry: dict, url, kind: str | None, where: str, include, 
         if any(k.lower() == "authorization" for k in headers):
             raise ValueError(f"{where} has both a token (auth_token / auth) and an Authorization header; keep one.")
         headers = {**headers, "Authorization": f"Bearer {token}"}
-    if kind is None:  # verl sends an entry with auth_token over SSE; the others go by the URL
-        kind = "sse" if "auth_token" in entry else "http" if "httpUrl" in entry else url_transport(url)
+    by_token = kind is None and "auth_token" in entry  # verl sends such an entry over SSE; the others go by the URL
+    if kind is None:
+        kind = "sse" if by_token else "http" if "httpUrl" in entry else url_transport(url)
     if kind == "stdio":
         raise ValueError(f"{where} has a `url` and transport 'stdio'; a URL is a remote server: write transport "
                          "http or sse, or give a `command`.")
     return ServerSpec(name, url=url, transport=kind, headers=headers, include=include, exclude=exclude,
-                      source="mcp_servers_config")
+                      source=source, sse_by_token=by_token)
 
 
 def _expand(value, where: str):
@@ -630,30 +632,38 @@ def mcp_tools(servers: list, timeout: float, start_timeout: float | None = None,
     `tool_timeout`). Connects to every server now, each within `start_timeout` seconds (default: the larger of
     `timeout` and START_TIMEOUT), and fails with a ValueError naming the server and the fix if one does not start
     or answer, if two give tools one name, or if a filter names a tool no server has."""
-    specs = [parse_server(entry) for entry in servers]
-    if config is not None:
-        specs += [spec for name, entry in servers_map(config).items() if (spec := parse_map_entry(name, entry))]
-    return connect(specs, selected, timeout, start_timeout)
+    return _from(servers, config, selected, timeout, start_timeout, "mcp_servers_config", "mcp_tool_filter")
 
 
 def mcp_tools_from_map(servers: dict, selected: list[str] | None, timeout: float, *,
-                       start_timeout: float | None = None) -> list[Callable[..., str]]:
+                       start_timeout: float | None = None, source: str = "mcp_servers_config",
+                       filter_field: str = "mcp_tool_filter") -> list[Callable[..., str]]:
     """The tools of an `mcpServers` map (the parsed JSON of Claude Desktop's config or verl's mcp_server.json, with
-    or without the top-level "mcpServers" key), only those `selected` names (verl's tool_selected_list; None: all).
-    As `mcp_tools` otherwise."""
-    return mcp_tools([], timeout, start_timeout, config=servers, selected=selected)
+    or without the top-level "mcpServers" key), only those `selected` names (verl's tool_selected_list; None or []:
+    all). `source` and `filter_field` name the map and the filter in errors (an adapter names its own fields). As
+    `mcp_tools` otherwise."""
+    return _from([], servers, selected, timeout, start_timeout, source, filter_field)
 
 
-def connect(specs: list[ServerSpec], selected: list[str] | None, timeout: float,
-            start_timeout: float | None) -> list[Callable[..., str]]:
+def _from(servers: list, config, selected, timeout: float, start_timeout: float | None, source: str,
+          filter_field: str) -> list[Callable[..., str]]:
+    specs = [parse_server(entry) for entry in servers]
+    if config is not None:
+        specs += [spec for name, entry in servers_map(config, source).items()
+                  if (spec := parse_map_entry(name, entry, source))]
+    return connect(specs, selected, timeout, start_timeout, filter_field)
+
+
+def connect(specs: list[ServerSpec], selected: list[str] | None, timeout: float, start_timeout: float | None,
+            filter_field: str = "mcp_tool_filter") -> list[Callable[..., str]]:
     """Start every server of `specs` at once, and the functions of the tools the filters keep (each server's
     include/exclude, then `selected`); a ValueError with the fix, every server closed, when any step fails."""
     labels = [spec.label for spec in specs]
     if twice := next((label for label in labels if labels.count(label) > 1), None):
         raise ValueError(f"{specs[labels.index(twice)].source} lists {twice!r} twice; list each server once.")
-    selected = _names(selected, "mcp_tool_filter") or None  # [] keeps all, as verl's empty tool_selected_list
+    selected = _names(selected, filter_field) or None  # [] keeps all, as verl's empty tool_selected_list
     if selected is not None and not specs:
-        raise ValueError(f"mcp_tool_filter {selected} selects MCP tools, and no server is given: name the servers "
+        raise ValueError(f"{filter_field} {selected} selects MCP tools, and no server is given: name the servers "
                          "in mcp_servers or mcp_servers_config, or remove the filter.")
     start_timeout = max(timeout, START_TIMEOUT) if start_timeout is None else start_timeout
     started = [_Server(spec, timeout, start_timeout) for spec in specs]
@@ -667,7 +677,7 @@ def connect(specs: list[ServerSpec], selected: list[str] | None, timeout: float,
         raise ValueError(f"MCP server {server.spec.label!r} ({server.spec.source}) did not start: {error}. "
                          f"{_start_fix(server, error)}") from None
     try:
-        kept = _filter([(server, tools) for server, tools in zip(started, outcomes)], selected)
+        kept = _filter([(server, tools) for server, tools in zip(started, outcomes)], selected, filter_field)
     except ValueError:
         _close(started)
         raise
@@ -679,14 +689,15 @@ def connect(specs: list[ServerSpec], selected: list[str] | None, timeout: float,
                 _close(started)
                 raise ValueError(f"MCP servers {owner[tool.name]!r} and {server.spec.label!r} both have a tool "
                                  f"named {tool.name!r}, and the model calls a tool by its name. Keep one of them "
-                                 "with mcp_tool_filter (or a server's includeTools / excludeTools), remove one of "
+                                 f"with {filter_field} (or a server's includeTools / excludeTools), remove one of "
                                  f"the servers from {server.spec.source}, or rename the tool in one of them.")
             owner[tool.name] = server.spec.label
             functions.append(tool_function(server, tool))
     return functions
 
 
-def _filter(served: list[tuple["_Server", list]], selected: list[str] | None) -> list[tuple["_Server", list]]:
+def _filter(served: list[tuple["_Server", list]], selected: list[str] | None,
+            filter_field: str) -> list[tuple["_Server", list]]:
     """Each server's tools that its includeTools / excludeTools and then `selected` keep; a name that matches no
     tool fails, naming the tools there are (a typo would otherwise drop a tool without a word)."""
     kept = []
@@ -703,28 +714,30 @@ def _filter(served: list[tuple["_Server", list]], selected: list[str] | None) ->
         return kept
     available = [tool.name for _, tools in kept for tool in tools]
     if missing := [name for name in selected if name not in available]:
-        raise ValueError(f"mcp_tool_filter names {missing}, which no MCP server has; the servers' tools are "
+        raise ValueError(f"{filter_field} names {missing}, which no MCP server has; the servers' tools are "
                          f"{available}. Fix the names, or add the server that has them.")
     return [(server, [t for t in tools if t.name in selected]) for server, tools in kept]
 
 
 def _start_fix(server: _Server, error: BaseException) -> str:
     spec = server.spec
+    # a list entry (mcp_servers) is a bare URL: a token or a transport is written in a map entry
+    where = "an entry of mcp_servers_config" if spec.source == "mcp_servers" else f"its entry of {spec.source}"
     if spec.url and re.search(r"\b(401|403)\b|Unauthorized|Forbidden", str(error)):
         given = "its token was refused" if any(k.lower() == "authorization" for k in spec.headers) else \
             "no token was sent"
         return (f"The server refused the connection ({given}): give its token as `auth_token` (or an "
-                "`Authorization: Bearer ...` header in `headers`) in mcp_servers_config, e.g. \"auth_token\": "
+                f"`Authorization: Bearer ...` header in `headers`) in {where}, e.g. \"auth_token\": "
                 "\"${MY_TOKEN}\" with MY_TOKEN exported.")
     if spec.transport == "sse":
         return ("Start the server first, and check that it serves SSE at this URL (FastMCP and MCPServer serve it "
-                "under /sse); for a streamable-HTTP server, set \"transport\": \"http\" in its entry of "
-                "mcp_servers_config" + (" (an entry with auth_token connects over SSE, as verl does)"
-                                        if spec.source == "mcp_servers_config" else "") + ", or remove the entry.")
+                f"under /sse); for a streamable-HTTP server, set \"transport\": \"http\" in {where}"
+                + (" (an entry with auth_token connects over SSE, as verl does)" if spec.sse_by_token else "")
+                + ", or remove the entry.")
     if spec.url:
         return ("Start the server first, and check that it serves streamable HTTP at this URL (FastMCP and "
                 "MCPServer serve it under /mcp; an SSE server's URL ends in /sse, or set \"transport\": \"sse\" in "
-                "its entry of mcp_servers_config), or remove the entry.")
+                f"{where}), or remove the entry.")
     shown = spec.label if spec.source == "mcp_servers" else shlex.join(spec.command)
     return (f"Run `{shown}` in a shell: it should start and wait for input, not exit; check "
             f"that `{spec.command[0]}` is installed and on PATH (or give its full path).{server.log_hint()}")
