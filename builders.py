@@ -65,6 +65,7 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         factory = adapted.environment_factory if adapted.environment_factory is not None else factory
         train_dataset = train_dataset if train_dataset is not None else adapted.train_dataset
         eval_dataset = eval_dataset if eval_dataset is not None else adapted.eval_dataset
+        apply_settings(args, adapted.settings)
     if factory is not None:
         no_dataset_by_default(args, train_dataset)
         check_environment_args(args, train_dataset)
@@ -88,6 +89,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
+    if adapted is not None and adapted.use_tokenizer is not None:  # the adapter counts tokens with the run's own
+        adapted.use_tokenizer(tokenizer)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
     from rewards import get_reward_func
 
@@ -98,6 +101,9 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
                                     None else getattr(source, "corpus", None)), _mcp_tools(args))
     if adapted is not None:
         tools, outcome, turn = _join_tools(tools, adapted.tools), outcome + adapted.outcome_funcs, turn + adapted.turn_funcs
+    for fn in turn + outcome:  # verl's compute_score reads the response as verl decodes it (adapters/verl.py)
+        if hasattr(fn, "verl_compute_score"):
+            fn.tokenizer = tokenizer
     pool = None
     if factory is not None:  # an instance per episode; its methods join the tools, its rewards the rewards
         from environments import EnvironmentPool, load_factory
@@ -130,7 +136,23 @@ def adapted_parts(args, factory):
         raise ValueError(f"{named} name environments of two frameworks; a run trains one: keep one of them.")
     if factory is not None and parts[0].environment_factory is not None:
         raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
+    default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
+    if parts[0].train_dataset is not None and args.dataset_name not in (None, default) \
+            and not parts[0].read_dataset_name:  # swift's adapter reads dataset_name itself
+        raise ValueError(f"{named} brings its own dataset, so `dataset_name: {args.dataset_name}` would not be read: "
+                         "remove `dataset_name`, or pass your rows as `train_dataset`, which replaces the environment's.")
     return parts[0]
+
+
+def apply_settings(args, settings: dict) -> None:
+    """The limits an adapted environment brings (Adapted.settings), on the trainer's copy of the config: a field
+    left None takes the environment's value; one the recipe set keeps the smaller of the two (both are limits)."""
+    for name, value in settings.items():
+        mine = getattr(args, name, None)
+        if mine is None or value < mine:
+            if mine is not None:
+                logger.info("%s: %s from the environment (the recipe's %s is larger).", name, value, mine)
+            setattr(args, name, value)
 
 
 def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) -> tuple[list, list, tuple]:
@@ -139,7 +161,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
     from checks import check_reward_lists_given_once, check_reward_weights
-    from rewards import get_reward_func, is_per_tool_turn
+    from rewards import as_reward_func, get_reward_func, is_per_tool_turn
     from rewards.judge import build_judge_rewards
 
     check_reward_lists_given_once(args, turn_funcs, outcome_funcs)
@@ -160,10 +182,10 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     resolved = {}
     for kind, (names, weights) in lists.items():
         funcs, judge = build_judge_rewards(names, args, judge)
-        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else f for f in funcs], weights
+        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else as_reward_func(f) for f in funcs], weights
     extra, judge = build_judge_rewards(given, args, judge)
     for fn, w in zip(extra, trl_weights):
-        fn = get_reward_func(fn) if isinstance(fn, str) else fn
+        fn = get_reward_func(fn) if isinstance(fn, str) else as_reward_func(fn)
         kind = "turn" if is_per_tool_turn(fn) else "outcome"
         resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
     for fn in resolved["turn"][0] + resolved["outcome"][0]:

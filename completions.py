@@ -128,6 +128,14 @@ def parse_completions_response(response: dict, num_prompts: int, n: int, kept_as
 # ------------------------------------------------------------------------------------------------
 # HTTP to a vLLM server: every wait bounded, every retry counted
 # ------------------------------------------------------------------------------------------------
+def check_length(max_model_len: int | None, prompts: list[list[int]], max_tokens: list[int]) -> None:
+    """A request that would not fit the server's context fails here, naming the fix (vLLM would shorten it)."""
+    if prompts and max_model_len and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > max_model_len:
+        raise ValueError(f"A conversation needs {worst} tokens but the vLLM server's max_model_len is {max_model_len}: "
+                         "start the server with a larger --max-model-len, or lower max_prompt_length / "
+                         "max_completion_length.")
+
+
 def backoff(attempt: int) -> float:
     """Seconds to wait before retry `attempt` (0, 1, ...): 1, 2, 4, ..., at most 30. Used by the client's retries of a
     request and by server_pool's retries of a server that answers /health."""

@@ -37,13 +37,14 @@ from typing import Callable
 from registry import resolve
 from rewards import reward_columns
 from rewards.conversation import count_tool_turns, per_tool_turn
+from user_turns import environment_done, responds
 from tools import (STEP_REWARD_TYPES, Toolset, clean_text, cut_tool_output, in_thread, join, own_event_loop,
                    run_async, settle_all)
 
 logger = logging.getLogger("mt_grpo")
 
 CONTRACT = "TRL's environment_factory contract (docs/guide.md, 'Bring your own environment')"
-RESERVED = ("reset", "get_reward")
+RESERVED = ("reset", "get_reward", "respond", "end_episode")  # not tools: respond and end_episode are user_turns.py's
 
 
 def episode_columns(inputs: list[dict], episodes: list) -> dict[str, list]:
@@ -89,9 +90,10 @@ def check_environment(instance, name: str, standalone: list[Callable]) -> list[C
         raise ValueError(f"{label} has no `reset` method. {CONTRACT} needs `def reset(self, **kwargs) -> str | None`, "
                          "which starts an episode from the dataset row and returns the first observation.")
     methods = tool_methods(instance)
-    if not methods:
-        raise ValueError(f"{label} has no public method for the model to call. Each public method (not starting "
-                         "with `_`) besides reset and get_reward is a tool.")
+    if not methods and not responds(instance):
+        raise ValueError(f"{label} has no public method for the model to call, and no `respond` (user turns). Each "
+                         "public method (not starting with `_`) besides reset, get_reward, respond and end_episode is "
+                         "a tool.")
     for fn in methods:
         check_method(fn, label)
     clash = {fn.__name__ for fn in methods} & {fn.__name__ for fn in standalone}
@@ -102,6 +104,11 @@ def check_environment(instance, name: str, standalone: list[Callable]) -> list[C
 
 
 def check_method(fn: Callable, label: str) -> None:
+    if getattr(fn, "json_schema", None) is not None:  # its schema is given (an adapter's, an MCP server's)
+        from protocol import tool_schemas
+
+        tool_schemas([fn])
+        return
     params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     try:
         hints = typing.get_type_hints(fn)
@@ -134,11 +141,13 @@ class EnvironmentPool:
         self.probe_tools: dict = {}  # name -> the probe instance's tools
         self.template_tools: dict = {}  # name -> their schemas for the chat template, made once
         self.steps: dict = {}  # name -> whether its class keeps step_rewards (has_step_rewards)
+        self.replies: dict = {}  # name -> whether its class replies as the user (user_turns.responds)
         self.loops: dict = {}  # id(instance) -> its own event loop (loop_of)
         for name, make in self.factories.items():
             instance = make()
             self.probe_tools[name] = check_environment(instance, name, self.standalone)
             self.steps[name] = has_step_rewards(instance)
+            self.replies[name] = responds(instance)  # user turns: a reply's score is its turn's reward
             self.free[name] = [instance]
             self.template_tools[name] = protocol.template_tools(self.tools(name))
         self.reward_funcs = self._reward_funcs()
@@ -226,6 +235,9 @@ class EnvironmentPool:
             if fit is not None:
                 observation = fit(prompt, toolset, observation)
             prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        if environment_done(instance):
+            raise ValueError(f"{type(instance).__name__}.done is True after reset for {label}, so its episode would end "
+                             "at once: set `self.done = False` in `reset`.")
         if self.steps[self.handed_out[id(instance)][0]]:
             toolset.step_rewards()  # a wrong type, or none after reset, fails here, naming the class
             if getattr(instance, "step_rewards", None) is None:
@@ -250,12 +262,33 @@ class EnvironmentPool:
         mine = [t for t in toolsets if getattr(t, "environment", None) is not None
                 and id(t.environment) in self.handed_out]
         settle_all(mine, max([t.timeout for t in mine], default=0.0))  # one grace for the batch, none for the stuck
+        self._end_episodes(mine)
         for toolset in mine:
             name, _ = self.handed_out.pop(id(toolset.environment))
             if not toolset.stuck:
                 self.free[name].append(toolset.environment)
             else:
                 self.loops.pop(id(toolset.environment), None)
+
+    def _end_episodes(self, toolsets: list) -> None:
+        """Each instance's `end_episode()` (verl's release and finalize_interaction, OpenEnv's close), one at a time, on
+        a thread within its tool_timeout; also for episodes that ended on an error or a timeout, but not while a call
+        still runs (stuck: never touched again). One still running then, or raising, is logged; the instance is not
+        reused after a hang."""
+        for toolset in toolsets:
+            instance = toolset.environment
+            if toolset.stuck or not callable(getattr(instance, "end_episode", None)):
+                continue
+            thread, out = in_thread(lambda: run_async(instance.end_episode(), toolset.loop),
+                                    f"end_episode-{type(instance).__name__}")
+            join(thread, toolset.timeout)
+            if thread.is_alive():
+                toolset.running, toolset.running_call, toolset.stuck = thread, "end_episode", True
+                logger.warning("%s.end_episode still running after %gs (%s): the instance is not reused.",
+                               type(instance).__name__, toolset.timeout, toolset.label)
+            elif not out[0][0]:
+                logger.warning("%s.end_episode raised %s: %s (%s)", type(instance).__name__,
+                               type(out[0][1]).__name__, out[0][1], toolset.label)
 
     def stuck(self, instance) -> bool:
         """Whether `instance`'s episode left a timed-out call running past the grace (its rewards are None)."""
@@ -291,7 +324,7 @@ class EnvironmentPool:
             cls = type(self.free[name][0])
             if callable(getattr(cls, "get_reward", None)) and cls.__name__ not in [f.__name__ for f in outcome]:
                 outcome.append(_get_reward_func(cls, self))
-            if self.steps[name] and f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
+            if (self.steps[name] or self.replies[name]) and f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
                 turn.append(_step_reward_func(cls, self))
         return outcome, turn
 

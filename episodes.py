@@ -4,13 +4,13 @@ padded tensors; and the tokenization check, which compares an episode's ids with
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from trl.trainer.utils import pad
 
-from rewards.conversation import tool_turns
+from rewards.conversation import env_replies
 from tools import Toolset
 
 logger = logging.getLogger("mt_grpo")
@@ -18,7 +18,7 @@ logger = logging.getLogger("mt_grpo")
 
 @dataclass
 class Span:
-    role: str  # "model" | "env"
+    role: str  # "model" | "env" (the environment's reply: tool results or a user turn) | "insert" (continuation text)
     start: int  # offsets into the completion, [start, end)
     end: int
 
@@ -47,13 +47,17 @@ class Episode:
     spans: list[Span] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
-    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition | reset_timeout
+    stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition | reset_timeout |
+    # env_done | env_error (user_turns.py)
     tokenization_mismatch: bool = False
     policy_version: int = 0  # optimizer steps the sampled weights had taken
     toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)
     prompt_messages: list[dict] = field(default_factory=list)  # what `prompt_ids` renders
     # (completion offset, messages its prompt renders) of each sample after the first (turn_samples.py)
     sample_starts: list[tuple[int, int]] = field(default_factory=list)
+    user_turns: int = 0  # the environment's replies as the user (user_turns.py), continuations included
+    continuing: str | None = None  # the open assistant message's text, when the next sample continues it
+    turn_prefix: str = ""  # the last assistant message's text before its last sample (a continued message's)
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None,
                kept: torch.Tensor | None = None) -> None:
@@ -69,6 +73,13 @@ class Episode:
             self.sampler_kept.append((start, kept))
         self.spans.append(Span(role, start, len(self.completion_ids)))
         assert len(self.completion_ids) == len(self.model_mask) == len(self.sampler_logprobs)
+
+    def truncate(self, length: int) -> None:
+        """Drop the completion's tokens from `length` on (a continuation that keeps part of the model's last sample:
+        user_turns.continue_turn); the sampler's record of the dropped tokens goes with them."""
+        del self.completion_ids[length:], self.model_mask[length:], self.sampler_logprobs[length:]
+        self.sampler_kept = [(start, kept[: length - start]) for start, kept in self.sampler_kept if start < length]
+        self.spans = [replace(s, end=min(s.end, length)) for s in self.spans if s.start < length]
 
     context_ids = property(lambda self: self.completion_ids[self.sample_starts[-1][0]:] if self.sample_starts
                            else self.prompt_ids + self.completion_ids)  # what the model sees next: its sample
@@ -108,10 +119,14 @@ def result_start(spans: list[Span], length: int) -> int:
 
 def token_turn_index(spans: list[Span], length: int) -> torch.Tensor:
     """(length,) index of the model turn each completion token belongs to; -1 for environment tokens
-    and padding. Model turn k made tool call(s) k when an environment turn follows it."""
+    and padding. Model turn k is the one the environment's k-th reply (tool results, or a user turn) answers; a
+    continuation (an "insert" span) leaves the model in its turn."""
     index = torch.full((length,), -1, dtype=torch.long)
-    for k, span in enumerate(s for s in spans if s.role == "model"):
-        index[span.start : span.end] = k
+    k = 0
+    for span in spans:
+        if span.role == "model":
+            index[span.start : span.end] = k
+        k += span.role == "env"
     return index
 
 
@@ -196,7 +211,7 @@ def forged_controls(env, ep, cache: dict | None = None) -> str:
     a control token. "" when none did (protocol.template_ids keeps such text plain). Re-rendered samples' prompts
     (turn_samples.py) are renders of the whole history, and are not read here."""
     control, cache = set(env.tokenizer.added_tokens_decoder), ({} if cache is None else cache)
-    groups = [replies for _, replies in tool_turns(ep.messages)]  # the messages of each environment reply, in order
+    groups = env_replies(ep.messages)  # the messages of each environment reply, in order
     resampled = {start for start, _ in ep.sample_starts}
     replies = [s for s in ep.spans if s.role == "env"]
     for k, (span, messages) in enumerate(zip(replies, groups)):

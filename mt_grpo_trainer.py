@@ -44,8 +44,8 @@ from trl.trainer.utils import use_adapter
 
 from adapters import AdapterArguments
 from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from completions import (RetryableResponse, Sample, kept_set_logprobs, parse_completions_response, post_with_retries,
-                         wait_for_health)
+from completions import (RetryableResponse, Sample, check_length, kept_set_logprobs, parse_completions_response,
+                         post_with_retries, wait_for_health)
 from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
                     check_script_args, check_training_args, check_trl, settle_training_defaults)
 from episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
@@ -66,6 +66,7 @@ from tasks import TaskArguments, task_keyword
 from environments import episode_columns, prompt_fitter
 from tools import ToolArguments, Toolset, ToolResult, cut_tool_output, run_turns, stop_point
 from turn_samples import TURN_SAMPLES, next_sample_prompt
+from user_turns import UserTurn, add_model_message, ask_user, environment_done, record_reply
 from weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
 
 logger = logging.getLogger("mt_grpo")
@@ -524,27 +525,17 @@ class VLLMServerClient:
     def another_round(self, has_work: bool) -> bool:
         return has_work  # the server batches on its own; ranks need not wait for each other
 
-    def _check_length(self, prompts: list[list[int]], max_tokens: list[int]) -> None:
-        # vLLM would silently shorten max_tokens to fit its context; say so instead.
-        if (prompts and self.max_model_len
-                and (worst := max(len(p) + m for p, m in zip(prompts, max_tokens))) > self.max_model_len):
-            raise ValueError(
-                f"A conversation needs {worst} tokens but the vLLM server's max_model_len is "
-                f"{self.max_model_len}: start the server with a larger --max-model-len, or lower "
-                "max_prompt_length / max_completion_length."
-            )
-
     def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1,
                params: SamplingParams | None = None) -> concurrent.futures.Future:
         """One /v1/completions request, in the background: a Future of len(prompts) * n samples,
         prompt-major. The per-episode scheduler keeps `max_concurrent_requests` of these in flight."""
-        self._check_length(prompts, [max_tokens] * len(prompts))
+        check_length(self.max_model_len, prompts, [max_tokens] * len(prompts))  # vLLM would shorten it
         return self.pool.submit(
             lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params) for s in row])
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
                  params: SamplingParams | None = None) -> list[Sample]:
-        self._check_length(prompts, max_tokens)
+        check_length(self.max_model_len, prompts, max_tokens)
         # Requests carry one max_tokens each, so group prompts by their limit, then chunk.
         by_limit: dict[int, list[int]] = {}
         for i, m in enumerate(max_tokens):
@@ -643,7 +634,7 @@ class MultiTurnToolEnv:
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
                  turn_samples: str = "interleaved", questions: bool = True, reset_timeout: float | None = None,
-                 max_prompt_length: int | None = None):
+                 max_prompt_length: int | None = None, max_user_turns: int | None = None):
         self.tokenizer = tokenizer
         # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.scheduler = scheduler
@@ -653,6 +644,7 @@ class MultiTurnToolEnv:
         self.toolset = Toolset(self.tools, self.template_tools)
         self.environments = environments  # environments.EnvironmentPool: an instance per episode, reset with its row
         self.max_env_steps = max_env_steps if max_env_steps is not None else math.inf  # None: TRL's no limit
+        self.max_user_turns = max_user_turns if max_user_turns is not None else math.inf  # respond's replies
         self.max_tokens_per_turn = max_tokens_per_turn or max_completion_length  # None: only the budget
         self.max_completion_length = max_completion_length
         self.max_tool_response_tokens = max_tool_response_tokens or max_completion_length  # None: the budget's
@@ -687,13 +679,13 @@ class MultiTurnToolEnv:
         """Token ids of a render, outside text (tool results, user turns) as plain text (protocol.template_ids)."""
         return template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset), messages)
 
-    def env_reply_ids(self, tool_messages: list[dict]) -> list[int]:
+    def env_reply_ids(self, tool_messages: list[dict], last: bool = False) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
-        of the assistant turn, the reply, and the next generation prompt. Rendered against a fixed base
-        conversation, so the cost does not grow with the episode."""
+        of the assistant turn, the reply, and the next generation prompt (none after the `last` reply). Rendered
+        against a fixed base conversation, so the cost does not grow with the episode."""
         base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": _SENTINEL, "tool_calls": []}]
-        after = lambda m: (t := self.render(m, add_generation_prompt=True))[t.rindex(_SENTINEL) + len(_SENTINEL):]  # noqa
+        after = lambda m: (t := self.render(m, not last))[t.rindex(_SENTINEL) + len(_SENTINEL):]  # noqa
         return template_ids(self.tokenizer, after, base + tool_messages)
 
     def truncate_tool_output(self, text: str) -> str:  # cut by characters first: a 10 MB output is not tokenized whole
@@ -762,9 +754,7 @@ class MultiTurnToolEnv:
         ep.append("model", sample.token_ids, sample.logprobs, sample.kept)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         turn = self.protocol.parse(text)
-        ep.messages.append({"role": "assistant", "content": text,
-                            "tool_calls": [tool_call_message(c.name, c.arguments)
-                                           for c in turn.calls if not c.error]})
+        add_model_message(ep, text, [tool_call_message(c.name, c.arguments) for c in turn.calls if not c.error])
         if turn.kind == "answer":
             ep.stop_reason = "answer"
         elif sample.finish_reason == "length":
@@ -774,35 +764,44 @@ class MultiTurnToolEnv:
             ep.stop_reason = "repetition"
         elif turn.kind == "none":
             ep.stop_reason = "no_action"
-        elif ep.tool_turns >= self.max_env_steps:
+        elif ep.tool_turns - ep.user_turns >= self.max_env_steps:
             ep.stop_reason = "max_env_steps"  # these calls are not run
         else:
             return turn.calls
-        return None
+        return ask_user(self, ep)  # user_turns.py: a UserTurn when the environment replies as the user
 
     def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
+        if isinstance(calls, UserTurn):
+            return record_reply(self, ep, calls, results[0])
         messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output),
                      **({} if r.reward is None else {"reward": r.reward})}  # tools.tool_output: a step reward
                     for c, r in zip(calls, results)]
-        ids = self.env_reply_ids(messages)
+        turn, done = ep.tool_turns, environment_done(getattr(ep.toolset, "environment", None))
+        if self.append_reply(ep, messages, last=done):
+            ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
+                         for c, r, m in zip(calls, results, messages)]
+            ep.stop_reason = "env_done" if done else ""
+
+    def append_reply(self, ep: Episode, messages: list[dict], last: bool = False) -> bool:
+        """Append the environment's reply to the model's turn (tool results, or a user message; the `last` without
+        a generation prompt); False when it does not fit the budget (the episode ends)."""
+        ids = self.env_reply_ids(messages, last)
         # The model may have closed its turn itself with an end-of-turn id; the template's close must not
         # repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
         # the next sample's prompt where the template renders the history otherwise (turn_samples.py)
-        prompt = next_sample_prompt(self.turn_samples, ep.context_ids, ids, lambda: self.render_ids(
+        prompt = None if last else next_sample_prompt(self.turn_samples, ep.context_ids, ids, lambda: self.render_ids(
             ep.prompt_messages + ep.messages + messages, add_generation_prompt=True, toolset=ep.toolset))
         if (len(prompt) if prompt is not None else len(ep.context_ids) + len(ids)) - len(ep.prompt_ids) \
                 >= self.max_completion_length:  # the reply does not fit with a token left to answer
             ep.stop_reason = "budget"
-            return
-        turn = sum(s.role == "model" for s in ep.spans) - 1
-        ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
-                     for c, r, m in zip(calls, results, messages)]
+            return False
         ep.messages += messages
         if prompt is not None:
             ep.sample_starts.append((len(ep.completion_ids), len(ep.messages)))
         ep.append("env", ids if prompt is None else prompt)
+        return True
 
     def release(self, episodes: list[Episode]) -> None:
         if self.environments is not None:
@@ -815,8 +814,7 @@ class MultiTurnToolEnv:
 class Scores:
     """Rewards of the whole generation batch (gathered from every process)."""
 
-    # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
-    turn_per_func: torch.Tensor
+    turn_per_func: torch.Tensor  # (B, F_turn, K): K = 1 (the episode's), or one column per tool turn (per_turn)
     outcome_per_func: torch.Tensor  # (B, F_outcome)
     R_T: torch.Tensor  # (B, K) weighted turn reward (NaN: not applicable, or no such tool turn)
     R_O: torch.Tensor  # (B,) weighted outcome reward
@@ -1136,7 +1134,8 @@ def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
         reset_timeout=args.reset_timeout, max_prompt_length=args.max_prompt_length,
         few_shot=args.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
         scheduler=args.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-        environments=parts.environments, turn_samples=args.turn_samples, questions=parts.questions)
+        environments=parts.environments, turn_samples=args.turn_samples, questions=parts.questions,
+        max_user_turns=args.max_user_turns)
 
 
 def backend_class(args: "MTGRPOConfig") -> type:

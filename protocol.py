@@ -242,6 +242,8 @@ inside <tool> </tool>, or {end}"""
 XML_END = {True: "give the final answer inside <answer> </answer>, in a few words.",  # questions
            False: "reply without a tool call when you are done."}  # a TRL prompt, an environment's episode
 
+XML_NO_TOOLS = {True: "Always think first inside <reasoning> </reasoning>. Then give the final answer inside <answer> "
+                      "</answer>, in a few words.", False: ""}
 XML_EXAMPLE = """Example:
 {call}
 
@@ -261,6 +263,8 @@ class XMLProtocol(Protocol):
 
     def system_prompt(self, tools: list[Callable], task_prompt: str | None = None, with_example: bool = True,
                       example: dict | None = None, questions: bool = True) -> str:
+        if not tools:  # an environment that only replies as the user (user_turns.py): no call format to show
+            return "\n\n".join(p for p in [task_text(task_prompt, questions), XML_NO_TOOLS[questions]] if p)
         parts = [task_text(task_prompt, questions), XML_TOOL_PROMPT.format(tools=describe_tools(tools),
                                                                            end=XML_END[questions])]
         example = example if example and example.get("steps") else neutral_example(tools)

@@ -4,6 +4,8 @@ A recipe names a function in one of two ways:
 
     registry name   a key of the package's registry: `REWARD_FUNCS` in rewards/, `TOOLS` in tools/
     dotted path     any importable function: `package.module:function`, or `package.module.function`
+    file path       a function of a Python file: `path/to/file.py:function` (verl's custom_reward_function
+                    `path` and `name`)
 
 A registry entry is the function itself, or its dotted path as a string: that module is imported only
 when a recipe names the entry. Every failure is a ValueError that says what to change; an unknown name
@@ -28,7 +30,10 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     if not module_name or not attr:
         raise ValueError(f"{what}: the path '{entry}' must look like `module:function` or `module.function`.")
     try:
-        module = importlib.import_module(module_name)
+        module = load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except FileNotFoundError:
+        raise ValueError(f"{what}: there is no file '{module_name}' (a path is relative to the directory the trainer "
+                         "runs in).") from None
     except Exception as e:  # ImportError, or whatever the module raises while it loads
         raise ValueError(f"{what}: cannot import module '{module_name}' ({type(e).__name__}: {e}).") from e
     if not hasattr(module, attr):
@@ -37,3 +42,25 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     if not callable(fn):
         raise ValueError(f"{what}: '{attr}' in '{module_name}' is a {type(fn).__name__}, not a function.")
     return fn
+
+
+def load_file(path: str):
+    """The module of the Python file at `path`, loaded once (under its own name, so that pickling and a second
+    lookup find it)."""
+    import os
+    import sys
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    name = "file:" + os.path.abspath(path)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

@@ -88,8 +88,9 @@ class RolloutProgress:
             self.bar.close()
 
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
-                 "tokenization_mismatch", "turns", "samples")
-STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout")
+                 "tokenization_mismatch", "turns", "samples", "user_turns")
+STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout",
+                "env_done", "env_error")
 # The stop reasons that are a limit cutting the episode, and the field to raise
 LIMITS = {"max_env_steps": "`max_env_steps` (or TRL's `max_tool_calling_iterations`)",
           "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`",
@@ -106,6 +107,11 @@ def warn_limit(trainer, metric: str, share: float) -> None:
                        "need more.", 100 * share, LIMITS[reason], reason)
 
 
+def model_turns(spans: list) -> int:
+    """The model's turns: its spans, but for those that continue a turn after a continuation's text (user_turns.py)."""
+    return sum(s.role == "model" and (k == 0 or spans[k - 1].role != "insert") for k, s in enumerate(spans))
+
+
 def episode_stats(episodes: list) -> torch.Tensor:
     """(B, len(EPISODE_STATS) + len(STOP_REASONS)) per-episode numbers, gathered once per batch."""
     rows = []
@@ -113,7 +119,7 @@ def episode_stats(episodes: list) -> torch.Tensor:
         model_tokens = sum(ep.model_mask)
         rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                     sum(s.role == "model" for s in ep.spans), 1 + len(ep.sample_starts)]
+                     model_turns(ep.spans), 1 + len(ep.sample_starts), ep.user_turns]
                     + [ep.stop_reason == r for r in STOP_REASONS])
     return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
 
@@ -133,6 +139,7 @@ def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
         "rollout/answered_ratio": s["answered"].mean().item(),
         "rollout/tokenization_mismatch_ratio": s["tokenization_mismatch"].mean().item(),
         "rollout/samples_per_episode": s["samples"].mean().item(),  # turn_samples.py; 1: none split
+        "rollout/user_turns_per_episode": s["user_turns"].mean().item(),  # an environment's replies (user_turns.py)
     }
     for i, reason in enumerate(STOP_REASONS):
         out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
@@ -244,12 +251,12 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
         turns, model_turn, env_turn = [], -1, -1
         starts = [start for start, _ in getattr(ep, "sample_starts", [])]  # turn_samples.py
         environment = getattr(getattr(ep, "toolset", None), "environment", None)  # environments.py
-        for span in ep.spans:
+        for k, span in enumerate(ep.spans):
             turn = {"role": span.role, "start": span.start, "end": span.end,
                     "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
             if span.role == "model":
-                model_turn += 1
-            else:
+                model_turn += k == 0 or ep.spans[k - 1].role != "insert"  # a continued turn is one turn
+            elif span.role == "env":
                 env_turn += 1
                 turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
                 if environment is not None and env_turn < len(ep.toolset.turn_rewards):

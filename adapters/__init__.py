@@ -9,8 +9,9 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     verl_tool_config          verl.py        verl's tools YAML (`tools: [{class_name, config, tool_schema}]`)
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
+    external_plugins          swift.py       ms-swift plugin files (their `multi_turns` and `orms` registrations)
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
-    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or an HTTP EnvClient's URL
+    openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
 """
@@ -30,14 +31,21 @@ class AdapterArguments:
                                        "tools, each its own `tool_schema` (docs/guide.md, 'From verl').")
     verl_interaction_config: str | None = arg(None, "verl's interaction YAML (`interaction_config_path`): user turns "
                                               "from `generate_response`, picked per row by `interaction_kwargs.name`.")
-    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler, `plugin.py:Class` or `module:Class` "
-                                           "(docs/guide.md, 'From ms-swift').")
+    multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler: `plugin.py:Class`, `module:Class`, "
+                                           "or a name in swift's `multi_turns` registry (docs/guide.md, 'From "
+                                           "ms-swift').")
+    external_plugins: list[str] | None = arg(None, "ms-swift plugin files imported at start-up, as swift's "
+                                             "`--external_plugins`: what they register in `multi_turns` and `orms` "
+                                             "can be named by `multi_turn_scheduler` and the reward lists.")
+    swift_max_turns: int | None = arg(None, "multi_turn_scheduler: swift's `--max_turns`, the model turns an episode "
+                                      "may take (each continuation counts; None: no limit but the scheduler's own and "
+                                      "the token budget). Given to the scheduler as `max_turns`.")
     verifiers_env: str | None = arg(None, "A classic verifiers environment: the module whose `load_environment` "
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
     verifiers_env_args: dict | None = arg(None, "Keyword arguments of `load_environment` (verifiers_env).")
-    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or the URL of its HTTP server "
-                                  "(docs/guide.md, 'From OpenEnv').")
+    openenv_env: str | None = arg(None, "An OpenEnv Environment `module:Class`, or its server's URL: `ws://host:port` "
+                                  "(sessions) or `http://host:port` (docs/guide.md, 'From OpenEnv').")
     openenv_action: str | None = arg(None, "openenv_env: its Action class `module:Class` (None: found from the "
                                      "environment's `step` signature).")
 
@@ -50,21 +58,35 @@ class Adapted:
     outcome_funcs: list[Callable] = field(default_factory=list)  # outcome rewards, weight 1
     turn_funcs: list[Callable] = field(default_factory=list)  # @per_tool_turn rewards, weight 1
     train_dataset: object = None  # a datasets.Dataset, when the framework brings its own (verifiers)
+    read_dataset_name: bool = False  # train_dataset is the recipe's dataset_name, read in the framework's format
     eval_dataset: object = None
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
+    use_tokenizer: Callable | None = None  # called with the run's tokenizer once it is loaded (after adapt)
+    # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
+    # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
+    settings: dict = field(default_factory=dict)
 
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
     "verl_tool_config": "adapters.verl", "verl_interaction_config": "adapters.verl",
-    "multi_turn_scheduler": "adapters.swift", "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
+    "multi_turn_scheduler": "adapters.swift", "external_plugins": "adapters.swift", "swift_max_turns": "adapters.swift",
+    "verifiers_env": "adapters.verifiers", "openenv_env": "adapters.openenv",
 }
+
+
+REQUIRES = {"verifiers_env_args": "verifiers_env", "openenv_action": "openenv_env",  # a field -> the one it completes
+            "swift_max_turns": "multi_turn_scheduler"}
 
 
 def adapt(args) -> list[Adapted]:
     """What each adapter named by the config adds (one call per module, however many of its fields are set)."""
     import importlib
 
+    for name, needed in REQUIRES.items():
+        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
+            raise ValueError(f"`{name}` is set but `{needed}` is not: `{name}` completes `{needed}`; set `{needed}` "
+                             f"too, or remove `{name}`.")
     modules = dict.fromkeys(module for name, module in ADAPTERS.items() if getattr(args, name, None) is not None)
     return [importlib.import_module(module).adapt(args) for module in modules]
 

@@ -33,14 +33,16 @@ ask `rewards.answers.matches_answer` / `contains_answer`, passing the row's `ans
         return [[0.1 if len(content(m)) < 300 else 0.0 for m, _ in tool_turns(c)] for c in completions]
 """
 
+import inspect
 import math
+import sys
 from typing import Callable
 
 from registry import resolve
 from rewards.conversation import count_tool_turns, is_per_tool_turn, per_tool_turn, per_turn, step_reward, tool_turns
 from rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, exist_answer_in_search_results
 
-__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn", "tool_turns",
+__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "as_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn", "tool_turns",
            "count_tool_turns", "reward_columns"]
 
 @per_tool_turn
@@ -64,12 +66,36 @@ def get_reward_func(name: str) -> Callable:
     `package.module.func` (registry.py resolves both, for tools too). Fails with a ValueError that
     says what to change."""
     try:
-        return resolve(name, REWARD_FUNCS, "reward function")
+        fn = resolve(name, REWARD_FUNCS, "reward function")
     except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
+        swift = sys.modules.get("adapters.swift")  # a run with ms-swift plugins: their `orms` names too
+        if swift is not None and (found := swift.lookup_reward(name)) is not None:
+            return found
         if name.startswith("judge"):
             raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
                              "(rewards/judge.py; they need `judge_base_url`).") from None
         raise
+    return as_reward_func(fn)
+
+
+def as_reward_func(fn: Callable) -> Callable:
+    """`fn` as this trainer calls a reward: another framework's reward signature adapted (verl's `compute_score(
+    data_source, solution_str, ground_truth, extra_info)`: adapters/verl.py; an ms-swift ORM class or instance:
+    swift_style), any other function as is."""
+    from adapters.verl import as_reward_func as verl_form
+
+    return verl_form(swift_style(fn))
+
+
+def swift_style(fn: Callable) -> Callable:
+    """An ms-swift ORM reward (a class deriving from swift's ORM, or whose __call__ takes `completions` first; or an
+    instance of one) as a function of ours: swift's keywords, completions as text (adapters/swift.py). Anything else
+    as is."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    from adapters.swift import is_swift_reward, swift_reward
+
+    return swift_reward(fn) if is_swift_reward(fn) else fn
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:

@@ -9,7 +9,8 @@ A tool message's content is a list where the tool returned one (as TRL passes it
 has a `reward` where the tool returned (output, reward) (tools.tool_output; `tool_rewards` sums them per tool turn).
 
 A tool turn is an assistant message with the tool messages that answer it (one per call: XML makes
-one call per turn, chat_template may make several). The trainer and the rewards count tool turns
+one call per turn, chat_template may make several), or with the user message an environment replied as the user
+(user_turns.py: a turn the environment answered, credited the same way). The trainer and the rewards count tool turns
 with the same `tool_turns`, so a per-turn reward's list lines up with the turns the trainer sees.
 
 Every helper tolerates any content (missing keys, None, non-dict messages, a None completion):
@@ -58,7 +59,8 @@ def visible_text(message) -> str:
 
 
 def assistant_turns(completion) -> list[tuple[dict, list[dict]]]:
-    """Every assistant message with the run of tool messages right after it (possibly [])."""
+    """Every assistant message with the environment's reply right after it (possibly []): its run of tool messages,
+    or the one user message of an environment that replied as the user (user_turns.py)."""
     turns: list[tuple[dict, list[dict]]] = []
     answering = False  # do tool messages here still answer the last assistant message?
     for message in completion or []:
@@ -67,15 +69,25 @@ def assistant_turns(completion) -> list[tuple[dict, list[dict]]]:
             answering = True
         elif role(message) == "tool" and answering:
             turns[-1][1].append(message)
+        elif role(message) == "user" and answering and not turns[-1][1]:
+            turns[-1][1].append(message)
+            answering = False  # a tool message after the user's answers nothing
         else:
             answering = False
     return turns
 
 
+def env_replies(completion) -> list[list[dict]]:
+    """The messages of each environment reply, in order (one per turn of `tool_turns`)."""
+    return [replies for _, replies in assistant_turns(completion) if replies]
+
+
 def tool_turns(completion) -> list[tuple[dict, list[dict]]]:
-    """The tool turns, in order: each assistant message followed by one or more tool messages, with
-    those tool messages. An answer, a truncated turn or a turn the environment did not answer is not one."""
-    return [(message, tools) for message, tools in assistant_turns(completion) if tools]
+    """The tool turns, in order: each assistant message the environment answered, with its tool messages. A turn
+    the environment answered as the user (user_turns.py) is one, with no tool message: it is credited as a tool
+    turn is. An answer, a truncated turn or a turn the environment did not answer is not one."""
+    return [(message, [m for m in replies if role(m) == "tool"]) for message, replies in assistant_turns(completion)
+            if replies]
 
 
 def count_tool_turns(completion) -> int:

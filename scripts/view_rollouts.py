@@ -199,7 +199,7 @@ main { padding: 8px 10px; }
 .tokens { font: 12px/1.7 ui-monospace, monospace; white-space: pre-wrap; word-break: break-word; }
 .turn { margin: 2px 0; }
 .turn-label { display: block; font: 10px system-ui, sans-serif; color: #888; }
-.turn.env { background: #f2f2f2; border: 1px dashed #aaa; padding: 2px 4px; }
+.turn.env, .turn.insert { background: #f2f2f2; border: 1px dashed #aaa; padding: 2px 4px; }
 .turn.env.err { border: 2px solid #d33; background: #fff0f0; }
 .t { border-radius: 2px; }
 .t:hover, .t.pinned { outline: 1px solid #000; }
@@ -295,6 +295,8 @@ function fillTokens(box, ep, e, scale) {
     const err = seg.role === "env" && (seg.tool_calls || []).some(isError);
     if (err) div.classList.add("err");
     if (seg.role === "model") div.append(el("span", "turn-label", `model turn ${modelTurn++}`));
+    // a continuation (user_turns.py): the environment's text inside the model's own message; the turn goes on
+    if (seg.role === "insert") { div.append(el("span", "turn-label", "environment, inside the model's message")); modelTurn--; }
     if (seg.role === "env") {
       // an environment's per-step rewards (environments.py): what this turn's calls earned, R_T of the turn
       const steps = seg.step_rewards ? ` · step reward ${seg.step_rewards.map(fmt).join(" + ") || "none (0)"}` : "";

@@ -316,9 +316,10 @@ def test_tool_turns_pair_each_assistant_message_with_the_tool_messages_that_answ
     two_calls = chat_calls("Veltria", "Morvane")
     completion = [two_calls, tool(NOT_FOUND), tool(FOUND), SEARCH, {"role": "user", "content": "hint"},
                   tool(FOUND), answer_turn("Morvane")]
-    # the tool message after the user message answers no assistant message
-    assert tool_turns(completion) == [(two_calls, [tool(NOT_FOUND), tool(FOUND)])]
-    assert count_tool_turns(completion) == 1
+    # the user message answers SEARCH (an environment's reply as the user: a turn with no tool message); the tool
+    # message after it answers no assistant message
+    assert tool_turns(completion) == [(two_calls, [tool(NOT_FOUND), tool(FOUND)]), (SEARCH, [])]
+    assert count_tool_turns(completion) == 2
     assert tool_turns(None) == [] and count_tool_turns([answer_turn("Morvane")]) == 0
 
 

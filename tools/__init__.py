@@ -49,6 +49,7 @@ from typing import Callable
 from fields import Choices, arg
 from protocol import PROTOCOLS, ToolCall, content_text, error_text, json_text
 from registry import resolve
+from user_turns import UserTurn, as_reply
 
 logger = logging.getLogger("mt_grpo")
 
@@ -91,6 +92,8 @@ class ToolArguments:
     reset_timeout: float | None = arg(None, "Seconds one environment `reset` may run before its episode ends unplayed "
                                       "(None: tool_timeout).")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
+    max_user_turns: int | None = arg(None, "An environment's replies as the user (`respond`, user_turns.py) per "
+                                     "episode, at most (None: no limit but max_completion_length).")
 
 
 def corpus_tool(factory: Callable) -> Callable:
@@ -588,16 +591,36 @@ class Toolset:
     failures: list[str] = field(default_factory=list)  # the calls that raised: class.method (row): the error
     timeout: float = 10.0  # the last call's bound, and the grace `settle` gives a timed-out call
     loop: asyncio.AbstractEventLoop | None = None  # the environment's own event loop (None: the shared one)
+    carry: list[float] = field(default_factory=list)  # scores of a turn not answered yet (a continuation's)
 
     def run(self, calls: list[ToolCall], timeout: float, max_workers: int) -> list[ToolResult]:
-        """One model turn's calls."""
+        """One model turn's calls; for a user_turns.UserTurn (no call), the environment's reply as the user."""
         if self.environment is None:
             return run_tool_calls(self.functions, calls, timeout, max_workers)
-        earned: list = []
         self.timeout = timeout
+        if isinstance(calls, UserTurn):
+            return [self.respond(calls.messages, timeout)]
+        earned, self.carry = self.carry, []
         results = [self._run_one(call, timeout, earned) for call in calls]
         self.turn_rewards.append(earned)
         return results
+
+    def respond(self, messages: list[dict], timeout: float) -> ToolResult:
+        """The environment's `respond(messages)`, as a call is run (after any timed-out call has ended, on a thread,
+        within `timeout`): a ToolResult whose output is the Reply (or None), or the error."""
+        if not self.settle(timeout):
+            return ToolResult(f"not run: an earlier call of this episode is still running ({self.label})", False)
+        thread, out = in_thread(lambda: run_async(self.environment.respond(messages), self.loop), "respond")
+        join(thread, timeout)
+        if thread.is_alive():
+            self.running, self.running_call = thread, "respond"
+            return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
+        ok, value = out[0]
+        try:
+            return ToolResult(as_reply(value, type(self.environment).__name__), True) if ok else \
+                ToolResult(f"raised {type(value).__name__}: {value} ({self.label})", False)
+        except ValueError as e:  # a reply of the wrong type: a bug in the class, which the log names
+            raise ValueError(f"{e} ({self.label})") from None
 
     def _run_one(self, call: ToolCall, timeout: float, earned: list) -> ToolResult:
         """One call on the environment, after any timed-out one has ended; what it added to step_rewards while

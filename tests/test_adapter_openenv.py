@@ -1,0 +1,232 @@
+"""adapters/openenv.py: OpenEnv environments (tests/fixtures/openenv/: a faithful copy of OpenEnv's core types, its
+echo environment, and a number-guessing game in its style) run by the trainer unchanged, in process and over HTTP:
+the Action as one tool, the observation as text, `reward` as each turn's credit (by hand), `done` ending the
+episode; bad names fail naming the fix; one recipe line trains each."""
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import FIXTURES, ROOT, make_env, rollout_records
+from scripted_policy import ScriptedPolicy
+
+OE = os.path.join(FIXTURES, "openenv")
+
+
+@pytest.fixture(autouse=True)
+def openenv_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(OE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_agent_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_agent_dir)
+
+
+def adapted(target: str, action: str | None = None):
+    from adapters.openenv import adapt
+
+    return adapt(SimpleNamespace(openenv_env=target, openenv_action=action))
+
+
+def episodes(tokenizer, factory, script: dict, rows: list[dict], max_env_steps: int = 5):
+    from environments import EnvironmentPool
+    from protocol import XMLProtocol
+
+    protocol = XMLProtocol()
+    pool = EnvironmentPool(factory, [], protocol)
+    env = make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None, examples=None,
+                   max_env_steps=max_env_steps, max_completion_length=800, max_tokens_per_turn=64)
+    prompts = [env.prompt(row["prompt"]) for row in rows]
+    return env.rollout(prompts, ScriptedPolicy(tokenizer, script), rows=rows), pool
+
+
+def act(tool: str, **args) -> str:
+    return f'<reasoning>Try.</reasoning>\n<tool>{{"name": "{tool}", "args": {json.dumps(args)}}}</tool>'
+
+
+def turn_credit(pool, eps) -> list[list[float]]:
+    steps = pool.reward_funcs[1][0]
+    return steps(completions=[ep.messages for ep in eps], environments=[ep.toolset.environment for ep in eps])
+
+
+# -- the Action as a tool, the Observation as text ---------------------------------------------------------------
+def test_the_action_model_is_one_tool_and_the_observation_its_text():
+    import asyncio
+
+    from adapters.openenv import tool_name
+
+    echo = adapted("echo_env:EchoEnvironment").environment_factory
+    schema = echo.echo.json_schema["function"]
+    assert (schema["name"], schema["description"]) == ("echo", "Action for the Echo environment - just a message to "
+                                                        "echo.")
+    assert list(schema["parameters"]["properties"]) == ["message"]  # not the framework's `metadata`
+    assert schema["parameters"]["required"] == ["message"]
+    assert [tool_name(n) for n in ("GuessAction", "MoveTileAction", "Action", "Play")] == \
+        ["guess", "move_tile", "step", "play"]
+    episode = echo()
+    assert asyncio.run(episode.reset(prompt=[{"role": "user", "content": ""}])) == \
+        "echoed_message: Echo environment ready!\nmessage_length: 0"
+    assert asyncio.run(episode.echo(message="Hello")) == "echoed_message: Hello\nmessage_length: 5"
+    assert episode.step_rewards == [0.5] and not episode.done
+    with pytest.raises(ValueError, match=r"message: Input should be a valid string"):
+        asyncio.run(episode.echo(message=3))
+
+
+# -- a game: step rewards as turn credit, done ends it ------------------------------------------------------------
+def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
+    """Seed 1: the secret is 3. A guesses 5 (-0.1, "Lower."), then 3 (+1, done: the episode ends, its next scripted
+    turn is never sampled). B guesses 1, 2, 4, 5: -0.1 each, and the fourth try is the last (done). per_turn pools
+    the group's six turns: mean (1 - 0.5) / 6, the unbiased std of the six; A_T by hand."""
+    from episodes import pad_episodes
+    from mt_grpo_trainer import mt_grpo_advantages
+
+    factory = adapted("number_guess:NumberGuessEnvironment").environment_factory
+    rows = [{"prompt": "Guess the number.", "seed": 1}] * 2
+    script = {"Guess the number.": [[act("guess", guess=5), act("guess", guess=3), act("guess", guess=3)],
+                                    [act("guess", guess=g) for g in (1, 2, 4, 5, 6)]]}
+    (a, b), pool = episodes(tokenizer, factory, script, rows, max_env_steps=6)
+    assert "I picked a number from 1 to 10. Guess it." in a.prompt_messages[-1]["content"]
+    assert [m["content"].splitlines()[0] for m in a.messages if m["role"] == "tool"] == ["feedback: Lower.",
+                                                                                          "feedback: Correct!"]
+    assert a.stop_reason == b.stop_reason == "env_done"
+    assert [m["role"] for m in b.messages].count("tool") == 4  # the fifth scripted guess is never asked for
+    credit = turn_credit(pool, [a, b])
+    assert credit == [[pytest.approx(-0.1), 1.0], [pytest.approx(-0.1)] * 4]
+    R_T = torch.tensor([credit[0] + [float("nan")] * 2, credit[1]])
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    values = torch.tensor([-0.1, 1.0, -0.1, -0.1, -0.1, -0.1])
+    mean, std = values.mean(), values.std()
+    assert torch.allclose(adv.tokens[0][turns[0] == 1], (1.0 - mean) / std, atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], (-0.1 - mean) / std, atol=1e-4)
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def guess_server():
+    """The number-guessing game behind the minimal OpenEnv HTTP server (tests/fixtures/openenv/serve.py), on a free
+    local port, in a thread of this process; stopped at the end."""
+    import uvicorn
+
+    sys.path.insert(0, OE)
+    from number_guess import GuessAction, GuessObservation, NumberGuessEnvironment
+    from serve import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(NumberGuessEnvironment, GuessAction, GuessObservation),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_an_http_server_plays_the_same_game(tokenizer, guess_server):
+    factory = adapted(guess_server).environment_factory
+    assert factory.guess.json_schema["function"]["parameters"]["required"] == ["guess"]  # from GET /schema
+    rows = [{"prompt": "Guess the number.", "seed": 1}] * 2
+    script = {"Guess the number.": [[act("guess", guess=5), act("guess", guess=3)],
+                                    [act("guess", guess=3), act("guess", guess=9)]]}
+    (a, b), pool = episodes(tokenizer, factory, script, rows)
+    assert turn_credit(pool, [a, b]) == [[pytest.approx(-0.1), 1.0], [1.0]]  # concurrent episodes, each its own game
+    assert a.stop_reason == b.stop_reason == "env_done"
+    bad = act("guess", guess="three")
+    (c,), _ = episodes(tokenizer, factory, {"Guess the number.": [bad, act("guess", guess=3)]}, rows[:1])
+    assert "the server refused the action" in [m["content"] for m in c.messages if m["role"] == "tool"][0]
+
+
+def test_websocket_sessions_play_the_game_as_openenvs_client_does(tokenizer):
+    """`ws://`: OpenEnv's EnvClient contract, a session (one environment on the server) per episode instance."""
+    from number_guess import GuessAction, NumberGuessEnvironment
+    from session_server import SessionServer
+
+    server = SessionServer(NumberGuessEnvironment, GuessAction)
+    port = server.start()
+    try:
+        factory = adapted(f"ws://127.0.0.1:{port}").environment_factory
+        rows = [{"prompt": "Guess the number.", "seed": 1}] * 2
+        script = {"Guess the number.": [[act("guess", guess=5), act("guess", guess=3)],
+                                        [act("guess", guess="three"), act("guess", guess=3)]]}
+        (a, b), pool = episodes(tokenizer, factory, script, rows)
+        assert "I picked a number from 1 to 10." in a.prompt_messages[-1]["content"]
+        assert turn_credit(pool, [a, b]) == [[pytest.approx(-0.1), 1.0], [0.0, 1.0]]  # a refused call earns 0
+        assert "VALIDATION_ERROR" in [m["content"] for m in b.messages if m["role"] == "tool"][0]
+        assert a.stop_reason == b.stop_reason == "env_done"
+    finally:
+        server.stop()
+
+
+def test_mistakes_fail_naming_the_fix():
+    with pytest.raises(ValueError, match=r"no OpenEnv server answers there.*Start it"):
+        adapted("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"not an OpenEnv Environment class"):
+        adapted("number_guess:GuessAction")
+    import types
+
+    module = types.ModuleType("two_actions")
+    exec("from typing import Union\nfrom echo_env import EchoAction\nfrom number_guess import GuessAction\n"
+         "class TwoActions:\n    def reset(self):\n        pass\n"
+         "    def step(self, action: Union[EchoAction, GuessAction]):\n        pass\n", module.__dict__)
+    sys.modules["two_actions"] = module
+    with pytest.raises(ValueError, match=r"names no single Action class: set `openenv_action"):
+        adapted("two_actions:TwoActions")
+    assert adapted("two_actions:TwoActions", "number_guess:GuessAction").environment_factory.guess
+    from adapters import adapt
+
+    with pytest.raises(ValueError, match=r"`openenv_action` is set but `openenv_env` is not"):
+        adapt(SimpleNamespace(openenv_env=None, openenv_action="number_guess:GuessAction"))
+
+
+# -- one recipe line trains it ------------------------------------------------------------------------------------
+def oe_recipe(tmp_path, **fields) -> str:
+    import yaml
+
+    with open(os.path.join(ROOT, "tests", "recipes", "tiny.yaml")) as f:
+        recipe = {k: v for k, v in yaml.safe_load(f).items()
+                  if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs",
+                               "advantage_mode", "turn_advantage_coef")}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4,
+                                    "max_completion_length": 96, "max_tokens_per_turn": 24,
+                                    "max_env_steps": 3, **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize("target", ["echo_env:EchoEnvironment", "number_guess:NumberGuessEnvironment"])
+def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path):
+    from mt_grpo_trainer import build_trainer
+
+    fields = {"openenv_env": target}
+    if target.startswith("number_guess"):  # a dataset of seeds, so that a group plays one game
+        data = tmp_path / "seeds.jsonl"
+        data.write_text("".join(json.dumps({"prompt": "Guess the number.", "seed": s}) + "\n" for s in (1, 2)))
+        fields["dataset_name"] = str(data)
+    else:
+        fields["max_steps"] = 2  # no dataset: reset gives the prompt, as in TRL
+    out = str(tmp_path / "out")
+    trainer = build_trainer(["--config", oe_recipe(tmp_path, **fields), "--model_name_or_path", tiny_agent_dir,
+                             "--output_dir", out])
+    trainer.train()  # in this process, as the command line builds it
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2
+    name = target.split(":")[1]
+    assert f"rewards/turn/{name}_steps" in steps[0], sorted(steps[0])
+    record = rollout_records(out)[0]
+    tool = "echo(message: str)" if name == "EchoEnvironment" else "guess(guess: int)"
+    assert tool in record["prompt_text"]

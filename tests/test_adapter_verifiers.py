@@ -1,0 +1,322 @@
+"""adapters/verifiers.py: classic verifiers environments (tests/fixtures/verifiers/: a faithful copy of verifiers
+0.1.14's classic classes, and environment modules in verifiers' own style) run by the trainer unchanged: their
+datasets, tool schemas, hidden arguments, env_response as the user, stop conditions, max_turns, rubrics and
+per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line trains each."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import FIXTURES, ROOT, make_env, rollout_records
+from scripted_policy import ScriptedPolicy
+
+VF = os.path.join(FIXTURES, "verifiers")
+
+
+@pytest.fixture(autouse=True)
+def verifiers_on_path(monkeypatch):
+    """The fixture package `verifiers` and the environment modules importable, as an installed environment is."""
+    monkeypatch.syspath_prepend(VF)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_agent_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_agent_dir)
+
+
+def adapted(name: str, **env_args):
+    from adapters.verifiers import adapt
+
+    return adapt(SimpleNamespace(verifiers_env=name, verifiers_env_args=env_args or None))
+
+
+def episodes(tokenizer, parts, script: dict, rows: list[dict], **overrides):
+    """Scripted episodes of an adapted environment: the xml protocol, the environment's limits."""
+    from environments import EnvironmentPool
+    from protocol import XMLProtocol
+
+    protocol = XMLProtocol()
+    pool = EnvironmentPool(parts.environment_factory, [], protocol)
+    limits = {**parts.settings, **overrides}
+    env = make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None, examples=None,
+                   max_completion_length=800, max_tokens_per_turn=96, max_tool_response_tokens=64, **limits)
+    prompts = [env.prompt(row["prompt"]) for row in rows]
+    return env.rollout(prompts, ScriptedPolicy(tokenizer, script), rows=rows), pool
+
+
+def outcome(parts, eps) -> dict[str, list[float]]:
+    completions, instances = [ep.messages for ep in eps], [ep.toolset.environment for ep in eps]
+    return {f.__name__: f(prompts=[None] * len(eps), completions=completions, environments=instances)
+            for f in parts.outcome_funcs}
+
+
+def turn_credit(pool, eps) -> list[list[float]]:
+    steps = pool.reward_funcs[1][0]
+    return steps(completions=[ep.messages for ep in eps], environments=[ep.toolset.environment for ep in eps])
+
+
+def call(tool: str, **args) -> str:
+    import json
+
+    return f'<reasoning>Use it.</reasoning>\n<tool>{{"name": "{tool}", "args": {json.dumps(args)}}}</tool>'
+
+
+# -- ToolEnv ---------------------------------------------------------------------------------------------------
+def test_tool_env_brings_its_dataset_schema_rubric_and_limits():
+    parts = adapted("vf_calculator")
+    row = parts.train_dataset[0]
+    assert row["prompt"][0]["role"] == "system" and "calculator" in row["prompt"][0]["content"]
+    assert (row["answer"], row["example_id"], row["task"]) == ("36", 0, "arithmetic")
+    method = parts.environment_factory.calculate
+    assert method.json_schema["function"]["name"] == "calculate"
+    assert method.json_schema["function"]["parameters"]["required"] == ["expression"]
+    assert parts.settings == {"max_env_steps": 2, "max_user_turns": 2}  # max_turns=3 model turns
+    assert [f.__name__ for f in parts.outcome_funcs] == ["correct_answer", "format_reward_func"]
+    assert parts.environment_factory.respond is None  # a ToolEnv ends on a turn without a call
+
+
+def test_tool_env_episode_runs_the_tool_and_scores_with_the_rubric(tokenizer):
+    """Call calculate("3 * 12") -> "36", then answer 36: correct_answer 1. The format reward (weight 0.2) by hand:
+    XMLParser(["answer"]) scores the call turn 0.2 (no field, spacing kept) and the answer turn 0.4 + 0.2 + 0.2
+    (field, spacing, ends with </answer>; starts with <reasoning>, not <answer>): mean 0.5, x 0.2 = 0.1."""
+    parts = adapted("vf_calculator")
+    rows = [dict(parts.train_dataset[0])]
+    question = rows[0]["prompt"][-1]["content"]
+    eps, pool = episodes(tokenizer, parts, {question: [call("calculate", expression="3 * 12"),
+                                                       "<reasoning>So.</reasoning>\n<answer>36</answer>"]}, rows)
+    ep, = eps
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["36"]
+    assert ep.stop_reason == "answer"
+    assert outcome(parts, eps) == {"correct_answer": [1.0], "format_reward_func": [pytest.approx(0.1)]}
+    state = ep.toolset.environment.state
+    assert [m["role"] for m in state["completion"]] == ["assistant", "tool", "assistant"]
+    assert state["completion"][0].tool_calls[0].name == "calculate" and len(state["trajectory"]) == 2
+
+
+def test_chat_template_turn_with_two_calls_runs_both(qwen_style_tokenizer):
+    """The chat_template format (the tool's schema as verifiers built it, in the template's tools): one turn with two
+    calls gets both results, in order, then the answer ends the episode."""
+    from environments import EnvironmentPool
+    from protocol import ChatTemplateProtocol
+
+    parts = adapted("vf_calculator")
+    protocol = ChatTemplateProtocol(qwen_style_tokenizer)
+    pool = EnvironmentPool(parts.environment_factory, [], protocol)
+    env = make_env(qwen_style_tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None,
+                   examples=None, max_completion_length=1600, max_tokens_per_turn=400, **parts.settings)
+    row = dict(parts.train_dataset[3])
+    prompt = env.prompt(row["prompt"])
+    assert '"name": "calculate"' in env.render(prompt, add_generation_prompt=True)
+    two = protocol.format_call("calculate", {"expression": "7 * 8"}) + protocol.format_call("calculate",
+                                                                                            {"expression": "56 + 0"})
+    ep, = env.rollout([prompt], ScriptedPolicy(qwen_style_tokenizer, {row["prompt"][-1]["content"]: [
+        two, "<answer>56</answer>"]}), rows=[row])
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["56", "56"]
+    assert outcome(parts, [ep])["correct_answer"] == [1.0]
+
+
+def test_max_turns_stops_tool_calls_as_verifiers_does(tokenizer):
+    """max_turns=3 model turns: two tool replies, and the third turn's call is not run (verifiers checks
+    max_turns_reached after the model's turn, before env_response)."""
+    parts = adapted("vf_calculator")
+    rows = [dict(parts.train_dataset[1])]
+    question = rows[0]["prompt"][-1]["content"]
+    eps, _ = episodes(tokenizer, parts, {question: [call("calculate", expression=f"45 * {k}") for k in (1, 2, 3, 4)]},
+                      rows)
+    ep, = eps
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["45", "90"]
+    assert [m["role"] for m in ep.messages].count("assistant") == 3 and ep.stop_reason == "max_env_steps"
+
+
+def test_a_tool_error_reads_as_verifiers_formats_it(tokenizer):
+    parts = adapted("vf_calculator")
+    rows = [dict(parts.train_dataset[2])]
+    question = rows[0]["prompt"][-1]["content"]
+    eps, _ = episodes(tokenizer, parts, {question: [call("calculate", expression="import os"),
+                                                    "<reasoning>So.</reasoning>\n<answer>33</answer>"]}, rows)
+    tool, = [m["content"] for m in eps[0].messages if m["role"] == "tool"]
+    assert tool == "only numbers and + - * / ( ) are allowed, got 'import os'"  # error_formatter's text
+
+
+# -- StatefulToolEnv -----------------------------------------------------------------------------------------
+def test_stateful_tool_env_hides_its_injected_arguments(tokenizer):
+    import vf_notes
+
+    parts = adapted("vf_notes")
+    factory = parts.environment_factory
+    assert list(factory.write_note.json_schema["function"]["parameters"]["properties"]) == ["note"]
+    assert factory.read_notes.json_schema["function"]["parameters"]["properties"] == {}
+    rows = [dict(parts.train_dataset[0])]
+    question = rows[0]["prompt"][-1]["content"]
+    eps, _ = episodes(tokenizer, parts, {question: [call("write_note", note="apple pie"), call("read_notes"),
+                                                    "<reasoning>Done.</reasoning>\n<answer>ok</answer>"]}, rows)
+    ep, = eps
+    notebook = ep.toolset.environment.state["notebook_id"]
+    assert notebook.startswith("nb-0-") and vf_notes.NOTEBOOKS[notebook] == ["apple pie"]
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["saved note 1", "apple pie"]
+    assert outcome(parts, eps) == {"wrote_the_word": [1.0]}
+
+
+# -- MultiTurnEnv: env_response as the user -------------------------------------------------------------------
+def guess(n) -> str:
+    return f"<reasoning>Try.</reasoning>\n<guess>{n}</guess>"
+
+
+def test_multiturn_env_replies_as_the_user_and_its_stop_condition_ends_the_game(tokenizer):
+    """Secret 7. A guesses 5 ("Higher."), 7 ("Correct!" sets solved), then one more turn: verifiers checks its stop
+    conditions after that turn, `solved` fires, no reply. B guesses 1, 2, 3, 4 (max_turns 4): three replies, the
+    fourth turn gets none. Rubric: correct 1 / 0, efficiency 0.5 x 1/2, format 0.2 x (each turn 0.4 + 0.2 + 0.2)."""
+    parts = adapted("vf_guess", secrets=[7])
+    rows = [dict(parts.train_dataset[0])] * 2
+    script = {"Guess the secret number": [[guess(5), guess(7), guess(7)], [guess(1), guess(2), guess(3), guess(4)]]}
+    (a, b), pool = episodes(tokenizer, parts, script, rows)
+    assert [m["content"] for m in a.messages if m["role"] == "user"] == ["Higher.", "Correct!"]
+    assert [m["content"] for m in b.messages if m["role"] == "user"] == ["Higher.", "Higher.", "Higher."]
+    assert [m["role"] for m in a.messages].count("assistant") == 3 and a.toolset.environment.state["solved"]
+    assert [m["role"] for m in b.messages].count("assistant") == 4
+    assert a.toolset.environment.state["stop_condition"] == "solved"
+    scores = outcome(parts, [a, b])
+    assert scores["correct_answer"] == [1.0, 0.0] and scores["efficiency"] == [0.25, 0.0]
+    assert scores["format_reward_func"] == [pytest.approx(0.16), pytest.approx(0.16)]
+    assert turn_credit(pool, [a, b]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]  # no step rewards: R_T 0 per answered turn
+
+
+def test_per_step_rewards_the_environment_sets_are_each_turns_credit(tokenizer):
+    """An environment that sets its trajectory step's reward in env_response (-0.1 a wrong guess, 1 the right one):
+    each user turn's R_T is its step's reward."""
+    import vf_guess
+
+    class ScoredGuessEnv(vf_guess.GuessEnv):
+        async def env_response(self, messages, state, **kwargs):
+            reply = await super().env_response(messages, state, **kwargs)
+            state["trajectory"][-1]["reward"] = 1.0 if state["solved"] else -0.1
+            return reply
+
+    env = vf_guess.load_environment(secrets=[3])
+    scored = ScoredGuessEnv(dataset=env.dataset_source(), system_prompt=env.system_prompt, parser=env.parser,
+                            rubric=env.rubric, max_turns=4)
+    parts = adapt_env(scored)
+    rows = [dict(parts.train_dataset[0])] * 2
+    script = {"Guess the secret number": [[guess(5), guess(3), guess(3)], [guess(3), guess(3)]]}
+    eps, pool = episodes(tokenizer, parts, script, rows)
+    assert turn_credit(pool, eps) == [[-0.1, 1.0], [1.0]]
+
+
+def test_a_rubric_with_a_group_function_scores_each_examples_episodes_together(tokenizer):
+    """A group reward function (plural arguments) is scored by score_group over the episodes of one example: here
+    1 for the group's fewest guesses, 0 for the others."""
+    import vf_guess
+
+    def fewest_guesses(states, **kwargs) -> list[float]:
+        counts = [len(s["guesses"]) for s in states]
+        return [1.0 if c == min(counts) else 0.0 for c in counts]
+
+    env = vf_guess.load_environment(secrets=[3])
+    env.rubric.add_reward_func(fewest_guesses, weight=2.0)
+    parts = adapt_env(env)
+    rows = [dict(parts.train_dataset[0])] * 2
+    script = {"Guess the secret number": [[guess(5), guess(3), guess(3)], [guess(3), guess(3)]]}
+    eps, _ = episodes(tokenizer, parts, script, rows)
+    assert outcome(parts, eps)["fewest_guesses"] == [0.0, 2.0]
+
+
+def adapt_env(env):
+    """adapt() for an environment object made in the test (load_environment returns it)."""
+    import types
+
+    from adapters.verifiers import adapt
+
+    module = types.ModuleType("made_here")
+    module.load_environment = lambda: env
+    sys.modules["made_here"] = module
+    return adapt(SimpleNamespace(verifiers_env="made_here", verifiers_env_args=None))
+
+
+def test_the_older_api_is_completed_with_messages_and_a_state_pair(tokenizer):
+    parts = adapted("vf_sorting_legacy")
+    rows = [dict(parts.train_dataset[0])]
+    script = {"Sort: pear, fig, kiwi.": ["fig, kiwi, pear", "apple, fig, kiwi, pear", "extra turn"]}
+    eps, _ = episodes(tokenizer, parts, script, rows)
+    ep, = eps
+    assert [m["content"] for m in ep.messages if m["role"] == "user"] == ["Now add apple and sort again."]
+    assert [m["role"] for m in ep.messages].count("assistant") == 2  # is_completed after the second answer
+    assert outcome(parts, eps) == {"sorted_last": [1.0]}
+
+
+# -- mistakes ---------------------------------------------------------------------------------------------------
+def test_bad_names_fail_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"no module no_such_env to import.*PYTHONPATH"):
+        adapted("no_such_env")
+    (tmp_path / "not_an_env.py").write_text("X = 1\n")
+    with pytest.raises(ValueError, match=r"has no `load_environment` function"):
+        adapted(str(tmp_path / "not_an_env.py"))
+    with pytest.raises(ValueError, match=r"verifiers_env_args"):
+        adapted("vf_notes", no_such_argument=1)
+    (tmp_path / "agent_env.py").write_text("class Env:\n    pass\n\ndef load_environment():\n    return Env()\n")
+    with pytest.raises(ValueError, match=r"not a classic verifiers environment.*verifiers.v1"):
+        adapted(str(tmp_path / "agent_env.py"))
+
+
+# -- one recipe line trains it ----------------------------------------------------------------------------------
+def vf_recipe(tmp_path, **fields) -> str:
+    """The tiny recipe's model and training keys, without the knowledge base's dataset, tools and rewards, and the
+    fields given: the recipe a user writes for an environment."""
+    import yaml
+
+    with open(os.path.join(ROOT, "tests", "recipes", "tiny.yaml")) as f:
+        recipe = {k: v for k, v in yaml.safe_load(f).items()
+                  if k not in ("dataset_name", "max_samples", "tools", "turn_reward_funcs", "outcome_reward_funcs",
+                               "max_env_steps", "advantage_mode", "turn_advantage_coef")}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "save_rollouts_steps": 1, "per_device_train_batch_size": 4,
+                                    "max_completion_length": 96, "max_tokens_per_turn": 24, **fields}))
+    return str(path)
+
+
+def train(recipe: str, model_dir: str, out: str) -> list[dict]:
+    """The recipe trained in this process (build_trainer, as the command line builds it): the steps' logs."""
+    from mt_grpo_trainer import build_trainer
+
+    trainer = build_trainer(["--config", recipe, "--model_name_or_path", model_dir, "--output_dir", out])
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("module", ["vf_calculator", "vf_guess"])
+def test_one_recipe_line_trains_two_steps(module, tiny_agent_dir, tmp_path):
+    out = str(tmp_path / "out")
+    steps = train(vf_recipe(tmp_path, verifiers_env=module), tiny_agent_dir, out)
+    assert len(steps) == 2
+    assert "rewards/outcome/correct_answer" in steps[0], sorted(steps[0])
+    if module == "vf_guess":  # user turns: the per-turn reward of replies
+        assert "rewards/turn/GuessEnv_steps" in steps[0], sorted(steps[0])
+    record = rollout_records(out)[0]
+    assert {"vf_calculator": "calculator", "vf_guess": "guessing game"}[module] in record["prompt_text"]
+
+
+def test_the_environments_limits_fill_the_config_and_a_smaller_recipe_value_holds():
+    from builders import apply_settings
+
+    args = SimpleNamespace(max_env_steps=None, max_user_turns=5)
+    apply_settings(args, {"max_env_steps": 2, "max_user_turns": 9})
+    assert (args.max_env_steps, args.max_user_turns) == (2, 5)
+    apply_settings(args, {"max_env_steps": 1})
+    assert args.max_env_steps == 1
+
+
+def test_a_dataset_name_beside_an_environment_that_brings_its_dataset_fails_naming_the_fix():
+    import dataclasses
+
+    from adapters import AdapterArguments
+    from builders import adapted_parts
+
+    blank = {f.name: None for f in dataclasses.fields(AdapterArguments)}
+    args = SimpleNamespace(**{**blank, "verifiers_env": "vf_calculator", "dataset_name": "mine.jsonl"})
+    with pytest.raises(ValueError, match=r"brings its own dataset, so `dataset_name: mine.jsonl` would not be read"):
+        adapted_parts(args, None)
+    args.dataset_name = "fictional_kb"  # the default: the environment's rows
+    assert adapted_parts(args, None).train_dataset is not None

@@ -1,0 +1,364 @@
+"""verl 0.7.1's environments trained unchanged (adapters/verl.py): its GSM8K tool and GSM8K interaction, from their
+own YAML files and a parquet written as verl's preprocessing scripts write it, train two steps from one constructor
+field each; scripted episodes check each turn's credit (the tool's step rewards, the interaction's scores) and
+the advantages by hand, finalize_interaction for every episode, compute_score's arguments; bad configs fail
+naming the fix. The verl classes are the wheel's own files (tests/fixtures/verl/verl, first on sys.path): the
+package itself does not import without torch distributed and ray."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from helpers import ROOT, final_metrics, make_chat_template_agent, make_env, rollout_records, run
+from scripted_policy import ScriptedPolicy
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "verl")
+TOOL_CONFIG = os.path.join(FIXTURES, "gsm8k_tool_config.yaml")
+INTERACTION_CONFIG = os.path.join(FIXTURES, "gsm8k_interaction_config.yaml")
+# GSM8K's first two training questions, with their answers (verl's extract_solution of the "#### N" line)
+QUESTIONS = {"72": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to her "
+                   "friends in May. How many clips did Natalia sell altogether in April and May?",
+             "10": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How "
+                   "much did she earn?"}
+INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+
+
+@pytest.fixture(autouse=True)
+def verl_on_path(monkeypatch):
+    """The wheel's verl files (and the user's module beside them) importable here and in the trainer's subprocess."""
+    monkeypatch.syspath_prepend(FIXTURES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FIXTURES, ROOT, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def qwen_agent_dir(tiny_agent_dir, tmp_path_factory):
+    """The tiny agent with Qwen2.5's chat template and tool-call tokens (untrained on them: the policy is scripted)."""
+    return make_chat_template_agent(tiny_agent_dir, str(tmp_path_factory.mktemp("verl-qwen")), steps=0)
+
+
+def verl_row(answer: str, index: int, interaction: str | None = None) -> dict:
+    """A row as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (interaction=None) or
+    gsm8k_multiturn_w_interaction.py writes it."""
+    question = QUESTIONS.get(answer, f"What is {answer} plus 0?") + " " + INSTRUCTION
+    system = ("You are a math expert. You are given a question and you need to solve it step by step. "
+              + ("Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
+                 "step by step solving the question, before generate final answer at least once and refine your "
+                 "answer if necessary. " if interaction is None else
+                 "You should rethinking carefully if user point out your answer is wrong. ")
+              + "Put your final answer in the format of `#### <answer>`.")
+    extra = {"split": "train", "index": index, "question": question}
+    if interaction is None:
+        extra.update(need_tools_kwargs=True,
+                     tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
+                     interaction_kwargs={"query": question, "ground_truth": answer})
+    else:
+        extra["interaction_kwargs"] = {"name": interaction, "query": question, "ground_truth": answer}
+    return {"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": system},
+                                                      {"role": "user", "content": question}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": extra}
+
+
+def write_parquet(path, rows: list[dict]) -> str:
+    from datasets import Dataset
+
+    Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def call(answer: str) -> str:
+    from protocol import ChatTemplateProtocol
+
+    return ChatTemplateProtocol().format_call("calc_gsm8k_reward", {"answer": answer}) + "<|im_end|>"
+
+
+def final(answer: str, why: str = "So the answer is") -> str:
+    """A model turn without a tool call. A scripted variant's first turn must be its own (ScriptedPolicy finds the
+    variant by it): `why` tells them apart."""
+    return f"{why}\n#### {answer}<|im_end|>"
+
+
+def adapted(tool_config=None, interaction_config=None):
+    from adapters.verl import adapt
+
+    return adapt(types.SimpleNamespace(verl_tool_config=tool_config, verl_interaction_config=interaction_config,
+                                       tool_timeout=10.0))
+
+
+def verl_env(tokenizer, tool_config=None, interaction_config=None, **overrides):
+    """The trainer's env over the adapted class, chat_template protocol, no system prompt of ours."""
+    from environments import EnvironmentPool
+    from protocol import ChatTemplateProtocol
+
+    protocol = ChatTemplateProtocol(tokenizer)
+    pool = EnvironmentPool(adapted(tool_config, interaction_config).environment_factory, [], protocol)
+    settings = dict(max_env_steps=4, max_completion_length=600, max_tokens_per_turn=64, task_prompt=None,
+                    examples=None, questions=False, **overrides)  # a `prompt` column's rows, as builders sees them
+    return make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, **settings), pool
+
+
+def roll(env, rows, script):
+    return env.rollout([env.prompt(row["prompt"]) for row in rows], ScriptedPolicy(env.tokenizer, script), rows=rows)
+
+
+def turn_table(pool, episodes, rows):
+    from mt_grpo_trainer import compute_rewards_per_func, per_turn_reward_table
+
+    funcs = pool.reward_funcs[1]
+    columns = {"environments": [ep.toolset.environment for ep in episodes]}
+    turns = max(ep.tool_turns for ep in episodes)
+    values = compute_rewards_per_func(funcs, ["p"] * len(rows), [ep.messages for ep in episodes], columns,
+                                      [ep.tool_turns for ep in episodes], turns)
+    return per_turn_reward_table(values, torch.ones(len(funcs)), torch.tensor([ep.tool_turns for ep in episodes]),
+                                 [True] * len(funcs))
+
+
+# -- the tool: scripted ------------------------------------------------------------------------------------
+def test_the_gsm8k_tool_gives_each_turn_its_step_reward_and_the_advantages_by_hand(qwen_style_tokenizer):
+    """verl 0.7.1 creates the tool's instance per call, so Gsm8kTool's step reward compares each answer with a
+    fresh 0.0: 0.0 for a right answer, -0.05 for a wrong one. A: 72 (right). B: 70, then 72. The turn's R_T is the
+    step reward; its schema is the YAML's, and the prompt is verl's, with no system prompt of ours."""
+    from mt_grpo_trainer import mt_grpo_advantages
+    from episodes import pad_episodes
+
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
+    rows = [verl_row("72", 0)] * 2
+    script = {"Natalia sold clips": [[call("72"), final("72")], [call("70"), call("72"), final("72")]]}
+    b, a = roll(env, rows[::-1], {k: v[::-1] for k, v in script.items()})  # B first: its first call is not A's
+    assert [m["content"] for m in a.messages if m["role"] == "tool"] == ["Current parsed answer='72' reward=1.0"]
+    assert a.messages[-1]["content"] == b.messages[-1]["content"] == "So the answer is\n#### 72"
+    assert [m["content"] for m in b.messages if m["role"] == "tool"] == ["Current parsed answer='70' reward=0.0",
+                                                                         "Current parsed answer='72' reward=1.0"]
+    # the YAML's schema as given to the template, and verl's own system prompt, first and alone
+    text = qwen_style_tokenizer.decode(a.prompt_ids)
+    assert '"description": "The model\'s answer to the GSM8K math problem, must be a digits"' in text
+    assert text.startswith("<|im_start|>system\n" + rows[0]["prompt"][0]["content"] + "\n\n# Tools")
+    assert a.toolset.environment.tool_rewards == [0.0] and b.toolset.environment.tool_rewards == [-0.05, 0.0]
+    R_T = turn_table(pool, [a, b], rows)
+    assert R_T[0, 0].item() == 0.0 and torch.isnan(R_T[0, 1]) and R_T[1, :2].tolist() == pytest.approx([-0.05, 0.0])
+    # per_turn: the group's turns (0, -0.05, 0) pooled: mean -1/60, std (unbiased) 0.028868;
+    # A_T = (0 + 1/60) / 0.028868 = 0.57735 for a right answer, -1.1547 for the wrong one
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(0.57735), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-1.1547), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 1], torch.tensor(0.57735), atol=1e-4)
+
+
+def test_compute_score_gets_verls_arguments(qwen_style_tokenizer):
+    """compute_score(data_source, solution_str, ground_truth, extra_info) by dotted path: the whole response decoded
+    without special tokens (tool turns included), reward_model.ground_truth, the row's extra_info with the
+    episode's tool_rewards, turn_scores and num_turns; its dict's "score" is the reward, its other keys logged."""
+    from rewards import get_reward_func
+
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
+    rows = [verl_row("72", 0), verl_row("10", 1)]
+    ep72, ep10 = roll(env, rows, {"Natalia sold clips": [call("70"), final("72")], "Weng earns": [final("12")]})
+    # verl's custom_reward_function {path, name} as `path:name`
+    reward = get_reward_func(os.path.join(FIXTURES, "user_verl.py") + ":compute_score")
+    assert reward.__name__ == "compute_score"
+    reward.tokenizer = qwen_style_tokenizer  # as builders.assemble sets it
+    logged, scored = {}, reward.verl_compute_score.__globals__["SCORED"]
+    values = reward(prompts=["a", "b"], completions=[ep72.messages, ep10.messages],
+                    completion_ids=[ep72.completion_ids, ep10.completion_ids],
+                    environments=[ep72.toolset.environment, ep10.toolset.environment],
+                    log_extra=lambda column, v: logged.update({column: v}),
+                    **{k: [r[k] for r in rows] for k in ("data_source", "reward_model", "extra_info", "ability")})
+    assert values == [1.0, 0.0] and logged == {"compute_score/turns": [4, 2]}
+    first, second = scored
+    assert first["solution_str"] == qwen_style_tokenizer.decode(ep72.completion_ids, skip_special_tokens=True)
+    assert "Current parsed answer='70'" in first["solution_str"] and first["solution_str"].endswith("#### 72")
+    assert (first["data_source"], first["ground_truth"], second["ground_truth"]) == ("openai/gsm8k", "72", "10")
+    info = first["extra_info"]
+    assert info["tools_kwargs"] == rows[0]["extra_info"]["tools_kwargs"] and info["index"] == 0
+    assert (info["tool_rewards"], info["turn_scores"], info["num_turns"]) == ([-0.05], [], 4)
+
+
+# -- the interaction: scripted ---------------------------------------------------------------------------
+def test_the_gsm8k_interaction_answers_as_the_user_and_scores_each_turn(qwen_style_tokenizer):
+    """A wrong answer gets Gsm8kInteraction's feedback as a user turn and a score of 0; a right one its "correct"
+    reply and the end of the episode. Each model turn's R_T is its score; the advantages by hand."""
+    from mt_grpo_trainer import mt_grpo_advantages
+    from episodes import pad_episodes
+
+    env, pool = verl_env(qwen_style_tokenizer, interaction_config=INTERACTION_CONFIG)
+    rows = [verl_row("72", 0, interaction="gsm8k")] * 2
+    script = {"Natalia sold clips": [[final("72", "A:")], [final("70", "B:"), final("72")]]}
+    a, b = roll(env, rows, script)
+    users = lambda ep: [m["content"] for m in ep.messages if m["role"] == "user"]  # noqa: E731
+    assert users(a) == ["Your response is correct!"]
+    assert users(b) == ["Your response is incorrect! You need to reflect on your answer and try again.",
+                        "Your response is correct!"]
+    assert [m["role"] for m in b.messages] == ["assistant", "user", "assistant", "user"]  # done: reply, then end
+    assert b.toolset.environment.turn_scores == [0.0, 1.0]
+    R_T = turn_table(pool, [a, b], rows)
+    assert R_T[0, 0].item() == 1.0 and R_T[1, :2].tolist() == [0.0, 1.0]
+    # per_turn: (1, 0, 1) pooled: mean 2/3, std (unbiased) 0.57735; A_T = +0.57735 (right), -1.1547 (wrong)
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(0.57735), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-1.1547), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 1], torch.tensor(0.57735), atol=1e-4)
+
+
+def test_tools_and_an_interaction_in_one_environment(qwen_style_tokenizer):
+    """Both configs: one class; a tool turn's R_T is its step reward, the answer's the interaction's score."""
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG, INTERACTION_CONFIG)
+    row = verl_row("72", 0, interaction="gsm8k")
+    row["extra_info"]["tools_kwargs"] = verl_row("72", 0)["extra_info"]["tools_kwargs"]
+    ep, = roll(env, [row], {"Natalia sold clips": [call("70"), final("72")]})
+    assert [m["role"] for m in ep.messages] == ["assistant", "tool", "assistant", "user"]
+    assert ep.messages[-1]["content"] == "Your response is correct!"
+    assert turn_table(pool, [ep], [row])[0].tolist() == pytest.approx([-0.05, 1.0])
+
+
+def test_finalize_interaction_runs_for_every_episode_even_one_that_raised(qwen_style_tokenizer, tmp_path):
+    """A user's interaction (subclassing verl's BaseInteraction) whose generate_response raises for one row: that
+    episode ends on the error, and every episode's interaction is finalized once, with its own request id."""
+    import user_verl
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text("interaction:\n  - name: flaky\n    class_name: user_verl.FlakyInteraction\n    config: {}\n")
+    env, pool = verl_env(qwen_style_tokenizer, interaction_config=str(config))
+    user_verl.STARTED.clear(), user_verl.FINALIZED.clear()
+    rows = [verl_row("72", 0, interaction="flaky"), verl_row("raise", 1, interaction="flaky")]
+    rows[1]["prompt"][1]["content"] = "Explode. " + INSTRUCTION
+    ok, raised = roll(env, rows, {"Natalia sold clips": [final("72")], "Explode.": [final("1")]})
+    env.release([ok, raised])
+    assert [m["content"] for m in ok.messages if m["role"] == "user"] == ["Correct."]
+    assert [m["role"] for m in raised.messages] == ["assistant"]  # no reply: the episode ended on the error
+    assert len(user_verl.STARTED) == 2 and sorted(user_verl.FINALIZED) == sorted(user_verl.STARTED)
+    interaction = pool.free[None][0]._verl_interactions["flaky"]
+    assert interaction._instance_dict == {}  # each finalize released its state
+
+
+# -- training, from the constructor field ----------------------------------------------------------------------
+TRAIN = """
+import sys
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+sys.path.insert(0, "tests")
+from scripted_policy import ScriptedTransformersBackend
+script = {script!r}
+args = MTGRPOConfig(output_dir={out!r}, dataset_name={data!r}, {field}={config!r}, tool_format="chat_template",
+                    outcome_reward_funcs=["verl.utils.reward_score.default_compute_score"],
+                    max_steps=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=512,
+                    max_tokens_per_turn=64, max_tool_response_tokens=32, use_cpu=True, bf16=False, report_to="none",
+                    save_strategy="no", learning_rate=1e-3, logging_steps=1, disable_tqdm=True,
+                    save_rollouts_steps=1, max_env_steps=3, eval_strategy="no", max_prompt_length=4096{more})
+trainer = MTGRPOEnvTrainer({model!r}, args=args, backend=lambda env: ScriptedTransformersBackend(env.tokenizer, script))
+trainer.train()
+trainer.save_state()
+"""
+
+
+def train(tmp_path, model_dir, field, config, rows, script, **more):
+    out = str(tmp_path / "out")
+    data = write_parquet(tmp_path / "train.parquet", rows)
+    more = "".join(f", {k}={v!r}" for k, v in more.items())
+    run([sys.executable, "-c", TRAIN.format(script=script, out=out, data=data, field=field, config=config,
+                                            model=model_dir, more=more)], tmp_path)
+    records = rollout_records(out) + rollout_records(out, "step-000002.jsonl")
+    return [h for h in final_metrics(out) if "loss" in h], records
+
+
+def test_the_gsm8k_tool_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path):
+    """verl's gsm8k_tool_config.yaml and a parquet of verl's gsm8k_multiturn_w_tool rows: two steps; the tool's
+    step rewards are each turn's R_T, default_compute_score the outcome."""
+    script = {"Natalia sold clips": [[call("70"), call("72"), final("72")], [call("72"), final("72")],
+                                     [call("71"), final("71")], [final("72", "Done:")]],
+              "Weng earns": [[call("10"), final("10")], [final("10", "A:")], [final("12", "B:")],
+                             [call("12"), final("12")]]}
+    steps, records = train(tmp_path, qwen_agent_dir, "verl_tool_config", TOOL_CONFIG,
+                           [verl_row("72", 0), verl_row("10", 1)], script)
+    assert len(steps) == 2
+    assert "rewards/outcome/default_compute_score" in steps[0] and "rewards/turn/VerlEnvironment_steps" in steps[0]
+    natalia = [r for r in records if "Natalia" in r["prompt_text"]]
+    assert [r["R_T"] for r in natalia] == [pytest.approx([-0.05, 0.0]), [0.0], pytest.approx([-0.05]), [0.0]]
+    assert [r["R_O"] for r in natalia] == [1.0, 1.0, 0.0, 1.0]
+    assert [r["stop_reason"] for r in natalia] == ["no_action"] * 4
+    # verl's prompt as the row has it: its own system message, none of ours (no <answer> format asked)
+    assert natalia[0]["prompt_text"].startswith("<|im_start|>system\nYou are a math expert. You are given")
+    prompt = natalia[0]["prompt_text"]
+    assert "`#### <answer>`.\n\n# Tools" in prompt and "inside <answer> </answer>" not in prompt
+    assert prompt.count("<|im_start|>") == 3  # system, the question, the generation prompt: no worked example
+
+
+def test_the_gsm8k_interaction_trains_two_steps_from_its_yaml(qwen_agent_dir, tmp_path):
+    """verl's gsm8k interaction config and a parquet of gsm8k_multiturn_w_interaction rows: two steps; each model
+    turn's R_T is the interaction's score, A_T by hand."""
+    script = {"Natalia sold clips": [[final("72", "A:")], [final("70", "B:"), final("72")],
+                                     [final("70", "C:"), final("71"), final("72")],
+                                     [final("1", "D:"), final("2"), final("3"), final("4")]],
+              "Weng earns": [[final("10", "A:")], [final("12", "B:"), final("10")], [final("10", "C:")],
+                             [final("10", "D:")]]}
+    steps, records = train(tmp_path, qwen_agent_dir, "verl_interaction_config", INTERACTION_CONFIG,
+                           [verl_row("72", 0, "gsm8k"), verl_row("10", 1, "gsm8k")], script, max_user_turns=3)
+    assert len(steps) == 2 and "rewards/turn/VerlEnvironment_steps" in steps[0]
+    natalia = [r for r in records if "Natalia" in r["prompt_text"]]
+    # D's fourth answer gets no reply (max_user_turns=3, as verl's multi_turn.max_user_turns): no turn reward
+    assert [r["R_T"] for r in natalia] == [[1.0], [0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    assert [r["stop_reason"] for r in natalia] == ["env_done"] * 3 + ["no_action"]
+    pooled = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    mean = sum(pooled) / len(pooled)
+    std = (sum((x - mean) ** 2 for x in pooled) / (len(pooled) - 1)) ** 0.5
+    assert [r["A_T"] for r in natalia] == [[pytest.approx((x - mean) / std) for x in r["R_T"]] for r in natalia]
+
+
+# -- mistakes ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.NoSuchTool\n    config: {type: native}\n    tool_schema: {}\n",
+     "has no class 'NoSuchTool'"),
+    ("tools:\n  - class_name: no_such_package.Tool\n    config: {type: native}\n", "does not import"),
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n", "has no `tool_schema`"),
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n    tool_schema:\n"
+     "      type: function\n      function: {name: calc}\n", "not an OpenAI function schema"),
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: sandbox}\n", "not a verl tool type"),
+    ("tools: []\n", "has no `tools:` list"),
+    ("interaction:\n  - class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n  - class_name: "
+     "verl.interactions.gsm8k_interaction.Gsm8kInteraction\n", "name 'gsm8k' is used twice"),
+])
+def test_bad_configs_fail_naming_the_fix(tmp_path, text, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    field = "interaction_config" if text.startswith("interaction") else "tool_config"
+    with pytest.raises(ValueError, match=message):
+        adapted(**{field: str(path)})
+
+
+def test_a_row_naming_an_unknown_interaction_fails_naming_the_fix():
+    env_class = adapted(interaction_config=INTERACTION_CONFIG).environment_factory
+    with pytest.raises(ValueError, match=r"'math_tutor', which verl_interaction_config does not define.*\['gsm8k'\]"):
+        env_class().reset(**verl_row("72", 0, interaction="math_tutor"))
+    with pytest.raises(ValueError, match="requires one: give each row `extra_info.interaction_kwargs.name`"):
+        env_class().reset(**verl_row("72", 0))  # the tool rows have interaction_kwargs without a name
+    with pytest.raises(ValueError, match="is not a file"):
+        adapted(tool_config="no/such/tool_config.yaml")
+
+
+def test_an_mcp_entry_serves_its_selected_tools(tmp_path):
+    """verl's mcp_tool_config.yaml form: `config.type: mcp`, the servers of an mcpServers JSON, `tool_selected_list`;
+    the server's tools join the run's tools with their own schema, and a call returns the server's text."""
+    from tasks.fictional_kb import build_fictional_kb
+    from tools import mcp
+    from tools.search import make_search_tool
+
+    if not hasattr(mcp, "mcp_tools_from_map"):  # the mcpServers map lands on main from the `mcpfix` branch
+        pytest.skip("tools.mcp.mcp_tools_from_map is not on this branch yet")
+
+    servers = tmp_path / "mcp_server.json"
+    servers.write_text('{"mcpServers": {"kb": {"command": "python", "args": ["tools/kb_mcp_server.py", "--seed", '
+                       '"0", "--crashable"]}}}')
+    config = tmp_path / "mcp_tool_config.yaml"
+    config.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config:\n"
+                      "      rate_limit: 120\n      timeout: 120\n      type: mcp\n    mcp:\n"
+                      f"      mcp_servers_config_path: {servers}\n      tool_selected_list:\n        - search\n")
+    try:
+        result = adapted(str(config))
+        assert result.environment_factory is None and [fn.__name__ for fn in result.tools] == ["search"]
+        assert result.tools[0].json_schema["function"]["name"] == "search"
+        local = make_search_tool(build_fictional_kb(seed=0)[0])  # the server serves this search (--crashable adds two
+        assert result.tools[0](query="capital of Ratomora") == local(query="capital of Ratomora")  # tools: dropped)
+    finally:
+        mcp.close_mcp_servers()

@@ -1,0 +1,196 @@
+"""The environment as the user (user_turns.py): replies to turns without a tool call, `done`, `end_episode`,
+`max_user_turns`, continuation; each reply's score as its turn's reward, checked by hand."""
+
+import sys
+
+import pytest
+import torch
+
+import user_turn_examples as examples
+from helpers import final_metrics, rollout_records, run
+from scripted_policy import ScriptedPolicy
+from test_environments import answer, env_recipe, lock_env, write_jsonl
+
+
+def roll(env, rows, script, policy=None):
+    prompts = [env.prompt(row["prompt"]) for row in rows]
+    return env.rollout(prompts, policy or ScriptedPolicy(env.tokenizer, script), rows=rows)
+
+
+def push(force: int = 1) -> str:
+    return f'<reasoning>Push.</reasoning>\n<tool>{{"name": "push", "args": {{"force": {force}}}}}</tool>'
+
+
+def test_feedback_is_a_user_turn_a_right_answer_ends_and_the_scores_are_each_turns_reward(smollm2_tokenizer):
+    """A group of two: A answers 3 (wrong: feedback, score 0), then 7 (right: "Correct!", score 1, done).
+    B answers 2, 4, 5: three wrong, then max_user_turns (3) is spent: no fourth reply, the episode ends on its
+    answer. Each reply is a user message with mask 0; its score is the turn's R_T."""
+    from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table
+    from episodes import pad_episodes
+
+    examples.ENDED.clear()
+    env, pool = lock_env(smollm2_tokenizer, factory=examples.Quiz, max_user_turns=3)
+    rows = [{"prompt": "Guess the number.", "secret": "7"}] * 2
+    script = {"Guess the number.": [[answer("3"), answer("7")], [answer("2"), answer("4"), answer("5"), answer("6")]]}
+    a, b = roll(env, rows, script)
+    assert a.stop_reason == "env_done" and [m["role"] for m in a.messages] == ["assistant", "user"] * 2
+    assert a.messages[1]["content"] == "Wrong, try again." and a.messages[3]["content"] == "Correct!"
+    assert b.stop_reason == "answer" and b.user_turns == 3 and len(b.messages) == 7  # 4 answers, 3 replies
+    # the replies' tokens are the environment's (mask 0) and render as user turns
+    for ep in (a, b):
+        for span in ep.spans:
+            assert set(ep.model_mask[span.start:span.end]) <= {1 if span.role == "model" else 0}
+    reply = a.spans[1]
+    text = smollm2_tokenizer.decode(a.completion_ids[reply.start:reply.end])
+    assert "<|im_start|>user\nWrong, try again.<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    # the quiz saw the whole conversation, the model's last answer last
+    quiz = a.toolset.environment
+    assert quiz.seen[0][-1] == {"role": "assistant", "content": answer("3"), "tool_calls": []}
+    assert quiz.seen[0][0]["role"] == "system" and quiz.seen[1][-2]["content"] == "Wrong, try again."
+    # the scores are each turn's reward, through Quiz_steps
+    outcome_funcs, turn_funcs = pool.reward_funcs
+    assert [f.__name__ for f in turn_funcs] == ["Quiz_steps"] and outcome_funcs == []
+    columns = {"environments": [ep.toolset.environment for ep in (a, b)]}
+    turns = [a.tool_turns, b.tool_turns]
+    assert turns == [2, 3]
+    per_func = compute_rewards_per_func(turn_funcs, ["p", "p"], [a.messages, b.messages], columns, turns, 3)
+    R_T = per_turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
+    assert R_T[0, :2].tolist() == [0.0, 1.0] and torch.isnan(R_T[0, 2]) and R_T[1].tolist() == [0.0, 0.0, 0.0]
+    # per_turn, by hand: pooled over (0, 1, 0, 0, 0): mean 0.2, std (unbiased) 0.4472; A_T(A, turn 1) = 1.7889,
+    # every other turn -0.4472. R_O = 0 for both: A_O = 0.
+    token_turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, 2, "per_turn", 1.0, "group")
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 1], torch.tensor(1.7889), atol=1e-4)
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-0.4472), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][token_turns[1] == 2], torch.tensor(-0.4472), atol=1e-4)
+    assert (adv.tokens[1][token_turns[1] == 3] == 0).all()  # the last answer: no reply, no turn credit
+    env.release([a, b])
+    assert examples.ENDED == [("Quiz", "7"), ("Quiz", "7")]
+
+
+def test_end_episode_runs_for_an_episode_whose_respond_raised(smollm2_tokenizer, caplog):
+    examples.ENDED.clear()
+    env, _ = lock_env(smollm2_tokenizer, factory=examples.Quiz)
+    rows = [{"prompt": "Guess the number.", "secret": "boom"}, {"prompt": "Guess again.", "secret": "1"}]
+    boom, fine = roll(env, rows, {"Guess the number.": [answer("3")], "Guess again.": [answer("1")]})
+    assert boom.stop_reason == "env_error" and [m["role"] for m in boom.messages] == ["assistant"]
+    assert fine.stop_reason == "env_done"
+    assert "Quiz.respond failed" in caplog.text and "the interaction broke" in caplog.text
+    env.release([boom, fine])
+    assert sorted(examples.ENDED) == [("Quiz", "1"), ("Quiz", "boom")]
+
+
+def test_a_tool_that_sets_done_ends_the_episode_after_its_reply(smollm2_tokenizer):
+    env, pool = lock_env(smollm2_tokenizer, factory=examples.Door)
+    (ep,) = roll(env, [{"prompt": "Open the door."}], {"Open the door.": [push(), push(), push(), answer()]})
+    assert ep.stop_reason == "env_done" and ep.tool_turns == 2 and ep.messages[-1]["content"] == "It opens."
+    assert pool.turn_rewards(ep.toolset.environment) == [[0.0], [1.0]]
+
+
+def test_done_left_true_after_reset_fails_naming_the_fix(smollm2_tokenizer):
+    class Stale(examples.Door):
+        def reset(self, **kwargs):
+            self.step_rewards = []
+
+    env, _ = lock_env(smollm2_tokenizer, factory=Stale)
+    env.environments.free[None][0].done = True
+    with pytest.raises(ValueError, match=r"Stale.done is True after reset .*self.done = False"):
+        roll(env, [{"prompt": "Open the door."}], {"Open the door.": [push()]})
+
+
+def test_a_reply_of_the_wrong_type_fails_naming_the_class(smollm2_tokenizer):
+    class Odd(examples.Quiz):
+        def respond(self, messages):
+            return 42
+
+    env, _ = lock_env(smollm2_tokenizer, factory=Odd)
+    with pytest.raises(ValueError, match=r"Odd.respond returned int .* return None .* a string .*Reply"):
+        roll(env, [{"prompt": "Guess the number.", "secret": "7"}], {"Guess the number.": [answer("3")]})
+
+
+class Continuing(ScriptedPolicy):
+    """Writes "I think\\n<answer>3</answer>" first; after the tutor's tip (inside its own message), " it is 7.\\n
+    <answer>7</answer>"."""
+
+    def turn_text(self, ids, sample=0):
+        text = self.tokenizer.decode(ids)
+        return " it is 7.\n<answer>7</answer>" if "But wait," in text else "I think\n<answer>3</answer>"
+
+
+def test_a_continuation_inserts_inside_the_models_message_and_sampling_continues(smollm2_tokenizer):
+    """The tutor cuts the first sample before its <answer> (keep_tokens), inserts " But wait," (mask 0) inside the
+    open assistant message, and the model continues the same message; one turn for the credit, the rewards see the
+    continued message, and the tip's score waits for a turn the environment answers (none here)."""
+    from episodes import token_turn_index
+
+    examples.TOKENIZER = smollm2_tokenizer
+    env, pool = lock_env(smollm2_tokenizer, factory=examples.Tutor)
+    (ep,) = roll(env, [{"prompt": "What is 3 + 4?"}], {}, Continuing(smollm2_tokenizer, {"What is 3 + 4?": []}))
+    assert ep.stop_reason == "answer" and ep.user_turns == 1 and ep.tool_turns == 0
+    assert [s.role for s in ep.spans] == ["model", "insert", "model"]
+    assert ep.messages == [{"role": "assistant", "content": "I think\n But wait, it is 7.\n<answer>7</answer>",
+                            "tool_calls": []}]
+    first, tip, second = ep.spans
+    assert smollm2_tokenizer.decode(ep.completion_ids[first.start:first.end]) == "I think\n"  # cut before <answer>
+    assert smollm2_tokenizer.decode(ep.completion_ids[tip.start:tip.end]) == " But wait,"
+    assert ep.model_mask == [1] * first.end + [0] * (tip.end - tip.start) + [1] * (second.end - second.start)
+    assert len(ep.sampler_logprobs) == len(ep.completion_ids)
+    assert token_turn_index(ep.spans, len(ep.completion_ids)).tolist() == \
+        [0] * first.end + [-1] * (tip.end - tip.start) + [0] * (second.end - second.start)
+    # the whole completion reads as one assistant message, as a fresh render of the conversation gives it
+    rendered = env.render_ids(ep.prompt_messages + ep.messages)
+    assert smollm2_tokenizer.decode(ep.prompt_ids + ep.completion_ids) in smollm2_tokenizer.decode(rendered)
+    assert not ep.tokenization_mismatch
+
+
+def test_an_environment_with_respond_trains_from_the_recipe(tiny_agent_dir, tmp_path):
+    """Two steps of the tiny model on the quiz; its user turns' scores are a turn reward (advantage_mode auto:
+    per_turn), logged and recorded."""
+    data = write_jsonl(tmp_path / "quiz.jsonl", [{"prompt": "Guess the number.", "secret": s} for s in "37"])
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", env_recipe(
+        tmp_path, dataset_name=data, environment_factory="tests.user_turn_examples:Quiz", max_steps=2,
+        max_user_turns=2, outcome_reward_funcs=["format_reward_func"]),
+         "--model_name_or_path", tiny_agent_dir, "--output_dir", out], tmp_path)
+    steps = [h for h in final_metrics(out) if "loss" in h]
+    assert len(steps) == 2 and "rewards/turn/Quiz_steps" in steps[0], sorted(steps[0])
+    records = rollout_records(out)
+    replies = [t for r in records for t in r["turns"] if t["role"] == "env"]
+    assert replies and all("user\n" in t["text"] and "step_rewards" in t for t in replies)
+    assert {r["environment"] for r in records} == {"Quiz"}
+
+
+def test_user_turns_under_the_per_episode_scheduler(smollm2_tokenizer):
+    """The same quiz through a server's per-episode scheduler (requests out of order): the same conversations."""
+    from scripted_policy import ScriptedServer
+
+    env, _ = lock_env(smollm2_tokenizer, factory=examples.Quiz, max_user_turns=3, scheduler="per_episode")
+    rows = [{"prompt": "Guess the number.", "secret": "7"}] * 2 + [{"prompt": "Guess again.", "secret": "1"}] * 2
+    script = {"Guess the number.": [[answer("3"), answer("7")], [answer("2"), answer("4"), answer("5"), answer("6")]],
+              "Guess again.": [answer("1")]}
+    episodes = roll(env, rows, script, ScriptedServer(smollm2_tokenizer, script))
+    assert [ep.stop_reason for ep in episodes] == ["env_done", "answer", "env_done", "env_done"]
+    assert [ep.user_turns for ep in episodes] == [2, 3, 1, 1]
+    assert episodes[0].messages[-1]["content"] == "Correct!" and episodes[1].messages[-2]["content"] == "Wrong, try again."
+
+
+def test_the_guides_quiz_runs_as_written(smollm2_tokenizer, tmp_path, monkeypatch):
+    """docs/guide.md's "The environment as the user": its Quiz, imported from the file the guide names."""
+    import os
+    import re
+
+    from helpers import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "guide.md")).read()
+    (code,) = re.findall(r"```python\n# my_env/quiz.py\n(.*?)```", text, re.S)
+    (tmp_path / "my_env").mkdir()
+    (tmp_path / "my_env" / "quiz.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from my_env.quiz import Quiz
+
+    env, _ = lock_env(smollm2_tokenizer, factory=Quiz)
+    wrong, right = roll(env, [{"prompt": "Guess the number.", "secret": "7"}, {"prompt": "Guess again.", "secret": "1"}],
+                        {"Guess the number.": [answer("3"), answer("7")], "Guess again.": [answer("1")]})
+    assert wrong.stop_reason == right.stop_reason == "env_done"
+    assert [m["content"] for m in wrong.messages if m["role"] == "user"] == ["Wrong, try again.", "Correct!"]
+    assert env.environments.turn_rewards(wrong.toolset.environment) == [[0.0], [1.0]]
