@@ -76,8 +76,9 @@ class TaskArguments:
                                    "*_column) | None: `environment_factory`'s reset gives the prompt (set max_steps).")
     dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
     question_column: str = arg("question", "The dataset's column holding the question.")
-    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
-                             "may be missing when no reward needs it.")
+    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases), "
+                             "which rewards get as `answer`, as given, and as a list as `answer_aliases`; may be "
+                             "missing when no reward needs it.")
     prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
                              "instead of the question when present.")
     dataset_split: str = arg("train", "Split of the dataset to train on.")
