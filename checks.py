@@ -349,9 +349,9 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None
 
 
 # What TRL 1.16 passes every reward function besides the dataset's columns (the trainer's `_score` passes them here);
-# `environments` only in a run with an environment_factory, as in TRL.
+# `environments` only in a run with an environment_factory, as in TRL; and ours, `stop_reason` (environments.py).
 TRL_REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_extra",
-                       "log_metric")
+                       "log_metric", "stop_reason")
 
 
 def required_columns(fn: Callable) -> list[str]:

@@ -48,9 +48,10 @@ RESERVED = ("reset", "get_reward", "respond", "end_episode")  # not tools: respo
 
 
 def episode_columns(inputs: list[dict], episodes: list) -> dict[str, list]:
-    """What every reward function receives besides prompts and completions: the dataset's columns and, as TRL
-    passes them, `environments`, each episode's environment instance (when the run has an environment_factory)."""
-    columns = reward_columns(inputs)
+    """What every reward function receives besides prompts and completions: the dataset's columns, `stop_reason` (each
+    episode's: answer, budget, env_done, ...; ours), and, as TRL passes them, `environments`, each episode's
+    environment instance (when the run has an environment_factory)."""
+    columns = {**reward_columns(inputs), "stop_reason": [ep.stop_reason for ep in episodes]}  # why each episode ended
     stateful = [ep.toolset for ep in episodes if getattr(ep.toolset, "environment", None) is not None]
     # a timed-out call still running ends before any reward reads the instance: all waited for at once, one grace
     settle_all(stateful, max([t.timeout for t in stateful], default=0.0))

@@ -30,7 +30,7 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     if not module_name or not attr:
         raise ValueError(f"{what}: the path '{entry}' must look like `module:function` or `module.function`.")
     try:
-        module = load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+        module = _import(module_name)
     except FileNotFoundError:
         raise ValueError(f"{what}: there is no file '{module_name}' (a path is relative to the directory the trainer "
                          "runs in).") from None
@@ -42,6 +42,23 @@ def resolve(name: str, registry: dict[str, Callable | str], kind: str) -> Callab
     if not callable(fn):
         raise ValueError(f"{what}: '{attr}' in '{module_name}' is a {type(fn).__name__}, not a function.")
     return fn
+
+
+def _import(module_name: str):
+    """The module at `module_name` (a dotted name, or a .py file). One that needs verl, verifiers or OpenEnv where
+    the framework is not installed (`verl.utils.reward_score`, or a user's module that imports it) gets the
+    framework's copy in adapters/compat, and is imported once more."""
+    from adapters.compat import provide_for
+
+    load = load_file if module_name.endswith(".py") else importlib.import_module
+    if not module_name.endswith(".py"):
+        provide_for(module_name)
+    try:
+        return load(module_name)
+    except ModuleNotFoundError as e:
+        if not provide_for(e.name or ""):
+            raise
+        return load(module_name)
 
 
 def load_file(path: str):

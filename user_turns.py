@@ -37,6 +37,8 @@ class Reply:
     continuation: bool = False  # the content goes inside the model's open message (plain text), and sampling continues
     keep_tokens: int | None = None  # continuation: tokens of the model's last sample that stay (None: all but a final
     # end-of-turn token); the rest leave the episode, as swift's MathTipsScheduler cuts a completion at <answer>
+    keep_chars: int | None = None  # or the characters of its text that stay: the tokens up to the first whose decoded
+    # prefix reaches them (a token across the cut stays, as swift's step counts them)
 
 
 class UserTurn(list):
@@ -84,7 +86,7 @@ def as_reply(value, label: str) -> Reply | None:
         return Reply(**value)
     raise ValueError(f"{label}.respond returned {type(value).__name__} {str(value)[:80]!r}; return None (no reply), a "
                      "string (the user message), or a user_turns.Reply / dict with content, done, score, continuation, "
-                     "keep_tokens.")
+                     "keep_tokens, keep_chars.")
 
 
 def record_reply(env, ep, turn: UserTurn, result) -> None:
@@ -121,9 +123,14 @@ def continue_turn(env, ep, reply: Reply) -> None:
     from protocol import encode_text
 
     model = ep.spans[-1]
-    sampled = model.end - model.start
+    sampled, ids = model.end - model.start, ep.completion_ids[model.start:model.end]
+    if reply.keep_tokens is not None and reply.keep_chars is not None:
+        raise ValueError(f"{type(ep.toolset.environment).__name__}.respond gave keep_tokens and keep_chars: give one.")
     kept = sampled if reply.keep_tokens is None else max(0, min(reply.keep_tokens, sampled))
-    if reply.keep_tokens is None and kept and ep.completion_ids[model.end - 1] in env.eos_token_ids:
+    if reply.keep_chars is not None:
+        decode = lambda n: env.tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
+        kept = next((n for n in range(sampled + 1) if len(decode(n)) >= reply.keep_chars), sampled)
+    elif reply.keep_tokens is None and kept and ids[-1] in env.eos_token_ids:
         kept -= 1
     ep.truncate(model.start + kept)
     ids = encode_text(env.tokenizer, reply.content)

@@ -14,6 +14,8 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
+The frameworks need not be installed: adapters/compat ships copies of verl's, verifiers' and OpenEnv's base classes,
+which each adapter puts on sys.path before it imports the user's code, when the framework itself does not import.
 """
 
 import dataclasses

@@ -36,12 +36,14 @@ import uuid
 from typing import Callable
 
 from adapters import Adapted
+from adapters.compat import provide
 
 OWN_FIELDS = ("done", "reward", "metadata")  # Observation's framework fields: not the observation's text
 HTTP_TIMEOUT = 30.0  # seconds an HTTP reset or step may take
 
 
 def adapt(args) -> Adapted:
+    provide("openenv")  # before the user's module imports: the installed openenv, else the copy in adapters/compat
     target = args.openenv_env
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"`openenv_env` is {target!r}; give the Environment class `module:Class` or its server's URL "

@@ -17,7 +17,7 @@ conversation, the row's other columns as `data_dict`) and a ChatCompletionRespon
     stop                                       no reply: the episode ends as it would without respond
     step appended a user message               Reply(content): a new round (MathTipsMultiTurnScheduler)
     step rewrote the model's own message       Reply(content=<the text it inserted>, continuation=True,
-                                               keep_tokens=<the model's tokens that stay>): the inserted text sits
+                                               keep_chars=<the model's characters that stay>): the text sits
                                                inside the model's message with mask 0 and sampling continues in it
                                                (MathTipsScheduler, plugin.py's ToolCallScheduler)
     rollout_infos (on_turn_end's and step's)   kept for the rewards (`rollout_infos`, and 3.x's `multi_turn_infos`)
@@ -232,16 +232,6 @@ def step_result(ret, label: str) -> tuple:
                      "the request, or (request, extra_dict) (3.x).")
 
 
-def kept_by_mask(extras: dict, ids: list[int] | None, by_text: int) -> int:
-    """The sample's tokens that stay, from what step returned when it says (4.x's response_token_ids and
-    response_loss_mask: the sample's ids it kept, mask 1, then the inserted ones, mask 0), else `by_text`."""
-    returned, mask = extras.get("response_token_ids"), extras.get("response_loss_mask")
-    if not ids or not returned or not mask or len(mask) != len(returned):
-        return by_text
-    kept = next((i for i, m in enumerate(mask) if not m), len(mask))
-    return kept if kept <= len(ids) and list(returned[:kept]) == list(ids[:kept]) else by_text
-
-
 def common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -353,10 +343,7 @@ class SwiftEpisode:
         gained = self._infos(extras.get("rollout_infos"))
         score = gained if score is None else score + (gained or 0.0)
         self.rollout_infos["num_turns"] = turn
-        reply = self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
-        if reply.continuation and reply.keep_tokens is not None:
-            reply.keep_tokens = kept_by_mask(extras, ids, reply.keep_tokens)
-        return reply
+        return self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
 
     def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply, at: int):
         """What step did to the conversation, as a Reply: a new user message, or text inserted in the model's."""
@@ -385,20 +372,9 @@ class SwiftEpisode:
         rest = new[len(prefix):]
         kept = common_prefix(rest, sample)
         inserted = rest[kept:]
-        keep_tokens = None if kept == len(sample) else self._tokens(sample[:kept])
         self._message, self._inserted, self._at = new, inserted, at
-        return Reply(content=inserted, continuation=True, keep_tokens=keep_tokens, score=score)
-
-    def _tokens(self, text: str) -> int:
-        """How many tokens of the sample stay when step kept `text` of it (re-encoded: respond sees text only)."""
-        if not text:
-            return 0
-        if self.tokenizer is None:
-            raise ValueError(f"{type(self.scheduler).__name__}.step cut the model's sample, and no tokenizer is known "
-                             "to count the tokens that stay: build the trainer from the adapter's parts "
-                             "(builders.assemble hands it the tokenizer: Adapted.use_tokenizer).")
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
+        # the characters of the sample that stay: the trainer cuts its sampled tokens there, as swift's step does
+        return Reply(content=inserted, continuation=True, keep_chars=None if kept == len(sample) else kept, score=score)
 
 def make_environment(scheduler, tokenizer, max_turns) -> type:
     """A SwiftEpisode subclass named after the scheduler (its rewards log under that name: `<Class>_steps`)."""
@@ -450,7 +426,7 @@ def swift_reward(obj) -> Callable:
         n = len(completions)
         environments = kwargs.get("environments") or [None] * n
         infos = [dict(getattr(e, "rollout_infos", None) or {}) for e in environments]
-        stops = kwargs.get("stop_reasons") or [None] * n  # each episode's, when the trainer passes them
+        stops = kwargs.get("stop_reason") or [None] * n  # each episode's (environments.episode_columns)
         messages = [prompt_messages(p) + list(c) for p, c in zip(prompts, completions)]
         swift_kwargs = {k: v for k, v in kwargs.items() if k not in ("log_extra", "log_metric")}
         swift_kwargs.update(

@@ -55,6 +55,7 @@ import uuid
 from typing import Callable
 
 from adapters import Adapted
+from adapters.compat import provide
 
 logger = logging.getLogger("mt_grpo")
 
@@ -68,6 +69,7 @@ TOOL_ERROR = "Error when executing tool: {}"  # 0.7.1's ToolAgentLoop._call_tool
 def adapt(args) -> Adapted:
     """verl's tool and/or interaction configs as one environment class (its methods the native tools) and the MCP
     tools the tool config names (stateless functions)."""
+    provide("verl")  # before the configs' classes import: the installed verl, else the copy in adapters/compat
     timeout = float(getattr(args, "tool_timeout", 30.0) or 30.0)
     tools, served = load_tools(args.verl_tool_config, timeout) if args.verl_tool_config else ([], [])
     interactions = load_interactions(args.verl_interaction_config) if args.verl_interaction_config else {}
@@ -132,12 +134,9 @@ def import_class(dotted: str, where: str) -> type:
 
 
 def schema_model():
-    """verl's OpenAIFunctionToolSchema (pydantic): the installed verl's when it imports, else the copy below, which
-    has the same fields (a tool only reads `.function.name` and calls `model_dump`)."""
-    try:
-        return importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
-    except Exception:  # verl absent, or present without its heavy dependencies (torch distributed, ray)
-        return _schemas().OpenAIFunctionToolSchema
+    """verl's OpenAIFunctionToolSchema (pydantic): the installed verl's, else the copy's (adapters/compat)."""
+    provide("verl")
+    return importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
 
 
 # ------------------------------------------------------------------------------------------------
@@ -537,37 +536,3 @@ def _log_once(key: str, message: str, *args) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.warning(message, *args)
-
-
-def _schemas():
-    """A copy of verl 0.7.1's tool schema models (verl/tools/schemas.py), for when verl is not importable."""
-    global _SCHEMAS
-    if _SCHEMAS is None:
-        from pydantic import BaseModel, Field
-
-        class OpenAIFunctionPropertySchema(BaseModel):
-            type: str
-            description: str | None = None
-            enum: list[str] | None = None
-
-        class OpenAIFunctionParametersSchema(BaseModel):
-            type: str
-            properties: dict[str, OpenAIFunctionPropertySchema]
-            required: list[str]
-
-        class OpenAIFunctionSchema(BaseModel):
-            name: str
-            description: str
-            parameters: OpenAIFunctionParametersSchema = Field(
-                default_factory=lambda: OpenAIFunctionParametersSchema(type="object", properties={}, required=[]))
-            strict: bool = False
-
-        class OpenAIFunctionToolSchema(BaseModel):
-            type: str
-            function: OpenAIFunctionSchema
-
-        _SCHEMAS = types.SimpleNamespace(OpenAIFunctionToolSchema=OpenAIFunctionToolSchema)
-    return _SCHEMAS
-
-
-_SCHEMAS = None

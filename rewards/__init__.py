@@ -5,7 +5,8 @@ canonical conversation of protocol.py (rewards/conversation.py reads it). Beside
 receives TRL's keywords, as TRL 1.16 passes them: `completion_ids` (each episode's completion tokens, the
 environment's included), `trainer_state`, `log_extra(column, values)` (a column of the completions table),
 `log_metric(name, value)` (a logged metric), and `environments` (each episode's instance, in a run with an
-environment_factory). A function that requires any of them is never taken for one that lacks a column.
+environment_factory); and ours, `stop_reason` (why each episode ended: answer, budget, env_done, ...). A function
+that requires any of them is never taken for one that lacks a column.
 It returns one of two forms:
 
     per sample (default)   list[float | None]: one value per sample; None = "not applicable".

@@ -1,7 +1,7 @@
-"""adapters/openenv.py: OpenEnv environments (tests/fixtures/openenv/: a faithful copy of OpenEnv's core types, its
-echo environment, and a number-guessing game in its style) run by the trainer unchanged, in process and over HTTP:
-the Action as one tool, the observation as text, `reward` as each turn's credit (by hand), `done` ending the
-episode; bad names fail naming the fix; one recipe line trains each."""
+"""adapters/openenv.py: OpenEnv environments (tests/fixtures/openenv/: OpenEnv's echo environment and a
+number-guessing game in its style, on the copy of OpenEnv's core types that ships in adapters/compat/openenv) run by
+the trainer unchanged, in process and over HTTP: the Action as one tool, the observation as text, `reward` as each
+turn's credit (by hand), `done` ending the episode; bad names fail naming the fix; one recipe line trains each."""
 
 import json
 import os
@@ -18,6 +18,17 @@ from helpers import FIXTURES, ROOT, make_env, rollout_records
 from scripted_policy import ScriptedPolicy
 
 OE = os.path.join(FIXTURES, "openenv")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def openenv_provided():
+    """`openenv`: the copy in adapters/compat, as the adapter provides it (before the module's server fixture)."""
+    from adapters.compat import provide
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
+        provide("openenv")
+        yield
 
 
 @pytest.fixture(autouse=True)

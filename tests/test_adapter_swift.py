@@ -42,12 +42,12 @@ QUESTION = [{"role": "system", "content": "Think, then answer."},
 # -- the scheduler's turns as replies ---------------------------------------------------------------------------------
 def test_math_tips_scheduler_is_a_continuation_that_keeps_the_thinking(qwen_style_tokenizer, tiny_model_dir):
     """swift's MathTipsScheduler cuts the completion at the first of <answer> and </think> and appends its tip inside
-    the model's message: the reply inserts the tip (continuation), and the tokens of '<think>4 times 9 is 36' stay."""
+    the model's message: the reply inserts the tip (continuation), and the text '<think>4 times 9 is 36' stays."""
     env = episode(f"{PLUGIN}:MathTipsScheduler", model_name_or_path=tiny_model_dir)
     reply = respond(env, QUESTION + [{"role": "assistant", "content": WRONG}])
     kept = "<think>4 times 9 is 36"
     assert (reply.continuation, reply.content, reply.score) == (True, "But wait... It seems I made a mistake,", None)
-    assert reply.keep_tokens == len(qwen_style_tokenizer.encode(kept, add_special_tokens=False))
+    assert reply.keep_chars == len(kept) and reply.keep_tokens is None  # the trainer cuts its own tokens there
     # the model continues in the same message; the tip is in it now, so swift stops (tips once)
     continued = kept + reply.content + " 6 times 2.</think><answer>12</answer>"
     assert respond(env, QUESTION + [{"role": "assistant", "content": continued}]) is None
@@ -103,7 +103,7 @@ def test_a_react_tool_scheduler_appends_its_observation_and_the_gym_rewards_are_
     env = episode(f"{path}:Calc")
     sample = "Thought: add.\nAction: calculator\nAction Input: 2+3"
     reply = respond(env, QUESTION + [{"role": "assistant", "content": sample}])
-    assert (reply.continuation, reply.content, reply.keep_tokens, reply.score) == (True, "Observation: 5\n", None, 0.5)
+    assert (reply.continuation, reply.content, reply.keep_chars, reply.score) == (True, "Observation: 5\n", None, 0.5)
     # the next sample continues the same message: the scheduler sees only what was sampled after the observation
     second = "Action: calculator\nAction Input: 2*3"
     reply = respond(env, QUESTION + [{"role": "assistant", "content": sample + "Observation: 5\n" + second}])
@@ -135,14 +135,14 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
     completion = [{"role": "assistant", "content": "<think>a"}, {"role": "user", "content": "tip"},
                   {"role": "assistant", "content": "<answer>12</answer>"}]
     values = probe(prompts=[QUESTION], completions=[completion], solution=[SOLUTION], environments=[env],
-                   stop_reasons=["answer"], trainer_state=None)
+                   stop_reason=["answer"], trainer_state=None)
     assert values == [len("<answer>12</answer>")]
     assert seen["completions"] == ["<answer>12</answer>"] and seen["solution"] == [SOLUTION]
     assert seen["messages"] == [QUESTION + completion]
     assert seen["rollout_infos"] == [{"num_turns": 2}] == seen["multi_turn_infos"]
     assert seen["is_truncated"] == [False] and seen["finish_reason"] == ["stop"]
     assert probe(prompts=[QUESTION], completions=[completion], solution=[SOLUTION],
-                 stop_reasons=["turn_length"]) == [19.0]
+                 stop_reason=["turn_length"]) == [19.0]
     assert seen["is_truncated"] == [True]
     # by dotted path, by the plugin's `orms` name, and swift's built-in 'accuracy' (MathAccuracy)
     fmt = get_reward_func("plugin:MultiTurnFormat")

@@ -1,7 +1,8 @@
-"""adapters/verifiers.py: classic verifiers environments (tests/fixtures/verifiers/: a faithful copy of verifiers
-0.1.14's classic classes, and environment modules in verifiers' own style) run by the trainer unchanged: their
-datasets, tool schemas, hidden arguments, env_response as the user, stop conditions, max_turns, rubrics and
-per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line trains each."""
+"""adapters/verifiers.py: classic verifiers environments (tests/fixtures/verifiers/: environment modules in verifiers'
+own style, on the copy of verifiers 0.1.14's classic classes that ships in adapters/compat/verifiers) run by the
+trainer unchanged: their datasets, tool schemas, hidden arguments, env_response as the user, stop conditions,
+max_turns, rubrics and per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line
+trains each."""
 
 import os
 import sys
@@ -17,7 +18,12 @@ VF = os.path.join(FIXTURES, "verifiers")
 
 @pytest.fixture(autouse=True)
 def verifiers_on_path(monkeypatch):
-    """The fixture package `verifiers` and the environment modules importable, as an installed environment is."""
+    """`verifiers` (the copy in adapters/compat, as the adapter provides it) and the environment modules importable,
+    as an installed environment is."""
+    from adapters.compat import provide
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
+    provide("verifiers")
     monkeypatch.syspath_prepend(VF)
 
 

@@ -2,8 +2,9 @@
 own YAML files and a parquet written as verl's preprocessing scripts write it, train two steps from one constructor
 field each; scripted episodes check each turn's credit (the tool's step rewards, the interaction's scores) and
 the advantages by hand, finalize_interaction for every episode, compute_score's arguments; bad configs fail
-naming the fix. The verl classes are the wheel's own files (tests/fixtures/verl/verl, first on sys.path): the
-package itself does not import without torch distributed and ray."""
+naming the fix. The verl classes are the wheel's own files, shipped in adapters/compat/verl (the package itself does
+not import without torch distributed and ray): the adapter puts them on sys.path, as it does for a user without verl;
+tests/fixtures/verl holds the configs and a user's module."""
 
 import os
 import sys
@@ -28,7 +29,12 @@ INSTRUCTION = "Let's think step by step and output the final answer after `####`
 
 @pytest.fixture(autouse=True)
 def verl_on_path(monkeypatch):
-    """The wheel's verl files (and the user's module beside them) importable here and in the trainer's subprocess."""
+    """verl (the copy in adapters/compat, as the adapter provides it) and the user's module importable here and in
+    the trainer's subprocess."""
+    from adapters.compat import provide
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
+    provide("verl")
     monkeypatch.syspath_prepend(FIXTURES)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FIXTURES, ROOT, os.environ.get("PYTHONPATH", "")]))
 

@@ -194,3 +194,42 @@ def test_the_guides_quiz_runs_as_written(smollm2_tokenizer, tmp_path, monkeypatc
     assert wrong.stop_reason == right.stop_reason == "env_done"
     assert [m["content"] for m in wrong.messages if m["role"] == "user"] == ["Wrong, try again.", "Correct!"]
     assert env.environments.turn_rewards(wrong.toolset.environment) == [[0.0], [1.0]]
+
+
+def test_keep_chars_cuts_the_sample_where_its_text_reaches_them(smollm2_tokenizer):
+    """The same tutor, saying where to cut in characters of the model's text: the same tokens stay."""
+    class TutorChars(examples.Tutor):
+        def respond(self, messages):
+            if self.tipped:
+                return None
+            self.tipped = True
+            return Reply(" But wait,", continuation=True, keep_chars=messages[-1]["content"].index("<answer>"))
+
+    from user_turns import Reply
+
+    env, _ = lock_env(smollm2_tokenizer, factory=TutorChars)
+    (ep,) = roll(env, [{"prompt": "What is 3 + 4?"}], {}, Continuing(smollm2_tokenizer, {"What is 3 + 4?": []}))
+    first = ep.spans[0]
+    assert smollm2_tokenizer.decode(ep.completion_ids[first.start:first.end]) == "I think\n"
+    assert ep.messages[0]["content"] == "I think\n But wait, it is 7.\n<answer>7</answer>"
+
+
+def test_a_respond_that_uses_signal_runs_on_the_main_thread(smollm2_tokenizer):
+    """math_verify's default timeouts use `signal`, which works only on the main thread: such a respond is run there,
+    as a tool that uses it is (tools.run_on_main), under both schedulers."""
+    import signal
+    import threading
+
+    class Strict(examples.Quiz):
+        def respond(self, messages):
+            signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # raises off the main thread
+            assert threading.current_thread() is threading.main_thread()
+            return super().respond(messages)
+
+    from scripted_policy import ScriptedServer
+
+    script = {"Guess the number.": [answer("3"), answer("7")]}
+    for scheduler, policy in (("rounds", None), ("per_episode", ScriptedServer(smollm2_tokenizer, script))):
+        env, _ = lock_env(smollm2_tokenizer, factory=Strict, scheduler=scheduler)
+        (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], script, policy)
+        assert ep.stop_reason == "env_done" and ep.user_turns == 2, scheduler

@@ -616,6 +616,8 @@ class Toolset:
             self.running, self.running_call = thread, "respond"
             return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
         ok, value = out[0]
+        if not ok and _refused_signal(value) and not inspect.iscoroutinefunction(self.environment.respond):
+            ok, value = self._respond_on_main(messages, timeout)  # it uses `signal` (math_verify's timeouts)
         try:
             return ToolResult(as_reply(value, type(self.environment).__name__), True) if ok else \
                 ToolResult(f"raised {type(value).__name__}: {value} ({self.label})", False)
@@ -654,6 +656,14 @@ class Toolset:
         (and `stuck`) if it still is. A stuck call is not waited for again."""
         return settle_all([self], self.timeout if timeout is None else timeout)
 
+    def _respond_on_main(self, messages: list[dict], timeout: float) -> tuple[bool, object]:
+        """A sync `respond` that uses `signal`, run as a tool that does (run_on_main: on the main thread, bounded by
+        `timeout`): (True, its reply) or (False, the error)."""
+        replies: list = []
+        job = lambda messages: replies.append(self.environment.respond(messages)) or ""  # noqa: E731
+        result = run_on_main({"respond": job}, ToolCall("respond", {"messages": messages}), timeout, self.loop)
+        return (True, replies[0]) if result.ok and replies else (False, RuntimeError(result.output))
+
     def step_rewards(self) -> list | tuple:
         """The environment's step_rewards as it is now ([] when it has none); a wrong type fails naming it."""
         steps = getattr(self.environment, "step_rewards", None)
@@ -670,6 +680,8 @@ class Toolset:
         new tail when it grew (appended to, or replaced by a longer one that starts the same, as a tuple is); the whole
         new list when the method replaced it (`self.step_rewards = [r]` at every step: that step's rewards)."""
         obj, held = before
+        if getattr(self.environment, "step_rewards", None) is None:  # none kept (a class with only respond, say)
+            return []
         current = self.step_rewards()
         now = list(current)
         if current is obj or (len(now) > len(held) and now[: len(held)] == held):
