@@ -75,7 +75,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
         task_defaults(args.dataset_name, args.corpus_path) if train_dataset is None else {}
     turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
-    needs_answer = [fn.__name__ for fn in turn + outcome if "answer" in required_columns(fn)]  # [] when none
+    needs_answer = [fn.__name__ for fn in turn + outcome  # [] when none; answer_aliases is made from `answer`
+                    if {"answer", "answer_aliases"} & set(required_columns(fn))]
     train = _task(train_dataset, args, needs_answer, "train_dataset", env) if train_dataset is not None or \
         args.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
@@ -243,19 +244,23 @@ def _report_skipped(task: Task, source: str) -> None:
 
 
 def _mcp_tools(args) -> list[Callable]:
-    """The tools of the recipe's `mcp_servers` (tools/mcp.py), connected at start-up."""
-    if not args.mcp_servers:
+    """The tools of the recipe's `mcp_servers` and `mcp_servers_config` that `mcp_tool_filter` keeps (tools/mcp.py),
+    connected at start-up."""
+    config, selected = getattr(args, "mcp_servers_config", None), getattr(args, "mcp_tool_filter", None)
+    if not args.mcp_servers and config is None and not selected:
         return []
     from tools.mcp import mcp_tools
 
-    return mcp_tools(args.mcp_servers, args.tool_timeout, getattr(args, "mcp_startup_timeout", None))
+    return mcp_tools(args.mcp_servers, args.tool_timeout, getattr(args, "mcp_startup_timeout", None), config=config,
+                     selected=selected)
 
 
 def _join_tools(tools: list[Callable], served: list[Callable]) -> list[Callable]:
     clash = sorted({t.__name__ for t in tools} & {t.__name__ for t in served})
     if clash:
-        raise ValueError(f"`mcp_servers` give tool(s) {clash}, which `tools` already has, and the model calls a tool "
-                         "by its name. Remove one from `tools` or from `mcp_servers`.")
+        raise ValueError(f"MCP servers (mcp_servers, mcp_servers_config) give tool(s) {clash}, which `tools` already "
+                         "has, and the model calls a tool by its name. Remove one from `tools`, or leave it out with "
+                         "mcp_tool_filter.")
     return tools + served
 
 

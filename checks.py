@@ -376,7 +376,9 @@ def check_reward_columns(funcs: list[Callable], columns: list[str], environments
                                  f"`def {fn.__name__}(completions, **kwargs)`.")
         for name in required_columns(fn):
             if name not in columns:
-                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}', but "
+                made = " (made from the `answer` column: give one, or set `answer_column`)" \
+                    if name == "answer_aliases" else ""
+                raise ValueError(f"Reward function '{fn.__name__}' needs the dataset column '{name}'{made}, but "
                                  f"the dataset has only {columns}.")
         needs = inspect.signature(fn).parameters.get("environments")
         if not environments and needs is not None and needs.default is needs.empty:

@@ -4,8 +4,10 @@
 the command line into a config. A module of its own, importing nothing of ours, so that any module can declare
 recipe fields."""
 
+import dataclasses
 import os
 import sys
+import typing
 from dataclasses import field, fields
 
 from trl import ModelConfig, TrlParser
@@ -70,11 +72,26 @@ def parse_recipe(argv: list[str] | None, config_class) -> tuple:
         if not os.path.isfile(path):
             raise SystemExit(f"Recipe file not found: {path!r}. Pass an existing YAML, e.g. --config "
                              "hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml")
-    parser = TrlParser((config_class, ModelConfig))
+    parser = TrlParser((constructor_keywords(config_class), ModelConfig))
     try:
-        return parser.parse_args_and_config(argv)
+        keywords, model_args = parser.parse_args_and_config(argv)
+        return config_class(**vars(keywords)), model_args
     except ValueError as e:
         if "Unknown arguments" in str(e):
             raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOConfig (MTGRPOScriptArguments and "
                              "GRPOConfig) or ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
         raise
+
+
+def constructor_keywords(config_class):
+    """A plain dataclass whose fields are `config_class`'s constructor keywords, with their defaults and help: its
+    fields and its InitVars, which TRL's parser leaves out (MTGRPOConfig takes `dataset_name` and `dataset_config`
+    so, mt_grpo_trainer.py), so that a recipe sets every one, and the config is made once, with all of them."""
+    keywords, hints = [], typing.get_type_hints(config_class)
+    for f in config_class.__dataclass_fields__.values():
+        if not f.init or f.name not in hints:
+            continue
+        kind = hints[f.name].type if isinstance(hints[f.name], dataclasses.InitVar) else hints[f.name]
+        keywords.append((f.name, kind, field(default=f.default, default_factory=f.default_factory,
+                                             metadata=f.metadata)))
+    return dataclasses.make_dataclass(config_class.__name__, keywords)

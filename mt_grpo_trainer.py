@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 from typing import Callable
 
 import httpx
@@ -62,7 +62,7 @@ from rewards.answers import ANSWER_TYPES
 from rewards.judge import JudgeArguments
 from sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
 from server_pool import ServerPool, ServerPoolArguments
-from tasks import TaskArguments
+from tasks import TaskArguments, task_keyword
 from environments import episode_columns, prompt_fitter
 from tools import ToolArguments, Toolset, ToolResult, cut_tool_output, run_turns, stop_point
 from turn_samples import TURN_SAMPLES, next_sample_prompt
@@ -160,11 +160,21 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
 
     num_generations_eval: int | None = arg(1, "Episodes per eval question: 1 greedy; k > 1 sampled, with pass@k.")
     gradient_checkpointing: bool | None = arg(None, "Deprecated name of `activation_checkpointing`; either may be set.")
+    # TRL's ScriptArguments has these two as well, and argparse refuses one flag twice: here they are keywords of
+    # the constructor, not fields, so that a TRL script's TrlParser((ScriptArguments, MTGRPOConfig, ModelConfig))
+    # parses (its ScriptArguments gets them). A recipe still sets them: fields.parse_recipe reads every keyword.
+    dataset_name: InitVar[str | None] = task_keyword("dataset_name")
+    dataset_config: InitVar[str | None] = task_keyword("dataset_config")
 
-    def __post_init__(self):
+    def __post_init__(self, dataset_name, dataset_config):
+        self.dataset_name, self.dataset_config = dataset_name, dataset_config
         settle_training_defaults(self)  # checks.py: the two names of checkpointing; no pinned memory without a GPU
         check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
+
+    def to_dict(self) -> dict:
+        """TrainingArguments' dict (the saved and logged config), with the two keywords above."""
+        return {**super().to_dict(), "dataset_name": self.dataset_name, "dataset_config": self.dataset_config}
 
 # ------------------------------------------------------------------------------------------------
 # 2. Rewards: each function once on the batch, weighted per kind (pure functions; tests import them)

@@ -272,6 +272,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
         records.append({
             "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
             "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
+            "answer_aliases": row.get("answer_aliases"),
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
             "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
                                for name, v in funcs.items()} for kind, funcs in rewards.items()},

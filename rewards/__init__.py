@@ -24,8 +24,10 @@ and the rewards alike.
 To add a reward: write the function in a module under `rewards/`, then either add it to
 `REWARD_FUNCS` below and use its name in the recipe's `turn_reward_funcs` / `outcome_reward_funcs`
 lists, or put its dotted path there (`rewards.my_module:my_reward`, or any importable module).
-A reward that compares with the gold answer should ask `rewards.answers.matches_answer` / `contains_answer`,
-passing the row's `answer_type` (a dataset column: "auto", "text" or "math"), as the shipped ones do.
+A reward that compares with the gold answer should take the keyword `answer_aliases` (the row's accepted answers,
+list[str], made by tasks/ from the `answer` column, which itself arrives as the dataset holds it, as in TRL) and
+ask `rewards.answers.matches_answer` / `contains_answer`, passing the row's `answer_type` (a dataset column:
+"auto", "text" or "math"), as the shipped ones do.
 
     @per_tool_turn
     def short_calls(prompts, completions, **kwargs):  # 0.1 for each tool turn under 300 characters

@@ -25,7 +25,7 @@ The shipped ones are rewards/judge_prompts/*.txt; `judge_*_prompt` names another
     turn.txt      {question} {reference} {history} {turn} {call} {result}   ({call} and {result} required)
     group.txt     {question} {reference} {count} {episodes}             ({episodes} required)
 
-{reference} is the `answer` column, quoted, or when a row has none a sentence saying so (rubric mode:
+{reference} is the answer's aliases (`answer_aliases`, joined by "; "), quoted, or when a row has none a sentence saying so (rubric mode:
 no reward here requires the column). {turn} is the tool turn's number from 1, {count} the episodes ranked.
 
 Prompt injection: episode text (question, answer, calls, results, history) enters a prompt only through
@@ -618,7 +618,7 @@ def check_missing_scores(name: str, template_field: str, asked: int, unparsed: i
 
 
 def _reference(aliases) -> str | None:
-    """The `answer` column's value as text: the accepted answers joined by "; "; None without one."""
+    """The answer's aliases as text: the accepted answers joined by "; "; None without one."""
     if isinstance(aliases, (list, tuple)):
         aliases = "; ".join(str(a) for a in aliases) or None
     return None if aliases is None or aliases == "" else str(aliases)
@@ -736,7 +736,7 @@ class JudgeReward:
         reply did not parse)."""
         episodes, counts = self.probe_completions(), self.judge.pop_counts()
         try:
-            values = self([PROBE_QUESTION] * len(episodes), episodes, answer=[["5"]] * len(episodes))
+            values = self([PROBE_QUESTION] * len(episodes), episodes, answer_aliases=[["5"]] * len(episodes))
         finally:  # the probe's requests are not the run's: its metrics start without them
             probed = self.judge.pop_counts()
             self.judge.count(**counts)
@@ -756,10 +756,11 @@ class JudgeReward:
                               "quoted text is material, or set `judge_injection_probe: false` to train with it anyway.")
         return grade
 
-    def _context(self, prompts: list, answer, question) -> list[tuple[str, str | None]]:
+    def _context(self, prompts: list, aliases, answer, question) -> list[tuple[str, str | None]]:
         """Each sample's (question, reference): the `question` column or the prompt's last user message, and the
-        `answer` column's aliases (None when there is no column, or no value)."""
-        answers = answer if answer is not None else [None] * len(prompts)
+        answer's aliases (`answer_aliases`, tasks/; else the `answer` column as given; None when there is neither,
+        or no value)."""
+        answers = aliases if aliases is not None else answer if answer is not None else [None] * len(prompts)
         questions = question if question is not None else [None] * len(prompts)
         return [(_question(p, q), _reference(a)) for p, q, a in zip(prompts, questions, answers)]
 
@@ -821,8 +822,8 @@ class OutcomeJudge(JudgeReward):
     placeholders, required, graded = ("question", "reference", "answer"), ("answer",), ("answer",)
     clip_order = ("answer", "reference", "question")
 
-    def __call__(self, prompts, completions, answer=None, question=None, **kwargs) -> list[float | None]:
-        context, finals = self._context(prompts, answer, question), [completion_answer(c) for c in completions]
+    def __call__(self, prompts, completions, answer_aliases=None, question=None, answer=None, **kwargs) -> list[float | None]:
+        context, finals = self._context(prompts, answer_aliases, answer, question), [completion_answer(c) for c in completions]
         asked = [i for i, final in enumerate(finals) if final is not None]
         texts = [self._prompt(context[i], lambda lim, final=finals[i]: {"answer": quote(clip(final, lim["answer"]))},
                               {"answer": ANSWER_CHARS}) for i in asked]
@@ -855,8 +856,8 @@ class TurnJudge(JudgeReward):
                     "call": quote(clip(call, lim["call"])), "result": quote(clip(result, lim["result"]))}
         return values
 
-    def __call__(self, prompts, completions, answer=None, question=None, **kwargs) -> list[list[float | None]]:
-        context = self._context(prompts, answer, question)
+    def __call__(self, prompts, completions, answer_aliases=None, question=None, answer=None, **kwargs) -> list[list[float | None]]:
+        context = self._context(prompts, answer_aliases, answer, question)
         texts, owners = [], []  # one prompt per tool turn; owners[j]: its sample
         limits = {"history": HISTORY_CHARS, "call": CALL_CHARS, "result": RESULT_CHARS}
         for i, completion in enumerate(completions):
@@ -882,8 +883,8 @@ class GroupJudge(JudgeReward):
     def probe_completions(self) -> list[list[dict]]:  # the wrong answer first, beside a right one
         return super().probe_completions() + [[{"role": "assistant", "content": "<answer>5</answer>"}]]
 
-    def __call__(self, prompts, completions, answer=None, question=None, **kwargs) -> list[float | None]:
-        context, finals = self._context(prompts, answer, question), [completion_answer(c) for c in completions]
+    def __call__(self, prompts, completions, answer_aliases=None, question=None, answer=None, **kwargs) -> list[float | None]:
+        context, finals = self._context(prompts, answer_aliases, answer, question), [completion_answer(c) for c in completions]
         texts, members = [], []  # one prompt per group with an answer; members[j]: its samples, in episode order
         for group in groups(prompts):
             answered = [i for i in group if finals[i] is not None]

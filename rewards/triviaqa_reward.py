@@ -3,8 +3,9 @@
 Every function follows TRL's convention `fn(prompts, completions, **dataset_columns)`. `completions[i]`
 is the canonical conversation of protocol.py (rewards/conversation.py reads it): assistant messages
 whose `tool_calls` hold the calls that parsed, each tool turn answered by one `tool` message per
-call, a failed call's content starting with `protocol.ERROR_PREFIX`. The dataset column `answer`
-holds the accepted aliases (list[str], or one str). Odd content (missing or unclosed tags, empty
+call, a failed call's content starting with `protocol.ERROR_PREFIX`. The keyword `answer_aliases`
+holds the accepted aliases (list[str], or one str; tasks/ makes it from the `answer` column, which reaches
+rewards as the dataset holds it). Odd content (missing or unclosed tags, empty
 turns, no turns) scores 0.0, never raises.
 
 Turn rewards come in two forms. Most return one number per sample and judge the first tool turn:
@@ -81,21 +82,21 @@ def tool_execution_reward_func(prompts, completions, **kwargs) -> list[float]:
     return [_execution_score([t for _, tools in tool_turns(c) for t in tools]) for c in completions]
 
 
-def answer_in_tool_result(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+def answer_in_tool_result(prompts, completions, answer_aliases, answer_type=None, **kwargs) -> list[float]:
     """0.5 if the gold answer appears in the tool's reply (the first tool turn's results: any tool, a
     search or another), else 0.0; also with no tool turn, or when its calls failed: an error message is
     not a result. "Appears" follows `answer_type` (rewards/answers.py): whole words, or an equal number."""
     rewards = []
-    for completion, aliases, kind in zip(completions, answer, answer_types(answer_type, len(completions))):
+    for completion, aliases, kind in zip(completions, answer_aliases, answer_types(answer_type, len(completions))):
         turns = tool_turns(completion)
         rewards.append(_answer_found(turns[0][1], aliases, kind) if turns else 0.0)
     return rewards
 
 
-def exist_answer_in_search_results(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+def exist_answer_in_search_results(prompts, completions, answer_aliases, answer_type=None, **kwargs) -> list[float]:
     """`answer_in_tool_result` under its old name: a recipe that names it keeps working, and its metrics keep
     the name they were logged under (`rewards/turn/exist_answer_in_search_results`)."""
-    return answer_in_tool_result(prompts, completions, answer, answer_type=answer_type, **kwargs)
+    return answer_in_tool_result(prompts, completions, answer_aliases, answer_type=answer_type, **kwargs)
 
 
 @per_tool_turn
@@ -105,11 +106,11 @@ def tool_execution_per_turn(prompts, completions, **kwargs) -> list[list[float]]
 
 
 @per_tool_turn
-def answer_in_result_per_turn(prompts, completions, answer, answer_type=None, **kwargs) -> list[list[float]]:
+def answer_in_result_per_turn(prompts, completions, answer_aliases, answer_type=None, **kwargs) -> list[list[float]]:
     """Per tool turn: 0.5 if one of that turn's successful results holds the gold answer (as
     `answer_in_tool_result` judges it), else 0.0. Rewards the turn whose search found it, not only the first."""
     return [[_answer_found(tools, aliases, kind) for _, tools in tool_turns(c)]
-            for c, aliases, kind in zip(completions, answer, answer_types(answer_type, len(completions)))]
+            for c, aliases, kind in zip(completions, answer_aliases, answer_types(answer_type, len(completions)))]
 
 
 def _normalized(value):
@@ -146,20 +147,20 @@ def repeated_query_penalty_per_turn(prompts, completions, **kwargs) -> list[list
 # ------------------------------------------------------------------------------------------------
 # Outcome rewards: the final answer and the format of every turn
 # ------------------------------------------------------------------------------------------------
-def exact_match_reward_func(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+def exact_match_reward_func(prompts, completions, answer_aliases, answer_type=None, **kwargs) -> list[float]:
     """1.0 if the final `<answer>` equals an alias (`matches_answer`: normalised text, or an equal number
     under `answer_type`), else 0.0."""
     kinds = answer_types(answer_type, len(completions))
     return [1.0 if matches_answer(completion_answer(completion), aliases, kind) else 0.0
-            for completion, aliases, kind in zip(completions, answer, kinds)]
+            for completion, aliases, kind in zip(completions, answer_aliases, kinds)]
 
 
-def exist_answer_reward_func(prompts, completions, answer, answer_type=None, **kwargs) -> list[float]:
+def exist_answer_reward_func(prompts, completions, answer_aliases, answer_type=None, **kwargs) -> list[float]:
     """0.5 if the final `<answer>` holds an alias (`contains_answer`: whole words, or an equal number under
     `answer_type`), else 0.0. Partial credit for "the city of Paris" when the alias is "Paris"."""
     kinds = answer_types(answer_type, len(completions))
     return [0.5 if contains_answer(completion_answer(completion) or "", aliases, kind) else 0.0
-            for completion, aliases, kind in zip(completions, answer, kinds)]
+            for completion, aliases, kind in zip(completions, answer_aliases, kinds)]
 
 
 # A grounded answer is a fact, not a passage: at most this many words (the fictional KB's answers have 1 to 3)

@@ -63,7 +63,8 @@ def result_documents(episode: dict) -> list[str]:
 
 def classify(episode: dict) -> tuple[str, bool, bool]:
     """(class, gold in the reasoning of a wrong answer, gold seen in a result) for one recorded episode."""
-    gold = aliases(episode["answer"])
+    accepted = episode.get("answer_aliases") or episode["answer"]  # records before answer_aliases: a list in answer
+    gold = aliases(accepted)
     docs = result_documents(episode)
     seen = any(contains(d, g) for d in docs for g in gold)
     last = episode["turns"][-1] if episode["turns"] else {"role": "env", "text": ""}
@@ -71,10 +72,10 @@ def classify(episode: dict) -> tuple[str, bool, bool]:
     if match is None:
         return "no answer", False, seen
     answer = words(match.group(1))
-    if matches_answer(match.group(1), episode["answer"]):
+    if matches_answer(match.group(1), accepted):
         return "exact", False, seen
     reasoned = any(contains(words(last["text"][: match.start()]), g) for g in gold)
-    if contains_answer(match.group(1), episode["answer"]):
+    if contains_answer(match.group(1), accepted):
         kind = "holds the gold"
     elif answer and contains(normalize_answer(episode["question"]), answer):
         kind = "from the question"

@@ -378,7 +378,7 @@ function render() {
   for (const [g, members] of groups) {
     const first = members[0][0], section = el("section", "group"), row = el("div", "episodes");
     const mean = (k) => fmt(members.reduce((s, [ep]) => s + (typeof ep[k] === "number" ? ep[k] : 0), 0) / members.length);
-    section.append(el("h2", "", `group ${g}: ${first.question || ""}   answer: ${fmt(first.answer)}   ` +
+    section.append(el("h2", "", `group ${g}: ${first.question || ""}   answer: ${fmt(first.answer_aliases || first.answer)}   ` +
                                 `mean R_T ${mean("R_T")}, R_O ${mean("R_O")}`));
     const details = el("details");
     details.append(el("summary", "", "prompt"), el("pre", "", first.prompt_text || ""));

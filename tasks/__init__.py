@@ -23,20 +23,25 @@ part of the prompt.
 The columns (each renamed by `columns`, the recipe's `question_column` / `answer_column` / `prompt_column`):
     question   the question, a string
     answer     the accepted answer: a string or a list of aliases. Needed when a reward compares answers
-               (`answer_required`); without one, a row's answer is [] (and a dataset without the column has
-               none). The datasets are used as they are: gsm8k's answer is a worked solution ending in
-               "#### 72", so map another column or use a reward that extracts the number.
+               (`answer_required`). It reaches the rewards as the dataset holds it (as TRL passes it: a TRL reward's
+               `answer.lower()` works on a string column), and its aliases as `answer_aliases`. The datasets are
+               used as they are: gsm8k's answer is a worked solution ending in "#### 72", so map another column or
+               use a reward that extracts the number.
+    answer_aliases  made here: the answer's accepted spellings, `list[str]` (a string answer is a list of one;
+               stripped, without duplicates or empty ones; [] for a row without an answer). The rewards that
+               compare answers (rewards/answers.py) read this keyword. A dataset may give its own `answer_aliases`
+               column beside `answer` (the tasks here do: triviaqa's aliases, the knowledge base's spellings).
     prompt     optional: a TRL prompt, standard (a string) or conversational (a list of {"role", "content"}
                messages ending with a user message). It becomes the episode's prompt (protocol.build_prompt; its
                own system message replaces the task's part of the system prompt), and `question` may then be
                missing: it is filled with the prompt's last user message, for the rewards that read it.
 Every other column reaches the reward functions as a keyword argument. A task comes out as a
-`datasets.Dataset` with the columns `question: str`, `answer: list[str]` (when there is one), `prompt` (when
-there is one) and the others. Malformed rows (no question, an answer that is not a string or a list of
-strings, an empty one when answers are required, a malformed prompt) are skipped and counted, not fatal: one
-bad row in a large file should not stop a run, and `Task.skipped` says which rows to fix ("row 17: empty
-question"; rows count from 0, so in a .jsonl file without blank lines that is line 18). A dataset with no
-valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
+`datasets.Dataset` with the columns `question: str`, `answer` (as the dataset has it) and `answer_aliases:
+list[str]` (when there is an answer), `prompt` (when there is one) and the others. Malformed rows (no question,
+an answer that is not a string or a list of strings, an empty one when answers are required, a malformed
+prompt) are skipped and counted, not fatal: one bad row in a large file should not stop a run, and
+`Task.skipped` says which rows to fix ("row 17: empty question"; rows count from 0, so in a .jsonl file without
+blank lines that is line 18). A dataset with no valid row is an error. `validate_dataset` applies the same rules to a `datasets.Dataset` built in Python.
 With an environment_factory (`environment`), whose reset gives the prompt, a row may have no prompt and no
 question, or an empty one, as in TRL: it becomes EMPTY_PROMPT (a dataset of only an `environment` column routes
 each row to its class), and its question is "".
@@ -71,8 +76,9 @@ class TaskArguments:
                                    "*_column) | None: `environment_factory`'s reset gives the prompt (set max_steps).")
     dataset_config: str | None = arg(None, "Configuration name for `datasets.load_dataset` (e.g. `main` of gsm8k).")
     question_column: str = arg("question", "The dataset's column holding the question.")
-    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases); "
-                             "may be missing when no reward needs it.")
+    answer_column: str = arg("answer", "The dataset's column holding the answer (a string or a list of aliases), "
+                             "which rewards get as `answer`, as given, and as a list as `answer_aliases`; may be "
+                             "missing when no reward needs it.")
     prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
                              "instead of the question when present.")
     dataset_split: str = arg("train", "Split of the dataset to train on.")
@@ -93,18 +99,20 @@ TASK_NAMES = ["fictional_kb", "fictional_kb_entities", "triviaqa", "textworld_qu
 KB_TASKS = ("fictional_kb", "fictional_kb_entities")  # the fictional knowledge base, split by question or entity
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = ("question", "answer", "prompt")  # the columns the trainer reads; `columns` maps each to the dataset's
+ALIASES = "answer_aliases"  # the answer's aliases, list[str]: the column this module makes (or the dataset gives)
 MAX_SKIP_REASONS = 5
 # What evaluation reports on a question-answer task (every task here is one): `eval/<name>` is the share of
 # episodes on which the reward function (a name from rewards/) is above 0.
 QA_EVAL_METRICS = {"exact_match": "exact_match_reward_func", "first_search_hit": "exist_answer_in_search_results"}
-FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.List(datasets.Value("string"))})
+FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.Value("string"),
+                              ALIASES: datasets.List(datasets.Value("string"))})
 MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})  # a chat prompt
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row without one: the environment's reset fills it
 
 
 @dataclass
 class Task:
-    dataset: datasets.Dataset  # columns: question (str), answer (list[str], the accepted aliases), prompt, others
+    dataset: datasets.Dataset  # columns: question (str), answer (as given), answer_aliases (list[str]), prompt, others
     corpus: list[dict] | None  # {"title", "text"} documents for the `search` tool; None: no corpus
     num_skipped: int = 0  # malformed rows left out
     skipped: list[str] = field(default_factory=list)  # why, for the first MAX_SKIP_REASONS of them
@@ -124,6 +132,14 @@ SEARCH_QA_DEFAULTS = {"tools": ["search"],
                       "turn_reward_funcs": ["tool_execution_reward_func", "answer_in_tool_result"],
                       "outcome_reward_funcs": ["exact_match_reward_func", "exist_answer_reward_func",
                                                "format_reward_func"]}
+
+
+def task_keyword(name: str):
+    """The default and help of TaskArguments' field `name`, for a config that takes it as a constructor keyword
+    (an InitVar) rather than a field: MTGRPOConfig, whose `dataset_name` and `dataset_config` TRL's
+    ScriptArguments also declares (mt_grpo_trainer.py)."""
+    declared = TaskArguments.__dataclass_fields__[name]
+    return field(default=declared.default, metadata=declared.metadata)
 
 
 def task_defaults(dataset_name: str | None, corpus_path: str | None = None) -> dict:
@@ -171,8 +187,10 @@ def load_task(dataset_name: str, split: str = "train", max_samples: int | None =
             qa = fictional_kb_split(qa, split, seed)
         else:
             corpus, qa = build_fictional_kb_entities(seed, split, multi_hop)
+        # the answer as the documents write it (a string), and its other spellings as aliases
         data = datasets.Dataset.from_dict({"question": [r["question"] for r in qa],
-                                           "answer": [r["answer"] for r in qa]}, features=FEATURES)
+                                           "answer": [r["answer"][0] for r in qa],
+                                           ALIASES: [r["answer"] for r in qa]}, features=FEATURES)
     elif dataset_name == "triviaqa":
         from tasks.triviaqa import load_triviaqa
 
@@ -364,16 +382,18 @@ def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None =
                 else "")
         raise ValueError(f"{source} is a {type(dataset).__name__}{hint}; pass a datasets.Dataset.")
     roles = _resolve_columns(dataset.column_names, columns or {}, answer_required, source, environment)
-    extras = [c for c in dataset.column_names if c not in roles.values() and c not in ROLES]
+    given_aliases = ALIASES in dataset.column_names and roles["answer"] is not None
+    extras = [c for c in dataset.column_names if c not in roles.values() and c not in ROLES
+              and not (c == ALIASES and given_aliases)]
     prompts = roles["prompt"] or environment and not roles["question"]  # none given: EMPTY_PROMPT, reset fills it
     out = {role: [] for role in ROLES if role == "question" or roles[role] or role == "prompt" and prompts} | \
-        {c: [] for c in extras}
+        ({ALIASES: []} if roles["answer"] else {}) | {c: [] for c in extras}
     reasons, num_skipped = [], 0
     # in batches: a row at a time from Arrow is slow, and the whole table as Python lists is large
     rows = ({c: batch[c][k] for c in batch} for batch in dataset.iter(batch_size=1000)
             for k in range(len(batch[dataset.column_names[0]])))
     for i, row in enumerate(rows):
-        values, problem = _valid_row(row, roles, answer_required, environment)
+        values, problem = _valid_row(row, roles, answer_required, environment, given_aliases)
         if problem:
             num_skipped += 1
             if len(reasons) < MAX_SKIP_REASONS:
@@ -391,6 +411,8 @@ def validate_dataset(dataset: datasets.Dataset, columns: dict[str, str] | None =
                          "Each row needs a non-empty `question` string (or a TRL `prompt`) and an `answer` string or "
                          "list of strings.")
     features = {**FEATURES, **{c: dataset.features[c] for c in extras}}
+    if roles["answer"]:  # the dataset's own type: the answer reaches the rewards unchanged
+        features["answer"] = dataset.features[roles["answer"]]
     if "prompt" in out:
         features["prompt"] = datasets.Value("string") if isinstance(out["prompt"][0], str) else MESSAGES
     dataset = datasets.Dataset.from_dict(out, features=datasets.Features({c: features[c] for c in out}))
@@ -424,9 +446,12 @@ def _resolve_columns(names: list[str], columns: dict[str, str], answer_required:
     return roles
 
 
-def _valid_row(row: dict, roles: dict, answer_required: bool, environment: bool = False) -> tuple[dict, str]:
-    """(the row's question, answer and prompt, "") if it is usable, else ({}, why not). With an `environment`, a row
-    without a prompt or question, or with an empty one, is usable: the environment's reset gives the prompt."""
+def _valid_row(row: dict, roles: dict, answer_required: bool, environment: bool = False,
+               given_aliases: bool = False) -> tuple[dict, str]:
+    """(the row's question, answer, its aliases and prompt, "") if it is usable, else ({}, why not). The aliases
+    are the row's `answer_aliases` when the dataset gives them (`given_aliases`), else made from its answer. With
+    an `environment`, a row without a prompt or question, or with an empty one, is usable: the environment's reset
+    gives the prompt."""
     values, problem = {}, ""
     if roles["prompt"] or environment and not roles["question"]:
         prompt = row[roles["prompt"]] if roles["prompt"] else None
@@ -437,9 +462,12 @@ def _valid_row(row: dict, roles: dict, answer_required: bool, environment: bool 
         values["prompt"] = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]}
                                                                    for m in prompt]
     if roles["answer"]:
-        values["answer"], problem = _answer_aliases(row[roles["answer"]])
+        values["answer"] = row[roles["answer"]]
+        values[ALIASES], problem = _answer_aliases(row[ALIASES] if given_aliases else values["answer"])
         if problem in ("no answer", "empty answer") and not answer_required:
             problem = ""
+        elif problem and given_aliases:
+            problem = f"{ALIASES}: {problem}"
     question = row[roles["question"]] if roles["question"] else None
     if "prompt" in values and not (isinstance(question, str) and question.strip()):
         question = prompt_question(values["prompt"])  # the prompt stands in for a missing question

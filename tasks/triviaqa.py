@@ -13,9 +13,9 @@ HUB_NAME, HUB_CONFIG = "mandarjoshi/trivia_qa", "rc.nocontext"
 
 
 def load_triviaqa(split: str = "train", max_samples: int | None = None) -> datasets.Dataset:
-    """TriviaQA rows as `question: str` and `answer: list[str]` (the canonical answer first, then its
-    aliases, without duplicates). Raises RuntimeError, at once under HF_HUB_OFFLINE=1, when the hub
-    cannot be reached and the dataset is not cached."""
+    """TriviaQA rows as `question: str`, `answer: str` (the canonical answer) and `answer_aliases: list[str]` (the
+    canonical answer first, then its aliases, without duplicates). Raises RuntimeError, at once under
+    HF_HUB_OFFLINE=1, when the hub cannot be reached and the dataset is not cached."""
     raw = load_hub_dataset(HUB_NAME, HUB_CONFIG, split, label=f"TriviaQA ({HUB_NAME})")
     if max_samples is not None:
         raw = raw.select(range(min(max_samples, len(raw))))
@@ -23,7 +23,9 @@ def load_triviaqa(split: str = "train", max_samples: int | None = None) -> datas
 
 
 def to_question_answer(row: dict) -> dict:
-    """A TriviaQA row -> {"question", "answer": [value, *aliases]}, without duplicates or empty strings."""
+    """A TriviaQA row -> {"question", "answer": value, "answer_aliases": [value, *aliases]}, the aliases without
+    duplicates or empty strings."""
     answer = row["answer"]
     aliases = [answer["value"], *answer["aliases"]]
-    return {"question": row["question"], "answer": list(dict.fromkeys(a for a in aliases if a))}
+    return {"question": row["question"], "answer": answer["value"],
+            "answer_aliases": list(dict.fromkeys(a for a in aliases if a))}

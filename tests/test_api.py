@@ -104,8 +104,8 @@ def strict_reward(prompts, completions):
     # TRL's signature ends in **kwargs: one without is refused at start-up, not after the first rollout
     (dict(reward_funcs=strict_reward), "Reward function 'strict_reward' takes no `**kwargs`, but every reward receives "
                                        "the dataset's columns and TRL's keywords as keyword arguments, and it would "
-                                       "be passed ['question', 'answer', 'completion_ids', 'trainer_state', "
-                                       "'log_extra', 'log_metric', 'stop_reason']"),
+                                       "be passed ['question', 'answer', 'answer_aliases', 'completion_ids', "
+                                       "'trainer_state', 'log_extra', 'log_metric', 'stop_reason']"),
     # a list in the config and another to the trainer: neither silently wins
     (dict(turn_reward_funcs=["tool_execution_reward_func"], config=dict(turn_reward_funcs=["answer_in_tool_result"])),
      "`turn_reward_funcs` is given twice: to MTGRPOEnvTrainer(...) (['tool_execution_reward_func']) and in the "

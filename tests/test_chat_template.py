@@ -279,7 +279,7 @@ def test_rewards_see_the_same_messages_in_both_formats(qwen_style_tokenizer, tok
     assert [m["tool_calls"] for m in xml if m["role"] == "assistant"] == \
         [m["tool_calls"] for m in chat if m["role"] == "assistant"]
     assert count_tool_turns(xml) == count_tool_turns(chat) == 1
-    score = lambda name, completion: REWARD_FUNCS[name]([None], [completion], answer=[["Morvane"]])[0]  # noqa: E731
+    score = lambda name, completion: REWARD_FUNCS[name]([None], [completion], answer_aliases=[["Morvane"]])[0]  # noqa: E731
     for name in ("tool_execution_reward_func", "exist_answer_in_search_results", "exact_match_reward_func",
                  "exist_answer_reward_func"):
         assert score(name, xml) == score(name, chat), name
@@ -303,7 +303,7 @@ def test_shipped_rewards_on_chat_template_episodes(rollout):
     completions = [ep.messages for ep in episodes]
     names = ("tool_execution_reward_func", "exist_answer_in_search_results", "exact_match_reward_func",
              "exist_answer_reward_func", "chat_format_reward_func")
-    values = [REWARD_FUNCS[n]([None] * len(episodes), completions, answer=[["Morvane"]] * len(episodes)) for n in names]
+    values = [REWARD_FUNCS[n]([None] * len(episodes), completions, answer_aliases=[["Morvane"]] * len(episodes)) for n in names]
     for i, q in enumerate(questions):
         assert tuple(v[i] for v in values) == pytest.approx(EXPECTED_REWARDS[q]), q
         assert count_tool_turns(completions[i]) == episodes[i].tool_turns  # rewards and trainer count the same turns

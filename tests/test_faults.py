@@ -264,6 +264,6 @@ def test_the_mcp_start_up_timeout_is_a_field(monkeypatch):
     import tools.mcp
 
     seen = []
-    monkeypatch.setattr(tools.mcp, "mcp_tools", lambda servers, timeout, start: seen.append((timeout, start)) or [])
+    monkeypatch.setattr(tools.mcp, "mcp_tools", lambda servers, timeout, start, **kw: seen.append((timeout, start)) or [])
     builders._mcp_tools(SimpleNamespace(mcp_servers=["python server.py"], tool_timeout=10.0, mcp_startup_timeout=90.0))
     assert seen == [(10.0, 90.0)]

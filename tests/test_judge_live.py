@@ -68,7 +68,7 @@ def test_a_training_batch_is_scored_by_the_live_judge(judge_server, tiny_agent_d
     assert metrics["judge/seconds"] > 0 and metrics["judge/prompt_tokens"] > 0
     outcome = trainer.outcome_reward_funcs[0]
     completions = list(trainer._logs["completion"])[-4:]
-    R_O = outcome([x["prompt"] for x in inputs], completions, answer=[x["answer"] for x in inputs])
+    R_O = outcome([x["prompt"] for x in inputs], completions, answer_aliases=[x["answer_aliases"] for x in inputs])
     assert outcome.judge.pop_metrics()["judge/calls"] == 0  # every score from the cache
     R_O = torch.tensor([math.nan if r is None else r for r in R_O])  # None: not applicable, NaN in the trainer
     logged = torch.tensor(list(trainer._logs["rewards"]["judge_outcome"])[-4:])

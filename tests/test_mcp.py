@@ -2,7 +2,9 @@
 (tools/kb_mcp_server.py, with its test tools `crash` and `sleep`) over stdio and over streamable HTTP, one
 process of each for the module. Listing and calling tools, the schemas both tool formats show the model,
 error results, timeouts, a crash and the restart after it, servers that do not start, and episodes of the
-trainer's rollout loop that call the server."""
+trainer's rollout loop that call the server. The `mcpServers` map (mcp_servers_config): a stdio, a streamable-HTTP
+and an SSE server, the two remote ones refusing requests without a bearer token (one process each for the module),
+and the tool filters."""
 
 import asyncio
 import contextlib
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,7 +24,8 @@ from helpers import ROOT, make_env, xml_answer, xml_call
 from protocol import ToolCall, XMLProtocol, describe_tools, get_protocol, neutral_arguments, tool_schemas
 from scripted_policy import ScriptedPolicy
 from tools import run_tool_calls
-from tools.mcp import MCPServerDown, MCPToolError, mcp_tools, parse_server, tool_signature
+from tools.mcp import (MCPServerDown, MCPToolError, mcp_tools, mcp_tools_from_map, parse_map_entry, parse_server,
+                       tool_signature)
 
 SERVER = os.path.join(ROOT, "tools", "kb_mcp_server.py")
 STDIO = shlex.join([sys.executable, SERVER, "--seed", "0", "--crashable"])
@@ -45,11 +49,14 @@ def stdio_tools():
 
 
 @contextlib.contextmanager
-def http_server(port: int | None = None, command: list[str] | None = None):
-    """The URL of a new knowledge base server over streamable HTTP (on `port`, else a free one; started by
-    `command`, else with the test tools), once it accepts connections."""
+def http_server(port: int | None = None, command: list[str] | None = None, transport: str = "http",
+                token: str | None = None):
+    """The URL of a new knowledge base server over streamable HTTP, or SSE (on `port`, else a free one; started by
+    `command`, else with the test tools, refusing requests without `token` if given), once it accepts
+    connections."""
     port = port or free_port()
-    command = command or [sys.executable, SERVER, "--transport", "http", "--port", str(port), "--crashable"]
+    command = command or [sys.executable, SERVER, "--transport", transport, "--port", str(port), "--crashable",
+                          *(["--token", token] if token else [])]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -60,7 +67,7 @@ def http_server(port: int | None = None, command: list[str] | None = None):
             except OSError:
                 assert process.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
                 time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/mcp"
+        yield f"http://127.0.0.1:{port}/{'sse' if transport == 'sse' else 'mcp'}"
     finally:
         process.kill()
         process.wait()
@@ -321,6 +328,165 @@ def test_server_entries(entry, command, env, url):
 def test_an_entry_that_is_not_a_server_is_named(entry):
     with pytest.raises(ValueError, match=re.escape(f"mcp_servers entry {entry!r} is not a server; write a command")):
         parse_server(entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# the mcpServers map: Claude Desktop's / verl's mcp_server.json, with tokens and tool filters
+# ------------------------------------------------------------------------------------------------
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def secured():
+    """{"sse": url, "http": url} of two servers that answer 401 without `Authorization: Bearer TOKEN`."""
+    with http_server(transport="sse", token=TOKEN) as sse, http_server(transport="http", token=TOKEN) as http:
+        yield {"sse": sse, "http": http}
+
+
+def test_a_servers_map_connects_stdio_http_and_sse_with_their_filters_and_tokens(secured, local_search, monkeypatch):
+    """One map, as Claude Desktop and verl write it: a stdio server (command, args, env), an SSE server with verl's
+    auth_token (from the environment, as `${VAR}`), a streamable-HTTP one with the header written out. Each
+    server's includeTools keeps a different tool, so that three copies of one server give three tools; the call
+    reaches each server."""
+    monkeypatch.setenv("KB_TOKEN", TOKEN)
+    config = {"mcpServers": {
+        "kb-stdio": {"command": "python", "args": [SERVER, "--seed", "0", "--crashable"], "env": {"UNUSED": "1"},
+                     "includeTools": ["sleep"], "description": "read by editors only"},
+        "kb-sse": {"url": secured["sse"], "auth_token": "${KB_TOKEN}", "includeTools": ["search"]},
+        "kb-http": {"url": secured["http"], "type": "http", "headers": {"Authorization": f"Bearer {TOKEN}"},
+                    "excludeTools": ["search", "sleep"]},
+        "off": {"command": "no-such-server", "disabled": True},  # Cline's switch: never started
+    }}
+    tools = {fn.__name__: fn for fn in mcp_tools_from_map(config, None, timeout=TIMEOUT)}
+    assert {name: fn.mcp_server for name, fn in tools.items()} == {"sleep": "kb-stdio", "search": "kb-sse",
+                                                                   "crash": "kb-http"}
+    assert tools["search"](query="capital of Ratomora") == local_search(query="capital of Ratomora")
+    assert tools["sleep"](seconds=0.01) == "slept 0.01s"
+    # mcp_tool_filter (verl's tool_selected_list), over the map without its top-level key: the rest never reach
+    # the model, and the servers left with no tool are not kept
+    import tools.mcp
+
+    (search,) = mcp_tools_from_map({"kb-sse": config["mcpServers"]["kb-sse"],
+                                    "idle": {"url": secured["http"], "auth_token": TOKEN, "transport": "http",
+                                             "excludeTools": ["search"]}},
+                                   ["search"], timeout=TIMEOUT)
+    assert (search.__name__, search.mcp_server) == ("search", "kb-sse")
+    assert "idle" not in [server.spec.label for server in tools.mcp._SERVERS]
+
+
+@pytest.mark.parametrize("transport", ["sse", "http"])
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_a_server_that_refuses_the_connection_asks_for_its_token(secured, transport, token):
+    entry = {"url": secured[transport], "transport": transport, **({"auth_token": token} if token else {})}
+    with pytest.raises(ValueError) as e:
+        mcp_tools_from_map({"mcpServers": {"kb": entry}}, None, timeout=TIMEOUT)
+    message = str(e.value)
+    assert message.startswith("MCP server 'kb' (mcp_servers_config) did not start: ")
+    assert "401 Unauthorized" in message
+    assert ("its token was refused" if token else "no token was sent") in message
+    assert "give its token as `auth_token`" in message
+
+
+def test_an_entry_with_auth_token_connects_over_sse_as_verl_does_and_the_error_says_so(secured):
+    """verl sends an entry with `auth_token` over SSE whatever its URL: a streamable-HTTP server then refuses, and
+    the error names the key that picks the other transport. With it, the same entry connects."""
+    entry = {"url": secured["http"], "auth_token": TOKEN}
+    with pytest.raises(ValueError, match=re.escape('set "transport": "http" in its entry of mcp_servers_config (an '
+                                                   "entry with auth_token connects over SSE, as verl does)")):
+        mcp_tools_from_map({"kb": entry}, None, timeout=TIMEOUT)
+    (search,) = mcp_tools_from_map({"kb": {**entry, "transport": "http"}}, ["search"], timeout=TIMEOUT)
+    assert search(query="capital of Ratomora").startswith(RATOMORA)
+
+
+def test_a_filter_naming_a_tool_no_server_has_names_the_tools_there_are(http_url):
+    with pytest.raises(ValueError, match=re.escape("mcp_tool_filter names ['serch'], which no MCP server has; the "
+                                                   "servers' tools are ['search', 'crash', 'sleep']")):
+        mcp_tools_from_map({"kb": {"url": http_url}}, ["serch"], timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=re.escape("MCP server 'kb' (mcp_servers_config): includeTools names "
+                                                   "['find'], which it does not have; its tools are")):
+        mcp_tools_from_map({"kb": {"url": http_url, "includeTools": ["find"]}}, None, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match="mcp_tool_filter .* no server is given"):
+        mcp_tools([], TIMEOUT, selected=["search"])
+
+
+def test_the_recipe_fields_read_a_json_file_and_the_prompt_shows_the_selected_tools_only(http_url, tmp_path):
+    """`mcp_servers_config: path.json` and `mcp_tool_filter` through the trainer's recipe and builders, to the
+    system prompt the model reads; the list form beside it."""
+    import json
+
+    import builders
+    from fields import parse_recipe
+    from helpers import RECIPE
+    from mt_grpo_trainer import MTGRPOConfig
+
+    path = tmp_path / "mcp_server.json"
+    path.write_text(json.dumps({"mcpServers": {"kb": {"url": http_url}}}))
+    config, _ = parse_recipe(["--config", RECIPE, "--output_dir", str(tmp_path), "--mcp_servers_config", str(path),
+                              "--mcp_tool_filter", "search", "sleep"], MTGRPOConfig)
+    tools = builders._mcp_tools(config)
+    assert [t.__name__ for t in tools] == ["search", "sleep"]
+    prompt = XMLProtocol().system_prompt(tools)
+    assert "- search(query: str" in prompt and "- sleep(seconds" in prompt and "- crash(" not in prompt
+    with pytest.raises(ValueError, match="MCP servers '.*' and 'kb' both have a tool named 'search'"):
+        builders._mcp_tools(SimpleNamespace(mcp_servers=[http_url], mcp_servers_config=str(path), tool_timeout=TIMEOUT,
+                                            mcp_tool_filter=None, mcp_startup_timeout=None))
+
+
+@pytest.mark.parametrize("entry, transport, headers", [
+    ({"url": "https://x.org/sse"}, "sse", {}),  # fastmcp's and the MCP clients' rule: the path says SSE
+    ({"url": "https://x.org/sse/"}, "sse", {}),
+    ({"url": "https://x.org/mcp"}, "http", {}),
+    ({"url": "https://x.org/mcp", "auth_token": "t"}, "sse", {"Authorization": "Bearer t"}),  # as verl connects it
+    ({"url": "https://x.org/mcp", "auth": "t", "type": "streamable-http"}, "http", {"Authorization": "Bearer t"}),
+    ({"url": "https://x.org/sse", "transport": "http"}, "http", {}),  # a key names it: as written
+    ({"url": "https://x.org/mcp", "type": "sse", "headers": {"X-Key": "k"}}, "sse", {"X-Key": "k"}),
+    ({"httpUrl": "https://x.org/sse"}, "http", {}),  # Gemini CLI's key for streamable HTTP
+    ({"command": "node", "args": ["server.js"], "type": "stdio"}, "stdio", {}),
+])
+def test_a_map_entrys_transport_and_headers(entry, transport, headers):
+    spec = parse_map_entry("s", entry)
+    assert (spec.transport, spec.headers) == (transport, headers)
+
+
+def test_a_map_entry_expands_environment_variables_and_runs_python_here(monkeypatch):
+    monkeypatch.setenv("KB_SEED", "3")
+    monkeypatch.delenv("NOT_SET", raising=False)
+    spec = parse_map_entry("kb", {"command": "python", "args": ["server.py", "--seed", "${KB_SEED}"],
+                                  "env": {"MODE": "${NOT_SET:-test}"}, "cwd": "/tmp"})
+    assert (spec.command, spec.env, spec.cwd) == ([sys.executable, "server.py", "--seed", "3"], {"MODE": "test"},
+                                                  "/tmp")
+    assert parse_map_entry("kb", {"command": "x", "disabled": True}) is None
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"command": "x", "port": 1}, "has key(s) ['port'], which this trainer does not read; remove them"),
+    ({"url": "http://x/mcp", "command": "x"}, "needs either a `command` (a stdio server) or a `url`"),
+    ({"args": ["x"]}, "needs either a `command`"),
+    ({"url": "http://x/mcp", "type": "websocket"}, "has transport 'websocket'; write one of"),
+    ({"url": "ftp://x"}, "url 'ftp://x' is not an http(s) URL"),
+    ({"url": "http://x/mcp", "auth": "oauth"}, "auth 'oauth' is not supported"),
+    ({"url": "http://x/mcp", "auth_token": "t", "headers": {"authorization": "Bearer u"}}, "keep one"),
+    ({"command": "x", "env": {"N": 1}}, "`env` is a map of strings (quote numbers"),
+    ({"command": "x", "args": "--flag"}, "`args` a list of strings"),
+    ({"url": "http://x/mcp", "headers": {"Authorization": "Bearer ${NOT_SET}"}}, "uses ${NOT_SET}, and the "
+                                                                                  "environment has no NOT_SET"),
+    ({"command": "x", "includeTools": "search"}, "includeTools is a list of tool names"),
+])
+def test_a_map_entry_that_cannot_run_as_written_is_named_with_the_fix(entry, message, monkeypatch):
+    monkeypatch.delenv("NOT_SET", raising=False)
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        parse_map_entry("s", entry)
+    assert str(e.value).startswith("MCP server 's' (mcp_servers_config)")
+
+
+@pytest.mark.parametrize("config, message", [
+    ("/no/such/mcp_server.json", "mcp_servers_config: no file '/no/such/mcp_server.json'"),
+    (["python server.py"], "mcp_servers_config is ['python server.py'], not a map of servers"),
+    ({"mcpServers": {"kb": "python server.py"}}, "not a map of servers"),
+])
+def test_a_config_that_is_not_a_servers_map_is_named(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mcp_tools_from_map(config, None, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------

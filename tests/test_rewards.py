@@ -175,14 +175,14 @@ FUNCS = [tool_execution_reward_func, exist_answer_in_search_results, exact_match
 
 @pytest.mark.parametrize("completion, answer, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_reward_values(completion, answer, expected):
-    got = [fn(prompts=[PROMPT], completions=[completion], answer=[answer])[0] for fn in FUNCS]
+    got = [fn(prompts=[PROMPT], completions=[completion], answer_aliases=[answer])[0] for fn in FUNCS]
     assert got == pytest.approx(list(expected))
 
 
 def test_whole_table_as_one_batch_gives_the_same_values_and_ignores_unknown_columns():
     completions, answers = [c[1] for c in CASES], [c[2] for c in CASES]
     for f, fn in enumerate(FUNCS):
-        got = fn(prompts=[PROMPT] * len(CASES), completions=completions, answer=answers,
+        got = fn(prompts=[PROMPT] * len(CASES), completions=completions, answer_aliases=answers,
                  question=["What is the capital of Veltria?"] * len(CASES), task=["triviaqa"] * len(CASES))
         assert got == pytest.approx([c[3][f] for c in CASES]), fn.__name__
         assert all(type(v) is float for v in got), fn.__name__
@@ -193,7 +193,7 @@ def test_whole_table_as_one_batch_gives_the_same_values_and_ignores_unknown_colu
                                       (grounded_answer_reward_func, 0.25),
                                       (format_reward_func, 0.2), (chat_format_reward_func, 0.2)])
 def test_rewards_stay_within_their_documented_range(fn, high):
-    got = fn(prompts=[PROMPT] * len(CASES), completions=[c[1] for c in CASES], answer=[c[2] for c in CASES])
+    got = fn(prompts=[PROMPT] * len(CASES), completions=[c[1] for c in CASES], answer_aliases=[c[2] for c in CASES])
     assert all(0.0 <= v <= high for v in got)
 
 
@@ -220,7 +220,7 @@ def test_grounded_answer_pays_for_a_short_fact_copied_from_a_result_that_the_que
     question = PROMPT[-1]["content"]
     assert grounded_answer_reward_func(prompts=[PROMPT], completions=[completion], question=[question]) == [expected]
     # without the dataset's question column, the prompt's last user message is the question
-    assert grounded_answer_reward_func(prompts=[PROMPT], completions=[completion], answer=["x"]) == [expected]
+    assert grounded_answer_reward_func(prompts=[PROMPT], completions=[completion], answer_aliases=["x"]) == [expected]
 
 
 def test_grounded_answer_needs_no_gold_and_is_registered_for_recipes():
@@ -291,7 +291,7 @@ PER_TURN_FUNCS = [tool_execution_per_turn, answer_in_result_per_turn, repeated_q
 @pytest.mark.parametrize("completion, answer, expected", [c[1:] for c in PER_TURN_CASES],
                          ids=[c[0] for c in PER_TURN_CASES])
 def test_per_turn_reward_values(completion, answer, expected):
-    got = [fn(prompts=[PROMPT], completions=[completion], answer=[answer])[0] for fn in PER_TURN_FUNCS]
+    got = [fn(prompts=[PROMPT], completions=[completion], answer_aliases=[answer])[0] for fn in PER_TURN_FUNCS]
     assert got == [pytest.approx(values) for values in expected]
 
 
@@ -300,7 +300,7 @@ def test_per_turn_reward_values(completion, answer, expected):
 def test_per_turn_rewards_give_one_float_per_tool_turn_in_range(fn, low, high):
     cases = CASES + PER_TURN_CASES
     completions = [c[1] for c in cases]
-    got = fn(prompts=[PROMPT] * len(cases), completions=completions, answer=[c[2] for c in cases])
+    got = fn(prompts=[PROMPT] * len(cases), completions=completions, answer_aliases=[c[2] for c in cases])
     assert [len(values) for values in got] == [count_tool_turns(c) for c in completions]
     assert all(type(v) is float and low <= v <= high for values in got for v in values)
 
@@ -418,7 +418,7 @@ def test_trls_failed_call_reply_is_a_failed_call():
     found_then_raised = [[SEARCH, tool(FOUND), SEARCH, raised, answer_turn("Morvane")]]
     assert tool_execution_reward_func(None, found_then_raised) == [pytest.approx(0.1)]
     assert exist_answer_in_search_results(None, [[SEARCH, tool(str({"error": FOUND})), answer_turn("Morvane")]],
-                                          answer=[["Morvane"]]) == [0.0]
+                                          answer_aliases=[["Morvane"]]) == [0.0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ ANSWER_TYPE_CASES = [
                          ids=[c[0] for c in ANSWER_TYPE_CASES])
 def test_answer_type_decides_how_the_final_answer_compares(final, answer, answer_type, expected):
     completion, column = [answer_turn(final)], [answer_type]
-    got = [fn(prompts=[PROMPT], completions=[completion], answer=[answer], answer_type=column)[0]
+    got = [fn(prompts=[PROMPT], completions=[completion], answer_aliases=[answer], answer_type=column)[0]
            for fn in (exact_match_reward_func, exist_answer_reward_func)]
     assert got == list(expected)
     assert matches_answer(final, answer, answer_type) is (expected[0] == 1.0)
@@ -500,7 +500,7 @@ TOOL_REPLY_CASES = [
                          ids=[c[0] for c in TOOL_REPLY_CASES])
 def test_answer_type_decides_whether_the_tool_reply_holds_the_answer(reply, answer, answer_type, expected):
     completion = [SEARCH, tool(reply), SEARCH, tool(NOT_FOUND), answer_turn("x")]
-    kwargs = dict(prompts=[PROMPT], completions=[completion], answer=[answer], answer_type=[answer_type])
+    kwargs = dict(prompts=[PROMPT], completions=[completion], answer_aliases=[answer], answer_type=[answer_type])
     assert answer_in_tool_result(**kwargs) == [expected]
     assert answer_in_result_per_turn(**kwargs) == [[expected, 0.0]]
     assert contains_answer(reply, answer, answer_type) is (expected == 0.5)

@@ -82,10 +82,13 @@ def test_fictional_kb_train_and_test_splits_are_disjoint_and_cover_every_questio
         list(test.dataset["question"])
 
 
-def test_fictional_kb_task_has_exactly_question_and_answer_and_its_corpus(kb):
+def test_fictional_kb_task_has_question_answer_and_aliases_and_its_corpus(kb):
+    """The answer as the documents write it (a string, as a TRL reward reads `answer`), its spellings as aliases."""
     task = load_task("fictional_kb", max_samples=10, seed=0)
     assert task.dataset.features == FEATURES
-    assert task.dataset.column_names == ["question", "answer"]
+    assert task.dataset.column_names == ["question", "answer", "answer_aliases"]
+    assert task.dataset[2] == {"question": "What is the main river of Ratomora?", "answer": "Tifex River",
+                               "answer_aliases": ["Tifex River", "Tifex"]}
     assert len(task.dataset) == 10 and task.num_skipped == 0 and task.skipped == []
     assert task.corpus == kb[0]
     assert load_task("fictional_kb", seed=1).corpus != kb[0]
@@ -184,6 +187,10 @@ def test_multi_hop_errors_say_what_to_change(call, message):
 
 GOOD = [{"question": "What is the capital of Veltria?", "answer": ["Morvane"]},
         {"question": "Who built the sky loom?", "answer": ["Pella Rusk", "Rusk"]}]
+# GOOD as a task holds it: the answer as given, and its aliases
+GOOD_TASK = [{"question": "What is the capital of Veltria?", "answer": ["Morvane"], "answer_aliases": ["Morvane"]},
+             {"question": "Who built the sky loom?", "answer": ["Pella Rusk", "Rusk"],
+              "answer_aliases": ["Pella Rusk", "Rusk"]}]
 
 
 def write_jsonl(path, rows) -> str:
@@ -215,22 +222,24 @@ def test_jsonl_malformed_row_is_skipped_and_counted(tmp_path, bad_row, reason):
     task = load_task(path)
     assert task.num_skipped == 1
     assert len(task.skipped) == 1 and task.skipped[0].startswith(reason), task.skipped
-    assert task.dataset.to_list() == GOOD
+    assert task.dataset.to_list() == GOOD_TASK
     assert task.corpus is None
 
 
-def test_jsonl_string_answer_is_wrapped_and_whitespace_trimmed(tmp_path):
+def test_jsonl_string_answer_arrives_as_given_and_its_alias_is_trimmed(tmp_path):
+    """`answer` as the file holds it (what a TRL reward is passed); `answer_aliases` a trimmed list of one."""
     path = write_jsonl(tmp_path / "qa.jsonl", [{"question": " Who? ", "answer": " Rusk "}, GOOD[0]])
     task = load_task(path)
     assert task.num_skipped == 0
-    assert task.dataset.to_list() == [{"question": "Who?", "answer": ["Rusk"]}, GOOD[0]]
-    assert task.dataset.features == FEATURES
+    assert task.dataset.to_list() == [{"question": "Who?", "answer": " Rusk ", "answer_aliases": ["Rusk"]},
+                                      GOOD_TASK[0]]
+    assert task.dataset.features["answer_aliases"] == FEATURES["answer_aliases"]
 
 
 def test_extra_columns_are_kept_for_the_reward_functions(tmp_path):
     rows = [{"question": "", "answer": "x", "id": 99}] + [{**row, "id": i} for i, row in enumerate(GOOD)]
     dataset = load_task(write_jsonl(tmp_path / "qa.jsonl", rows)).dataset
-    assert dataset.column_names == ["question", "answer", "id"]
+    assert dataset.column_names == ["question", "answer", "answer_aliases", "id"]
     assert dataset["id"] == list(range(len(GOOD)))  # aligned with the valid rows; the skipped row's id is gone
 
 
@@ -239,7 +248,7 @@ def test_max_samples_counts_valid_rows_and_reasons_are_capped_at_five(tmp_path):
     task = load_task(write_jsonl(tmp_path / "qa.jsonl", rows), max_samples=4)
     assert task.num_skipped == 8
     assert task.skipped == [f"row {i}: empty question" for i in range(5)]
-    assert task.dataset.to_list() == GOOD * 2
+    assert task.dataset.to_list() == GOOD_TASK * 2
 
 
 def test_every_row_malformed_is_an_error(tmp_path):
@@ -260,11 +269,13 @@ def test_other_file_formats(tmp_path, name, write):
     write(path)
     task = load_task(str(path))
     if name.endswith(".csv"):  # one alias per row; a number stays text; an empty cell is no answer
-        assert task.dataset.to_list() == [GOOD[0], {"question": "Who built the sky loom?", "answer": ["Pella Rusk"]},
-                                          {"question": "When?", "answer": ["1742"]}]
+        assert task.dataset.to_list() == [
+            {"question": "What is the capital of Veltria?", "answer": "Morvane", "answer_aliases": ["Morvane"]},
+            {"question": "Who built the sky loom?", "answer": "Pella Rusk", "answer_aliases": ["Pella Rusk"]},
+            {"question": "When?", "answer": "1742", "answer_aliases": ["1742"]}]
         assert task.skipped == ["row 3: no answer"]
     else:
-        assert task.dataset.to_list() == GOOD
+        assert task.dataset.to_list() == GOOD_TASK
 
 
 @pytest.mark.parametrize("rows, missing", [
@@ -366,7 +377,7 @@ def test_a_hub_dataset_offline_fails_with_a_clear_error():
 ])
 def test_triviaqa_row_becomes_question_and_aliases(answer, aliases):
     row = {"question": "Q?", "question_id": "tc_1", "answer": {**answer, "normalized_value": "x"}}
-    assert to_question_answer(row) == {"question": "Q?", "answer": aliases}
+    assert to_question_answer(row) == {"question": "Q?", "answer": answer["value"], "answer_aliases": aliases}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,8 +390,8 @@ CHAT = [{"role": "system", "content": "You are a careful calculator."}, {"role":
 def test_a_standard_prompt_column_is_kept_and_stands_in_for_the_question(tmp_path):
     rows = [{"prompt": "What is 17 * 23?", "answer": "391", "level": 2}, {"prompt": "  ", "answer": "0", "level": 1}]
     task = load_task(write_jsonl(tmp_path / "math.jsonl", rows))
-    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "prompt": "What is 17 * 23?",
-                                       "level": 2}]
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": "391", "answer_aliases": ["391"],
+                                       "prompt": "What is 17 * 23?", "level": 2}]
     assert task.skipped == ["row 1: empty prompt"]
     assert (task.system_prompt, task.examples) == (None, None)  # no search task's wording for a new task
 
@@ -421,9 +432,9 @@ def write_hub_folder(folder) -> str:
 
 def test_a_hub_style_folder_is_read_by_split(tmp_path):
     folder = write_hub_folder(tmp_path / "qa")
-    assert load_task(folder).dataset.to_list() == GOOD
+    assert load_task(folder).dataset.to_list() == GOOD_TASK
     assert load_task(folder, "test").dataset.to_list() == [
-        {"question": "Who rang the Tessbell?", "answer": ["Orla Venn"]}]
+        {"question": "Who rang the Tessbell?", "answer": ["Orla Venn"], "answer_aliases": ["Orla Venn"]}]
     with pytest.raises(ValueError, match=r"Unknown split \"validation\".*Set dataset_config and dataset_split"):
         load_task(folder, "validation")
 
@@ -433,11 +444,12 @@ def test_a_folder_written_by_save_to_disk_is_read(tmp_path):
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(GOOD),
                                    "test": datasets.Dataset.from_list(test_rows)})
     splits.save_to_disk(str(tmp_path / "dict"))
-    assert load_task(str(tmp_path / "dict"), "test").dataset.to_list() == test_rows
+    assert load_task(str(tmp_path / "dict"), "test").dataset.to_list() == [{**test_rows[0],
+                                                                             "answer_aliases": ["Orla Venn"]}]
     with pytest.raises(ValueError, match=re.escape("has the splits ['train', 'test'], not 'dev': set dataset_split")):
         load_task(str(tmp_path / "dict"), "dev")
     datasets.Dataset.from_list(GOOD).save_to_disk(str(tmp_path / "one"))
-    assert load_task(str(tmp_path / "one")).dataset.to_list() == GOOD
+    assert load_task(str(tmp_path / "one")).dataset.to_list() == GOOD_TASK
     with pytest.raises(ValueError, match=re.escape("holds one Dataset (save_to_disk), read as the split 'train'")):
         load_task(str(tmp_path / "one"), "test")
 
@@ -446,7 +458,8 @@ def test_columns_map_the_datasets_own_names(tmp_path):
     rows = [{"problem": "What is 17 * 23?", "solution": "391", "messages": CHAT, "id": 7}]
     task = load_task(write_jsonl(tmp_path / "math.jsonl", rows),
                      columns={"question": "problem", "answer": "solution", "prompt": "messages"})
-    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "prompt": CHAT, "id": 7}]
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": "391", "prompt": CHAT,
+                                       "answer_aliases": ["391"], "id": 7}]
 
 
 @pytest.mark.parametrize("columns, message", [
@@ -466,11 +479,12 @@ def test_rows_without_an_answer_are_kept_only_when_no_reward_needs_one(tmp_path)
             {"question": "How many?", "answer": 3}]
     path = write_jsonl(tmp_path / "qa.jsonl", rows)
     loose = load_task(path, answer_required=False)
-    assert loose.dataset.to_list() == [GOOD[0], {"question": "Where?", "answer": []},
-                                       {"question": "When?", "answer": []}, {"question": "Who?", "answer": []}]
+    assert loose.dataset.to_list() == [GOOD_TASK[0], {"question": "Where?", "answer": None, "answer_aliases": []},
+                                       {"question": "When?", "answer": None, "answer_aliases": []},
+                                       {"question": "Who?", "answer": [], "answer_aliases": []}]
     assert loose.skipped == ['row 4: answer is a int, not a string or a list of strings (write 3 as "3")']  # malformed, not missing
     strict = load_task(path)
-    assert strict.dataset.to_list() == [GOOD[0]] and strict.num_skipped == 4
+    assert strict.dataset.to_list() == [GOOD_TASK[0]] and strict.num_skipped == 4
 
 
 def test_a_dataset_without_an_answer_column_has_none_unless_one_is_required(tmp_path):
@@ -488,7 +502,8 @@ def test_validate_dataset_checks_a_dataset_built_in_python():
     data = datasets.Dataset.from_list([{"problem": " What is 17 * 23? ", "solution": "391", "id": 1},
                                        {"problem": "", "solution": "0", "id": 2}])
     task = validate_dataset(data, columns={"question": "problem", "answer": "solution"}, source="train_dataset")
-    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": ["391"], "id": 1}]
+    assert task.dataset.to_list() == [{"question": "What is 17 * 23?", "answer": "391", "answer_aliases": ["391"],
+                                       "id": 1}]
     assert task.dataset.features["id"] == data.features["id"] and task.skipped == ["row 1: empty question"]
     with pytest.raises(ValueError, match=re.escape("train_dataset is a DatasetDict (a DatasetDict: pick a split")):
         validate_dataset(datasets.DatasetDict({"train": data}))
@@ -537,5 +552,40 @@ def test_the_eval_task_of_a_hub_style_folder_uses_the_recipes_columns(tmp_path):
         datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "math" / "data" / f"{split}-00000-of-00001.parquet"))
     recipe = MTGRPOScriptArguments(dataset_name=str(tmp_path / "math"), question_column="problem",
                                    answer_column="solution", eval_dataset_split="test")
-    assert load_eval_task(recipe).dataset.to_list() == [{"question": "2 + 3?", "answer": ["5"]}]
-    assert load_eval_task(recipe, answer_required=False).dataset["answer"] == [["5"], []]
+    assert load_eval_task(recipe).dataset.to_list() == [{"question": "2 + 3?", "answer": "5", "answer_aliases": ["5"]}]
+    assert load_eval_task(recipe, answer_required=False).dataset["answer_aliases"] == [["5"], []]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the rewards receive: `answer` as TRL passes it, the aliases as `answer_aliases`
+
+def trl_style_reward(completions, answer, **kwargs):
+    """A reward written for TRL: `answer` is the dataset's string."""
+    return [float(a.lower() in c[-1]["content"].lower()) for c, a in zip(completions, answer)]
+
+
+def said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": f"<reasoning>Found it.</reasoning>\n<answer>{text}</answer>"}]
+
+
+def test_a_trl_reward_reads_the_answer_string_and_exact_match_reads_every_alias():
+    """Through the trainer's scoring (rewards.reward_columns -> compute_rewards_per_func), on a dataset of string
+    answers and on the knowledge base, whose second alias of "Tifex River" is "Tifex"."""
+    from checks import check_reward_columns
+    from mt_grpo_trainer import compute_rewards_per_func
+    from rewards import reward_columns
+    from rewards.triviaqa_reward import exact_match_reward_func
+
+    funcs = [trl_style_reward, exact_match_reward_func]
+    strings = validate_dataset(datasets.Dataset.from_list([{"question": "Capital of Veltria?", "answer": "Morvane"},
+                                                           {"question": "2 + 2?", "answer": " 4"}]))
+    check_reward_columns(funcs, strings.dataset.column_names)  # a TRL reward's `answer` is a column
+    rows = strings.dataset.to_list()
+    columns = reward_columns(rows)
+    assert columns["answer"] == ["Morvane", " 4"] and columns["answer_aliases"] == [["Morvane"], ["4"]]
+    scores = compute_rewards_per_func(funcs, [None] * 2, [said("It is morvane."), said("4")], columns)
+    assert scores.tolist() == [[1.0, 0.0], [0.0, 1.0]]  # " 4" is not in "4" as TRL's reward reads it; exact match is
+    kb = load_task("fictional_kb", max_samples=3, seed=0).dataset.to_list()[2:]  # the main river of Ratomora
+    scores = compute_rewards_per_func(funcs, [None] * 2, [said("Tifex"), said("the Tifex River")],
+                                      reward_columns(kb * 2))
+    assert scores.tolist() == [[0.0, 1.0], [1.0, 1.0]]

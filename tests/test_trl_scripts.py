@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -417,3 +418,53 @@ def test_the_sampler_gap_is_logged_under_trls_names_too():
     assert m["sampling/sampling_logp_difference/max"] == 1.0  # not the 9 of the token off the mask
     assert (m["sampling/importance_sampling_ratio/min"], m["sampling/importance_sampling_ratio/max"]) == (0.5, 2.0)
     assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(4.0 / 3) == m["sampling/importance_weight_mean"]
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's example-script shape: TrlParser((ScriptArguments, GRPOConfig, ModelConfig)), load_dataset, `answer`
+# ------------------------------------------------------------------------------------------------
+QA_SCRIPT = os.path.join(ROOT, "tests", "trl_scripts", "grpo_qa.py")
+QA_TRL_IMPORT = "from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config"
+QA_OUR_IMPORT = ("from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config\n"
+                 "from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer")
+
+
+def test_a_trl_script_with_the_three_class_parser_trains_here_on_string_answers(model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """TRL's ScriptArguments and our config both know `dataset_name` and `dataset_config`; TRL's own TrlParser
+    takes both classes (ours takes the two as constructor keywords), the recipe's dataset_name reaches
+    ScriptArguments, and the script's reward reads `answer` as the string the file holds, while the rollout
+    records keep its aliases."""
+    import yaml
+
+    with open(QA_SCRIPT) as f:
+        text = f.read()
+    assert text.count(QA_TRL_IMPORT) == 1
+    script = tmp_path / "grpo_qa_mt_grpo.py"
+    script.write_text(text.replace(QA_TRL_IMPORT, QA_OUR_IMPORT))
+    data = tmp_path / "qa"
+    data.mkdir()
+    rows = [{"prompt": [{"role": "user", "content": "What is the capital of Veltria?"}], "answer": "Morvane"},
+            {"prompt": [{"role": "user", "content": "Who built the sky loom?"}], "answer": "Pella Rusk"}]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    recipe = {"model_name_or_path": model_dir, "dataset_name": str(data), "output_dir": str(out), "max_steps": 1,
+              "per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 48, "bf16": False,
+              "use_cpu": True, "report_to": "none", "logging_steps": 1, "save_strategy": "no",
+              "save_rollouts_steps": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    # run as `python grpo_qa_mt_grpo.py --config recipe.yaml` from its folder, in this process (no second start-up)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "--config", "recipe.yaml"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runpy.run_path(str(script), run_name="__main__")
+    from helpers import rollout_records
+
+    assert (out / "model.safetensors").is_file()  # the script's save_model, after its one step
+    records = rollout_records(str(out))  # one question, two episodes: the step's group
+    assert len(records) == 2 and {r["step"] for r in records} == {1}
+    # `answer` as the file holds it (the reward's `.lower()` ran on it), the aliases beside it
+    assert {(r["question"], r["answer"], tuple(r["answer_aliases"])) for r in records} in (
+        {("What is the capital of Veltria?", "Morvane", ("Morvane",))},
+        {("Who built the sky loom?", "Pella Rusk", ("Pella Rusk",))})
+    assert all(r["rewards"]["outcome"]["accuracy_reward"] in (0.0, 1.0) for r in records)

@@ -78,8 +78,14 @@ class ToolArguments:
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
                                                  "episode whose public methods are tools (docs/guide.md, 'Bring your "
                                                  "own environment'); or {name: module:Class} by `environment` column.")
-    mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or streamable-HTTP "
-                                 "URLs.")
+    mcp_servers: list[str] = arg([], "MCP servers whose tools join `tools`: stdio command lines, or server URLs "
+                                 "(streamable HTTP; SSE when the path ends in /sse).")
+    mcp_servers_config: dict | str | None = arg(None, "MCP servers as Claude Desktop, Cursor and verl's "
+                                                "mcp_server.json write them: a .json path or the map inline, "
+                                                "{mcpServers: {name: {command, args, env} | {url, headers | "
+                                                "auth_token}}} (tools/mcp.py).")
+    mcp_tool_filter: list[str] | None = arg(None, "Only these MCP tools reach the model (verl's tool_selected_list); "
+                                            "None: every tool of every server.")
     mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
                                             "(None: the larger of tool_timeout and 30).")
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")

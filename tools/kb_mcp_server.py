@@ -6,6 +6,7 @@ It serves the same BM25 `search` that tools/search.py builds in process, over th
 
     .venv/bin/python tools/kb_mcp_server.py --seed 0                        # stdio (what `mcp_servers` starts)
     .venv/bin/python tools/kb_mcp_server.py --transport http --port 8765    # streamable HTTP at /mcp
+    .venv/bin/python tools/kb_mcp_server.py --transport sse --port 8766 --token s3cret   # SSE at /sse, with a token
     mcp_servers: [".venv/bin/python tools/kb_mcp_server.py --seed 0"]       # in a recipe
     mcp_servers: ["http://127.0.0.1:8765/mcp"]
 
@@ -14,7 +15,9 @@ venv's python has the `mcp` package.) Its tools are wrapped by `errors_for_the_m
 the message of any exception a tool raises (an empty query, say).
 
 `--crashable` adds tools that only tests want: `crash()` kills the server and `sleep(seconds)` answers late.
-Without the flag the server lists `search` alone.
+Without the flag the server lists `search` alone. `--token T` (HTTP and SSE) refuses every request without the
+header `Authorization: Bearer T` (401), as a hosted server does: `auth_token: T` in an mcp_servers_config entry
+sends it.
 """
 
 import argparse
@@ -61,20 +64,42 @@ def build_server(seed: int, crashable: bool) -> MCPServer:
     return server
 
 
+def bearer_only(app, token: str):
+    """The ASGI `app`, answering 401 to any HTTP request without `Authorization: Bearer <token>`."""
+    expected = f"Bearer {token}".encode()
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"text/plain"), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": b"a bearer token is required"})
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="The knowledge base's seed (the task's `seed`).")
-    parser.add_argument("--transport", choices=["stdio", "http"], default="stdio",
-                        help="stdio: talk over stdin/stdout (started by the trainer); http: streamable HTTP.")
+    parser.add_argument("--transport", choices=["stdio", "http", "sse"], default="stdio",
+                        help="stdio: talk over stdin/stdout (started by the trainer); http: streamable HTTP at /mcp; "
+                             "sse: the older SSE transport at /sse.")
     parser.add_argument("--host", default="127.0.0.1", help="With --transport http: the address to listen on.")
     parser.add_argument("--port", type=int, default=8765, help="With --transport http: the port to listen on.")
     parser.add_argument("--crashable", action="store_true", help="Add the test tools `crash` and `sleep`.")
+    parser.add_argument("--token", default=None, help="With http or sse: refuse requests without this bearer token.")
     args = parser.parse_args(argv)
     server = build_server(args.seed, args.crashable)
     if args.transport == "stdio":
         server.run("stdio")
-    else:
-        server.run("streamable-http", host=args.host, port=args.port)
+    elif args.token is None:
+        server.run("streamable-http" if args.transport == "http" else "sse", host=args.host, port=args.port)
+    else:  # the SDK's app behind the token check, served as its own `run` would serve it
+        import uvicorn
+
+        app = server.streamable_http_app(host=args.host) if args.transport == "http" else server.sse_app(host=args.host)
+        uvicorn.run(bearer_only(app, args.token), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

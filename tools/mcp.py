@@ -1,17 +1,41 @@
-"""MCP servers as agent tools: every tool of every server in the recipe's `mcp_servers`, as a plain function.
+"""MCP servers as agent tools: every tool of every server the recipe names, as a plain function.
 
-    from tools.mcp import mcp_tools
+    from tools.mcp import mcp_tools, mcp_tools_from_map
     tools = mcp_tools(["python tools/kb_mcp_server.py --seed 0", "http://127.0.0.1:8765/mcp"], timeout=10.0)
     # (a leading `python` runs with this interpreter; start the HTTP one first:
     #  .venv/bin/python tools/kb_mcp_server.py --transport http --port 8765)
     tools[0](query="capital of Ratomora")  # the server's text; an error result raises with the server's text
 
-A server is a stdio command line (split like a shell would) or the URL of a streamable-HTTP server, or a dict
-{"command": [...], "env": {...}} / {"url": ...}. `mcp_tools` connects to each at start-up and fails with a
-ValueError that names the server if one does not answer. Each tool becomes a synchronous function with the
-tool's name, description, a signature built from its input schema (what the xml protocol shows) and the schema
-itself as `json_schema` (what the chat_template protocol gives the template), so the trainer calls it like
-any tool of tools/.
+    # the `mcpServers` map that Claude Desktop, Cursor, Claude Code, fastmcp and verl's mcp_server.json write
+    tools = mcp_tools_from_map({"mcpServers": {
+        "kb": {"command": "python", "args": ["tools/kb_mcp_server.py", "--seed", "0"], "env": {"KEY": "1"}},
+        "web": {"url": "https://example.org/sse", "auth_token": "${WEB_TOKEN}"},
+    }}, selected=["search"], timeout=10.0)
+
+Two ways to name servers, usable together:
+  `mcp_servers` (a list): a stdio command line (split like a shell would), or the URL of a server, or a dict
+      {"command": [...], "env": {...}} / {"url": ...}.
+  `mcp_servers_config` (the map, a .json file or inline): {"mcpServers": {name: entry}} (the top-level key may
+      be left out). An entry (SERVER_KEYS):
+        stdio   command (str, or a list), args (list), env ({str: str}), cwd
+        remote  url (or Gemini CLI's httpUrl), headers ({str: str}), auth_token (verl) or auth (fastmcp): a
+                token sent as `Authorization: Bearer <token>`
+        either  transport or type: stdio | http (also streamable-http, streamable_http, streamableHttp) | sse;
+                includeTools / excludeTools (Gemini CLI's per-server filter); disabled: true skips the entry;
+                description, icon, timeout, trust, autoApprove, alwaysAllow: read by editors, not here
+      `${VAR}` (or `${VAR:-default}`) in any string is the environment variable, as Claude Code expands it, so
+      that a token stays out of the recipe.
+  A remote server's transport, when the entry does not name it: SSE for a URL whose path is `/sse` or has an
+  `/sse/` part (fastmcp's and the MCP clients' convention) or for an entry with `auth_token` (verl connects those
+  with its SSETransport), else streamable HTTP. `mcp_tool_filter` (verl's tool_selected_list) keeps only the
+  tools it names, from all servers: an unselected tool never reaches the model's prompt, and a name no server
+  has fails with the names they have.
+
+`mcp_tools` connects to each at start-up and fails with a ValueError that names the server if one does not
+answer (a server that refuses the connection for want of a token says so). Each tool becomes a synchronous
+function with the tool's name, description, a signature built from its input schema (what the xml protocol
+shows) and the schema itself as `json_schema` (what the chat_template protocol gives the template), so the
+trainer calls it like any tool of tools/.
 
 A stdio command that starts with `python` or `python3` runs with the trainer's own interpreter
 (sys.executable), which has the `mcp` package; a shell's `python` may not. Give a full path for another one.
@@ -28,8 +52,9 @@ A server's own tool errors: the SDK's server (MCPServer, FastMCP) sends the mess
 client, and only "Error executing tool NAME" for any other exception. `errors_for_the_model(tool)` wraps a
 tool so that every exception reaches the model as `Type: message` (tools/kb_mcp_server.py uses it).
 
-Left out on purpose: resources, prompts, sampling and elicitation (the agent only calls tools), and tools a
-server adds after start-up (the model's prompt is fixed for the run).
+Left out on purpose: resources, prompts, sampling and elicitation (the agent only calls tools), tools a
+server adds after start-up (the model's prompt is fixed for the run), OAuth (it needs a person at a browser: give
+the token), websocket transports, and VS Code's `servers` / `inputs` shape of the map.
 """
 
 import asyncio
@@ -40,6 +65,7 @@ import json
 import keyword
 import logging
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -48,6 +74,7 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Literal
+from urllib.parse import urlparse
 
 from tools import event_loop
 
@@ -61,6 +88,7 @@ clock = time.monotonic  # the retry schedule's time: a test sets its own
 # An HTTP server that restarted since the session began answers 404, which the spec says means "start a new
 # session": the SDK reports it as the server's JSON-RPC error, else with its own message.
 LOST_SESSION = ("Session not found", "Session terminated")
+logger = logging.getLogger("mt_grpo")
 LOG_TAIL = 800  # characters of a server's stderr log quoted in an error
 
 
@@ -77,25 +105,41 @@ class MCPServerDown(ConnectionError):
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class ServerSpec:
-    label: str  # the entry as the recipe wrote it, for messages
+    label: str  # the entry as the recipe wrote it (a list entry) or its name (a map entry), for messages
     command: list[str] = field(default_factory=list)  # stdio: the program and its arguments
     env: dict[str, str] = field(default_factory=dict)  # stdio: added to the environment the SDK passes on
-    url: str = ""  # streamable HTTP
+    cwd: str | None = None  # stdio: the folder it runs in (None: the trainer's)
+    url: str = ""  # a remote server
+    transport: str = "stdio"  # stdio | http (streamable HTTP) | sse
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every HTTP request (a token)
+    include: list[str] | None = None  # the server's own tool filter: only these (None: all)
+    exclude: list[str] = field(default_factory=list)  # ... and never these
+    source: str = "mcp_servers"  # the recipe field that named it, for messages
+    sse_by_token: bool = False  # SSE because the entry has verl's auth_token and names no transport
 
 
 ENTRY_SHAPE = ('a command line ("python my_server.py --flag"), a URL ("http://127.0.0.1:8000/mcp"), '
                '{"command": [...], "env": {...}} or {"url": ...}')
+# A map entry's transport names, as Claude Code, VS Code, Cline and fastmcp write them -> ours
+TRANSPORTS = {"stdio": "stdio", "sse": "sse", "http": "http", "streamable-http": "http", "streamable_http": "http",
+              "streamableHttp": "http"}
+# Keys an entry may hold: those read here, and those editors read (shown to a person, or auto-approval), which
+# change nothing in training. Any other key fails, naming these.
+SERVER_KEYS = {"command", "args", "env", "cwd", "url", "httpUrl", "headers", "auth_token", "auth", "transport",
+               "type", "includeTools", "excludeTools", "disabled"}
+EDITOR_KEYS = {"description", "icon", "timeout", "trust", "autoApprove", "alwaysAllow", "name"}
+_TIMEOUT_NOTED: set[str] = set()  # servers whose `timeout` was logged as unused
 
 
 def parse_server(entry) -> ServerSpec:
     """One `mcp_servers` entry -> ServerSpec; a ValueError that shows the accepted shapes otherwise."""
     if isinstance(entry, str) and entry.strip():
         if entry.startswith(("http://", "https://")):
-            return ServerSpec(entry, url=entry)
+            return ServerSpec(entry, url=entry, transport=url_transport(entry))
         return ServerSpec(entry, command=_interpreter(shlex.split(entry)))
     if isinstance(entry, dict) and set(entry) in ({"url"}, {"command"}, {"command", "env"}):
         if "url" in entry and isinstance(entry["url"], str) and entry["url"].startswith(("http://", "https://")):
-            return ServerSpec(entry["url"], url=entry["url"])
+            return ServerSpec(entry["url"], url=entry["url"], transport=url_transport(entry["url"]))
         command = entry.get("command")
         command = shlex.split(command) if isinstance(command, str) else command
         env = entry.get("env") or {}
@@ -103,6 +147,138 @@ def parse_server(entry) -> ServerSpec:
                 and isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
             return ServerSpec(shlex.join(command), command=_interpreter(command), env=env)
     raise ValueError(f"mcp_servers entry {entry!r} is not a server; write {ENTRY_SHAPE} (env values are strings).")
+
+
+def url_transport(url: str) -> str:
+    """sse for a URL whose path is `/sse` or has an `/sse/` part (fastmcp's rule, which MCP clients share), else
+    http (streamable HTTP, the transport the MCP spec recommends)."""
+    return "sse" if re.search(r"/sse(/|$)", urlparse(url).path) else "http"
+
+
+def servers_map(servers, source: str = "mcp_servers_config") -> dict:
+    """The name -> entry map of `servers`: a dict with or without its top-level "mcpServers" key, or the path of
+    a .json file holding one. `source` names where it came from, in errors."""
+    if isinstance(servers, str):
+        if not os.path.isfile(servers):
+            raise ValueError(f"{source}: no file {servers!r}. Give the path of a JSON file "
+                             '{"mcpServers": {name: {...}}} (Claude Desktop\'s, verl\'s mcp_server.json), or the map '
+                             "itself in the recipe.")
+        with open(servers, encoding="utf-8") as f:
+            try:
+                servers = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}: {f.name} is not JSON ({e}); fix the file.") from None
+    if isinstance(servers, dict) and "mcpServers" in servers:
+        servers = servers["mcpServers"]
+    if not isinstance(servers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in servers.items()):
+        raise ValueError(f"{source} is {_short(servers)}, not a map of servers; write "
+                         '{"mcpServers": {"name": {"command": "...", "args": [...]}, "other": {"url": "..."}}}.')
+    return servers
+
+
+def parse_map_entry(name: str, entry: dict, source: str = "mcp_servers_config") -> ServerSpec | None:
+    """One server of an `mcpServers` map -> ServerSpec (None for a `disabled` one); a ValueError naming the server,
+    the key and the fix otherwise. `source`: the field (or file) that holds the map, for messages."""
+    where = f"MCP server {name!r} ({source})"
+    unknown = sorted(set(entry) - SERVER_KEYS - EDITOR_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has key(s) {unknown}, which this trainer does not read; remove them. An entry "
+                         f"holds {sorted(SERVER_KEYS)} (and, read by editors only, {sorted(EDITOR_KEYS)}).")
+    if entry.get("disabled") is True:
+        return None
+    entry = _expand(entry, where)
+    kind = entry.get("transport", entry.get("type"))
+    if kind is not None and kind not in TRANSPORTS:
+        raise ValueError(f"{where} has transport {kind!r}; write one of {sorted(TRANSPORTS)}.")
+    kind = TRANSPORTS.get(kind)
+    url = entry.get("url") or entry.get("httpUrl")
+    if ("command" in entry) == bool(url):
+        raise ValueError(f"{where} needs either a `command` (a stdio server) or a `url` (a remote one); it has "
+                         f"{'both' if url else 'neither'}.")
+    include, exclude = (_names(entry.get(key), f"{where}: {key}") for key in ("includeTools", "excludeTools"))
+    if "timeout" in entry and name not in _TIMEOUT_NOTED:
+        _TIMEOUT_NOTED.add(name)
+        logger.info("%s: its `timeout` (%s ms) is not used here: `tool_timeout` bounds every tool call, and "
+                    "`mcp_startup_timeout` its start.", where, entry["timeout"])
+    if url:
+        return _remote(name, entry, url, kind, where, include, exclude or [], source)
+    if kind not in (None, "stdio"):
+        raise ValueError(f"{where} has a `command` and transport {kind!r}; a command is a stdio server: remove the "
+                         "transport, or give the server's `url`.")
+    command, args = entry["command"], entry.get("args", [])
+    command = [command] if isinstance(command, str) else command  # a program, as the editors run it: not split
+    env, cwd = entry.get("env") or {}, entry.get("cwd")
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)
+            and isinstance(args, list) and all(isinstance(a, str) for a in args)):
+        raise ValueError(f"{where}: `command` is a program (a string) and `args` a list of strings; got command "
+                         f"{entry['command']!r}, args {args!r}.")
+    if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())) or \
+            not isinstance(cwd, (str, type(None))):
+        raise ValueError(f"{where}: `env` is a map of strings (quote numbers: \"1\") and `cwd` a folder; got env "
+                         f"{env!r}, cwd {cwd!r}.")
+    return ServerSpec(name, command=_interpreter(command + args), env=env, cwd=cwd, include=include,
+                      exclude=exclude or [], source=source)
+
+
+def _remote(name: str, entry: dict, url, kind: str | None, where: str, include, exclude, source: str) -> ServerSpec:
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise ValueError(f"{where}: url {url!r} is not an http(s) URL; give the server's address, e.g. "
+                         "\"http://127.0.0.1:8000/mcp\" (streamable HTTP) or \".../sse\" (SSE).")
+    headers = entry.get("headers") or {}
+    if not (isinstance(headers, dict) and all(isinstance(v, str) for v in headers.values())):
+        raise ValueError(f"{where}: `headers` is a map of strings; got {headers!r}.")
+    token = entry.get("auth_token", entry.get("auth"))
+    if token is not None:
+        if "auth_token" in entry and "auth" in entry:
+            raise ValueError(f"{where} has both `auth_token` and `auth`; keep one.")
+        if token == "oauth" or not isinstance(token, str):
+            raise ValueError(f"{where}: auth {token!r} is not supported (OAuth needs a person at a browser); give "
+                             "the token itself as `auth_token`, or an `Authorization` header in `headers`.")
+        if any(k.lower() == "authorization" for k in headers):
+            raise ValueError(f"{where} has both a token (auth_token / auth) and an Authorization header; keep one.")
+        headers = {**headers, "Authorization": f"Bearer {token}"}
+    by_token = kind is None and "auth_token" in entry  # verl sends such an entry over SSE; the others go by the URL
+    if kind is None:
+        kind = "sse" if by_token else "http" if "httpUrl" in entry else url_transport(url)
+    if kind == "stdio":
+        raise ValueError(f"{where} has a `url` and transport 'stdio'; a URL is a remote server: write transport "
+                         "http or sse, or give a `command`.")
+    return ServerSpec(name, url=url, transport=kind, headers=headers, include=include, exclude=exclude,
+                      source=source, sse_by_token=by_token)
+
+
+def _expand(value, where: str):
+    """`value` with `${VAR}` / `${VAR:-default}` in its strings replaced by the environment's values."""
+    if isinstance(value, dict):
+        return {k: _expand(v, where) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, where) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def variable(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ValueError(f"{where} uses ${{{name}}}, and the environment has no {name}: export it (or write "
+                             f"${{{name}:-default}}).")
+        return default
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}", variable, value)
+
+
+def _names(value, where: str) -> list[str] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ValueError(f"{where} is a list of tool names; got {value!r}.")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _interpreter(command: list[str]) -> list[str]:
@@ -204,6 +380,7 @@ class _Connection:
     def __init__(self, spec: ServerSpec, log_path: str):
         self.spec, self.log_path = spec, log_path
         self.session = None
+        self.refused = ""  # a remote server's refusal of a request ("HTTP 401 Unauthorized"), for the start error
         self.ready = asyncio.get_running_loop().create_future()  # the server's tools, or the reason it failed
         self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: asyncio logs no warning
         self.stop = asyncio.Event()
@@ -215,7 +392,7 @@ class _Connection:
 
         try:
             async with AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self.transport(stack))
+                read, write = await self.open(stack)
                 session = await stack.enter_async_context(ClientSession(read, write))
                 await session.initialize()
                 tools = await _list_tools(session)
@@ -224,22 +401,46 @@ class _Connection:
                 await self.stop.wait()
         except BaseException as e:  # noqa: BLE001 (an HTTP transport that fails cancels this task: keep the reason)
             if not self.ready.done():
-                self.ready.set_exception(ConnectionError(_reason(e)))
+                reason = _reason(e)
+                refused = f" ({self.refused})" if self.refused and self.refused.split()[1] not in reason else ""
+                self.ready.set_exception(ConnectionError(reason + refused))
         finally:
             self.session = None
             self.closed.set()
 
-    def transport(self, stack: AsyncExitStack):
-        if self.spec.url:
+    async def open(self, stack: AsyncExitStack):
+        """The (read, write) streams of the spec's transport, entered on `stack`, as the SDK's ClientSessionGroup
+        opens them."""
+        spec = self.spec
+        if spec.transport == "sse":
+            from mcp.client.sse import sse_client
+
+            return await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None,
+                                                              httpx_client_factory=self.http_client))
+        if spec.transport == "http":
             from mcp.client.streamable_http import streamable_http_client
 
-            return streamable_http_client(self.spec.url)
+            client = await stack.enter_async_context(self.http_client(headers=spec.headers or None))
+            return await stack.enter_async_context(streamable_http_client(spec.url, http_client=client))
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
 
         log = stack.enter_context(open(self.log_path, "a", encoding="utf-8"))
-        params = StdioServerParameters(command=self.spec.command[0], args=self.spec.command[1:], env=self.spec.env)
-        return stdio_client(params, errlog=log)
+        params = StdioServerParameters(command=spec.command[0], args=spec.command[1:], env=spec.env, cwd=spec.cwd)
+        return await stack.enter_async_context(stdio_client(params, errlog=log))
+
+    def http_client(self, **kwargs):
+        """The SDK's HTTP client, noting the status of a refused request: the streamable-HTTP transport reports
+        a 401 only as "Server returned an error response", and the fix depends on it."""
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        async def note(response):
+            if response.status_code >= 400:
+                self.refused = f"HTTP {response.status_code} {response.reason_phrase}"
+
+        client = create_mcp_http_client(**kwargs)
+        client.event_hooks = {**client.event_hooks, "response": [*client.event_hooks["response"], note]}
+        return client
 
     async def close(self):
         if self.ready.done():
@@ -395,7 +596,8 @@ def _reason(e: BaseException) -> str:
     """The innermost cause of a failure, as `Type: message`: the SDK's transports raise exception groups."""
     while isinstance(e, BaseExceptionGroup) and e.exceptions:
         e = e.exceptions[0]
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    text = str(e).split("\n")[0]  # httpx adds a line of advice: the fix is ours to give
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def result_text(result) -> str:
@@ -422,15 +624,47 @@ def result_text(result) -> str:
 # ------------------------------------------------------------------------------------------------
 # Tools as functions
 # ------------------------------------------------------------------------------------------------
-def mcp_tools(servers: list, timeout: float, start_timeout: float | None = None) -> list[Callable[..., str]]:
-    """One function per tool of every server in `servers` (`mcp_servers` entries, module docstring), in order.
-    A call waits `timeout` seconds for its result (the trainer's `tool_timeout`). Connects to every server now,
-    each within `start_timeout` seconds (default: the larger of `timeout` and START_TIMEOUT), and fails with a
-    ValueError naming the server and the fix if one does not start or answer, or if two give tools one name."""
+def mcp_tools(servers: list, timeout: float, start_timeout: float | None = None, *, config=None,
+              selected: list[str] | None = None) -> list[Callable[..., str]]:
+    """One function per tool of every server in `servers` (`mcp_servers` entries, module docstring) and in
+    `config` (an `mcpServers` map, or the path of its JSON file: `mcp_servers_config`), in order; with `selected`
+    (`mcp_tool_filter`), only the tools it names. A call waits `timeout` seconds for its result (the trainer's
+    `tool_timeout`). Connects to every server now, each within `start_timeout` seconds (default: the larger of
+    `timeout` and START_TIMEOUT), and fails with a ValueError naming the server and the fix if one does not start
+    or answer, if two give tools one name, or if a filter names a tool no server has."""
+    return _from(servers, config, selected, timeout, start_timeout, "mcp_servers_config", "mcp_tool_filter")
+
+
+def mcp_tools_from_map(servers: dict, selected: list[str] | None, timeout: float, *,
+                       start_timeout: float | None = None, source: str = "mcp_servers_config",
+                       filter_field: str = "mcp_tool_filter") -> list[Callable[..., str]]:
+    """The tools of an `mcpServers` map (the parsed JSON of Claude Desktop's config or verl's mcp_server.json, with
+    or without the top-level "mcpServers" key), only those `selected` names (verl's tool_selected_list; None or []:
+    all). `source` and `filter_field` name the map and the filter in errors (an adapter names its own fields). As
+    `mcp_tools` otherwise."""
+    return _from([], servers, selected, timeout, start_timeout, source, filter_field)
+
+
+def _from(servers: list, config, selected, timeout: float, start_timeout: float | None, source: str,
+          filter_field: str) -> list[Callable[..., str]]:
     specs = [parse_server(entry) for entry in servers]
+    if config is not None:
+        specs += [spec for name, entry in servers_map(config, source).items()
+                  if (spec := parse_map_entry(name, entry, source))]
+    return connect(specs, selected, timeout, start_timeout, filter_field)
+
+
+def connect(specs: list[ServerSpec], selected: list[str] | None, timeout: float, start_timeout: float | None,
+            filter_field: str = "mcp_tool_filter") -> list[Callable[..., str]]:
+    """Start every server of `specs` at once, and the functions of the tools the filters keep (each server's
+    include/exclude, then `selected`); a ValueError with the fix, every server closed, when any step fails."""
     labels = [spec.label for spec in specs]
     if twice := next((label for label in labels if labels.count(label) > 1), None):
-        raise ValueError(f"mcp_servers lists {twice!r} twice; list each server once.")
+        raise ValueError(f"{specs[labels.index(twice)].source} lists {twice!r} twice; list each server once.")
+    selected = _names(selected, filter_field) or None  # [] keeps all, as verl's empty tool_selected_list
+    if selected is not None and not specs:
+        raise ValueError(f"{filter_field} {selected} selects MCP tools, and no server is given: name the servers "
+                         "in mcp_servers or mcp_servers_config, or remove the filter.")
     start_timeout = max(timeout, START_TIMEOUT) if start_timeout is None else start_timeout
     started = [_Server(spec, timeout, start_timeout) for spec in specs]
     _SERVERS.extend(started)
@@ -440,27 +674,73 @@ def mcp_tools(servers: list, timeout: float, start_timeout: float | None = None)
     if failed:
         server, error = failed[0]
         _close(started)
-        raise ValueError(f"MCP server {server.spec.label!r} (mcp_servers) did not start: {error}. "
-                         f"{_start_fix(server)}") from None
+        raise ValueError(f"MCP server {server.spec.label!r} ({server.spec.source}) did not start: {error}. "
+                         f"{_start_fix(server, error)}") from None
+    try:
+        kept = _filter([(server, tools) for server, tools in zip(started, outcomes)], selected, filter_field)
+    except ValueError:
+        _close(started)
+        raise
+    _close([server for server, tools in kept if not tools])  # nothing of theirs is called: no process left idle
     functions, owner = [], {}
-    for server, tools in zip(started, outcomes):
+    for server, tools in kept:
         for tool in tools:
             if tool.name in owner:
                 _close(started)
                 raise ValueError(f"MCP servers {owner[tool.name]!r} and {server.spec.label!r} both have a tool "
-                                 f"named {tool.name!r}, and the model calls a tool by its name. Remove one of the "
-                                 "servers from mcp_servers, or rename the tool in one of them.")
+                                 f"named {tool.name!r}, and the model calls a tool by its name. Keep one of them "
+                                 f"with {filter_field} (or a server's includeTools / excludeTools), remove one of "
+                                 f"the servers from {server.spec.source}, or rename the tool in one of them.")
             owner[tool.name] = server.spec.label
             functions.append(tool_function(server, tool))
     return functions
 
 
-def _start_fix(server: _Server) -> str:
-    if server.spec.url:
+def _filter(served: list[tuple["_Server", list]], selected: list[str] | None,
+            filter_field: str) -> list[tuple["_Server", list]]:
+    """Each server's tools that its includeTools / excludeTools and then `selected` keep; a name that matches no
+    tool fails, naming the tools there are (a typo would otherwise drop a tool without a word)."""
+    kept = []
+    for server, tools in served:
+        names = [tool.name for tool in tools]
+        spec = server.spec
+        for key, wanted in (("includeTools", spec.include or []), ("excludeTools", spec.exclude)):
+            if missing := [n for n in wanted if n not in names]:
+                raise ValueError(f"MCP server {spec.label!r} ({spec.source}): {key} names {missing}, which it does "
+                                 f"not have; its tools are {names}.")
+        kept.append((server, [t for t in tools if (spec.include is None or t.name in spec.include)
+                              and t.name not in spec.exclude]))
+    if selected is None:
+        return kept
+    available = [tool.name for _, tools in kept for tool in tools]
+    if missing := [name for name in selected if name not in available]:
+        raise ValueError(f"{filter_field} names {missing}, which no MCP server has; the servers' tools are "
+                         f"{available}. Fix the names, or add the server that has them.")
+    return [(server, [t for t in tools if t.name in selected]) for server, tools in kept]
+
+
+def _start_fix(server: _Server, error: BaseException) -> str:
+    spec = server.spec
+    # a list entry (mcp_servers) is a bare URL: a token or a transport is written in a map entry
+    where = "an entry of mcp_servers_config" if spec.source == "mcp_servers" else f"its entry of {spec.source}"
+    if spec.url and re.search(r"\b(401|403)\b|Unauthorized|Forbidden", str(error)):
+        given = "its token was refused" if any(k.lower() == "authorization" for k in spec.headers) else \
+            "no token was sent"
+        return (f"The server refused the connection ({given}): give its token as `auth_token` (or an "
+                f"`Authorization: Bearer ...` header in `headers`) in {where}, e.g. \"auth_token\": "
+                "\"${MY_TOKEN}\" with MY_TOKEN exported.")
+    if spec.transport == "sse":
+        return ("Start the server first, and check that it serves SSE at this URL (FastMCP and MCPServer serve it "
+                f"under /sse); for a streamable-HTTP server, set \"transport\": \"http\" in {where}"
+                + (" (an entry with auth_token connects over SSE, as verl does)" if spec.sse_by_token else "")
+                + ", or remove the entry.")
+    if spec.url:
         return ("Start the server first, and check that it serves streamable HTTP at this URL (FastMCP and "
-                "MCPServer serve it under /mcp), or remove the entry.")
-    return (f"Run `{server.spec.label}` in a shell: it should start and wait for input, not exit; check that "
-            f"`{server.spec.command[0]}` is installed and on PATH (or give its full path).{server.log_hint()}")
+                "MCPServer serve it under /mcp; an SSE server's URL ends in /sse, or set \"transport\": \"sse\" in "
+                f"{where}), or remove the entry.")
+    shown = spec.label if spec.source == "mcp_servers" else shlex.join(spec.command)
+    return (f"Run `{shown}` in a shell: it should start and wait for input, not exit; check "
+            f"that `{spec.command[0]}` is installed and on PATH (or give its full path).{server.log_hint()}")
 
 
 def tool_function(server: _Server, tool) -> Callable[..., str]:
