@@ -214,7 +214,7 @@ class EnvironmentPool:
     def _start_reset(self, toolset: Toolset, row: dict, prompt: list[dict]) -> tuple[threading.Thread, list]:
         """(the daemon thread running the instance's reset with the row's columns, the list its outcome lands in)."""
         instance = toolset.environment
-        kwargs = {k: v for k, v in row.items() if k not in ("row", "environment")}
+        kwargs = {k: v for k, v in row.items() if k not in ("row", "environment", "answer_aliases")}  # the row's own
         return in_thread(lambda: run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop),
                          f"reset-{type(instance).__name__}")
 

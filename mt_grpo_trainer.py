@@ -160,9 +160,8 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
 
     num_generations_eval: int | None = arg(1, "Episodes per eval question: 1 greedy; k > 1 sampled, with pass@k.")
     gradient_checkpointing: bool | None = arg(None, "Deprecated name of `activation_checkpointing`; either may be set.")
-    # TRL's ScriptArguments has these two as well, and argparse refuses one flag twice: here they are keywords of
-    # the constructor, not fields, so that a TRL script's TrlParser((ScriptArguments, MTGRPOConfig, ModelConfig))
-    # parses (its ScriptArguments gets them). A recipe still sets them: fields.parse_recipe reads every keyword.
+    # TRL's ScriptArguments has these two, and argparse refuses a flag twice: constructor keywords, not fields, so that
+    # TRL's TrlParser((ScriptArguments, MTGRPOConfig, ModelConfig)) parses; recipes set them (fields.parse_recipe).
     dataset_name: InitVar[str | None] = task_keyword("dataset_name")
     dataset_config: InitVar[str | None] = task_keyword("dataset_config")
 
@@ -172,8 +171,7 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
         check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
 
-    def to_dict(self) -> dict:
-        """TrainingArguments' dict (the saved and logged config), with the two keywords above."""
+    def to_dict(self) -> dict:  # the saved and logged config, with the two keywords above
         return {**super().to_dict(), "dataset_name": self.dataset_name, "dataset_config": self.dataset_config}
 
 # ------------------------------------------------------------------------------------------------
@@ -501,7 +499,7 @@ class VLLMServerClient:
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests,
                                                           thread_name_prefix="vllm-http")
-        self.wait_for_health(startup_timeout)
+        wait_for_health(self.http, self.base_url, startup_timeout)
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
         self.model_name = model["id"]  # what requests sample; with LoRA adapter sync, the newest adapter's name
         self.base_model_name = model["id"]
@@ -514,9 +512,6 @@ class VLLMServerClient:
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
 
     # -- HTTP: bounded waits and retries (completions.py) ---------------------------------------------
-    def wait_for_health(self, timeout: float) -> None:
-        wait_for_health(self.http, self.base_url, timeout)
-
     def post(self, path: str, body: dict, parse: Callable[[dict], object] | None = lambda r: r):
         """POST with bounded retries (completions.post_with_retries); `parse` None: the response is text."""
         return post_with_retries(self.http, self.base_url, path, body, parse, self.max_retries)
@@ -664,15 +659,14 @@ class MultiTurnToolEnv:
 
     # -- rendering: the one place the chat template is applied ---------------------------------------
     def prompt(self, prompt: str | list[dict], tools: list[Callable] | None = None) -> list[dict]:
-        """The chat prompt of a question, or of a TRL prompt (text, or messages): system, examples, question.
-        `tools`: an environment's, when they are not the env's."""
+        """The chat prompt of a question, or of a TRL prompt (text, messages): system, examples, question (`tools`: an
+        environment's, when they are not the env's)."""
         return build_prompt(self.protocol, prompt=prompt, **{**self.prompt_parts, **({"tools": tools} if tools else {})})
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, toolset: Toolset | None = None) -> str:
-        return self.tokenizer.apply_chat_template(
-            self.protocol.template_messages(messages), tools=(toolset or self.toolset).template_tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs,
-        )
+        return self.tokenizer.apply_chat_template(self.protocol.template_messages(messages), tokenize=False,
+            tools=(toolset or self.toolset).template_tools, add_generation_prompt=add_generation_prompt,
+            **self.chat_template_kwargs)
 
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
@@ -786,8 +780,7 @@ class MultiTurnToolEnv:
         """Append the environment's reply to the model's turn (tool results, or a user message; the `last` without
         a generation prompt); False when it does not fit the budget (the episode ends)."""
         ids = self.env_reply_ids(messages, last)
-        # The model may have closed its turn itself with an end-of-turn id; the template's close must not
-        # repeat it.
+        # The model may have closed its turn itself with an end-of-turn id; the template's close must not repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
         # the next sample's prompt where the template renders the history otherwise (turn_samples.py)
@@ -933,8 +926,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         return self.num_generations if mode == "train" else self.num_generations_eval
 
     def _sync_weights(self) -> None:
-        """Before a rollout that follows an optimizer step (and once at start), give the sampler the
-        policy."""
+        """Before a rollout that follows an optimizer step (and once at start), give the sampler the policy."""
         if self.state.global_step == self._synced_step:
             return
         metrics = self.backend.sync_weights(self.model_wrapped, self.accelerator)

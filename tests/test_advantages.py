@@ -201,13 +201,13 @@ def test_reward_function_without_kwargs_is_refused_at_start_with_the_keywords_it
     def strict(prompts, completions):  # TRL passes every column and its own keywords: this one would raise
         return [0.0 for _ in completions]
 
-    def takes_all(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, question):
+    def takes_all(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, stop_reason, question):
         return [0.0 for _ in completions]
 
     with pytest.raises(ValueError) as info:
         check_reward_columns([strict], ["prompt", "question"], environments=False)
     assert str(info.value).startswith("Reward function 'strict' takes no `**kwargs`")
-    assert "['question', 'completion_ids', 'trainer_state', 'log_extra', 'log_metric']" in str(info.value)
+    assert "['question', 'completion_ids', 'trainer_state', 'log_extra', 'log_metric', 'stop_reason']" in str(info.value)
     assert "end its signature with `**kwargs`" in str(info.value)
     check_reward_columns([takes_all], ["prompt", "question"], environments=False)  # names every keyword: accepted
     with pytest.raises(ValueError, match=r"would be passed \['environments'\]"):
