@@ -200,15 +200,13 @@ def mcp_entry_tools(entry: dict, where: str, timeout: float) -> list[Callable]:
     with open(config_path) as f:
         servers = json.load(f)
     servers = servers.get("mcpServers", servers) if isinstance(servers, dict) else servers
-    try:
-        from tools.mcp import mcp_tools_from_map
-    except ImportError:
-        raise ValueError(f"{where}: MCP entries need tools.mcp.mcp_tools_from_map, which this checkout lacks: update "
-                         "it, or list the servers under the recipe's `mcp_servers`.") from None
+    from tools.mcp import mcp_tools_from_map
+
     if entry.get("class_name") and not str(entry["class_name"]).startswith("verl.tools.mcp"):
         logger.warning("%s: class_name %s is not used: the MCP server's tool text reaches the model as is.", where,
                        entry["class_name"])
-    return mcp_tools_from_map(servers, mcp.get("tool_selected_list"), timeout)
+    return mcp_tools_from_map(servers, mcp.get("tool_selected_list"), timeout, source=f"{where} mcp_servers_config_path",
+                              filter_field=f"{where} tool_selected_list")  # its errors name verl's own keys
 
 
 def call_tool(tool, name: str, parameters: dict, tools_kwargs: dict, agent_data) -> tuple[str, float | None]:
