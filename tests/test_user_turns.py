@@ -233,3 +233,16 @@ def test_a_respond_that_uses_signal_runs_on_the_main_thread(smollm2_tokenizer):
         env, _ = lock_env(smollm2_tokenizer, factory=Strict, scheduler=scheduler)
         (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], script, policy)
         assert ep.stop_reason == "env_done" and ep.user_turns == 2, scheduler
+
+
+def test_a_user_turn_starts_a_new_sample_where_the_template_rewrites_the_history(smollm2_tokenizer):
+    """turn_samples: per_model_turn: after each reply the next sample's prompt is the template's render of the whole
+    conversation, the user turn included (turn_samples.py), as after a tool reply."""
+    env, _ = lock_env(smollm2_tokenizer, factory=examples.Quiz, turn_samples="per_model_turn")
+    (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], {"Guess the number.": [answer("3"), answer("7")]})
+    assert ep.stop_reason == "env_done" and len(ep.sample_starts) == 1  # the last reply ends it: no sample after it
+    start, messages = ep.sample_starts[0]
+    assert messages == 2 and ep.spans[1].start == start
+    second = smollm2_tokenizer.decode(ep.completion_ids[start:ep.spans[1].end])
+    assert second == smollm2_tokenizer.decode(env.render_ids(ep.prompt_messages + ep.messages[:2], True))
+    assert "Wrong, try again." in second and not ep.tokenization_mismatch
