@@ -11,7 +11,6 @@ The trainer takes what TRL's GRPOTrainer takes, and more loosely:
                          when evaluation is on)
 """
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from tasks import (EMPTY_PROMPT, Task, TaskArguments, build_dataset, load_eval_t
                    task_defaults, validate_dataset)
 
 logger = logging.getLogger("mt_grpo")
+DEFAULT_DATASET = TaskArguments.__dataclass_fields__["dataset_name"].default  # the knowledge base
 
 
 @dataclass
@@ -135,8 +135,7 @@ def adapted_parts(args, factory):
         raise ValueError(f"{named} name environments of two frameworks; a run trains one: keep one of them.")
     if factory is not None and parts[0].environment_factory is not None:
         raise ValueError(f"{named} brings its own environment, and `environment_factory` is set too: keep one.")
-    default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
-    if parts[0].train_dataset is not None and args.dataset_name not in (None, default) \
+    if parts[0].train_dataset is not None and args.dataset_name not in (None, DEFAULT_DATASET) \
             and not parts[0].read_dataset_name:  # swift's adapter reads dataset_name itself
         raise ValueError(f"{named} brings its own dataset, so `dataset_name: {args.dataset_name}` would not be read: "
                          "remove `dataset_name`, or pass your rows as `train_dataset`, which replaces the environment's.")
@@ -268,11 +267,10 @@ def no_dataset_by_default(args, train_dataset) -> None:
     """TRL's environment_factory without a train_dataset: the environment's reset gives each prompt, and TRL needs no
     dataset. A `dataset_name` left at its default (the knowledge base, surely not meant for your environment) then
     means none, as in TRL; another `dataset_name` is loaded. On the trainer's copy of the config."""
-    default = next(f.default for f in dataclasses.fields(TaskArguments) if f.name == "dataset_name")
-    if train_dataset is None and args.dataset_name == default:
+    if train_dataset is None and args.dataset_name == DEFAULT_DATASET:
         logger.info("environment_factory without a train_dataset: the environment's reset gives each prompt, as in "
                     "TRL (`dataset_name` %r, its default, is not loaded: set it to your data, or pass train_dataset).",
-                    default)
+                    DEFAULT_DATASET)
         args.dataset_name = None
 
 

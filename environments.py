@@ -280,16 +280,14 @@ class EnvironmentPool:
             instance = toolset.environment
             if toolset.stuck or not callable(getattr(instance, "end_episode", None)):
                 continue
-            thread, out = in_thread(lambda: run_async(instance.end_episode(), toolset.loop),
-                                    f"end_episode-{type(instance).__name__}")
-            join(thread, toolset.timeout)
-            if thread.is_alive():
-                toolset.running, toolset.running_call, toolset.stuck = thread, "end_episode", True
+            outcome = toolset.bounded("end_episode", instance.end_episode, toolset.timeout)
+            if outcome is None:
+                toolset.stuck = True
                 logger.warning("%s.end_episode still running after %gs (%s): the instance is not reused.",
                                type(instance).__name__, toolset.timeout, toolset.label)
-            elif not out[0][0]:
+            elif not outcome[0]:
                 logger.warning("%s.end_episode raised %s: %s (%s)", type(instance).__name__,
-                               type(out[0][1]).__name__, out[0][1], toolset.label)
+                               type(outcome[1]).__name__, outcome[1], toolset.label)
 
     def stuck(self, instance) -> bool:
         """Whether `instance`'s episode left a timed-out call running past the grace (its rewards are None)."""
@@ -299,15 +297,13 @@ class EnvironmentPool:
         """`instance.get_reward()`, on a daemon thread (an async one on the instance's loop), within its episode's
         tool_timeout; None, logged, and the instance not reused, when it is still running then."""
         toolset = self.handed_out[id(instance)][1]
-        thread, out = in_thread(lambda: run_async(instance.get_reward(), toolset.loop),
-                                f"get_reward-{type(instance).__name__}")
-        join(thread, toolset.timeout)
-        if thread.is_alive():
-            toolset.running, toolset.running_call, toolset.stuck = thread, "get_reward", True
+        outcome = toolset.bounded("get_reward", instance.get_reward, toolset.timeout)
+        if outcome is None:
+            toolset.stuck = True
             logger.warning("%s.get_reward still running after %gs (%s): the episode's reward is None and the instance "
                            "is not reused.", type(instance).__name__, toolset.timeout, toolset.label)
             return None
-        ok, value = out[0]
+        ok, value = outcome
         if not ok:
             raise value
         return value

@@ -56,7 +56,6 @@ class Episode:
     # (completion offset, messages its prompt renders) of each sample after the first (turn_samples.py)
     sample_starts: list[tuple[int, int]] = field(default_factory=list)
     user_turns: int = 0  # the environment's replies as the user (user_turns.py), continuations included
-    continuing: str | None = None  # the open assistant message's text, when the next sample continues it
     turn_prefix: str = ""  # the last assistant message's text before its last sample (a continued message's)
 
     def append(self, role: str, ids: list[int], logprobs: list[float] | None = None,

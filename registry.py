@@ -65,23 +65,26 @@ def _import(module_name: str):
         return load(module_name)
 
 
-def load_file(path: str):
-    """The module of the Python file at `path`, loaded once (under its own name, so that pickling and a second
-    lookup find it)."""
+def load_file(path: str, name: str | None = None):
+    """The module of the Python file at `path`, loaded once, under `name` (None: its own, `file:<absolute path>`) so
+    that pickling and a second lookup find it; a module of that name from another file is not taken for it."""
     import os
     import sys
     import importlib.util
 
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
-    name = "file:" + os.path.abspath(path)
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    full = os.path.abspath(path)
+    name = name or "file:" + full
+    existing = sys.modules.get(name)
+    if existing is not None and os.path.abspath(getattr(existing, "__file__", "") or "") == full:
+        return existing
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

@@ -23,6 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from fields import arg
 from tools import STOP, StopRequested
+from user_turns import continued
 from rewards import is_per_tool_turn
 from rewards.judge import judge_metrics
 
@@ -109,7 +110,7 @@ def warn_limit(trainer, metric: str, share: float) -> None:
 
 def model_turns(spans: list) -> int:
     """The model's turns: its spans, but for those that continue a turn after a continuation's text (user_turns.py)."""
-    return sum(s.role == "model" and (k == 0 or spans[k - 1].role != "insert") for k, s in enumerate(spans))
+    return sum(s.role == "model" and not continued(spans, k) for k, s in enumerate(spans))
 
 
 def episode_stats(episodes: list) -> torch.Tensor:
@@ -255,7 +256,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             turn = {"role": span.role, "start": span.start, "end": span.end,
                     "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
             if span.role == "model":
-                model_turn += k == 0 or ep.spans[k - 1].role != "insert"  # a continued turn is one turn
+                model_turn += not continued(ep.spans, k)  # a continued turn is one turn
             elif span.role == "env":
                 env_turn += 1
                 turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]

@@ -57,12 +57,20 @@ def responds(environment) -> bool:
 
 
 def add_model_message(ep, text: str, calls: list[dict]) -> None:
-    """The model's turn as an assistant message, or, after a continuation, joined to the message it continues."""
-    ep.turn_prefix, ep.continuing = ep.continuing or "", None
-    if ep.turn_prefix:
+    """The model's turn (its sample, the episode's last span) as an assistant message, or, after a continuation,
+    joined to the message it continues."""
+    if continued(ep.spans, len(ep.spans) - 1):
+        ep.turn_prefix = ep.messages[-1]["content"]
         ep.messages[-1].update(content=ep.turn_prefix + text, tool_calls=ep.messages[-1]["tool_calls"] + calls)
     else:
+        ep.turn_prefix = ""
         ep.messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+
+
+def continued(spans: list, k: int) -> bool:
+    """Whether span k is a model sample that goes on with its turn after a continuation's text (an "insert" span):
+    one turn with the sample before it, for the credit (episodes.token_turn_index) and the counts (reporting.py)."""
+    return k > 0 and spans[k - 1].role == "insert"
 
 
 def ask_user(env, ep) -> "UserTurn | None":
@@ -142,7 +150,6 @@ def continue_turn(env, ep, reply: Reply) -> None:
     message = ep.messages[-1]
     message["content"] = ep.turn_prefix + env.tokenizer.decode(ep.completion_ids[model.start:model.start + kept],
                                                                skip_special_tokens=True) + reply.content
-    ep.continuing = message["content"]  # the next sample's text joins this message (record_model_turn)
 
 
 def environment_done(environment) -> bool:

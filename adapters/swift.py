@@ -51,6 +51,7 @@ from copy import deepcopy
 from typing import Callable
 
 from adapters import Adapted
+from registry import load_file
 
 logger = logging.getLogger("mt_grpo")
 
@@ -97,21 +98,12 @@ def import_plugin(path: str):
         raise ValueError(f"ms-swift plugin file '{path}' not found ({full}): give the path of the plugin .py file "
                          "(relative to the directory the trainer runs in, or absolute).")
     folder, name = os.path.split(full)
-    name = os.path.splitext(name)[0]
-    existing = sys.modules.get(name)
-    if existing is not None and os.path.abspath(getattr(existing, "__file__", "") or "") == full:
-        return existing
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(name, full)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return load_file(full, os.path.splitext(name)[0])
     except Exception as e:
-        del sys.modules[name]
         raise ValueError(f"ms-swift plugin file '{path}' failed to import ({type(e).__name__}: {e}).") from e
-    return module
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -30,17 +30,16 @@ written for either of verifiers' message shapes reads them. See docs/guide.md, '
 
 import asyncio
 import importlib
-import importlib.util
 import inspect
 import json
 import logging
 import os
-import sys
 import uuid
 from typing import Callable
 
 from adapters import Adapted
 from adapters.compat import provide
+from registry import load_file
 
 logger = logging.getLogger("mt_grpo")
 
@@ -90,12 +89,7 @@ def _module(name: str):
         if not os.path.isfile(name):
             raise ValueError(f"`verifiers_env: {name}`: no such file ({os.path.abspath(name)}). Fix the path, or give "
                              "the module's name.")
-        module_name = os.path.splitext(os.path.basename(name))[0]
-        spec = importlib.util.spec_from_file_location(module_name, name)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-        return module
+        return load_file(name, os.path.splitext(os.path.basename(name))[0])  # under its own name, as an import
     candidates = [name, name.replace("-", "_")]  # verifiers' own load_environment maps an id's dashes so
     for candidate in dict.fromkeys(candidates):
         try:

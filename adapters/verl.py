@@ -56,6 +56,7 @@ from typing import Callable
 
 from adapters import Adapted
 from adapters.compat import provide
+from tools import own_event_loop, run_async
 
 logger = logging.getLogger("mt_grpo")
 
@@ -360,7 +361,7 @@ class VerlEnvironment:
         if self._verl_interactions:
             self.interaction_kwargs = interaction_kwargs(row, list(self._verl_interactions))
             interaction = self._verl_interactions[self.interaction_kwargs["name"]]
-            _run(_awaited(interaction.start_interaction(self.request_id, **self.interaction_kwargs)))
+            _run(interaction.start_interaction(self.request_id, **self.interaction_kwargs))
             self.interaction = interaction  # started: end_episode finalizes it
         self.agent_data = types.SimpleNamespace(
             messages=list(row.get("prompt") or []), request_id=self.request_id, tools_kwargs=self.tools_kwargs,
@@ -375,7 +376,7 @@ class VerlEnvironment:
             return
         finalize = interaction.finalize_interaction
         try:  # BaseInteraction's takes nothing; the shipped ones take (instance_id, **kwargs)
-            _run(_awaited(finalize(self.request_id) if _positional(finalize) else finalize()))
+            _run(finalize(self.request_id) if _positional(finalize) else finalize())
         except Exception as e:
             _log_once(f"{type(interaction).__name__}.finalize_interaction", "%s.finalize_interaction raised %s: %s "
                       "(first time only).", type(interaction).__name__, type(e).__name__, e)
@@ -390,8 +391,8 @@ class UserTurns:
             return None
         conversation = verl_messages(messages)
         self.agent_data.messages = conversation
-        terminate, content, score, _metadata = _run(_awaited(self.interaction.generate_response(
-            self.request_id, conversation, **self.interaction_kwargs)))
+        terminate, content, score, _metadata = _run(self.interaction.generate_response(
+            self.request_id, conversation, **self.interaction_kwargs))
         if score is not None:
             self.turn_scores.append(score)
         return {"content": "" if content is None else str(content), "done": bool(terminate),
@@ -436,7 +437,7 @@ def verl_reward(fn: Callable) -> Callable:
             given = {"data_source": data_source[i], "solution_str": solution_text(completion, ids, reward.tokenizer),
                      "ground_truth": truth, "extra_info": info}
             result = fn(**{k: v for k, v in given.items() if takes_all or k in params})
-            result = _run(_awaited(result)) if inspect.isawaitable(result) else result
+            result = _run(result)
             if isinstance(result, dict):
                 for key, value in result.items():
                     if key != "score":
@@ -499,14 +500,14 @@ _LOOP_LOCK = threading.Lock()
 _LOGGED: set[str] = set()
 
 
-def _run(coroutine):
-    """The coroutine's result, run on the verl loop (started on first use) from any thread but the loop's own."""
+def _run(value):
+    """`value` (a coroutine, or a sync method's return) awaited on the verl loop (started on first use), from any
+    thread but the loop's own."""
     global _LOOP
     with _LOOP_LOCK:
         if _LOOP is None:
-            _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="verl", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coroutine, _LOOP).result()
+            _LOOP = own_event_loop("verl")
+    return run_async(value, _LOOP)
 
 
 async def _awaited(value):

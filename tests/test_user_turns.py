@@ -246,3 +246,22 @@ def test_a_user_turn_starts_a_new_sample_where_the_template_rewrites_the_history
     second = smollm2_tokenizer.decode(ep.completion_ids[start:ep.spans[1].end])
     assert second == smollm2_tokenizer.decode(env.render_ids(ep.prompt_messages + ep.messages[:2], True))
     assert "Wrong, try again." in second and not ep.tokenization_mismatch
+
+
+def test_a_class_without_step_rewards_calls_its_tools_without_a_replaced_list_warning(smollm2_tokenizer, caplog):
+    """Toolset.step_rewards gives one object for a class without step_rewards, so a call of its tool added nothing
+    and replaced no list: no 'replaces its step_rewards' warning, and the turn earned nothing."""
+    class Knock(examples.Quiz):
+        def knock(self, times: int) -> str:
+            """Knock on the door.
+
+            Args:
+                times: How many times.
+            """
+            return "Nobody answers."
+
+    env, pool = lock_env(smollm2_tokenizer, factory=Knock)
+    call = '<reasoning>Knock.</reasoning>\n<tool>{"name": "knock", "args": {"times": 2}}</tool>'
+    (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], {"Guess the number.": [call, answer("7")]})
+    assert ep.stop_reason == "env_done" and pool.turn_rewards(ep.toolset.environment) == [[], [1.0]]
+    assert "replaces its step_rewards" not in caplog.text

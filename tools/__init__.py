@@ -384,6 +384,7 @@ _REWARDED: set[str] = set()  # the tools whose (output, reward) return was logge
 
 
 STEP_REWARD_TYPES = (list, tuple)  # a list appended to, or a tuple replaced by a longer one
+NO_STEP_REWARDS = ()  # what Toolset.step_rewards gives for an environment without them
 _LOGGED_FAILURES: set[str] = set()  # the environment methods whose first failure was logged
 _REPLACED: set[str] = set()  # the environment classes that replace their step_rewards list (logged once)
 
@@ -610,12 +611,10 @@ class Toolset:
         within `timeout`): a ToolResult whose output is the Reply (or None), or the error."""
         if not self.settle(timeout):
             return ToolResult(f"not run: an earlier call of this episode is still running ({self.label})", False)
-        thread, out = in_thread(lambda: run_async(self.environment.respond(messages), self.loop), "respond")
-        join(thread, timeout)
-        if thread.is_alive():
-            self.running, self.running_call = thread, "respond"
+        outcome = self.bounded("respond", lambda: self.environment.respond(messages), timeout)
+        if outcome is None:
             return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
-        ok, value = out[0]
+        ok, value = outcome
         if not ok and _refused_signal(value) and not inspect.iscoroutinefunction(self.environment.respond):
             ok, value = self._respond_on_main(messages, timeout)  # it uses `signal` (math_verify's timeouts)
         try:
@@ -656,6 +655,18 @@ class Toolset:
         (and `stuck`) if it still is. A stuck call is not waited for again."""
         return settle_all([self], self.timeout if timeout is None else timeout)
 
+    def bounded(self, method: str, call: Callable[[], object], timeout: float) -> tuple[bool, object] | None:
+        """`call()`, a call of the environment's `method` that is not a tool (respond, get_reward, end_episode), on a
+        daemon thread (awaited on the instance's own loop when async), waited for `timeout` seconds: (True, its value)
+        or (False, its exception); None when it still runs then, which becomes `running` (a later `settle` waits for
+        it; the caller marks the instance `stuck` where nothing will)."""
+        thread, out = in_thread(lambda: run_async(call(), self.loop), f"{method}-{type(self.environment).__name__}")
+        join(thread, timeout)
+        if thread.is_alive():
+            self.running, self.running_call = thread, method
+            return None
+        return out[0]
+
     def _respond_on_main(self, messages: list[dict], timeout: float) -> tuple[bool, object]:
         """A sync `respond` that uses `signal`, run as a tool that does (run_on_main: on the main thread, bounded by
         `timeout`): (True, its reply) or (False, the error)."""
@@ -665,10 +676,11 @@ class Toolset:
         return (True, replies[0]) if result.ok and replies else (False, RuntimeError(result.output))
 
     def step_rewards(self) -> list | tuple:
-        """The environment's step_rewards as it is now ([] when it has none); a wrong type fails naming it."""
+        """The environment's step_rewards as it is now (NO_STEP_REWARDS, one object, when it has none: a call then
+        added nothing, and replaced no list); a wrong type fails naming it."""
         steps = getattr(self.environment, "step_rewards", None)
         if steps is None:
-            return []
+            return NO_STEP_REWARDS
         if not isinstance(steps, STEP_REWARD_TYPES):
             raise TypeError(f"{type(self.environment).__name__}.step_rewards is a {type(steps).__name__} "
                             f"({self.label or 'during an episode'}); make it a list of numbers (one appended per "
@@ -680,8 +692,6 @@ class Toolset:
         new tail when it grew (appended to, or replaced by a longer one that starts the same, as a tuple is); the whole
         new list when the method replaced it (`self.step_rewards = [r]` at every step: that step's rewards)."""
         obj, held = before
-        if getattr(self.environment, "step_rewards", None) is None:  # none kept (a class with only respond, say)
-            return []
         current = self.step_rewards()
         now = list(current)
         if current is obj or (len(now) > len(held) and now[: len(held)] == held):
