@@ -42,32 +42,35 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.trainer.utils import use_adapter
 
-from adapters import AdapterArguments
-from async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
-from completions import (RetryableResponse, Sample, check_length, kept_set_logprobs, parse_completions_response,
-                         post_with_retries, wait_for_health)
-from checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
-                    check_script_args, check_training_args, check_trl, settle_training_defaults)
-from episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
-from protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
-from reporting import (LOG_FORMAT, RolloutProgress, RunArguments, TrainerReports, end_processes,
-                       install_console, quiet_library_bars, report_outputs, stoppable)
-import evaluation
-from dynamic_sampling import resample_groups
-from scheduling import run_per_episode
-from fields import Choices, arg, parse_recipe
-from packing import PackedForward, score_labelled_tokens_only
-from rewards import check_reward_count, failing_sample, is_per_tool_turn, reward_value
-from rewards.answers import ANSWER_TYPES
-from rewards.judge import JudgeArguments
-from sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
-from server_pool import ServerPool, ServerPoolArguments
-from tasks import TaskArguments, task_keyword
-from environments import episode_columns, prompt_fitter
-from tools import ToolArguments, Toolset, ToolResult, cut_tool_output, run_turns, stop_point
-from turn_samples import TURN_SAMPLES, next_sample_prompt
-from user_turns import UserTurn, add_model_message, ask_user, environment_done, record_reply
-from weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
+from mt_grpo.adapters import AdapterArguments
+from mt_grpo.rollout.async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
+from mt_grpo.base.completions import (RetryableResponse, Sample, check_length, kept_set_logprobs,
+                                      parse_completions_response, post_with_retries, wait_for_health)
+from mt_grpo.run.checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
+                                check_script_args, check_training_args, check_trl, settle_training_defaults)
+from mt_grpo.rollout.episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
+from mt_grpo.base.protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
+from mt_grpo.run.reporting import (LOG_FORMAT, RolloutProgress, RunArguments, TrainerReports, end_processes,
+                                   install_console, quiet_library_bars, report_outputs, stoppable)
+from mt_grpo.run import evaluation
+from mt_grpo.rollout.dynamic_sampling import resample_groups
+from mt_grpo.rollout.scheduling import run_per_episode
+from mt_grpo.base.fields import Choices, arg, parse_recipe
+from mt_grpo.engine.packing import PackedForward, score_labelled_tokens_only
+from mt_grpo.rewards import check_reward_count, failing_sample, is_per_tool_turn, reward_value
+from mt_grpo.rewards.answers import ANSWER_TYPES
+from mt_grpo.rewards.judge import JudgeArguments
+from mt_grpo.engine.sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
+from mt_grpo.engine.server_pool import ServerPool, ServerPoolArguments
+from mt_grpo.tasks import TaskArguments, task_keyword
+from mt_grpo.rollout.environments import episode_columns, prompt_fitter
+from mt_grpo.base.runtime import stop_point
+from mt_grpo.rollout.tool_calls import ToolResult, cut_tool_output
+from mt_grpo.rollout.toolset import Toolset, run_turns
+from mt_grpo.tools import ToolArguments
+from mt_grpo.base.turn_samples import TURN_SAMPLES, next_sample_prompt
+from mt_grpo.rollout.user_turns import UserTurn, add_model_message, ask_user, environment_done, record_reply
+from mt_grpo.engine.weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
 
 logger = logging.getLogger("mt_grpo")
 
@@ -837,7 +840,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
             check_backend(args, peft_config, backend_class(args))
         weights, step_rewards = (args.turn_reward_weights, args.outcome_reward_weights), False
         if env is None:  # the Python API and the recipe: build from the config
-            import builders
+            from mt_grpo.run import builders
 
             parts = builders.assemble(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                       tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
@@ -1169,7 +1172,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     args.model_init_kwargs = {**(args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",  # as TRL's
                               "attn_implementation": model_args.attn_implementation,  # scripts set them
                               "revision": model_args.model_revision}
-    import builders  # here, not at the top: importing this file for its functions stays light
+    from mt_grpo.run import builders  # here, not at the top: importing this file for its functions stays light
 
     held_out = builders.load_recipe_task(args, held_out=True) if evaluation and args.eval_strategy == "no" else None
     trainer = MTGRPOEnvTrainer(model_args.model_name_or_path, args=args, eval_dataset=held_out,

@@ -35,11 +35,11 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for rewards/
 
-from protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
-from rewards.answers import contains_answer, matches_answer  # noqa: E402
-from rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
-from rewards.triviaqa_reward import _contains as contains  # noqa: E402
-from rewards.triviaqa_reward import normalize_answer  # noqa: E402
+from mt_grpo.base.protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
+from mt_grpo.rewards.answers import contains_answer, matches_answer  # noqa: E402
+from mt_grpo.rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
+from mt_grpo.rewards.triviaqa_reward import _contains as contains  # noqa: E402
+from mt_grpo.rewards.triviaqa_reward import normalize_answer  # noqa: E402
 from view_rollouts import (load_rollouts, open_record, parse_steps, record_file,  # noqa: E402  (scripts/, here)
                            without_tokens, write_gzipped)
 

@@ -33,8 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the repository, for tasks/
 
-from tasks import textworld_quest  # noqa: E402
-from tasks.textworld_quest import TextWorldQuest, accepted, valid_command_rate  # noqa: E402
+from mt_grpo.tasks import textworld_quest  # noqa: E402
+from mt_grpo.tasks.textworld_quest import TextWorldQuest, accepted, valid_command_rate  # noqa: E402
 from view_rollouts import load_rollouts  # noqa: E402  (scripts/, beside this file)
 
 COLUMNS = ("solved", "reward", "steps", "calls", "valid")

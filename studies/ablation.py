@@ -43,7 +43,7 @@ LEVERS = {
                         "0.25 for an answer copied from the result: a signal for copying in every group, "
                         "not only the rare one with an exact answer"),
 }
-LEVERS["one_document"] = (["--tools", "tools.search:make_search_top1_tool"],
+LEVERS["one_document"] = (["--tools", "mt_grpo.tools.search:make_search_top1_tool"],
                           "`search` returns one document unless asked for more: the model copied the next "
                           "document's facts (docs/results.md)")
 # the two levers that helped alone in seed 1 (docs/results.md), together: the copy signal, at half the rollouts

@@ -13,10 +13,10 @@ import time
 from common import print_table, smollm2_dir
 from transformers import AutoTokenizer
 
-from completions import Sample
+from mt_grpo.base.completions import Sample
 from mt_grpo_trainer import MultiTurnToolEnv
-from protocol import XMLProtocol
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 CALL = '<reasoning>Search again.</reasoning>\n<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
 ANSWER = "<reasoning>Done.</reasoning>\n<answer>Morvane</answer>"

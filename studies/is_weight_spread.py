@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from common import print_table, smollm2_dir, write_rows_csv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampling import SamplingParams, TransformersBackend, sampler_logprobs
+from mt_grpo.engine.sampling import SamplingParams, TransformersBackend, sampler_logprobs
 
 QUESTIONS = ["Tell me about the history of the bicycle.", "Explain how a city manages its water.",
              "Write a story about a lighthouse keeper.", "Describe how bread is made, step by step.",

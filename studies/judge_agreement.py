@@ -27,9 +27,9 @@ import time
 import numpy as np
 from common import ROOT, print_table, smollm2_dir
 
-from rewards.judge import Judge, JudgeArguments, OutcomeJudge
-from rewards.triviaqa_reward import exact_match_reward_func
-from tasks.fictional_kb import build_fictional_kb_entities
+from mt_grpo.rewards.judge import Judge, JudgeArguments, OutcomeJudge
+from mt_grpo.rewards.triviaqa_reward import exact_match_reward_func
+from mt_grpo.tasks.fictional_kb import build_fictional_kb_entities
 
 QUESTION_TYPE_WORDS = 4  # a question's type: its first words ("What is the capital of", "In what year was")
 

@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from common import print_table, smollm2_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs, sampler_logprobs
+from mt_grpo.engine.sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs, sampler_logprobs
 
 # held out: no test or other benchmark samples these
 QUESTIONS = ["How do tides work?", "What makes a good friend?", "Explain how vaccines train the immune system.",

@@ -349,7 +349,7 @@ def episode_value(record: dict, metric: str) -> float | None:
     functions; an outcome reward (eval/rewards/outcome/<name>) is its recorded value. None when the record does
     not hold it (or an outcome reward scored None, not applicable), or the metric is no mean over episodes
     (tool_success_rate: failed calls over calls)."""
-    from tasks import QA_EVAL_METRICS
+    from mt_grpo.tasks import QA_EVAL_METRICS
 
     name = metric.removeprefix("eval/")
     if name.startswith("rewards/outcome/"):

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from vllm_cpu import VLLMCPUServer
 
 from mt_grpo_trainer import VLLMServerClient
-from sampling import SamplingParams
-from weight_sync import WeightSync, WeightSyncConfig
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.engine.weight_sync import WeightSync, WeightSyncConfig
 
 
 def sync_seconds(model, model_dir: str, mode: str, rank: int, repeats: int) -> tuple[float, float]:

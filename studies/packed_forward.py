@@ -128,7 +128,7 @@ def padded_step(model, ids, att, T) -> None:
 
 
 def packed_step(model, ids, att, T) -> int:
-    from packing import packed_inputs
+    from mt_grpo.engine.packing import packed_inputs
 
     unique = 0
     for row, mask, tokens in packed_inputs(model, ids, att, T):  # the trainer's tries, layout and mask
@@ -142,7 +142,7 @@ def packed_step(model, ids, att, T) -> int:
 
 def packed_dense_step(model, ids, att, T) -> int:
     """packed_step under SDPA with the dense boolean mask of the trie (packing's choice on CPU), on any device."""
-    import packing
+    from mt_grpo.engine import packing
 
     chosen = packing.packed_attention
     packing.packed_attention = lambda model, device: "sdpa"  # a dense mask goes to SDPA under PACKED_FLEX too

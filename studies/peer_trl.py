@@ -240,7 +240,7 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
     from transformers.trainer_utils import get_last_checkpoint
 
     from mt_grpo_trainer import build_trainer
-    from reporting import GracefulStop
+    from mt_grpo.run.reporting import GracefulStop
 
     flags = cap_flags(recipe, flags, turn_cap)
     argv = ["--config", recipe, "--tool_format", "chat_template", "--model_name_or_path", model,

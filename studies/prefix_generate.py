@@ -19,9 +19,9 @@ import torch
 from common import ROOT, print_table  # noqa: F401 (sys.path)
 
 import mt_grpo_trainer as mt
-import sampling
-import packing
-from sampling import GREEDY
+from mt_grpo.engine import sampling
+from mt_grpo.engine import packing
+from mt_grpo.engine.sampling import GREEDY
 
 RECIPE = f"{ROOT}/hf_recipes/SmolLM2-135M-Instruct/study.yaml"
 

@@ -30,9 +30,9 @@ from transformers import AutoTokenizer
 from vllm_cpu import VLLMCPUServer
 
 from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
-from sampling import SamplingParams
-from protocol import ToolCall, Turn, XMLProtocol
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.base.protocol import ToolCall, Turn, XMLProtocol
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 MEDIAN, P99 = 0.2, 4.0
 SIGMA = math.log(P99 / MEDIAN) / 2.326  # the 99th percentile of a standard normal

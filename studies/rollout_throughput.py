@@ -23,9 +23,9 @@ from prepare_models import make_tiny_agent_model
 from transformers import AutoTokenizer
 
 from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
-from sampling import SamplingParams
-from protocol import XMLProtocol
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 
 class Recording(VLLMServerClient):

@@ -32,7 +32,7 @@ import torch
 from common import ROOT, print_table, rss
 
 import mt_grpo_trainer as mt
-from rewards.judge import judges_of
+from mt_grpo.rewards.judge import judges_of
 from transformers import TrainerCallback
 
 RECIPE = os.path.join(ROOT, "hf_recipes", "SmolLM2-135M-Instruct", "study.yaml")
@@ -212,7 +212,7 @@ def train_on(trainer, batch, padding_free: bool, rows: int, optimizer, phases: P
 def compare_packing(trainer, batch, phases: Phases, scoring: float, budget: int | None) -> None:
     """Padded against packed on the last step's batch, side by side: the recipe's padded micro-batches (and the
     whole batch padded at once), then the whole batch packed (padding_free, its token budget)."""
-    from packing import plan_rows
+    from mt_grpo.engine.packing import plan_rows
 
     B, T = batch["completion_ids"].shape
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

@@ -17,8 +17,8 @@ from prepare_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mt_grpo_trainer import VLLMServerClient
-from sampling import SamplingParams
-from weight_sync import save_weights_for_vllm, tied_embedding_name
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.engine.weight_sync import save_weights_for_vllm, tied_embedding_name
 
 
 def step_seconds(model, n=8, length=768):

@@ -34,7 +34,7 @@ import torch
 from common import print_table, smollm2_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampling import SamplingParams, process_logits
+from mt_grpo.engine.sampling import SamplingParams, process_logits
 
 # hf_recipes/Qwen/Qwen3-8B/mt_grpo.yaml
 PARAMS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)

@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, mt_grpo_advantages
-from sampling import TransformersBackend, SamplingParams
-from protocol import XMLProtocol
+from mt_grpo.engine.sampling import TransformersBackend, SamplingParams
+from mt_grpo.base.protocol import XMLProtocol
 
 B, P, T, G = 16, 128, 256, 4
 

@@ -61,9 +61,9 @@ def scripts(setup: str, generations: int) -> dict:
 
 def measure(setup: str, mode: str, generations: int, few_shot: bool) -> dict:
     from helpers import VELTRIA, chat_template, fake_search, make_env
-    from episodes import pad_episodes
-    from packing import plan_rows
-    from protocol import ChatTemplateProtocol
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo.engine.packing import plan_rows
+    from mt_grpo.base.protocol import ChatTemplateProtocol
     from scripted_policy import ScriptedPolicy
 
     tokenizer = smollm2_tokenizer()

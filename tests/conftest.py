@@ -118,7 +118,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def kb():
     """The fictional knowledge base, (documents, question rows), of seed 0."""
-    from tasks.fictional_kb import build_fictional_kb
+    from mt_grpo.tasks.fictional_kb import build_fictional_kb
 
     return build_fictional_kb(seed=0)
 

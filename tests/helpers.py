@@ -80,7 +80,7 @@ def xml_answer(text: str, why: str = "So.") -> str:
 
 def template_call(query: str = "capital of Veltria", name: str = "search") -> str:
     """One call as the chat_template protocol writes it (a `<tool_call>` block, as Qwen's templates render one)."""
-    from protocol import ChatTemplateProtocol
+    from mt_grpo.base.protocol import ChatTemplateProtocol
 
     return ChatTemplateProtocol().format_call(name, {"query": query})
 
@@ -116,8 +116,8 @@ def make_env(tokenizer, tools: list, protocol=None, **overrides):
     search prompt and worked examples (the scripted episodes search it); `overrides`
     replace any of these or add other settings."""
     from mt_grpo_trainer import MultiTurnToolEnv
-    from protocol import XMLProtocol
-    from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+    from mt_grpo.base.protocol import XMLProtocol
+    from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
     kwargs = dict(max_env_steps=2, max_tokens_per_turn=64, max_completion_length=400, max_tool_response_tokens=64,
                   tokenization_check="strict", task_prompt=SEARCH_TASK_PROMPT, examples=search_examples)
@@ -170,8 +170,8 @@ def make_chat_template_agent(src_dir: str, out_dir: str, steps: int = 100) -> st
     import torch
     from transformers import AutoModelForCausalLM
 
-    from protocol import ChatTemplateProtocol
-    from tools.search import make_search_tool
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+    from mt_grpo.tools.search import make_search_tool
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
@@ -230,9 +230,9 @@ def on_policy_weights(model, prompts, samples, params, mode, kept_sets=True):
     import torch
     from trl.trainer.utils import pad
 
-    from completions import kept_set_logprobs
+    from mt_grpo.base.completions import kept_set_logprobs
     from mt_grpo_trainer import importance_weights
-    from sampling import policy_sampler_logprobs
+    from mt_grpo.engine.sampling import policy_sampler_logprobs
 
     per_prompt = len(samples) // len(prompts)
     rows = list(zip([p for p in prompts for _ in range(per_prompt)], samples))

@@ -1,6 +1,6 @@
 """Reward functions used by tests through dotted paths (`reward_examples:needs_gold`)."""
 
-from rewards import count_tool_turns, per_tool_turn
+from mt_grpo.rewards import count_tool_turns, per_tool_turn
 
 
 def needs_gold(prompts, completions, gold, **kwargs):

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from mt_grpo_trainer import MTGRPOEnvTrainer, build_trainer, end_processes  # noqa: E402
-from reporting import TimeBudget  # noqa: E402
+from mt_grpo.run.reporting import TimeBudget  # noqa: E402
 from scripted_policy import ScriptedTransformersBackend  # noqa: E402
 
 
@@ -129,8 +129,8 @@ def counted_collectives(model, counts: dict) -> None:
     reduce-scatter, all-reduce), and each matched_forwards call's (this rank's forwards, the forwards made)."""
     import torch.distributed as dist
 
-    import packing
-    import sampling
+    from mt_grpo.engine import packing
+    from mt_grpo.engine import sampling
 
     names = [n for n in COLLECTIVES if hasattr(dist, n)]  # torch 2.13's FSDP2 calls the *_single ones
     counts.update({"forwards": 0, "matched": [], **{n: 0 for n in names}})
@@ -213,7 +213,7 @@ def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTraine
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sampling import SamplingParams
+    from mt_grpo.engine.sampling import SamplingParams
     from scripted_policy import ScriptedSampler
 
     no_shm_all_reduce()
@@ -234,7 +234,7 @@ def sharded(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTraine
 
 
 def inprocess(script_path: str, out_dir: str, flags: list[str]) -> MTGRPOEnvTrainer:
-    import sampling
+    from mt_grpo.engine import sampling
     from scripted_policy import ScriptedPolicy, ScriptedProcessing
 
     no_shm_all_reduce()
@@ -270,8 +270,8 @@ def fsdp2(model_dir: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from sampling import SamplingParams, policy_sampler_logprobs
-    from packing import packed_logps_and_entropies
+    from mt_grpo.engine.sampling import SamplingParams, policy_sampler_logprobs
+    from mt_grpo.engine.packing import packed_logps_and_entropies
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

@@ -4,8 +4,8 @@
 
 import torch
 
-from completions import Sample
-from sampling import SamplerProcessing, SamplingParams, TransformersBackend, sampler_logprobs
+from mt_grpo.base.completions import Sample
+from mt_grpo.engine.sampling import SamplerProcessing, SamplingParams, TransformersBackend, sampler_logprobs
 
 
 class ScriptedPolicy:

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ROOT, final_metrics, rollout_records
 
-COMPAT = os.path.join(ROOT, "adapters", "compat")
+COMPAT = os.path.join(ROOT, "mt_grpo", "compat")
 
 # -- the held-out environments, as a user writes them ---------------------------------------------------------------
 VERL_ENV = '''
@@ -191,11 +191,11 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.join({root!r}, "tests"))  # the scripted policy and make_env (not a framework)
 from transformers import AutoTokenizer
 
-from environments import EnvironmentPool
+from mt_grpo.rollout.environments import EnvironmentPool
 from helpers import make_env
-from protocol import XMLProtocol
-import builders  # noqa: F401  (the trainer imports it, and with it adapters/, which registers the copies)
-from rewards import get_reward_func
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.run import builders  # noqa: F401  (the trainer imports it, and with it adapters/, which registers the copies)
+from mt_grpo.rewards import get_reward_func
 from scripted_policy import ScriptedPolicy
 
 tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
@@ -210,7 +210,7 @@ def answer(text):
 
 
 def roll(value, rows, script, **limits):
-    import adapters
+    from mt_grpo import adapters
     blank = {{name: None for name in ("verl_tool_config", "verl_interaction_config", "multi_turn_scheduler",
                                      "verifiers_env", "verifiers_env_args", "openenv_env", "openenv_action")}}
     parts, = adapters.adapt(SimpleNamespace(**{{**blank, **value, "tool_timeout": 10.0}}))
@@ -355,7 +355,7 @@ def test_a_held_out_verl_environment_trains_a_step_from_the_command_line(user_fo
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "mt_grpo_trainer.py"), "--config", "recipe.yaml"],
                           cwd=user_folder, env=clean_env(user_folder), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert "verl is not installed: using the copy of verl 0.7.1's base classes in adapters/compat" in proc.stderr
+    assert "verl is not installed: using the copy of verl 0.7.1's base classes in mt_grpo/compat" in proc.stderr
     steps = [h for h in final_metrics(out) if "loss" in h]
     assert len(steps) == 1 and "rewards/outcome/compute_score" in steps[0], steps
     assert "rewards/turn/VerlEnvironment_steps" in steps[0]
@@ -367,7 +367,7 @@ def test_a_held_out_verl_environment_trains_a_step_from_the_command_line(user_fo
 PROBE = """
 import logging
 logging.basicConfig(level=logging.WARNING)
-from adapters.compat import provide
+from mt_grpo.compat import provide
 copy = provide("verl")
 import verl.tools.base_tool
 print(copy, verl.tools.base_tool.__file__)
@@ -387,7 +387,7 @@ def test_an_installed_framework_wins_and_a_broken_one_gives_way_to_the_copy(tmp_
     installed = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr
     assert installed.stdout.split() == ["False", str(site / "verl" / "tools" / "base_tool.py")]
-    assert "adapters/compat" not in installed.stderr
+    assert "mt_grpo/compat" not in installed.stderr
 
     (site / "verl" / "utils" / "reward_score" / "__init__.py").write_text("import ray  # noqa\n")
     broken = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -395,7 +395,7 @@ def test_an_installed_framework_wins_and_a_broken_one_gives_way_to_the_copy(tmp_
     assert broken.stdout.split() == ["True", os.path.join(COMPAT, "verl", "verl", "tools", "base_tool.py")]
     assert "verl is installed but does not import here (ModuleNotFoundError: No module named 'ray')" in broken.stderr
 
-    lacks = ("from adapters.compat import provide; provide('verl')\n"
+    lacks = ("from mt_grpo.compat import provide; provide('verl')\n"
              "from verl.utils.reward_score import default_compute_score\n"
              "print(default_compute_score('openai/gsm8k', '#### 3', '3'))\n"
              "default_compute_score('numina_olympiads', '3', '3')")  # prime_math: not in the copy

@@ -23,7 +23,7 @@ OE = os.path.join(FIXTURES, "openenv")
 @pytest.fixture(scope="module", autouse=True)
 def openenv_provided():
     """`openenv`: the copy in adapters/compat, as the adapter provides it (before the module's server fixture)."""
-    from adapters.compat import provide
+    from mt_grpo.compat import provide
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
@@ -44,14 +44,14 @@ def tokenizer(tiny_agent_dir):
 
 
 def adapted(target: str, action: str | None = None):
-    from adapters.openenv import adapt
+    from mt_grpo.adapters.openenv import adapt
 
     return adapt(SimpleNamespace(openenv_env=target, openenv_action=action))
 
 
 def episodes(tokenizer, factory, script: dict, rows: list[dict], max_env_steps: int = 5):
-    from environments import EnvironmentPool
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import XMLProtocol
 
     protocol = XMLProtocol()
     pool = EnvironmentPool(factory, [], protocol)
@@ -74,7 +74,7 @@ def turn_credit(pool, eps) -> list[list[float]]:
 def test_the_action_model_is_one_tool_and_the_observation_its_text():
     import asyncio
 
-    from adapters.openenv import tool_name
+    from mt_grpo.adapters.openenv import tool_name
 
     echo = adapted("echo_env:EchoEnvironment").environment_factory
     schema = echo.echo.json_schema["function"]
@@ -98,7 +98,7 @@ def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
     """Seed 1: the secret is 3. A guesses 5 (-0.1, "Lower."), then 3 (+1, done: the episode ends, its next scripted
     turn is never sampled). B guesses 1, 2, 4, 5: -0.1 each, and the fourth try is the last (done). per_turn pools
     the group's six turns: mean (1 - 0.5) / 6, the unbiased std of the six; A_T by hand."""
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
     from mt_grpo_trainer import mt_grpo_advantages
 
     factory = adapted("number_guess:NumberGuessEnvironment").environment_factory
@@ -198,7 +198,7 @@ def test_mistakes_fail_naming_the_fix():
     with pytest.raises(ValueError, match=r"names no single Action class: set `openenv_action"):
         adapted("two_actions:TwoActions")
     assert adapted("two_actions:TwoActions", "number_guess:GuessAction").environment_factory.guess
-    from adapters import adapt
+    from mt_grpo.adapters import adapt
 
     with pytest.raises(ValueError, match=r"`openenv_action` is set but `openenv_env` is not"):
         adapt(SimpleNamespace(openenv_env=None, openenv_action="number_guess:GuessAction"))

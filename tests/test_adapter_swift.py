@@ -23,7 +23,7 @@ def config(spec, **fields):
 
 
 def episode(spec, row=None, **fields):
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
 
     env = adapt(config(spec, **fields)).environment_factory()
     env.reset(**(row or {"prompt": [{"role": "user", "content": "What is sqrt(36*sqrt(16))?"}],
@@ -114,8 +114,8 @@ def test_a_react_tool_scheduler_appends_its_observation_and_the_gym_rewards_are_
 
 # -- rewards: swift's keywords ----------------------------------------------------------------------------------------
 def test_orm_rewards_get_swift_keywords_and_text_completions():
-    from adapters.swift import adapt
-    from rewards import get_reward_func
+    from mt_grpo.adapters.swift import adapt
+    from mt_grpo.rewards import get_reward_func
 
     adapt(config(None, external_plugins=[PLUGIN]))  # the plugin's `orms` registrations serve the reward lists
     seen = {}
@@ -127,7 +127,7 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
             seen.update(kwargs, completions=completions, solution=solution)
             return [float(len(c)) for c in completions]
 
-    from adapters import swift_form as swift_style
+    from mt_grpo.adapters import swift_form as swift_style
 
     probe = swift_style(Probe)
     assert probe.__name__ == "Probe"
@@ -154,8 +154,8 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
 
 
 def test_an_async_orm_and_a_trl_function_are_told_apart():
-    from adapters.swift import is_swift_reward, swift_modules
-    from adapters import swift_form as swift_style
+    from mt_grpo.adapters.swift import is_swift_reward, swift_modules
+    from mt_grpo.adapters import swift_form as swift_style
 
     swift_modules()
     import swift.rewards as swift_rewards
@@ -202,7 +202,7 @@ def test_an_async_orm_and_a_trl_function_are_told_apart():
     ("gym_scheduler", None, "is swift's GYMScheduler"),
 ])
 def test_scheduler_errors_name_the_problem_and_the_fix(tmp_path, spec, body, message):
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
 
     plugin = write_plugin(tmp_path, body, name=f"p{abs(hash(spec + (body or ''))) % 10**8}.py") if body is not None \
         else None
@@ -211,7 +211,7 @@ def test_scheduler_errors_name_the_problem_and_the_fix(tmp_path, spec, body, mes
 
 
 def test_a_missing_swift_name_says_what_the_copy_offers():
-    from adapters.swift import swift_modules
+    from mt_grpo.adapters.swift import swift_modules
 
     swift_modules()
     with pytest.raises(ImportError, match="pip install ms-swift"):
@@ -271,7 +271,7 @@ class Tipped:
 
 
 def swift_env(tokenizer, spec, **fields):
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
     from test_environments import lock_env
 
     factory = adapt(config(spec, **fields)).environment_factory
@@ -287,7 +287,7 @@ def test_a_continuation_tip_sits_inside_the_models_message_with_mask_0(smollm2_t
     """MathTipsScheduler, scripted: the first sample is cut before '</think>' (its tokens that stay are the model's),
     the tip follows inside the same assistant message (mask 0), sampling continues there; the rewards read the
     continued message (swift's MathAccuracy: right), and the turns count 2 (swift's num_turns)."""
-    from rewards import get_reward_func
+    from mt_grpo.rewards import get_reward_func
 
     env, pool = swift_env(smollm2_tokenizer, f"{PLUGIN}:MathTipsScheduler", model_name_or_path=smollm2_dir)
     question = "What is the value of sqrt(36 sqrt(16))?"
@@ -315,7 +315,7 @@ def test_swift_s_own_plugin_file_imports_and_its_react_tool_scheduler_runs(smoll
     copy stands in for): its ToolCallScheduler runs the calculator named in the model's ReAct text and appends the
     result inside the model's message (a continuation keeping the whole sample); its CountdownORM is a reward by its
     `orms` name."""
-    from rewards import get_reward_func
+    from mt_grpo.rewards import get_reward_func
 
     spec = os.path.join("tests", "fixtures", "swift", "examples_plugin.py") + ":tool_call_scheduler"
     env, pool = swift_env(smollm2_tokenizer, spec, swift_max_turns=5, model_name_or_path=smollm2_dir)
@@ -359,9 +359,9 @@ def test_a_new_round_scheduler_s_turns_and_their_credit_by_hand(smollm2_tokenize
     first turn, credited 0); per_turn A_T = -+0.7071; swift's accuracy R_O = 1 for both: A_O = 0."""
     import torch
 
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
     from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table
-    from rewards import get_reward_func
+    from mt_grpo.rewards import get_reward_func
 
     plugin = tmp_path / "graded.py"
     plugin.write_text(GRADED.format(fixtures=os.path.join(ROOT, "tests", "fixtures", "swift")))
@@ -431,7 +431,7 @@ def test_on_trajectory_start_may_add_to_the_question_only(tmp_path):
             async def on_trajectory_start(self, requests):
                 requests[0].messages = [{'role': 'user', 'content': 'another question'}]
         """)
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
 
     env = adapt(config(f"{path}:Hinted")).environment_factory()
     assert env.reset(prompt=[{"role": "user", "content": "Add 2 and 3."}], hint="five") == " (hint: five)"
@@ -441,7 +441,7 @@ def test_on_trajectory_start_may_add_to_the_question_only(tmp_path):
 
 
 def test_max_turns_without_a_scheduler_and_a_step_of_the_wrong_type_fail_naming_the_fix(tmp_path):
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
 
     with pytest.raises(ValueError, match="`swift_max_turns` is set but `multi_turn_scheduler` is not"):
         adapt(config(None, swift_max_turns=3))
@@ -459,7 +459,7 @@ def test_a_dataset_in_swift_s_format_becomes_prompts(tmp_path):
     becomes the prompt; the other columns stay for the scheduler's data_dict and the rewards."""
     import json
 
-    from adapters.swift import adapt
+    from mt_grpo.adapters.swift import adapt
 
     data = adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=os.path.join("tests", "fixtures", "swift",
                                                                                   "math.jsonl"), max_samples=3))

@@ -20,7 +20,7 @@ VF = os.path.join(FIXTURES, "verifiers")
 def verifiers_on_path(monkeypatch):
     """`verifiers` (the copy in adapters/compat, as the adapter provides it) and the environment modules importable,
     as an installed environment is."""
-    from adapters.compat import provide
+    from mt_grpo.compat import provide
 
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
     provide("verifiers")
@@ -35,15 +35,15 @@ def tokenizer(tiny_agent_dir):
 
 
 def adapted(name: str, **env_args):
-    from adapters.verifiers import adapt
+    from mt_grpo.adapters.verifiers import adapt
 
     return adapt(SimpleNamespace(verifiers_env=name, verifiers_env_args=env_args or None))
 
 
 def episodes(tokenizer, parts, script: dict, rows: list[dict], **overrides):
     """Scripted episodes of an adapted environment: the xml protocol, the environment's limits."""
-    from environments import EnvironmentPool
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import XMLProtocol
 
     protocol = XMLProtocol()
     pool = EnvironmentPool(parts.environment_factory, [], protocol)
@@ -106,8 +106,8 @@ def test_tool_env_episode_runs_the_tool_and_scores_with_the_rubric(tokenizer):
 def test_chat_template_turn_with_two_calls_runs_both(qwen_style_tokenizer):
     """The chat_template format (the tool's schema as verifiers built it, in the template's tools): one turn with two
     calls gets both results, in order, then the answer ends the episode."""
-    from environments import EnvironmentPool
-    from protocol import ChatTemplateProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import ChatTemplateProtocol
 
     parts = adapted("vf_calculator")
     protocol = ChatTemplateProtocol(qwen_style_tokenizer)
@@ -234,7 +234,7 @@ def adapt_env(env):
     """adapt() for an environment object made in the test (load_environment returns it)."""
     import types
 
-    from adapters.verifiers import adapt
+    from mt_grpo.adapters.verifiers import adapt
 
     module = types.ModuleType("made_here")
     module.load_environment = lambda: env
@@ -305,7 +305,7 @@ def test_one_recipe_line_trains_two_steps(module, tiny_agent_dir, tmp_path):
 
 
 def test_the_environments_limits_fill_the_config_and_a_smaller_recipe_value_holds():
-    from builders import apply_settings
+    from mt_grpo.run.builders import apply_settings
 
     args = SimpleNamespace(max_env_steps=None, max_user_turns=5)
     apply_settings(args, {"max_env_steps": 2, "max_user_turns": 9})
@@ -317,8 +317,8 @@ def test_the_environments_limits_fill_the_config_and_a_smaller_recipe_value_hold
 def test_a_dataset_name_beside_an_environment_that_brings_its_dataset_fails_naming_the_fix():
     import dataclasses
 
-    from adapters import AdapterArguments
-    from builders import adapted_parts
+    from mt_grpo.adapters import AdapterArguments
+    from mt_grpo.run.builders import adapted_parts
 
     blank = {f.name: None for f in dataclasses.fields(AdapterArguments)}
     args = SimpleNamespace(**{**blank, "verifiers_env": "vf_calculator", "dataset_name": "mine.jsonl"})

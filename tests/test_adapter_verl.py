@@ -31,7 +31,7 @@ INSTRUCTION = "Let's think step by step and output the final answer after `####`
 def verl_on_path(monkeypatch):
     """verl (the copy in adapters/compat, as the adapter provides it) and the user's module importable here and in
     the trainer's subprocess."""
-    from adapters.compat import provide
+    from mt_grpo.compat import provide
 
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # provide may add the copy's folder to it
     provide("verl")
@@ -75,7 +75,7 @@ def write_parquet(path, rows: list[dict]) -> str:
 
 
 def call(answer: str) -> str:
-    from protocol import ChatTemplateProtocol
+    from mt_grpo.base.protocol import ChatTemplateProtocol
 
     return ChatTemplateProtocol().format_call("calc_gsm8k_reward", {"answer": answer}) + "<|im_end|>"
 
@@ -87,7 +87,7 @@ def final(answer: str, why: str = "So the answer is") -> str:
 
 
 def adapted(tool_config=None, interaction_config=None):
-    from adapters.verl import adapt
+    from mt_grpo.adapters.verl import adapt
 
     return adapt(types.SimpleNamespace(verl_tool_config=tool_config, verl_interaction_config=interaction_config,
                                        tool_timeout=10.0))
@@ -95,8 +95,8 @@ def adapted(tool_config=None, interaction_config=None):
 
 def verl_env(tokenizer, tool_config=None, interaction_config=None, **overrides):
     """The trainer's env over the adapted class, chat_template protocol, no system prompt of ours."""
-    from environments import EnvironmentPool
-    from protocol import ChatTemplateProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import ChatTemplateProtocol
 
     protocol = ChatTemplateProtocol(tokenizer)
     pool = EnvironmentPool(adapted(tool_config, interaction_config).environment_factory, [], protocol)
@@ -127,7 +127,7 @@ def test_the_gsm8k_tool_gives_each_turn_its_step_reward_and_the_advantages_by_ha
     fresh 0.0: 0.0 for a right answer, -0.05 for a wrong one. A: 72 (right). B: 70, then 72. The turn's R_T is the
     step reward; its schema is the YAML's, and the prompt is verl's, with no system prompt of ours."""
     from mt_grpo_trainer import mt_grpo_advantages
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
     rows = [verl_row("72", 0)] * 2
@@ -157,7 +157,7 @@ def test_compute_score_gets_verls_arguments(qwen_style_tokenizer):
     """compute_score(data_source, solution_str, ground_truth, extra_info) by dotted path: the whole response decoded
     without special tokens (tool turns included), reward_model.ground_truth, the row's extra_info with the
     episode's tool_rewards, turn_scores and num_turns; its dict's "score" is the reward, its other keys logged."""
-    from rewards import get_reward_func
+    from mt_grpo.rewards import get_reward_func
 
     env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
     rows = [verl_row("72", 0), verl_row("10", 1)]
@@ -187,7 +187,7 @@ def test_the_gsm8k_interaction_answers_as_the_user_and_scores_each_turn(qwen_sty
     """A wrong answer gets Gsm8kInteraction's feedback as a user turn and a score of 0; a right one its "correct"
     reply and the end of the episode. Each model turn's R_T is its score; the advantages by hand."""
     from mt_grpo_trainer import mt_grpo_advantages
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = verl_env(qwen_style_tokenizer, interaction_config=INTERACTION_CONFIG)
     rows = [verl_row("72", 0, interaction="gsm8k")] * 2
@@ -346,15 +346,15 @@ def test_a_row_naming_an_unknown_interaction_fails_naming_the_fix():
 def test_an_mcp_entry_serves_its_selected_tools(tmp_path):
     """verl's mcp_tool_config.yaml form: `config.type: mcp`, the servers of an mcpServers JSON, `tool_selected_list`;
     the server's tools join the run's tools with their own schema, and a call returns the server's text."""
-    from tasks.fictional_kb import build_fictional_kb
-    from tools import mcp
-    from tools.search import make_search_tool
+    from mt_grpo.tasks.fictional_kb import build_fictional_kb
+    from mt_grpo.tools import mcp
+    from mt_grpo.tools.search import make_search_tool
 
     if not hasattr(mcp, "mcp_tools_from_map"):  # the mcpServers map lands on main from the `mcpfix` branch
         pytest.skip("tools.mcp.mcp_tools_from_map is not on this branch yet")
 
     servers = tmp_path / "mcp_server.json"
-    servers.write_text('{"mcpServers": {"kb": {"command": "python", "args": ["tools/kb_mcp_server.py", "--seed", '
+    servers.write_text('{"mcpServers": {"kb": {"command": "python", "args": ["mt_grpo/tools/kb_mcp_server.py", "--seed", '
                        '"0", "--crashable"]}}}')
     config = tmp_path / "mcp_tool_config.yaml"
     config.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config:\n"

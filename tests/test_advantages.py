@@ -9,9 +9,9 @@ import torch
 from mt_grpo_trainer import (ADVANTAGE_MODES, AdvantageMode, compute_rewards_per_func, group_normalize,
                              importance_weights, mt_grpo_advantages, per_turn_reward_table, resolve_advantage_mode,
                              weighted_reward, zero_signal_scale)
-from episodes import Span, result_start, token_turn_index
-from checks import check_reward_columns
-from weight_sync import probe_verdict
+from mt_grpo.rollout.episodes import Span, result_start, token_turn_index
+from mt_grpo.run.checks import check_reward_columns
+from mt_grpo.engine.weight_sync import probe_verdict
 
 NAN = float("nan")
 
@@ -311,7 +311,7 @@ def test_per_turn_discount_adds_the_later_turns_credit():
 
 
 def test_per_turn_rewards_fill_one_column_per_tool_turn():
-    from rewards import per_tool_turn
+    from mt_grpo.rewards import per_tool_turn
 
     @per_tool_turn
     def each_turn(prompts, completions, **kwargs):
@@ -378,7 +378,7 @@ def test_mt_grpo_with_a_per_turn_reward_credits_the_first_turn_of_an_episode_tha
     nothing (mean 0.25, sample std sqrt(0.25 / 3)): A_T = +-0.25 / sqrt(1 / 12) = +-sqrt(3) / 2 on each first
     turn. Left NaN, the no-search answers would leave the group's statistics, the two equal searches would give
     A_T = 0, and the group would have no signal at all."""
-    from rewards import per_tool_turn
+    from mt_grpo.rewards import per_tool_turn
 
     @per_tool_turn
     def found(prompts, completions, **kwargs):

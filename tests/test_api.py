@@ -217,7 +217,7 @@ def test_a_python_script_sees_the_trainers_choices_as_a_recipe_run_does(tiny_age
     whose handlers sit on the root logger) keeps it."""
     import logging
 
-    from reporting import show_log
+    from mt_grpo.run.reporting import show_log
 
     show_log()
     assert logging.getLogger().handlers and logging.getLogger("mt_grpo").handlers == []

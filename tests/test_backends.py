@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import RECIPE, chat_template
 from mt_grpo_trainer import build_trainer
-from sampling import SamplingParams, TransformersBackend
+from mt_grpo.engine.sampling import SamplingParams, TransformersBackend
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
-from protocol import XMLProtocol
+from mt_grpo.base.protocol import XMLProtocol
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
 
@@ -96,7 +96,7 @@ def test_every_backend_has_the_generation_backend_interface():
     import inspect
 
     from mt_grpo_trainer import VLLMServerClient
-    from sampling import GenerationBackend
+    from mt_grpo.engine.sampling import GenerationBackend
     from scripted_policy import ScriptedPolicy, ScriptedServer, ScriptedTransformersBackend
 
     def parameters(cls, name):

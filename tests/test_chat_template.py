@@ -22,9 +22,9 @@ from helpers import (CHAT_TEMPLATE_FLAGS, EMPTY_THINK, RECIPE, ROOT, TEMPLATE_FI
                      fake_search, final_metrics, make_chat_template_agent, make_env, qwen_tokenizer, rollout_records,
                      run, template_call)
 from mt_grpo_trainer import mt_grpo_advantages
-from episodes import pad_episodes, result_start, token_turn_index
-from protocol import ChatTemplateProtocol, XMLProtocol
-from reporting import episode_stats, rollout_metrics
+from mt_grpo.rollout.episodes import pad_episodes, result_start, token_turn_index
+from mt_grpo.base.protocol import ChatTemplateProtocol, XMLProtocol
+from mt_grpo.run.reporting import episode_stats, rollout_metrics
 from scripted_policy import ScriptedPolicy
 
 
@@ -263,7 +263,7 @@ EQUIVALENT = {  # one episode in each format: search, then answer
 
 
 def test_rewards_see_the_same_messages_in_both_formats(qwen_style_tokenizer, tokenizers):
-    from rewards import REWARD_FUNCS, count_tool_turns
+    from mt_grpo.rewards import REWARD_FUNCS, count_tool_turns
 
     log = []
     episodes = {}
@@ -297,7 +297,7 @@ EXPECTED_REWARDS = {
 
 
 def test_shipped_rewards_on_chat_template_episodes(rollout):
-    from rewards import REWARD_FUNCS, count_tool_turns
+    from mt_grpo.rewards import REWARD_FUNCS, count_tool_turns
 
     setup, tokenizer, env, questions, episodes, _ = rollout
     completions = [ep.messages for ep in episodes]

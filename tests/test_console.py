@@ -11,7 +11,8 @@ from types import SimpleNamespace
 from transformers import TrainerControl, TrainerState
 
 from helpers import ROOT
-from reporting import RolloutProgress, StepBar, StepPrinter, closing_lines, quiet_library_bars, report_outputs
+from mt_grpo.run.reporting import (RolloutProgress, StepBar, StepPrinter, closing_lines, quiet_library_bars,
+                                   report_outputs)
 from rollout_records import write_run
 
 

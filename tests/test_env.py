@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from helpers import fake_search, make_env
-from episodes import pad_episodes
-from tools import ToolResult, run_tool_calls
-from protocol import ToolCall, XMLProtocol
+from mt_grpo.rollout.episodes import pad_episodes
+from mt_grpo.rollout.tool_calls import ToolResult, run_tool_calls
+from mt_grpo.base.protocol import ToolCall, XMLProtocol
 from scripted_policy import ScriptedPolicy
 
 TOOL = '<tool>{"name": "search", "args": {"query": "capital of Veltria"}}</tool>'
@@ -264,8 +264,8 @@ class OneSample(ScriptedPolicy):
 
 
 def test_a_sample_vllm_cut_for_repetition_ends_the_episode_as_truncated(smollm2_tokenizer):
-    from completions import Sample
-    from reporting import episode_stats, rollout_metrics
+    from mt_grpo.base.completions import Sample
+    from mt_grpo.run.reporting import episode_stats, rollout_metrics
 
     env = make_env(smollm2_tokenizer, [search])
     ids = smollm2_tokenizer.encode("<reasoning>again again again", add_special_tokens=False)
@@ -358,9 +358,9 @@ def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(s
     """A dict is JSON, a content list stays a list for the rewards (TRL's) and is its text for the model (a control
     token in it stays text), and (text, reward) shows the text and gives the reward to that tool turn."""
     from helpers import template_call, xml_call
-    from protocol import ChatTemplateProtocol
-    from rewards import REWARD_FUNCS
-    from rewards.conversation import content, failed
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+    from mt_grpo.rewards import REWARD_FUNCS
+    from mt_grpo.rewards.conversation import content, failed
 
     tokenizer = smollm2_tokenizer if fmt == "xml" else qwen_style_tokenizer
     call = (lambda tool, q: xml_call(q, tool=tool)) if fmt == "xml" else (lambda tool, q: template_call(q, name=tool))

@@ -25,8 +25,8 @@ def answer(text: str = "done") -> str:
 
 
 def lock_env(tokenizer, factory=Lock, tools=(), protocol=None, **overrides):
-    from environments import EnvironmentPool
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import XMLProtocol
 
     protocol = protocol or XMLProtocol()
     pool = EnvironmentPool(factory, list(tools), protocol)
@@ -65,7 +65,7 @@ def test_each_episode_gets_its_own_reset_instance_and_its_methods_as_tools(smoll
 
 
 def test_chat_template_format_lists_the_methods_schema(qwen_style_tokenizer):
-    from protocol import ChatTemplateProtocol, tool_schemas
+    from mt_grpo.base.protocol import ChatTemplateProtocol, tool_schemas
 
     env, pool = lock_env(qwen_style_tokenizer, protocol=ChatTemplateProtocol(qwen_style_tokenizer))
     row = {"prompt": "Open it.", "code": "7"}
@@ -107,7 +107,7 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     B: presses 3 (wrong, -0.5), then 1 (right, +1): [-0.5, 1], not solved. A turn's R_T is the sum of what the
     environment appended during it; get_reward is R_O."""
     from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table, weighted_reward
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = lock_env(smollm2_tokenizer)
     rows = [{"prompt": "Open the lock.", "code": "12"}] * 2
@@ -155,7 +155,7 @@ def test_a_turn_that_appended_nothing_earned_zero_and_a_non_number_fails(smollm2
 
 # -- timeouts, slow calls and pooled instances: each reward to its own turn and episode ------------------------
 def call(name: str, **arguments):
-    from protocol import ToolCall
+    from mt_grpo.base.protocol import ToolCall
 
     return ToolCall(name=name, arguments=arguments)
 
@@ -164,9 +164,9 @@ def call(name: str, **arguments):
 def gated():
     """A pool of Gated environments (step_rewards created in reset), the gate closed and the events cleared;
     the gate is opened at the end, so that no action is left waiting."""
-    from environments import EnvironmentPool
+    from mt_grpo.rollout.environments import EnvironmentPool
     from env_examples import Gated
-    from protocol import XMLProtocol
+    from mt_grpo.base.protocol import XMLProtocol
 
     Gated.gate.clear()
     Gated.events.clear()
@@ -278,9 +278,9 @@ def wait_for(condition, timeout: float = 30.0) -> None:
 
 # -- step_rewards types, and errors that name the class, the method and the row -------------------------------
 def test_a_tuple_step_rewards_is_read_and_a_wrong_type_fails_naming_the_class():
-    from environments import EnvironmentPool
+    from mt_grpo.rollout.environments import EnvironmentPool
     from env_examples import DictSteps, ResetDictSteps, TupleSteps
-    from protocol import XMLProtocol
+    from mt_grpo.base.protocol import XMLProtocol
 
     pool = EnvironmentPool(TupleSteps, [], XMLProtocol())
     assert [f.__name__ for f in pool.reward_funcs[1]] == ["TupleSteps_steps"]
@@ -296,9 +296,9 @@ def test_a_tuple_step_rewards_is_read_and_a_wrong_type_fails_naming_the_class():
 def test_step_rewards_the_start_up_could_not_see_fail_at_the_first_reset():
     """A class without readable source (made at run time) that creates step_rewards in reset: the first reset
     stops the run with the fix, instead of training without the turn reward."""
-    from environments import EnvironmentPool
+    from mt_grpo.rollout.environments import EnvironmentPool
     from env_examples import Counter
-    from protocol import XMLProtocol
+    from mt_grpo.base.protocol import XMLProtocol
 
     def reset(self, **kwargs):
         self.value, self.step_rewards = 0, []
@@ -311,9 +311,9 @@ def test_step_rewards_the_start_up_could_not_see_fail_at_the_first_reset():
 
 
 def test_a_reset_that_raises_names_the_class_and_the_row():
-    from environments import EnvironmentPool
+    from mt_grpo.rollout.environments import EnvironmentPool
     from env_examples import MissingColumn
-    from protocol import XMLProtocol
+    from mt_grpo.base.protocol import XMLProtocol
 
     pool = EnvironmentPool(MissingColumn, [], XMLProtocol())
     with pytest.raises(RuntimeError, match=r"MissingColumn.reset raised KeyError: 'missing_column', for row 7 "
@@ -323,9 +323,9 @@ def test_a_reset_that_raises_names_the_class_and_the_row():
 
 
 def test_a_tool_that_raises_shows_the_model_its_message_and_names_the_class_method_and_row():
-    from environments import EnvironmentPool
+    from mt_grpo.rollout.environments import EnvironmentPool
     from env_examples import FailingTool
-    from protocol import XMLProtocol
+    from mt_grpo.base.protocol import XMLProtocol
 
     toolset = start_episode(EnvironmentPool(FailingTool, [], XMLProtocol()))
     result, = toolset.run([call("add", amount=12)], timeout=30.0, max_workers=4)
@@ -343,8 +343,8 @@ def test_a_tool_that_raises_shows_the_model_its_message_and_names_the_class_meth
     (42, r"`environment_factory` is a int"),
 ])
 def test_bad_environment_classes_fail_at_start_up(factory, message):
-    from environments import EnvironmentPool, load_factory
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool, load_factory
+    from mt_grpo.base.protocol import XMLProtocol
 
     with pytest.raises(ValueError, match=message):
         EnvironmentPool(load_factory(factory), [fake_search(lambda q: "")], XMLProtocol())
@@ -360,8 +360,8 @@ def test_get_reward_returning_a_non_number_names_it(smollm2_tokenizer):
 
 
 def test_a_dict_of_factories_routes_rows_by_their_environment_column(smollm2_tokenizer):
-    from environments import EnvironmentPool
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import XMLProtocol
 
     pool = EnvironmentPool({"lock": Lock, "counter": Counter}, [], XMLProtocol())
     env = make_env(smollm2_tokenizer, pool.all_tools(), environments=pool, task_prompt=None, examples=None,

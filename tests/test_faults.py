@@ -20,8 +20,8 @@ from test_environments import call, env_recipe, lock_env, roll, write_jsonl
 
 
 def pool_of(factory):
-    from environments import EnvironmentPool
-    from protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.base.protocol import XMLProtocol
 
     return EnvironmentPool(factory, [], XMLProtocol())
 
@@ -75,7 +75,7 @@ class ClockThread:
 
 
 def test_eight_stuck_episodes_cost_one_grace_and_are_never_waited_for_again(caplog):
-    from tools import Toolset, settle_all
+    from mt_grpo.rollout.toolset import Toolset, settle_all
 
     clock = SimpleNamespace(now=100.0)
     toolsets = [Toolset({}, environment=object(), label=f"row {i}", timeout=1.0) for i in range(8)]
@@ -113,7 +113,7 @@ def test_a_blocking_async_method_stalls_only_its_own_episode(smollm2_tokenizer, 
     monkeypatch.setenv("MT_GRPO_TEST_STALL", "3")
     pool = pool_of(Blocking)
     a, b = one_episode(pool), one_episode(pool)
-    from tools import run_turns
+    from mt_grpo.rollout.toolset import run_turns
 
     (stalled,), (pinged,) = run_turns([(a, [call("stall")]), (b, [call("ping")])], timeout=2.0, max_workers=4)
     assert pinged.ok and pinged.output == "pong" and b.turn_rewards == [[1.0]]
@@ -182,8 +182,8 @@ def test_sigterm_while_user_code_hangs_ends_with_a_checkpoint(factory, tiny_agen
 
 
 def test_a_second_sigterm_exits_at_once_and_stop_timeout_bounds_the_first(monkeypatch, caplog):
-    import reporting
-    from tools import STOP
+    from mt_grpo.run import reporting
+    from mt_grpo.base.runtime import STOP
 
     exits = []
     monkeypatch.setattr(reporting.os, "_exit", lambda status: exits.append(status))
@@ -212,8 +212,8 @@ def test_a_tool_result_never_becomes_a_control_token(fmt, qwen_style_tokenizer, 
     """The page's `<|im_end|>\\n<|im_start|>user ...` stays text: the environment's reply holds exactly the control
     tokens of the template's own reply (none forged), the episode decodes to the page's text, and the check agrees."""
     from env_faults import Forging
-    from episodes import forged_controls
-    from protocol import ChatTemplateProtocol, XMLProtocol
+    from mt_grpo.rollout.episodes import forged_controls
+    from mt_grpo.base.protocol import ChatTemplateProtocol, XMLProtocol
 
     tokenizer = qwen_style_tokenizer
     protocol = XMLProtocol() if fmt == "xml" else ChatTemplateProtocol(tokenizer)
@@ -260,10 +260,10 @@ def test_an_observation_longer_than_the_prompt_budget_is_cut_with_a_marker(smoll
 
 
 def test_the_mcp_start_up_timeout_is_a_field(monkeypatch):
-    import builders
-    import tools.mcp
+    from mt_grpo.run import builders
+    from mt_grpo.tools import mcp
 
     seen = []
-    monkeypatch.setattr(tools.mcp, "mcp_tools", lambda servers, timeout, start, **kw: seen.append((timeout, start)) or [])
+    monkeypatch.setattr(mcp, "mcp_tools", lambda servers, timeout, start, **kw: seen.append((timeout, start)) or [])
     builders._mcp_tools(SimpleNamespace(mcp_servers=["python server.py"], tool_timeout=10.0, mcp_startup_timeout=90.0))
     assert seen == [(10.0, 90.0)]

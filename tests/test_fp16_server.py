@@ -46,7 +46,7 @@ def test_a_bf16_trainer_renormalises_over_the_float16_servers_kept_sets(fp16_ser
     import copy
 
     from mt_grpo_trainer import VLLMServerClient
-    from sampling import SamplingParams
+    from mt_grpo.engine.sampling import SamplingParams
 
     model, tokenizer, ids = agent
     scorer = copy.deepcopy(model).to(torch.bfloat16)

@@ -33,8 +33,8 @@ def test_pip_install_e_makes_the_trainer_importable_from_another_folder(tmp_path
     assert after.returncode == 0, after.stderr[-3000:]
     assert after.stdout.strip() == os.path.join(ROOT, "mt_grpo_trainer.py")
     # the judge's prompt templates are package data: found through the installed package
-    templates = subprocess.run([python, "-c", "import rewards.judge, os; print(sorted(os.listdir(os.path.join("
-                                "os.path.dirname(rewards.judge.__file__), 'judge_prompts'))))"],
+    templates = subprocess.run([python, "-c", "import mt_grpo.rewards.judge as j, os; print(sorted(os.listdir(os.path.join("
+                                "os.path.dirname(j.__file__), 'judge_prompts'))))"],
                                cwd=elsewhere, env=env, capture_output=True, text=True)
     assert "outcome.txt" in templates.stdout, templates.stderr[-2000:]
 

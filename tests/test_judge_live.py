@@ -11,7 +11,7 @@ import torch
 
 from helpers import cpu_server
 from mt_grpo_trainer import group_normalize
-from rewards.judge import Judge, JudgeArguments, OutcomeJudge, TurnJudge
+from mt_grpo.rewards.judge import Judge, JudgeArguments, OutcomeJudge, TurnJudge
 from test_judge import RIGHT, TWO_TURNS, VELTRIA, WRONG, judge_trainer
 from vllm_cpu import VLLM_PYTHON
 

@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from builders import load_recipe_task
-from tasks import load_task
-from tasks.fictional_kb import (ENTITY_KINDS, SEARCH_TASK_PROMPT, answer_overlap, build_fictional_kb,
-                                build_fictional_kb_entities, entity_splits, fictional_kb_split, search_examples)
+from mt_grpo.run.builders import load_recipe_task
+from mt_grpo.tasks import load_task
+from mt_grpo.tasks.fictional_kb import (ENTITY_KINDS, SEARCH_TASK_PROMPT, answer_overlap, build_fictional_kb,
+                                        build_fictional_kb_entities, entity_splits, fictional_kb_split, search_examples)
 
 SPLITS = ("train", "validation", "test")
 

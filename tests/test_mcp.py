@@ -21,13 +21,13 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import ROOT, make_env, xml_answer, xml_call
-from protocol import ToolCall, XMLProtocol, describe_tools, get_protocol, neutral_arguments, tool_schemas
+from mt_grpo.base.protocol import ToolCall, XMLProtocol, describe_tools, get_protocol, neutral_arguments, tool_schemas
 from scripted_policy import ScriptedPolicy
-from tools import run_tool_calls
-from tools.mcp import (MCPServerDown, MCPToolError, mcp_tools, mcp_tools_from_map, parse_map_entry, parse_server,
-                       tool_signature)
+from mt_grpo.rollout.tool_calls import run_tool_calls
+from mt_grpo.tools.mcp import (MCPServerDown, MCPToolError, mcp_tools, mcp_tools_from_map, parse_map_entry,
+                               parse_server, tool_signature)
 
-SERVER = os.path.join(ROOT, "tools", "kb_mcp_server.py")
+SERVER = os.path.join(ROOT, "mt_grpo", "tools", "kb_mcp_server.py")
 STDIO = shlex.join([sys.executable, SERVER, "--seed", "0", "--crashable"])
 TIMEOUT = 2.0  # seconds a call may take: a search takes milliseconds
 QUESTION = "What is the capital of Ratomora?"
@@ -87,7 +87,7 @@ def http_tools(http_url):
 @pytest.fixture(scope="module")
 def local_search(kb):
     """The in-process `search` over the same knowledge base, which the server's must match."""
-    from tools.search import make_search_tool
+    from mt_grpo.tools.search import make_search_tool
 
     return make_search_tool(kb[0])
 
@@ -114,7 +114,7 @@ def test_tools_are_listed_with_their_schema_and_search_finds_the_document(reques
 
 
 def test_the_default_server_lists_search_alone():
-    from tools.kb_mcp_server import build_server
+    from mt_grpo.tools.kb_mcp_server import build_server
 
     assert [t.name for t in asyncio.run(build_server(seed=0, crashable=False).list_tools())] == ["search"]
 
@@ -180,7 +180,7 @@ def test_an_http_server_that_goes_down_fails_calls_at_once_and_is_reconnected_wh
     next try. One restarted between two calls has forgotten the session: the first call after fails, the next
     reconnects at once."""
     clock = Clock()
-    monkeypatch.setattr("tools.mcp.clock", clock)
+    monkeypatch.setattr("mt_grpo.tools.mcp.clock", clock)
     port = free_port()
     with http_server(port) as url:
         tools = {fn.__name__: fn for fn in mcp_tools([url], timeout=TIMEOUT)}
@@ -209,7 +209,7 @@ USER_SERVER = '''
 import sys
 sys.path.insert(0, {root!r})
 from mcp.server.mcpserver import MCPServer
-from tools.mcp import errors_for_the_model
+from mt_grpo.tools.mcp import errors_for_the_model
 
 
 def convert_units(value: float, unit: str) -> str:
@@ -364,8 +364,6 @@ def test_a_servers_map_connects_stdio_http_and_sse_with_their_filters_and_tokens
     assert tools["sleep"](seconds=0.01) == "slept 0.01s"
     # mcp_tool_filter (verl's tool_selected_list), over the map without its top-level key: the rest never reach
     # the model, and the servers left with no tool are not kept
-    import tools.mcp
-
     (search,) = mcp_tools_from_map({"kb-sse": config["mcpServers"]["kb-sse"],
                                     "idle": {"url": secured["http"], "auth_token": TOKEN, "transport": "http",
                                              "excludeTools": ["search"]}},
@@ -414,8 +412,8 @@ def test_the_recipe_fields_read_a_json_file_and_the_prompt_shows_the_selected_to
     system prompt the model reads; the list form beside it."""
     import json
 
-    import builders
-    from fields import parse_recipe
+    from mt_grpo.run import builders
+    from mt_grpo.base.fields import parse_recipe
     from helpers import RECIPE
     from mt_grpo_trainer import MTGRPOConfig
 

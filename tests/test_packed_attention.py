@@ -20,7 +20,7 @@ def sample_starts(B: int, T: int) -> torch.Tensor:
 def per_sequence_reference(model, ids, att, T, starts=None):
     """Each sequence (an episode, or a sample of a split row) forwarded alone, unpadded, through the model's own
     causal (and sliding-window) masks: its scored log-probs put in the (B, T) layout."""
-    from packing import episode_tokens
+    from mt_grpo.engine.packing import episode_tokens
 
     logps = torch.zeros(ids.shape[0], T)
     for row, tokens, lead, cols in episode_tokens(ids, att, T, starts):
@@ -61,7 +61,7 @@ def test_packed_equals_each_sequence_forwarded_alone(tiny_model_dir, attention, 
     """Sequences of 14 to 24 tokens, so a window of 6 cuts most of what a token would see; one row split into two
     samples. The packed forward's log-probs equal the reference's to float summation order (the values are about
     -7; 1e-5 relative is far below the 1e-1 that a leak or a lost window makes)."""
-    from packing import layer_windows, packed_logps_and_entropies
+    from mt_grpo.engine.packing import layer_windows, packed_logps_and_entropies
 
     model = load(tiny_model_dir, attention, window)
     windows = set(layer_windows(model.config).values())
@@ -96,7 +96,7 @@ def test_the_attention_is_read_and_refused_through_the_wrappers(tiny_model_dir, 
     cannot express is refused with the fix, through the wrapper."""
     import torch.distributed as dist
 
-    from packing import check_attention, packed_logps_and_entropies
+    from mt_grpo.engine.packing import check_attention, packed_logps_and_entropies
 
     model = load(tiny_model_dir, "eager", "per_layer")
     ids, att, T = shared_prompt_batch(model.config.vocab_size, 14, [10, 7, 4, 10])
@@ -131,8 +131,8 @@ def test_flex_packed_equals_the_dense_mask_and_the_padded_forward(tiny_model_dir
     flex_attention, which on CPU takes minutes: here it runs uncompiled (the same mask, the reference kernel)."""
     import logging
 
-    import packing
-    from packing import PACKED_FLEX, packed_logps_and_entropies, plan_rows, trie_block_mask
+    from mt_grpo.engine import packing
+    from mt_grpo.engine.packing import PACKED_FLEX, packed_logps_and_entropies, plan_rows, trie_block_mask
     from test_packing import padded
 
     import transformers.integrations.flex_attention as hf_flex
@@ -174,8 +174,8 @@ def test_flex_on_cuda_equals_the_dense_mask_and_the_padded_forward_with_gradient
     backward. Against the packed dense mask (SDPA) and the padded path: the log-probs and the gradient of their sum.
     float32: to summation order; bf16: within its rounding (8 significant bits: a tile wrongly skipped or seen
     moves the log-probs by about 1, far above it). studies/gpu_check.py runs it."""
-    import packing
-    from packing import packed_logps_and_entropies
+    from mt_grpo.engine import packing
+    from mt_grpo.engine.packing import packed_logps_and_entropies
     from test_packing import gradient, padded
 
     model = load(tiny_model_dir, "sdpa").cuda().train()
@@ -210,7 +210,7 @@ def test_the_block_mask_skips_only_unseen_tiles_and_computes_whole_only_seen_one
     would pass the forward test above; on a GPU it would not. Here the BlockMask's tiles against the dense rule
     (dense_trie_mask): a skipped tile has no pair seen, a tile computed whole has every pair seen, and without a
     window the tiles are exactly those."""
-    from packing import dense_trie_mask, flex_bucket, layout, pad_row, plan_rows, trie_block_mask
+    from mt_grpo.engine.packing import dense_trie_mask, flex_bucket, layout, pad_row, plan_rows, trie_block_mask
 
     ids, att, T = shared_prompt_batch(1000, 200, [60, 45, 12, 60, 33, 50, 20, 41], seed=3)
     (trie,), (placed,) = plan_rows(ids, att, T, None)
@@ -236,7 +236,7 @@ def test_the_block_mask_skips_only_unseen_tiles_and_computes_whole_only_seen_one
 
 
 def test_flex_attention_chosen_by_the_user_is_refused_for_a_cpu_backward(tiny_model_dir):
-    from packing import packed_attention
+    from mt_grpo.engine.packing import packed_attention
 
     model = load(tiny_model_dir, "flex_attention")
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_step_anatomy_forwards_its_padded_arm_padded_and_its_packed_arm_packed(t
     import os
     import sys
 
-    import packing
+    from mt_grpo.engine import packing
     from helpers import ROOT
     from test_packing import scripted_trainer
 

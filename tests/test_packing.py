@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import RECIPE, smoke_run
-from packing import common_prefix_length
+from mt_grpo.engine.packing import common_prefix_length
 from test_scoring_path import QA, QB, SCRIPT, task_files  # noqa: F401 (task_files is a fixture)
 
 
@@ -51,7 +51,7 @@ def test_packed_log_probs_entropies_and_gradients_equal_the_padded_ones(tiny_mod
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from packing import packed_logps_and_entropies, plan_rows
+    from mt_grpo.engine.packing import packed_logps_and_entropies, plan_rows
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
@@ -69,7 +69,7 @@ def test_packed_log_probs_entropies_and_gradients_equal_the_padded_ones(tiny_mod
 
 
 def test_an_episode_longer_than_the_budget_is_refused_with_the_fix(tiny_model_dir):
-    from packing import plan_rows
+    from mt_grpo.engine.packing import plan_rows
 
     ids, att, T = shared_prompt_batch(1000, 14, [10, 7, 4, 10])
     with pytest.raises(ValueError) as info:
@@ -97,7 +97,7 @@ def test_packed_equals_padded_on_smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from packing import packed_logps_and_entropies
+    from mt_grpo.engine.packing import packed_logps_and_entropies
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
@@ -201,9 +201,9 @@ def test_shared_prefix_generation_gives_each_prompts_own_greedy_tokens(tiny_agen
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import sampling
-    from sampling import SamplingParams, TransformersBackend
-    from protocol import XMLProtocol
+    from mt_grpo.engine import sampling
+    from mt_grpo.engine.sampling import SamplingParams, TransformersBackend
+    from mt_grpo.base.protocol import XMLProtocol
 
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)

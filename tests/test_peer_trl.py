@@ -87,7 +87,7 @@ def test_trls_tool_loop_leaves_exactly_the_tool_replies_out_of_the_loss_here(cha
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from tools.search import make_search_tool
+    from mt_grpo.tools.search import make_search_tool
 
     tok = AutoTokenizer.from_pretrained(chat_template_agent_dir)
     turns = [tok.encode(text, add_special_tokens=False)

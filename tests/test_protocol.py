@@ -17,10 +17,10 @@ from typing import Literal, Optional
 import pytest
 
 from helpers import EMPTY_THINK, chat_template, template_call
-from protocol import (DEFAULT_TASK_PROMPT, ChatTemplateProtocol, ToolCall, Turn, XMLProtocol, build_prompt,
-                      check_examples, final_answer, get_protocol, load_examples, load_text, neutral_arguments, prompt_problem, tool_call_message,
-                      tool_schemas)
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.base.protocol import (DEFAULT_TASK_PROMPT, ChatTemplateProtocol, ToolCall, Turn, XMLProtocol, build_prompt,
+                                   check_examples, final_answer, get_protocol, load_examples, load_text,
+                                   neutral_arguments, prompt_problem, tool_call_message, tool_schemas)
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 
 CT = ChatTemplateProtocol()
 CORPUS = [{"title": "Veltria", "text": "Veltria is a country. Its capital is Morvane."},
@@ -44,7 +44,7 @@ def qwen3_style_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def search():
-    from tools.search import make_search_tool
+    from mt_grpo.tools.search import make_search_tool
 
     return make_search_tool(CORPUS)
 
@@ -153,7 +153,7 @@ def test_error_messages_never_quote_a_tag(cls):
 def test_an_answer_inside_a_call_is_part_of_the_call():
     """Issue 70: `<answer>` inside a call's arguments neither ends the episode nor reaches the rewards as the answer.
     xml's sampling stops at the </answer> inside the JSON, so the call arrives cut off: it fails, saying why."""
-    from rewards.conversation import completion_answer
+    from mt_grpo.rewards.conversation import completion_answer
 
     call = '<tool>{"name": "submit", "args": {"answer": "<answer>25</answer>"}}</tool>'
     assert XMLProtocol().parse(call) == Turn(calls=[ToolCall("submit", {"answer": "<answer>25</answer>"})])
@@ -179,7 +179,7 @@ def test_registry_and_stop_strings():
 # tool schemas
 # ------------------------------------------------------------------------------------------------
 def test_repo_tools_give_schemas(search):
-    from tools.wiki_search import wiki_search
+    from mt_grpo.tools.wiki_search import wiki_search
 
     schemas = CT.template_tools([search, wiki_search])
     assert [s["function"]["name"] for s in schemas] == ["search", "wiki_search"]
@@ -405,8 +405,8 @@ def test_the_knowledge_base_prompt_is_byte_identical_to_before(search, fmt, tool
     examples moved into tasks/; the knowledge base task's own parts must give the same messages, but for one
     addition of issue 59: the xml tool list now carries each argument's description from the tool's docstring
     (as TRL's JSON schema does), on indented lines under the tool's line."""
-    from tasks import load_task
-    from tools.wiki_search import wiki_search
+    from mt_grpo.tasks import load_task
+    from mt_grpo.tools.wiki_search import wiki_search
 
     with open(os.path.join(os.path.dirname(__file__), "fixtures", "kb_prompts_before_issue_38.json")) as f:
         before = json.load(f)[f"{fmt}/{tool_name}/few_shot={few_shot}"]

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from helpers import RECIPE, ROOT, final_metrics, run
 from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, main
-from protocol import XMLProtocol
-from tasks import build_dataset
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.tasks import build_dataset
 
 
 def write(tmp_path, text):

@@ -7,26 +7,16 @@ import json
 import pytest
 
 from helpers import xml_answer, xml_call
-from protocol import error_text, tool_call_message
-from rewards import (REWARD_FUNCS, RENAMED_REWARD_FUNCS, answers, count_tool_turns, get_reward_func, is_per_tool_turn,
-                     per_tool_turn, per_turn, tool_turns)
-from rewards.answers import ANSWER_TYPES, contains_answer, matches_answer
-from rewards.triviaqa_reward import (
-    OUTCOME_REWARD_FUNCS,
-    TURN_REWARD_FUNCS,
-    answer_in_result_per_turn,
-    answer_in_tool_result,
-    chat_format_reward_func,
-    exact_match_reward_func,
-    exist_answer_in_search_results,
-    exist_answer_reward_func,
-    format_reward_func,
-    grounded_answer_reward_func,
-    normalize_answer,
-    repeated_query_penalty_per_turn,
-    tool_execution_per_turn,
-    tool_execution_reward_func,
-)
+from mt_grpo.base.protocol import error_text, tool_call_message
+from mt_grpo.rewards import (REWARD_FUNCS, RENAMED_REWARD_FUNCS, answers, count_tool_turns, get_reward_func,
+                             is_per_tool_turn, per_tool_turn, per_turn, tool_turns)
+from mt_grpo.rewards.answers import ANSWER_TYPES, contains_answer, matches_answer
+from mt_grpo.rewards.triviaqa_reward import (OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, answer_in_result_per_turn,
+                                             answer_in_tool_result, chat_format_reward_func, exact_match_reward_func,
+                                             exist_answer_in_search_results, exist_answer_reward_func,
+                                             format_reward_func, grounded_answer_reward_func, normalize_answer,
+                                             repeated_query_penalty_per_turn, tool_execution_per_turn,
+                                             tool_execution_reward_func)
 
 PROMPT = [{"role": "system", "content": "You answer questions."},
           {"role": "user", "content": "What is the capital of Veltria?"}]
@@ -408,7 +398,7 @@ def test_trls_failed_call_reply_is_a_failed_call():
     """TRL's tool loop answers a call that raised with `str({"error": ...})`, not our ERROR_PREFIX: the rewards
     judge TRL's conversations (studies/peer_trl.py) as ours, so such a call earns no execution credit and its
     message is no search result, while a tool that returns a dict of its own still ran."""
-    from rewards.conversation import failed
+    from mt_grpo.rewards.conversation import failed
 
     raised = tool(str({"error": "search() got an unexpected keyword argument 'q'"}))
     quoted = tool(str({"error": "Morvane isn't a query"}))  # repr switches to double quotes

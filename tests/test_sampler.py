@@ -13,9 +13,9 @@ import torch
 from accelerate import Accelerator
 
 from helpers import ROOT, SAMPLER_GRID, on_policy_weights, sampler_id
-from sampling import SamplingParams, TransformersBackend, process_logits, sampler_logprobs, seen_tokens
+from mt_grpo.engine.sampling import SamplingParams, TransformersBackend, process_logits, sampler_logprobs, seen_tokens
 from vllm_cpu import VLLM_PYTHON
-from weight_sync import SAMPLING_PROBE_TOKENS, raw_sum_gap_needed, sampler_probe_verdict, server_sampler
+from mt_grpo.engine.weight_sync import SAMPLING_PROBE_TOKENS, raw_sum_gap_needed, sampler_probe_verdict, server_sampler
 
 
 
@@ -189,7 +189,7 @@ def test_the_off_policy_mask_compares_like_with_like_in_process(tiny_agent_dir, 
     change of the policy the KL is the untruncated one, and the rows past the threshold are dropped."""
     from helpers import RECIPE
     from mt_grpo_trainer import build_trainer
-    from sampling import policy_sampler_logprobs
+    from mt_grpo.engine.sampling import policy_sampler_logprobs
 
     trainer = build_trainer(["--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir",
                              str(tmp_path / "out"), "--temperature", "0.7", "--top_p", "0.8",

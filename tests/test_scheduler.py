@@ -7,7 +7,7 @@ import pytest
 
 from helpers import fake_search, make_env, xml_answer, xml_call
 from mt_grpo_trainer import MultiTurnToolEnv
-from protocol import XMLProtocol
+from mt_grpo.base.protocol import XMLProtocol
 from scripted_policy import ScriptedPolicy, ScriptedServer
 
 

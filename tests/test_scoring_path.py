@@ -249,7 +249,7 @@ def test_dynamic_sampling_replaces_groups_without_signal_by_new_questions(tiny_a
     """QC's group has no signal, so each round rolls it out again on a new question drawn from the dataset
     (resample_questions); it stops at the first draw of QA (row 0) or after the rounds allowed. Computed from the
     draws themselves, the metrics and the batch then say exactly that."""
-    from dynamic_sampling import resample_questions
+    from mt_grpo.rollout.dynamic_sampling import resample_questions
 
     rounds_allowed = 3
     trainer, batch = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--dynamic_sampling", "true",
@@ -291,7 +291,7 @@ def test_mt_grpo_gives_a_per_turn_turn_reward_of_an_episode_without_a_tool_call_
 
 
 def test_dynamic_sampling_draws_the_same_questions_everywhere_and_on_resume():
-    from dynamic_sampling import resample_questions
+    from mt_grpo.rollout.dynamic_sampling import resample_questions
 
     assert resample_questions(100, 5, 1, 7, 0) == resample_questions(100, 5, 1, 7, 0)
     assert resample_questions(100, 5, 1, 7, 0) != resample_questions(100, 5, 1, 7, 1)

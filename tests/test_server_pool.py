@@ -21,14 +21,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import RECIPE, VELTRIA, cpu_server, fake_search
 from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient, make_backend, parse_args
-from sampling import SamplingParams
-from protocol import XMLProtocol
-from server_pool import GroupRouter, ServerPool, request_tokens
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.engine.server_pool import GroupRouter, ServerPool, request_tokens
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 from test_vllm_client import Server
 from test_vllm_client import client as fake_client
 from vllm_cpu import VLLM_PYTHON
-from weight_sync import Probes, WeightSyncConfig, policy_prompt_logprobs
+from mt_grpo.engine.weight_sync import Probes, WeightSyncConfig, policy_prompt_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tiny models scored here, beside two busy servers
 

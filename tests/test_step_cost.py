@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from trl.kernels.chunked_logprob import _use_triton as trl_use_triton
 from trl.trainer.utils import add_fused_lm_head
 
-from packing import score_labelled_tokens_only
+from mt_grpo.engine.packing import score_labelled_tokens_only
 
 
 def test_cpu_scores_the_labelled_positions_only_with_the_same_values_and_gradients(tiny_agent_dir, monkeypatch):
@@ -47,7 +47,7 @@ def test_cpu_narrows_the_lm_heads_vocabulary_tiles_with_the_same_values_and_grad
     (studies/lm_head_tiles.py); on CPU the trainer asks for CPU_LM_HEAD_TILE columns, with TRL's own kernel."""
     from types import SimpleNamespace
 
-    from packing import CPU_LM_HEAD_TILE
+    from mt_grpo.engine.packing import CPU_LM_HEAD_TILE
     from trl.kernels import ChunkedLogProbFunction
 
     asked = []

@@ -16,10 +16,10 @@ import datasets
 import pytest
 
 from helpers import ROOT, make_env
-from tasks import FEATURES, build_dataset, load_eval_task, load_task, validate_dataset
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, build_fictional_kb, fictional_kb_split, search_examples
-from tasks.triviaqa import to_question_answer
-from tools.search import make_search_tool
+from mt_grpo.tasks import FEATURES, build_dataset, load_eval_task, load_task, validate_dataset
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, build_fictional_kb, fictional_kb_split, search_examples
+from mt_grpo.tasks.triviaqa import to_question_answer
+from mt_grpo.tools.search import make_search_tool
 
 
 def entity_document(question: str, documents: list[dict]) -> dict:
@@ -358,7 +358,7 @@ def test_a_hub_dataset_offline_fails_with_a_clear_error():
     huggingface_hub would retry an unreachable hub). `datasets` reads HF_HUB_OFFLINE / HF_DATASETS_OFFLINE when
     it is imported, not when load_dataset runs, and this process imported it long ago: so a fresh interpreter,
     one for all the calls of OFFLINE (each prints its error after a line of its own)."""
-    code = "from tasks import load_task\n" + "".join(
+    code = "from mt_grpo.tasks import load_task\n" + "".join(
         f"print('--- {i}')\ntry:\n    {call}\nexcept RuntimeError as e:\n    print('RuntimeError:', e)\n"
         for i, call in enumerate(OFFLINE))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -571,10 +571,10 @@ def said(text: str) -> list[dict]:
 def test_a_trl_reward_reads_the_answer_string_and_exact_match_reads_every_alias():
     """Through the trainer's scoring (rewards.reward_columns -> compute_rewards_per_func), on a dataset of string
     answers and on the knowledge base, whose second alias of "Tifex River" is "Tifex"."""
-    from checks import check_reward_columns
+    from mt_grpo.run.checks import check_reward_columns
     from mt_grpo_trainer import compute_rewards_per_func
-    from rewards import reward_columns
-    from rewards.triviaqa_reward import exact_match_reward_func
+    from mt_grpo.rewards import reward_columns
+    from mt_grpo.rewards.triviaqa_reward import exact_match_reward_func
 
     funcs = [trl_style_reward, exact_match_reward_func]
     strings = validate_dataset(datasets.Dataset.from_list([{"question": "Capital of Veltria?", "answer": "Morvane"},

@@ -13,10 +13,10 @@ import os
 import pytest
 from transformers.utils import get_json_schema
 
-from environments import check_environment, tool_methods
-from protocol import check_examples
-from tasks.textworld_quest import (EXAMPLE_GAME, INVALID_REWARD, LOSS_REWARD, PROMPT, SPLIT_SEEDS, TextWorldQuest,
-                                   accepted, game_examples, load, valid_command_rate, won)
+from mt_grpo.rollout.environments import check_environment, tool_methods
+from mt_grpo.base.protocol import check_examples
+from mt_grpo.tasks.textworld_quest import (EXAMPLE_GAME, INVALID_REWARD, LOSS_REWARD, PROMPT, SPLIT_SEEDS,
+                                           TextWorldQuest, accepted, game_examples, load, valid_command_rate, won)
 
 THIRD = pytest.approx(1 / 3)
 SOLUTION = ["open Henderson's box", "take shadfly from Henderson's box", "drop shadfly"]  # seed 0's quest

@@ -16,12 +16,14 @@ import time
 
 import pytest
 
-import tools.wiki_search
+from mt_grpo.tools import wiki_search as wiki
 from helpers import ROOT, make_env, xml_answer, xml_call
-from protocol import ToolCall
+from mt_grpo.base.protocol import ToolCall
 from scripted_policy import ScriptedPolicy, ScriptedServer
-from tools import TOOLS, ToolResult, Toolset, build_tools, run_tool_calls, run_turns
-from tools.search import BM25Search, make_search_tool
+from mt_grpo.rollout.tool_calls import ToolResult, run_tool_calls
+from mt_grpo.rollout.toolset import Toolset, run_turns
+from mt_grpo.tools import TOOLS, build_tools
+from mt_grpo.tools.search import BM25Search, make_search_tool
 
 KALOSH = "Kalosh: Kalosh is a city on the Dun River."
 RUSK = "Pella Rusk: Pella Rusk built the first sky loom in Kalosh."
@@ -127,7 +129,7 @@ def test_build_tools_builds_corpus_tools_from_the_corpus():
     search, count_documents = build_tools(["search", "tool_examples:make_count_tool"], CORPUS)
     assert search("capital of Veltria", num_results=1) == "Veltria: Veltria is a country. Its capital is Morvane."
     assert count_documents(word="kalosh") == "2"
-    assert build_tools(["tools.wiki_search:wiki_search"], None) == [tools.wiki_search.wiki_search]
+    assert build_tools(["tools.wiki_search:wiki_search"], None) == [wiki.wiki_search]
 
 
 @pytest.mark.parametrize("name", sorted(TOOLS))
@@ -173,13 +175,13 @@ def test_wiki_search_only_needs_no_corpus():
 
 def test_importing_tools_loads_no_tool_library():
     """bm25s and wikipedia load when a tool is built or called, not when the trainer imports `tools`."""
-    code = ("import sys, tools, tools.search, tools.wiki_search; "
+    code = ("import sys, mt_grpo.tools, mt_grpo.tools.search, mt_grpo.tools.wiki_search; "
             "print(sorted(m for m in ('bm25s', 'wikipedia', 'requests') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("module, preset, expected", [("mt_grpo_trainer", None, "false"), ("tools", "true", "true")])
+@pytest.mark.parametrize("module, preset, expected", [("mt_grpo_trainer", None, "false"), ("mt_grpo.tools", "true", "true")])
 def test_trainer_tells_jax_not_to_take_the_gpu(module, preset, expected):
     """Importing the trainer sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it: a tool or reward
     that starts JAX's GPU backend then takes what it uses, not 75% of the card. (`tools` sets it; the trainer
@@ -208,8 +210,8 @@ def top_k(x, k):  # bm25s calls it at import to start the backend: on a GPU that
 
 @pytest.mark.parametrize("setup, started", [
     ("import bm25s", True),  # the hazard itself: the test's fake JAX does see bm25s start it
-    ("from tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
-    ("import jax; from tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
+    ("from mt_grpo.tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
+    ("import jax; from mt_grpo.tools.search import make_search_tool as m; m(CORPUS)(query='capital of Veltria')", False),
 ])
 def test_search_keeps_bm25s_from_starting_jax(tmp_path, setup, started):
     """Where JAX is installed, bm25s imports it and runs a top-k, and JAX then reserves 75% of a GPU inside the
@@ -245,10 +247,10 @@ def assert_offline_error(error: Exception):
 
 @pytest.mark.timeout(60)
 def test_wiki_search_on_this_machine_is_offline_with_a_clear_error(monkeypatch):
-    monkeypatch.setattr(tools.wiki_search, "REQUEST_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(wiki, "REQUEST_TIMEOUT_S", 5.0)
     start = time.monotonic()
     try:
-        result = tools.wiki_search.wiki_search("Paris")
+        result = wiki.wiki_search("Paris")
     except RuntimeError as e:
         assert_offline_error(e)
     else:
@@ -274,7 +276,7 @@ def test_wiki_search_refused_connection_is_the_offline_error(local_wikipedia):
         port = s.getsockname()[1]
     local_wikipedia(port)
     with pytest.raises(RuntimeError) as error:
-        tools.wiki_search.wiki_search("Paris")
+        wiki.wiki_search("Paris")
     assert_offline_error(error.value)
 
 
@@ -282,14 +284,14 @@ def test_wiki_search_refused_connection_is_the_offline_error(local_wikipedia):
 def test_wiki_search_server_that_never_answers_times_out(local_wikipedia, monkeypatch):
     # The kernel accepts the connection into the backlog, but nobody ever reads or replies: without
     # our timeout, `wikipedia`'s bare requests.get would wait forever here.
-    monkeypatch.setattr(tools.wiki_search, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(wiki, "REQUEST_TIMEOUT_S", 0.5)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         local_wikipedia(server.getsockname()[1])
         start = time.monotonic()
         with pytest.raises(RuntimeError) as error:
-            tools.wiki_search.wiki_search("Paris")
+            wiki.wiki_search("Paris")
         assert time.monotonic() - start < 5
     assert_offline_error(error.value)
     assert "Timeout" in str(error.value)
@@ -302,7 +304,7 @@ def test_wiki_search_server_that_never_answers_times_out(local_wikipedia, monkey
 ])
 def test_wiki_search_rejects_bad_arguments_before_any_request(query, num_results, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        tools.wiki_search.wiki_search(query, num_results=num_results)
+        wiki.wiki_search(query, num_results=num_results)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,7 +316,7 @@ def test_a_10_mb_tool_output_reaches_the_model_cut_without_being_tokenized_whole
     whole output once took 44 s to tokenize)."""
     from helpers import fake_search, make_env, xml_answer, xml_call
     from scripted_policy import ScriptedPolicy
-    from tools import CHARS_PER_TOKEN, MIN_WINDOW, cut_tool_output
+    from mt_grpo.rollout.tool_calls import CHARS_PER_TOKEN, MIN_WINDOW, cut_tool_output
 
     huge = "Veltria is a country. " * (10_000_000 // 22)
     env = make_env(smollm2_tokenizer, [fake_search(lambda q: huge)], max_tool_response_tokens=32,
@@ -342,7 +344,7 @@ def test_an_output_of_long_tokens_grows_the_window_until_it_holds_enough():
     """A tokenizer whose tokens are 100 characters each (more than CHARS_PER_TOKEN): the window doubles until it
     holds more than the tokens kept, and the cut is still the first tokens. An output shorter than the window is
     tokenized whole, and its marker counts its tokens."""
-    from tools import cut_tool_output
+    from mt_grpo.rollout.tool_calls import cut_tool_output
 
     class HundredCharTokens:  # the two methods cut_tool_output uses, as a tokenizer has them
         def __init__(self):
@@ -394,8 +396,8 @@ NOT_JSON = NotJSON()
     ([{"type": "text", "text": "bad \udc80 text"}], "bad \ufffd text", None),  # text a tokenizer refuses: repaired
 ])
 def test_a_tools_return_as_content_and_step_reward(value, content, reward):
-    from protocol import ToolCall
-    from tools import ToolResult, run_tool_calls, tool_output
+    from mt_grpo.base.protocol import ToolCall
+    from mt_grpo.rollout.tool_calls import ToolResult, run_tool_calls, tool_output
 
     assert tool_output(value, "tool 'f'") == (content, reward)
 
@@ -409,8 +411,8 @@ def test_a_tools_return_as_content_and_step_reward(value, content, reward):
 
 
 def test_a_content_list_stays_a_list_when_it_fits_and_is_its_cut_text_when_not(smollm2_tokenizer):
-    from protocol import content_text
-    from tools import cut_tool_output
+    from mt_grpo.base.protocol import content_text
+    from mt_grpo.rollout.tool_calls import cut_tool_output
 
     assert cut_tool_output(BLOCKS, smollm2_tokenizer, 8) is BLOCKS
     long = [{"type": "text", "text": " ".join(["word"] * 50)}, {"type": "text", "text": "end"}]  # 51 + 1 tokens

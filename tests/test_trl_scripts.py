@@ -191,7 +191,7 @@ def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, 
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
-    from tasks.fictional_kb import SEARCH_TASK_PROMPT
+    from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT
 
     def multiply(a: float, b: float) -> str:
         """Multiply two numbers.
@@ -257,7 +257,7 @@ def test_reward_funcs_take_trls_forms_and_every_reward_gets_trls_keywords(model_
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
-    from rewards.conversation import per_tool_turn
+    from mt_grpo.rewards.conversation import per_tool_turn
     from scripted_policy import ScriptedPolicy
 
     seen = {}
@@ -304,7 +304,7 @@ def test_reward_weights_in_the_config_weigh_the_functions_given_to_the_trainer(m
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOEnvTrainer
-    from rewards.conversation import per_tool_turn
+    from mt_grpo.rewards.conversation import per_tool_turn
 
     def short(completions, **kwargs):
         return [1.0] * len(completions)
@@ -404,7 +404,7 @@ def test_the_sampler_gap_is_logged_under_trls_names_too():
     import torch
     from accelerate import Accelerator
 
-    from reporting import TrainerReports
+    from mt_grpo.run.reporting import TrainerReports
 
     reports = TrainerReports()
     reports.accelerator, reports._metrics = Accelerator(cpu=True), {"train": defaultdict(list)}

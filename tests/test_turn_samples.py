@@ -19,7 +19,7 @@ from helpers import VELTRIA, TEMPLATE_FILES, fake_search, make_env, qwen_tokeniz
 from scripted_policy import ScriptedPolicy
 from test_packing import gradient, scripted_trainer
 from test_scoring_path import task_files  # noqa: F401 (a fixture)
-from turn_samples import episode_samples, next_sample_prompt, sample_bounds, scored_parts
+from mt_grpo.base.turn_samples import episode_samples, next_sample_prompt, sample_bounds, scored_parts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, scored and trained in this process
 
@@ -128,7 +128,7 @@ def test_a_row_split_into_samples_scores_each_in_its_own_context(tiny_model_dir)
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from packing import packed_logps_and_entropies
+    from mt_grpo.engine.packing import packed_logps_and_entropies
     from test_packing import padded
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -153,7 +153,7 @@ def test_sampler_processed_log_probs_of_a_split_row(tiny_model_dir):
     sample in its own context, its penalty counting only that sample's tokens."""
     from transformers import AutoModelForCausalLM
 
-    from sampling import SamplingParams, policy_sampler_logprobs
+    from mt_grpo.engine.sampling import SamplingParams, policy_sampler_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids, att, T, starts, alone = split_row(model.config.vocab_size, seed=1)

@@ -26,7 +26,7 @@ def test_feedback_is_a_user_turn_a_right_answer_ends_and_the_scores_are_each_tur
     B answers 2, 4, 5: three wrong, then max_user_turns (3) is spent: no fourth reply, the episode ends on its
     answer. Each reply is a user message with mask 0; its score is the turn's R_T."""
     from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
 
     examples.ENDED.clear()
     env, pool = lock_env(smollm2_tokenizer, factory=examples.Quiz, max_user_turns=3)
@@ -121,7 +121,7 @@ def test_a_continuation_inserts_inside_the_models_message_and_sampling_continues
     """The tutor cuts the first sample before its <answer> (keep_tokens), inserts " But wait," (mask 0) inside the
     open assistant message, and the model continues the same message; one turn for the credit, the rewards see the
     continued message, and the tip's score waits for a turn the environment answers (none here)."""
-    from episodes import token_turn_index
+    from mt_grpo.rollout.episodes import token_turn_index
 
     examples.TOKENIZER = smollm2_tokenizer
     env, pool = lock_env(smollm2_tokenizer, factory=examples.Tutor)
@@ -205,7 +205,7 @@ def test_keep_chars_cuts_the_sample_where_its_text_reaches_them(smollm2_tokenize
             self.tipped = True
             return Reply(" But wait,", continuation=True, keep_chars=messages[-1]["content"].index("<answer>"))
 
-    from user_turns import Reply
+    from mt_grpo.rollout.user_turns import Reply
 
     env, _ = lock_env(smollm2_tokenizer, factory=TutorChars)
     (ep,) = roll(env, [{"prompt": "What is 3 + 4?"}], {}, Continuing(smollm2_tokenizer, {"What is 3 + 4?": []}))

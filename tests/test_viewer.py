@@ -318,7 +318,7 @@ def test_an_environments_step_rewards_label_its_turns(browser, tmp_path):
 def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_tokenizer):
     """An episode split into per-turn samples (turn_samples: per_model_turn) is recorded with the env turns that start a
     sample numbered, and the page labels them."""
-    from reporting import episode_records
+    from mt_grpo.run.reporting import episode_records
     from scripted_policy import ScriptedPolicy
 
     question = "What is the capital of Veltria?"
@@ -443,7 +443,7 @@ def test_the_guide_shows_every_field_of_a_record(smollm2_tokenizer):
     fields of the guide's example record, no more, no less; its env turn holds the tool's output."""
     import torch
 
-    from reporting import episode_records
+    from mt_grpo.run.reporting import episode_records
     from scripted_policy import ScriptedPolicy
 
     question, reply = "What is the capital of Veltria?", "Veltria: a country. Its capital is Morvane."
@@ -479,9 +479,9 @@ def test_an_episode_without_a_tool_call_records_the_turn_credit_its_tokens_got(s
     advantage it records is that sum. Two tool turns beside it keep one value each."""
     import torch
 
-    from episodes import pad_episodes
+    from mt_grpo.rollout.episodes import pad_episodes
     from mt_grpo_trainer import mt_grpo_advantages
-    from reporting import episode_records
+    from mt_grpo.run.reporting import episode_records
     from scripted_policy import ScriptedPolicy
 
     call = '<reasoning>Look it up.</reasoning>\n<tool>{"name": "search", "args": {"query": "Veltria"}}</tool>'

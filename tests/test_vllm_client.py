@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mt_grpo_trainer import VLLMServerClient, parse_completions_response
-from sampling import SamplingParams
-from protocol import XMLProtocol
+from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.base.protocol import XMLProtocol
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "vllm")
 
@@ -207,7 +207,7 @@ def test_kept_sets_are_read_where_the_top_logprobs_list_them_whole():
 
     import torch
 
-    from completions import kept_set_logprobs, kept_sets, listed_kept_sets
+    from mt_grpo.base.completions import kept_set_logprobs, kept_sets, listed_kept_sets
 
     assert [kept_set_logprobs(*p) for p in [(1.0, 0, 0.0), (0.8, 0, 0.0), (1.0, 5, 0.0), (1.0, 50, 0.0),
                                             (1.0, 0, 0.1)]] == [0, 20, 5, 20, 20]
@@ -224,7 +224,7 @@ def test_kept_sets_are_read_where_the_top_logprobs_list_them_whole():
 
 
 def test_a_truncating_request_asks_for_the_kept_sets_and_a_response_without_them_is_an_error():
-    from completions import parse_completions_response as parse
+    from mt_grpo.base.completions import parse_completions_response as parse
 
     c = VLLMServerClient.__new__(VLLMServerClient)  # completion_body reads only these
     c.model_name, c.stop_strings, c.eos_token_ids = "m", [], []

@@ -17,12 +17,12 @@ from helpers import (CHAT_TEMPLATE_FLAGS, RECIPE, ROOT, SAMPLER_GRID, VELTRIA, c
                      launch, make_chat_template_agent, on_policy_weights, rollout_records, run, sampler_id,
                      train_against)
 from mt_grpo_trainer import MultiTurnToolEnv, VLLMServerClient
-from sampling import SamplingParams
+from mt_grpo.engine.sampling import SamplingParams
 from prepare_models import HOSTILE_GENERATION_DEFAULTS
-from protocol import XMLProtocol
-from tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
+from mt_grpo.base.protocol import XMLProtocol
+from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, search_examples
 from vllm_cpu import VLLM_PYTHON
-from weight_sync import Probes, WeightSyncConfig, server_sampler
+from mt_grpo.engine.weight_sync import Probes, WeightSyncConfig, server_sampler
 
 pytestmark = [pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no .venv-vllm: run scripts/setup_vllm.sh"),
               pytest.mark.usefixtures("one_torch_thread")]  # the tiny models scored here, beside a busy server

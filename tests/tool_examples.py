@@ -2,7 +2,7 @@
 
 from typing import Callable
 
-from tools import corpus_tool
+from mt_grpo.tools import corpus_tool
 
 NOT_A_FUNCTION = ["search"]
 

@@ -4,7 +4,7 @@ a wrong answer and ends on a right one (verl's GSM8K interaction, in this projec
 
 import re
 
-from user_turns import Reply
+from mt_grpo.rollout.user_turns import Reply
 
 ENDED: list[str] = []  # every end_episode call: (class, secret), in order
 

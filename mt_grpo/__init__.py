@@ -1,0 +1,20 @@
+"""Everything beneath the trainer: `mt_grpo_trainer.py` (at the repository's root) is the algorithm and its three
+classes; this package is the plumbing they stand on, one sub-package a floor, each importing only from the floors
+below it:
+
+    base/      protocol (tool formats, prompts), fields (config fields, recipes), registry (names and dotted
+               paths to functions), completions (vLLM's answers as samples), turn_samples (an episode's samples),
+               runtime (threads, event loops, the SIGTERM stop)
+    compat/    copies of verl's, verifiers' and OpenEnv's base classes, used where the framework does not import
+    engine/    what runs the policy: in-process sampling, packed forwards, the vLLM servers' pool and weight sync
+    rewards/   reward functions and the readers of a conversation; the LLM judge
+    tasks/     datasets: the fictional knowledge base, TriviaQA, TextWorld, local files, column mapping
+    tools/     tool functions and their registry; MCP servers' tools
+    rollout/   the episode loop's parts: episode records, tool calls, an episode's toolset, environments,
+               user turns, the per-episode scheduler, async rollout, dynamic sampling
+    adapters/  environments written for verl, ms-swift, classic verifiers and OpenEnv
+    run/       the run's wiring: builders (from a config to parts), checks (rules across fields), reporting
+               (metrics, records, the console), evaluation
+
+Importing the package imports none of them: `import mt_grpo.rewards` loads what it names and the floors below.
+"""
