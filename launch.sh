@@ -12,16 +12,17 @@
 #   NUM_GPUS=8                 GPUs on this node
 #   VLLM_TP=1 VLLM_DP=1        vLLM tensor / data parallel size of a server, on VLLM_TP*VLLM_DP GPUs
 #   VLLM_SERVERS=1             vLLM servers on this node, on the last VLLM_SERVERS*VLLM_TP*VLLM_DP GPUs; with
-#                              more than one the trainer gets them all in --vllm_server_urls (server_pool.py:
-#                              each group goes to one server, the weights reach all)
+#                              more than one the trainer gets them all in --vllm_server_urls
+#                              (mt_grpo/engine/server_pool.py: each group goes to one server, the weights reach all)
 #   VLLM_PORT=8000             vLLM HTTP port (passed to the trainer as --vllm_server_port); server i: VLLM_PORT+i
 #   VLLM_GPU_MEMORY=0.9        vLLM --gpu-memory-utilization
 #   VLLM_MAX_MODEL_LEN=4096    vLLM --max-model-len (prompt + whole multi-turn completion)
 #   VLLM_HEALTH_TIMEOUT=900    seconds to wait for the server before giving up
 #   ACCELERATE_CONFIG=accelerate_configs/zero3.yaml   (zero2.yaml, zero3_multinode.yaml; relative to the repository)
 #   PYTHON=python              interpreter with vllm, trl and accelerate installed (and so PyYAML)
-#   JUDGE_MODEL=               an LLM judge (rewards/judge.py) served by its own vLLM on JUDGE_GPUS GPUs, taken
-#                              just before the generation server's; the trainer gets --judge_base_url/--judge_model
+#   JUDGE_MODEL=               an LLM judge (mt_grpo/rewards/judge.py) served by its own vLLM on JUDGE_GPUS GPUs,
+#                              taken just before the generation server's; the trainer gets
+#                              --judge_base_url/--judge_model
 #   JUDGE_GPUS=1 JUDGE_PORT=8001 JUDGE_GPU_MEMORY=0.9 JUDGE_MAX_MODEL_LEN=8192
 # A LoRA recipe (use_peft: true) also gets the server's LoRA flags (--enable-lora, --max-lora-rank, ...).
 # The server is stopped when training ends, fails, or is interrupted (Ctrl-C).
@@ -92,7 +93,7 @@ vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD an
 SERVER_FLAGS=(--vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT")
 if [ "$VLLM_SERVERS" -gt 1 ]; then
   # TRL's one-server fields back to their defaults: a recipe's vllm_server_host/port name one server, and
-  # checks.check_server_urls refuses them beside vllm_server_urls
+  # check_server_urls (mt_grpo/run/checks.py) refuses them beside vllm_server_urls
   SERVER_FLAGS=(--vllm_server_host 0.0.0.0 --vllm_server_port 8000 --vllm_server_urls)
   for ((i = 0; i < VLLM_SERVERS; i++)); do SERVER_FLAGS+=("http://127.0.0.1:$((VLLM_PORT + i))"); done
 fi

@@ -15,11 +15,11 @@ Each episode falls in one class, the first that holds:
 and two counts cut across them: wrong answers whose own <reasoning> holds a gold alias (the model wrote
 the fact and answered something else), and episodes that saw a gold alias in a result. This is how
 docs/results.md's ablation reads its runs' training episodes: which step of search-then-copy fails.
-"exact" and "holds the gold" judge the answer as the rewards do (`rewards.answers`: SQuAD-normalised text, and
-numbers and math compared as values, so "35.0" is 35); the other classes match whole words of SQuAD-normalised
-text (`rewards.triviaqa_reward.normalize_answer`). The
-`<result>` blocks are read as the model saw them (cut to `max_tool_response_tokens`), one document a
-line, as `tools.search` writes them; the XML protocol's tags are assumed.
+"exact" and "holds the gold" judge the answer as the rewards do (`mt_grpo.rewards.answers`: SQuAD-normalised text,
+and numbers and math compared as values, so "35.0" is 35); the other classes match whole words of SQuAD-normalised
+text (`mt_grpo.rewards.answers.normalize_answer`). The `<result>` blocks are read as the model saw them (cut to
+`max_tool_response_tokens`), one document a line, as `mt_grpo.tools.search` writes them; the XML protocol's tags
+are assumed.
 
 `--strip OUT` keeps a run small enough to commit for this reading: it writes the training episodes
 (RUN_DIR/rollouts/step-*.jsonl) to OUT/rollouts/ without their token arrays and prompt text (about a
@@ -33,7 +33,7 @@ import re
 import sys
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for rewards/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for mt_grpo
 
 from mt_grpo.base.protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
 from mt_grpo.rewards.answers import contains_answer, matches_answer  # noqa: E402

@@ -46,7 +46,7 @@ def _cell(text: str) -> str:
 
 def field_table() -> str:
     """The markdown table, one row per field of MTGRPOScriptArguments, in declaration order: its own fields, then
-    those it inherits (the judge's, rewards/judge.py), which a dataclass would list first."""
+    those it inherits (the judge's, mt_grpo/rewards/judge.py), which a dataclass would list first."""
     from mt_grpo_trainer import MTGRPOScriptArguments
 
     own = MTGRPOScriptArguments.__annotations__

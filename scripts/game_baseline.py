@@ -31,7 +31,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the repository, for tasks/
+sys.path.insert(0, ROOT)  # the repository, for mt_grpo
 
 from mt_grpo.tasks import textworld_quest  # noqa: E402
 from mt_grpo.tasks.textworld_quest import TextWorldQuest, accepted, valid_command_rate  # noqa: E402

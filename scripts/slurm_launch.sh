@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MT-GRPO on several nodes under SLURM, from one command: vLLM servers on the last VLLM_NODES nodes of the
 # allocation, `accelerate launch` on the others, and the trainer pointed at every server (vllm_server_urls: each
-# group goes to one server, the weights reach all; server_pool.py).
+# group goes to one server, the weights reach all; mt_grpo/engine/server_pool.py).
 #
 #   sbatch --nodes=4 --gpus-per-node=8 --exclusive scripts/slurm_launch.sh RECIPE.yaml [trainer flags...]
 #   scripts/slurm_launch.sh --dry-run RECIPE.yaml [trainer flags...]   # inside an allocation (salloc), or with
@@ -136,7 +136,8 @@ for node in "${NODES[@]:TRAIN_NODES}"; do
 done
 # The training nodes: one accelerate launch each, with its machine rank; node 0 hosts the main process and the
 # NCCL weight-sync rendezvous. TRL's one-server fields go back to their defaults: a recipe's
-# vllm_server_host/port name one server, and checks.check_server_urls refuses them beside vllm_server_urls.
+# vllm_server_host/port name one server, and check_server_urls (mt_grpo/run/checks.py) refuses them beside
+# vllm_server_urls.
 TRAIN_CMDS=()
 for ((rank = 0; rank < TRAIN_NODES; rank++)); do
   TRAIN_CMDS+=("$(show srun --nodes=1 --ntasks=1 --nodelist="${NODES[rank]}" --overlap \

@@ -295,10 +295,12 @@ function fillTokens(box, ep, e, scale) {
     const err = seg.role === "env" && (seg.tool_calls || []).some(isError);
     if (err) div.classList.add("err");
     if (seg.role === "model") div.append(el("span", "turn-label", `model turn ${modelTurn++}`));
-    // a continuation (user_turns.py): the environment's text inside the model's own message; the turn goes on
+    // a continuation (mt_grpo/rollout/user_turns.py): the environment's text inside the model's own message; the
+    // turn goes on
     if (seg.role === "insert") { div.append(el("span", "turn-label", "environment, inside the model's message")); modelTurn--; }
     if (seg.role === "env") {
-      // an environment's per-step rewards (environments.py): what this turn's calls earned, R_T of the turn
+      // an environment's per-step rewards (mt_grpo/rollout/environments.py): what this turn's calls earned, R_T of
+      // the turn
       const steps = seg.step_rewards ? ` · step reward ${seg.step_rewards.map(fmt).join(" + ") || "none (0)"}` : "";
       // turn_samples: this turn starts a new training sample, whose prompt is the template's render of the history
       const sample = seg.sample ? ` · sample ${seg.sample}: its prompt, the template's render of the history` : "";

@@ -30,7 +30,7 @@ question or the user's TRL prompt. The system message is the task's part (what t
 recipe's `system_prompt`, else the neutral DEFAULT_TASK_PROMPT) followed by the protocol's part (how to call a
 tool and how to answer). Worked examples are protocol-neutral dicts (`check_examples` gives their shape) that
 each protocol renders in its own format. Nothing here is written for one task: the knowledge base's prompt and
-examples live in tasks/fictional_kb.py.
+examples live in mt_grpo/tasks/fictional_kb.py.
 
 To add a protocol: subclass Protocol, fill in its methods, and add it to PROTOCOLS.
 """
@@ -366,7 +366,7 @@ def tool_schemas(tools: list[Callable]) -> list[dict]:
                 f"Tool {getattr(fn, '__name__', fn)!r} cannot be described to the model as a JSON schema: "
                 f"{e}. Give every argument a type hint, and write a Google-style docstring: a one-line "
                 "description, then an `Args:` section with one `name: description` line per argument "
-                "(see tools/search.py)."
+                "(see mt_grpo/tools/search.py)."
             ) from None
     return schemas
 

@@ -1,8 +1,8 @@
-"""From a name in a recipe to a function: the one lookup behind rewards (rewards/) and tools (tools/).
+"""From a name in a recipe to a function: the one lookup behind rewards (mt_grpo/rewards/) and tools (mt_grpo/tools/).
 
 A recipe names a function in one of two ways:
 
-    registry name   a key of the package's registry: `REWARD_FUNCS` in rewards/, `TOOLS` in tools/
+    registry name   a key of the package's registry: `REWARD_FUNCS` in mt_grpo/rewards/, `TOOLS` in mt_grpo/tools/
     dotted path     any importable function: `package.module:function`, or `package.module.function`
     file path       a function of a Python file: `path/to/file.py:function` (verl's custom_reward_function
                     `path` and `name`)

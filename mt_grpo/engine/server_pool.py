@@ -63,8 +63,8 @@ class ServerPoolArguments:
 
     vllm_server_urls: list[str] = arg([], "vllm_server: several vLLM servers, e.g. [http://node1:8000, "
                                       "http://node2:8000]: each group goes to one, the weights reach all "
-                                      "(server_pool.py; scripts/slurm_launch.sh writes it). []: the one server of "
-                                      "vllm_server_host:port.")
+                                      "(mt_grpo/engine/server_pool.py; scripts/slurm_launch.sh writes it). []: "
+                                      "the one server of vllm_server_host:port.")
     vllm_server_loss: str = arg("retry", "vllm_server_urls: a server that stops answering: retry (its requests go to "
                                 "the others, synced alike; it stays out) | stop (the run stops naming it).",
                                 choices=SERVER_LOSS)

@@ -22,7 +22,7 @@ The extension, which TRL ignores (an attribute is not a method, so TRL exposes n
 Tool calls of one episode run one at a time, in order (they share the instance's state); episodes run
 concurrently. A call past `tool_timeout` is waited for before the instance is touched again, and what it
 appends late is credited to no turn; one that hangs past a second `tool_timeout` leaves its episode's rewards
-None and its instance out of the pool (tools.Toolset). See docs/guide.md, "Bring your own environment".
+None and its instance out of the pool (toolset.Toolset). See docs/guide.md, "Bring your own environment".
 """
 
 import ast
@@ -253,7 +253,7 @@ class EnvironmentPool:
         return prompt
 
     def loop_of(self, instance) -> asyncio.AbstractEventLoop:
-        """The instance's own event loop, made at its first episode (tools.own_event_loop)."""
+        """The instance's own event loop, made at its first episode (base/runtime.own_event_loop)."""
         if id(instance) not in self.loops:
             self.loops[id(instance)] = own_event_loop(type(instance).__name__)
         return self.loops[id(instance)]

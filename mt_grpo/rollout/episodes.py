@@ -30,7 +30,7 @@ class CallRecord:
     args: dict
     ok: bool
     seconds: float
-    output: str | list  # the tool message's content: a list where the tool returned one (tools.tool_output)
+    output: str | list  # the tool message's content: a list where the tool returned one (tool_calls.tool_output)
 
 
 @dataclass

@@ -99,7 +99,7 @@ def as_reply(value, label: str) -> Reply | None:
 
 
 def record_reply(env, ep, turn: UserTurn, result) -> None:
-    """Record what `respond` gave for `turn` (a tools.ToolResult whose output is the Reply, None, or the error):
+    """Record what `respond` gave for `turn` (a tool_calls.ToolResult whose output is the Reply, None, or the error):
     the user message (or the continuation), its score as the turn's reward, `done`; the episode's stop reason."""
     toolset, label = ep.toolset, type(ep.toolset.environment).__name__
     if not result.ok:  # respond raised or timed out: the episode ends; end_episode still runs

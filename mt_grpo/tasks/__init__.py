@@ -12,7 +12,7 @@ part of the prompt.
     triviaqa       TriviaQA from the Hugging Face hub (tasks/triviaqa.py); no corpus unless
                    `corpus_path` is given (use `wiki_search`, or `search` over that corpus)
     textworld_quest  generated TextWorld games (tasks/textworld_quest.py), one per row's `seed`, played through
-                   its environment_factory `tasks.textworld_quest:TextWorldQuest`; splits "train" and "test"
+                   its environment_factory `mt_grpo.tasks.textworld_quest:TextWorldQuest`; splits "train" and "test"
                    (disjoint seeds); `seed` (recipe: `kb_seed`) draws the games
     a file path    .jsonl / .json / .parquet / .csv (one split, "train"; in a .csv every value is text)
     a folder       as the hub would serve it (data/train-*.parquet, ...: `datasets.load_dataset(folder)`), or

@@ -101,8 +101,8 @@ class TextWorldQuest:
         for name, value, least in (("seed", seed, 0), ("quest_length", quest_length, 1)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise ValueError(f"TextWorldQuest.reset needs the row's `{name}` as an int >= {least}, got "
-                                 f"{value!r}. Build the rows with tasks.textworld_quest.load, or give each a `seed` "
-                                 "column.")
+                                 f"{value!r}. Build the rows with mt_grpo.tasks.textworld_quest.load, or give each "
+                                 "a `seed` column.")
         return self._start(_make_game(int(seed), int(quest_length)))
 
     def act(self, command: str) -> str:

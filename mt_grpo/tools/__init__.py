@@ -1,18 +1,21 @@
 """The tools the agent can call, by name.
 
-A tool is a plain function with typed keyword arguments that returns a string (other returns: `tool_output`). The
+A tool is a plain function with typed keyword arguments that returns a string (other returns:
+`mt_grpo.rollout.tool_calls.tool_output`). The
 trainer renders
 its signature and the first line of its docstring into the system prompt, and the model calls it by
 its function name (`__name__`): `<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a
 tool raises an exception with a message that says what went wrong: the environment shows it to the
 model as `Error: ...` and counts a failed call. The trainer bounds each call with `tool_timeout`, so a
-tool need not. Calls run on worker threads; a sync tool that uses `signal` runs on the main thread (MAIN, below).
+tool need not. Calls run on worker threads; a sync tool that uses `signal` runs on the main thread (MAIN, in
+mt_grpo/rollout/tool_calls.py).
 
-To add a tool: write the function in a module under `tools/` (docstring: one line saying what it
+To add a tool: write the function in a module under `mt_grpo/tools/` (docstring: one line saying what it
 does, then an `Args:` section with one line per argument), then either add one line
-`"my_tool": "tools.my_module:my_tool"` to TOOLS below and list the name in the recipe's `tools`, or
-list its dotted path there (`tools.my_module:my_tool`, or any importable module). registry.py
-resolves both, as it does for rewards; an unknown name fails with the list of valid names.
+`"my_tool": "mt_grpo.tools.my_module:my_tool"` to TOOLS below and list the name in the recipe's `tools`, or
+list its dotted path there (`mt_grpo.tools.my_module:my_tool`, or any importable module, your own too).
+mt_grpo/base/registry.py resolves both, as it does for rewards; an unknown name fails with the list of valid
+names.
 
 A tool that needs the task's corpus (the recipe's `corpus_path`, or the task's own, as fictional_kb
 has) is built from it: write a factory that takes the list of `{"title", "text"}` documents and
@@ -60,8 +63,9 @@ class ToolArguments:
     """The recipe keys of the tools, environments and MCP servers an episode calls; the trainer's config inherits
     them."""
 
-    tools: list[str] | None = arg(None, "Tool names from tools/ (search, wiki_search) or dotted paths `module:fn` "
-                                  "(None: the task's: search for fictional_kb; none for your own data).")
+    tools: list[str] | None = arg(None, "Tool names of TOOLS in mt_grpo/tools/ (search, wiki_search) or dotted "
+                                  "paths `module:fn` (None: the task's: search for fictional_kb; none for your own "
+                                  "data).")
     tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).",
                            choices=Choices(lambda: sorted(PROTOCOLS)))
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
@@ -72,7 +76,7 @@ class ToolArguments:
     mcp_servers_config: dict | str | None = arg(None, "MCP servers as Claude Desktop, Cursor and verl's "
                                                 "mcp_server.json write them: a .json path or the map inline, "
                                                 "{mcpServers: {name: {command, args, env} | {url, headers | "
-                                                "auth_token}}} (tools/mcp.py).")
+                                                "auth_token}}} (mt_grpo/tools/mcp.py).")
     mcp_tool_filter: list[str] | None = arg(None, "Only these MCP tools reach the model (verl's tool_selected_list); "
                                             "None: every tool of every server.")
     mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
@@ -81,8 +85,9 @@ class ToolArguments:
     reset_timeout: float | None = arg(None, "Seconds one environment `reset` may run before its episode ends unplayed "
                                       "(None: tool_timeout).")
     tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
-    max_user_turns: int | None = arg(None, "An environment's replies as the user (`respond`, user_turns.py) per "
-                                     "episode, at most (None: no limit but max_completion_length).")
+    max_user_turns: int | None = arg(None, "An environment's replies as the user (`respond`, "
+                                     "mt_grpo/rollout/user_turns.py) per episode, at most (None: no limit but "
+                                     "max_completion_length).")
 
 
 def corpus_tool(factory: Callable) -> Callable:
@@ -123,7 +128,8 @@ def build_tools(entries: list, corpus: list[dict] | None) -> list[Callable]:
 def _function_tool(fn) -> Callable:
     """A tool passed as an object (the Python API): a function, not a corpus tool's factory."""
     if not callable(fn):
-        raise ValueError(f"`tools` holds a {type(fn).__name__} ({fn!r}); give functions, or names of tools/.")
+        raise ValueError(f"`tools` holds a {type(fn).__name__} ({fn!r}); give functions, or names of TOOLS "
+                         "(mt_grpo/tools/).")
     if getattr(fn, "corpus_tool", False):
         raise ValueError(f"Tool '{fn.__name__}' is a corpus tool's factory: pass the tool it builds, "
                          f"`{fn.__name__}(corpus)`, or its name in `tools` with a task that has a corpus.")

@@ -1,8 +1,9 @@
 """The fictional knowledge base's `search` tool as an MCP server (the `mcp` package's MCPServer, the FastMCP
 of mcp 1.x), for `mcp_servers` in a recipe and for the tests of mt_grpo/tools/mcp.py.
 
-It serves the same BM25 `search` that tools/search.py builds in process, over the knowledge base of `--seed`
-(tasks/fictional_kb.py), so a run that gets `search` from this server shows the model the same tool.
+It serves the same BM25 `search` that mt_grpo/tools/search.py builds in process, over the knowledge base of
+`--seed` (mt_grpo/tasks/fictional_kb.py), so a run that gets `search` from this server shows the model the same
+tool.
 
     .venv/bin/python mt_grpo/tools/kb_mcp_server.py --seed 0                        # stdio (what `mcp_servers` starts)
     .venv/bin/python mt_grpo/tools/kb_mcp_server.py --transport http --port 8765    # streamable HTTP at /mcp
@@ -10,7 +11,7 @@ It serves the same BM25 `search` that tools/search.py builds in process, over th
     mcp_servers: [".venv/bin/python mt_grpo/tools/kb_mcp_server.py --seed 0"]       # in a recipe
     mcp_servers: ["http://127.0.0.1:8765/mcp"]
 
-(In `mcp_servers`, a leading `python` also runs with the trainer's interpreter, tools/mcp.py; in a shell, the
+(In `mcp_servers`, a leading `python` also runs with the trainer's interpreter, mt_grpo/tools/mcp.py; in a shell, the
 venv's python has the `mcp` package.) Its tools are wrapped by `errors_for_the_model`, so that the model reads
 the message of any exception a tool raises (an empty query, say).
 

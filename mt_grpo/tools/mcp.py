@@ -3,7 +3,7 @@
     from mt_grpo.tools.mcp import mcp_tools, mcp_tools_from_map
     tools = mcp_tools(["python mt_grpo/tools/kb_mcp_server.py --seed 0", "http://127.0.0.1:8765/mcp"], timeout=10.0)
     # (a leading `python` runs with this interpreter; start the HTTP one first:
-    #  .venv/bin/python tools/kb_mcp_server.py --transport http --port 8765)
+    #  .venv/bin/python mt_grpo/tools/kb_mcp_server.py --transport http --port 8765)
     tools[0](query="capital of Ratomora")  # the server's text; an error result raises with the server's text
 
     # the `mcpServers` map that Claude Desktop, Cursor, Claude Code, fastmcp and verl's mcp_server.json write
@@ -322,8 +322,8 @@ _set_up = False  # whether close_mcp_servers is registered to run at exit
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """The loop of every async tool (tools.event_loop), which the sessions live on. The first use here also
-    registers the servers' closing at exit (importing this module starts nothing)."""
+    """The loop of every async tool (mt_grpo.base.runtime.event_loop), which the sessions live on. The first use
+    here also registers the servers' closing at exit (importing this module starts nothing)."""
     global _set_up
     with _SET_UP:
         if not _set_up:

@@ -87,7 +87,7 @@ def make_search_tool(corpus: list[dict]) -> Callable[..., str]:
 @corpus_tool
 def make_search_top1_tool(corpus: list[dict]) -> Callable[..., str]:
     """The same `search`, returning one document unless the call asks for more (`tools:
-    [tools.search:make_search_top1_tool]`). A 135M model copies facts out of the document after the right
+    [mt_grpo.tools.search:make_search_top1_tool]`). A 135M model copies facts out of the document after the right
     one (docs/results.md, the ablation): a lone document leaves it only the right facts to pick from."""
     return _search_tool(corpus, default_results=1)
 

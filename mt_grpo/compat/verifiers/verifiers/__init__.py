@@ -1,8 +1,8 @@
 # Copied and abridged from verifiers 0.1.14 (MIT License, Copyright (c) 2025 William Brown:
-# adapters/compat/verifiers/LICENSE).
+# mt_grpo/compat/verifiers/LICENSE).
 """A faithful copy of the classic (v0) surface of verifiers 0.1.14 (`pip download --no-deps verifiers==0.1.14`;
 the same classes are `verifiers.legacy` in 0.3.x), shipped with mt-grpo so that an environment written
-for classic verifiers runs without installing it (adapters/compat/__init__.py puts this folder's parent first on
+for classic verifiers runs without installing it (mt_grpo/compat/__init__.py puts this folder's parent first on
 sys.path only when the real verifiers does not import; an installed one wins). The real package does
 not import without openai, anthropic and prime-sandboxes (a protobuf/connectrpc stack), so this copy carries the
 parts an environment module touches, with the same names, signatures and behaviour:

@@ -1,5 +1,5 @@
 # Copied and abridged from verifiers 0.1.14 (MIT License, Copyright (c) 2025 William Brown:
-# adapters/compat/verifiers/LICENSE).
+# mt_grpo/compat/verifiers/LICENSE).
 """Environment, MultiTurnEnv, ToolEnv and StatefulToolEnv (verifiers/envs/), without the rollout loop: what an
 environment module defines and the trainer calls (datasets, tool_defs, stop conditions, env_response)."""
 

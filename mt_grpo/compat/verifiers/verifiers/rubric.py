@@ -1,5 +1,5 @@
 # Copied and abridged from verifiers 0.1.14 (MIT License, Copyright (c) 2025 William Brown:
-# adapters/compat/verifiers/LICENSE).
+# mt_grpo/compat/verifiers/LICENSE).
 """Rubric (verifiers/rubrics/rubric.py): reward functions called with the named arguments they ask for."""
 
 import asyncio

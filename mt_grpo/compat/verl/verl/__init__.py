@@ -1,9 +1,9 @@
 # Copyright 2024 Bytedance Ltd. and/or its affiliates
 #
-# Licensed under the Apache License, Version 2.0 (the "License"); see adapters/compat/verl/LICENSE.
+# Licensed under the Apache License, Version 2.0 (the "License"); see mt_grpo/compat/verl/LICENSE.
 """Copies of the parts of verl 0.7.1 (PyPI wheel verl-0.7.1-py3-none-any.whl, Apache-2.0) that environments written
 for verl import, shipped with mt-grpo so that such an environment runs without installing verl (whose
-`verl/__init__.py` imports torch distributed, ray, tensordict and omegaconf). adapters/compat/__init__.py puts this
+`verl/__init__.py` imports torch distributed, ray, tensordict and omegaconf). mt_grpo/compat/__init__.py puts this
 folder's parent first on sys.path only when the real verl does not import; an installed verl always wins.
 
     verl.tools.base_tool, schemas, gsm8k_tool       BaseTool, OpenAIFunctionToolSchema, ToolResponse, Gsm8kTool

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: BSD-3-Clause
-# Copied from openenv 0.10.0 (openenv-core 0.3.0), BSD-3-Clause: adapters/compat/openenv/LICENSE.
+# Copied from openenv 0.10.0 (openenv-core 0.3.0), BSD-3-Clause: mt_grpo/compat/openenv/LICENSE.
 from typing import Any, Dict, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
