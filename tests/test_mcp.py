@@ -266,7 +266,7 @@ def test_the_guides_mcp_commands_run_as_written(monkeypatch):
         guide = f.read()
     section = guide[guide.index("**Tools behind MCP servers.**"):guide.index("## LLM-judge rewards")]
     stdio = re.search(r'^mcp_servers: \["(.+?)"\]', section, re.MULTILINE).group(1)
-    shell = re.search(r"^(\.venv/bin/python tools/kb_mcp_server.py --transport http --port 8765)", section,
+    shell = re.search(r"^(\.venv/bin/python mt_grpo/tools/kb_mcp_server.py --transport http --port 8765)", section,
                       re.MULTILINE).group(1)
     monkeypatch.chdir(ROOT)
     tools = {fn.__name__: fn for fn in mcp_tools([stdio], timeout=TIMEOUT)}
