@@ -19,7 +19,7 @@ Reasoning in LLM Agents via Turn-Level Credit Assignment"). `advantage_mode` pic
 
 Sections: 1 config -> 2 rewards -> 3 advantages -> 4 importance weights and loss (the algorithm, ALGO LOGIC: pure
 functions tests import) -> 5 the vLLM server client -> 6 the multi-turn env -> 7 the trainer (its step as named
-stages) -> 8 wiring and main. The plumbing lives beside this file (README.md, "Layout"). Left out on purpose: a
+stages) -> 8 wiring and main. The plumbing lives beneath it in mt_grpo/ (README.md, "Layout"). Left out on purpose: a
 colocated vLLM engine (a server, or `model.generate`), reward models loaded by the trainer (a reward function may
 call one), structured outputs (the protocol's stop strings end each turn).
 """
@@ -29,9 +29,9 @@ import copy
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import InitVar, dataclass, replace
+from types import SimpleNamespace
 from typing import Callable
 
 import httpx
@@ -43,51 +43,55 @@ from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.trainer.utils import use_adapter
 
 from mt_grpo.adapters import AdapterArguments
-from mt_grpo.rollout.async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from mt_grpo.base.completions import (RetryableResponse, Sample, check_length, kept_set_logprobs,
                                       parse_completions_response, post_with_retries, wait_for_health)
-from mt_grpo.run.checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
-                                check_script_args, check_training_args, check_trl, settle_training_defaults)
-from mt_grpo.rollout.episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
-from mt_grpo.base.protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
-from mt_grpo.run.reporting import (LOG_FORMAT, RolloutProgress, RunArguments, TrainerReports, end_processes,
-                                   install_console, quiet_library_bars, report_outputs, stoppable)
-from mt_grpo.run import evaluation
-from mt_grpo.rollout.dynamic_sampling import resample_groups
-from mt_grpo.rollout.scheduling import run_per_episode
 from mt_grpo.base.fields import Choices, arg, parse_recipe
-from mt_grpo.engine.packing import PackedForward, score_labelled_tokens_only
-from mt_grpo.rewards import check_reward_count, failing_sample, is_per_tool_turn, reward_value
+from mt_grpo.base.protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
+from mt_grpo.base.runtime import stop_point
+from mt_grpo.base.turn_samples import next_sample_prompt
+from mt_grpo.engine.packing import PackedForward, PackingArguments, score_labelled_tokens_only
+from mt_grpo.engine.sampling import (SamplingParams, TransformersBackend, policy_sampler_logprobs,
+                                     sampled_distribution_logps)
+from mt_grpo.engine.server_pool import ServerPool, ServerPoolArguments
+from mt_grpo.engine.weight_sync import (Probes, ServerEndpoints, WeightSync, WeightSyncArguments, WeightSyncConfig,
+                                       server_sampler)
+from mt_grpo.rewards import is_per_tool_turn
 from mt_grpo.rewards.answers import ANSWER_TYPES
 from mt_grpo.rewards.judge import JudgeArguments
-from mt_grpo.engine.sampling import SamplingParams, TransformersBackend, policy_sampler_logprobs
-from mt_grpo.engine.server_pool import ServerPool, ServerPoolArguments
-from mt_grpo.tasks import TaskArguments, task_keyword
+from mt_grpo.rewards.scoring import compute_rewards_per_func
+from mt_grpo.rollout import RolloutArguments
+from mt_grpo.rollout.async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
+from mt_grpo.rollout.dynamic_sampling import resample_groups
 from mt_grpo.rollout.environments import episode_columns, prompt_fitter
-from mt_grpo.base.runtime import stop_point
+from mt_grpo.rollout.episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
+from mt_grpo.rollout.scheduling import run_per_episode
 from mt_grpo.rollout.tool_calls import ToolResult, cut_tool_output
 from mt_grpo.rollout.toolset import Toolset, run_turns
-from mt_grpo.tools import ToolArguments
-from mt_grpo.base.turn_samples import TURN_SAMPLES, next_sample_prompt
 from mt_grpo.rollout.user_turns import UserTurn, add_model_message, ask_user, environment_done, record_reply
-from mt_grpo.engine.weight_sync import Probes, WeightSync, WeightSyncArguments, WeightSyncConfig, server_sampler
+from mt_grpo.run import evaluation
+from mt_grpo.run.checks import (check_backend, check_best_metric, check_distributed_generation, check_reward_sources,
+                                check_script_args, check_training_args, check_trl, settle_training_defaults)
+from mt_grpo.run.loss_terms import LossTerms
+from mt_grpo.run.reporting import (LOG_FORMAT, RolloutProgress, RunArguments, TrainerReports, end_processes,
+                                   install_console, quiet_library_bars, report_outputs, stoppable)
+from mt_grpo.tasks import TaskArguments, task_keyword
+from mt_grpo.tools import ToolArguments
 
 logger = logging.getLogger("mt_grpo")
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Config (`arg`, in fields.py: a field with its help)
+# 1. Config (`arg`, in base/fields.py: a field with its help)
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class MTGRPOScriptArguments(TaskArguments, ToolArguments, AdapterArguments, RunArguments, ServerPoolArguments,
-                            WeightSyncArguments, JudgeArguments):
-    """Arguments of the multi-turn environment and of MT-GRPO; it inherits the task's (tasks/), the tools' (tools/),
-    the run's (reporting.py), the vLLM client's (server_pool.py), the weight sync's and the LLM judge's. Training
-    arguments are TRL's GRPOConfig (lr, num_generations, max_completion_length, beta, num_iterations, temperature,
-    ...) and model arguments TRL's ModelConfig; all three are set from one recipe YAML. checks.py holds
-    every rule across fields; docs/reference.md lists every field (generated from this class)."""
+class MTGRPOScriptArguments(TaskArguments, ToolArguments, RolloutArguments, AdapterArguments, RunArguments,
+                            ServerPoolArguments, WeightSyncArguments, PackingArguments, JudgeArguments):
+    """The rewards' and MT-GRPO's fields; it inherits those of the task, the tools, the episode loop, the adapters, the
+    run, the vLLM servers, the weight sync, packing and the LLM judge (mt_grpo/). Training arguments are TRL's
+    GRPOConfig and model arguments TRL's ModelConfig, all set from one recipe YAML; run/checks.py holds every rule
+    across fields; docs/reference.md lists every field (generated from this class)."""
 
-    # Rewards: names from rewards/ or dotted paths `module:function`
+    # Rewards: names from mt_grpo/rewards or dotted paths `module:function`
     turn_reward_funcs: list[str] | None = arg(None, "Turn reward functions (R_T); None: the task's (fictional_kb, "
                                               "triviaqa: tool ran, answer in its result; none for your own data).")
     turn_reward_weights: list[float] | None = arg(None, "One weight per turn reward function (None: all 1.0).")
@@ -109,46 +113,6 @@ class MTGRPOScriptArguments(TaskArguments, ToolArguments, AdapterArguments, RunA
     turn_credit_discount: float = arg(0.0, "per_turn: turn k also gets sum_{j>k} gamma^(j-k) A_T(j) (0: its own only).")
     mask_zero_advantage_groups: bool = arg(True, "Groups whose advantages are all 0 leave the policy loss's "
                                            "normaliser (the KL still acts on them).")
-    padding_free: bool = arg(False, "Forward each micro-batch as shared-prefix tries (packing.py): a group's prompt "
-                             "and common turns once, no padding; exact, and faster with whole groups per micro-batch.")
-    max_tokens_per_microbatch: int | None = arg(None, "Packed forwards (padding_free, split rows): unique tokens per "
-                                                "forward, at most; more start another (None: one per micro-batch).")
-    lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
-                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).",
-                         choices=("adapter", "merged"))
-    dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
-                                 "questions' groups, up to dynamic_sampling_max_rounds times.")
-    dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
-                                           "groups still without signal then stay (and are masked).")
-    # Episodes: limits, prompts, tool calls
-    max_env_steps: int | None = arg(None, "Environment replies per episode; a tool call after that ends it (None: "
-                                    "TRL's `max_tool_calling_iterations`, whose None is no limit but the budget).")
-    max_tokens_per_turn: int | None = arg(None, "Sampled tokens per model turn, at most (None: what the "
-                                          "max_completion_length budget leaves, as in TRL).")
-    max_tool_response_tokens: int | None = arg(None, "Each tool output is cut to this many tokens, with a visible "
-                                               "marker (None: to what the max_completion_length budget leaves).")
-    max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.")
-    few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
-                         "task's (fictional_kb, triviaqa: two searches); small models need them.")
-    few_shot_examples: list | str | None = arg(None, "Worked examples, inline or a .json/.jsonl/.yaml file: "
-                                               "[{question, steps: [{thought, tool, args, result}], thought, answer}] "
-                                               "(None: the task's).")
-    system_prompt: str | None = arg(None, "The system prompt's task part, inline or a text file; the tool format "
-                                    "follows it (None: the task's, else a neutral one).")
-    tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
-                                  "ignore_whitespace (text) | off. Mismatches are logged.",
-                                  choices=("strict", "ignore_whitespace", "off"))
-    turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
-                            "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a "
-                            "re-render differs).", choices=Choices(TURN_SAMPLES, renamed={"per_turn": "per_model_turn"}))
-    # Generation and the run
-    generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
-                                  "vllm_server_host:vllm_server_port, or vllm_server_base_url).",
-                                  choices=("transformers", "vllm_server"))
-    rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.",
-                                 choices=("auto", "per_episode", "rounds"))
-    async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
-    max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
 
     def __post_init__(self):
         check_script_args(self)
@@ -178,46 +142,9 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
         return {**super().to_dict(), "dataset_name": self.dataset_name, "dataset_config": self.dataset_config}
 
 # ------------------------------------------------------------------------------------------------
-# 2. Rewards: each function once on the batch, weighted per kind (pure functions; tests import them)
+# 2. Rewards: each function once on the batch (compute_rewards_per_func, rewards/scoring.py), weighted per kind
 # ------------------------------------------------------------------------------------------------
 # ALGO LOGIC: sections 2 to 4
-def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: list, columns: dict,
-                             tool_turns: list[int] | None = None, max_turns: int = 1,
-                             keywords: dict | None = None) -> torch.Tensor:
-    """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
-    each sample) (B, F, max_turns). `columns`: a list per keyword, a value per sample; `keywords`: TRL's
-    others, for the batch (trainer_state, log_extra, log_metric). A per-turn function (`fn.per_tool_turn`, rewards/conversation.py)
-    returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
-    fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
-    error naming the function and sample."""
-    B = len(prompts)
-    out = torch.full((B, len(funcs), max_turns), float("nan"))
-    for f, fn in enumerate(funcs if B else []):  # no sample (an evaluation rank with no question): no call
-        name = getattr(fn, "__name__", repr(fn))
-        per_tool_turn = is_per_tool_turn(fn)
-        if per_tool_turn and tool_turns is None:
-            raise ValueError(f"Reward function '{name}' is per-turn (@per_tool_turn): list it in "
-                             "`turn_reward_funcs`.")
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns, **(keywords or {}))
-        except Exception as e:
-            raise RuntimeError(f"Reward function '{name}' raised on sample "
-                               f"{failing_sample(fn, prompts, completions, columns, keywords or {})}: "
-                               f"{type(e).__name__}: {e}") from e
-        check_reward_count(name, values, B)
-        for i, v in enumerate(values):
-            if per_tool_turn:
-                if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
-                    raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, "
-                                     f"which has {tool_turns[i]} tool turns: return one value (or None) per "
-                                     "tool turn.")
-                for k, x in enumerate(v[:max_turns]):
-                    out[i, f, k] = reward_value(name, i, x)
-            else:
-                out[i, f, 0] = reward_value(name, i, v)
-    return out if tool_turns is not None else out[:, :, 0]
-
-
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(B, F) -> (B,), or per turn (B, F, K) -> (B, K). NaN entries (None) are left out of the sum; an
     entry whose functions are all NaN stays NaN."""
@@ -227,16 +154,12 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return total
 
 
-def per_turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
-                          per_turn_funcs: list[bool]) -> torch.Tensor:
-    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1: the first turn's, every mode
-    but per_turn). Column k < tool_turns[i] is tool turn k's weighted reward. An episode that called no tool
-    still has a first turn, and it is credited like any other: column 0 holds what its turn earned, 0 from
-    each per-turn function (a turn that called nothing did no tool work) and its own value from each
-    per-sample one. Without it a `@per_tool_turn` reward would leave the episode NaN, hence without turn credit
-    (A_T = 0): a group's searching samples would be compared only with each other and the pressure to
-    search, A_T of a no-tool episode below its group's mean, would vanish. Columns past an episode's turns
-    are NaN (no such turn)."""
+def turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
+                      per_turn_funcs: list[bool]) -> torch.Tensor:
+    """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1 but in per_turn mode); columns past an
+    episode's turns are NaN. An episode that called no tool still has a first turn, credited like any other: 0 from
+    each per-turn function (it did no tool work), its own value from each per-sample one. Left NaN, it would get no
+    A_T, and the pressure to search (a no-tool episode's A_T below its group's mean) would vanish."""
     no_tool = (tool_turns == 0)[:, None]  # (B, 1)
     flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
     table = turn_per_func.clone()
@@ -285,16 +208,23 @@ class Advantages:
 
 
 @dataclass(frozen=True)
-class Normalizer:
-    """How rewards become advantages within a group (`group_normalize` with the config's settings)."""
+class AdvantageSettings:
+    """How rewards become advantages, built once from the config: the mode, the group size, and `config`, whose
+    fields the modes read by name (TRL's scale_rewards, turn_advantage_coef, turn_normalization, turn_credit_discount).
+    A new mode's knob is one field in section 1 and its use in the mode's function."""
 
+    mode: str
     group_size: int
-    scale_rewards: str = "group"  # TRL's: group | batch | none
-    turn_normalization: str = "pooled"  # per_turn: pooled | by_turn_index
-    turn_credit_discount: float = 0.0  # per_turn: gamma
+    config: object  # the trainer's MTGRPOConfig, or any object with the fields the modes read (`of`)
 
-    def __call__(self, rewards: torch.Tensor) -> torch.Tensor:
-        return group_normalize(rewards, self.group_size, self.scale_rewards)
+    @classmethod
+    def of(cls, mode: str, group_size: int, **fields) -> "AdvantageSettings":
+        """Settings with the config's defaults except `fields`, without a config (tests, studies)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(MTGRPOConfig) if f.default is not dataclasses.MISSING}
+        return cls(mode, group_size, SimpleNamespace(**{**defaults, **fields}))
+
+    def normalize(self, rewards: torch.Tensor) -> torch.Tensor:  # (B,) -> (B,) within groups, as TRL's scale_rewards
+        return group_normalize(rewards, self.group_size, self.config.scale_rewards)
 
 
 def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
@@ -308,34 +238,35 @@ def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
     return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
 
 
-# A mode: (R_T (B, K), R_O (B,), A_O (B,), Normalizer) -> (base (B,), A_T (B, K'), credit (B, K' + 1)). Every model
+# A mode: (R_T (B, K), R_O (B,), A_O (B,), AdvantageSettings) -> (base (B,), A_T (B, K'), credit (B, K' + 1)). Every model
 # token gets base; the tokens of model turn k also get turn_advantage_coef * credit[:, k] (column K': no credit).
-def mt_grpo_credit(R_T, R_O, A_O, norm):
+def mt_grpo_credit(R_T, R_O, A_O, s):
     """The paper: A_O everywhere, and A_T on turn 0, the tokens before the first tool result."""
-    A_T = norm(R_T[:, 0])[:, None]
+    A_T = s.normalize(R_T[:, 0])[:, None]
     return A_O, A_T, F.pad(A_T, (0, 1))
 
 
-def per_turn_credit(R_T, R_O, A_O, norm):
+def per_turn_credit(R_T, R_O, A_O, s):
     """Every tool turn k: C(k) = sum_{j >= k} gamma^(j-k) A_T(j) on the model turn that made it; the final turn A_O."""
-    A_T = torch.nan_to_num(turn_advantages(R_T, norm.group_size, norm.turn_normalization, norm.scale_rewards), nan=0.0)
+    c = s.config
+    A_T = torch.nan_to_num(turn_advantages(R_T, s.group_size, c.turn_normalization, c.scale_rewards), nan=0.0)
     credit = A_T.new_zeros(A_T.shape[0], A_T.shape[1] + 1)  # the column past the last turn: no later turns
     for k in reversed(range(A_T.shape[1])):
-        credit[:, k] = A_T[:, k] + norm.turn_credit_discount * credit[:, k + 1]
+        credit[:, k] = A_T[:, k] + c.turn_credit_discount * credit[:, k + 1]
     return A_O, A_T, credit
 
 
-def outcome_only_credit(R_T, R_O, A_O, norm):
+def outcome_only_credit(R_T, R_O, A_O, s):
     """GRPO-OR: A_O on every token (A_T recorded, not credited)."""
-    A_T = norm(R_T[:, 0])[:, None]
+    A_T = s.normalize(R_T[:, 0])[:, None]
     return A_O, A_T, torch.zeros_like(F.pad(A_T, (0, 1)))
 
 
-def merged_credit(R_T, R_O, A_O, norm):
+def merged_credit(R_T, R_O, A_O, s):
     """GRPO-MR: the advantage of R_T + R_O on every token."""
-    A_T, R_T0 = norm(R_T[:, 0])[:, None], R_T[:, 0]
+    A_T, R_T0 = s.normalize(R_T[:, 0])[:, None], R_T[:, 0]
     both_nan = torch.isnan(R_T0) & torch.isnan(R_O)
-    A_M = norm(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()))
+    A_M = s.normalize(torch.where(both_nan, float("nan"), R_T0.nan_to_num() + R_O.nan_to_num()))
     return A_M, A_T, torch.zeros_like(F.pad(A_T, (0, 1)))
 
 
@@ -365,50 +296,42 @@ def resolve_advantage_mode(mode: str, turn_rewards: bool, step_rewards: bool) ->
     return mode if mode != "auto" else next(name for name, m in ADVANTAGE_MODES.items() if m.auto and met[m.auto])
 
 
-def mode_advantages(R_T: torch.Tensor, R_O: torch.Tensor, mode: str, norm: Normalizer, turn_advantage_coef: float):
-    """(A_O (B,), base (B,), A_T (B, K'), credit (B, K' + 1), informative (B,)) of `mode` on the generation batch:
+def mode_advantages(R_T: torch.Tensor, R_O: torch.Tensor, s: AdvantageSettings):
+    """(A_O (B,), base (B,), A_T (B, K'), credit (B, K' + 1), informative (B,)) of the mode on the generation batch:
     `informative` marks the samples of groups where some token gets a non-zero advantage."""
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"advantage_mode is {mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
-    A_O = norm(R_O)
-    base, A_T, credit = ADVANTAGE_MODES[mode].credit(R_T if R_T.dim() == 2 else R_T[:, None], R_O, A_O, norm)
-    signal = base.abs() + credit.abs().amax(dim=1) * (turn_advantage_coef != 0)  # (B,)
-    informative = (signal.view(-1, norm.group_size).amax(dim=1) > 0).repeat_interleave(norm.group_size)
+    if s.mode not in ADVANTAGE_MODES:
+        raise ValueError(f"advantage_mode is {s.mode!r}; choose one of {list(ADVANTAGE_MODES)}.")
+    A_O = s.normalize(R_O)
+    base, A_T, credit = ADVANTAGE_MODES[s.mode].credit(R_T if R_T.dim() == 2 else R_T[:, None], R_O, A_O, s)
+    signal = base.abs() + credit.abs().amax(dim=1) * (s.config.turn_advantage_coef != 0)  # (B,)
+    informative = (signal.view(-1, s.group_size).amax(dim=1) > 0).repeat_interleave(s.group_size)
     return A_O, base, A_T, credit, informative
 
 
-def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, group_size: int,
-                       mode: str, turn_advantage_coef: float, scale_rewards: str = "group",
-                       local: slice = slice(None), turn_normalization: str = "pooled",
-                       turn_credit_discount: float = 0.0) -> Advantages:
+def mt_grpo_advantages(R_T: torch.Tensor, R_O: torch.Tensor, token_turns: torch.Tensor, s: AdvantageSettings,
+                       local: slice = slice(None)) -> Advantages:
     """The algorithm. R_T: (B, K) turn rewards of the whole generation batch, one column per tool turn
     (K = 1: the episode's turn reward; NaN: not applicable or no such turn); R_O: (B,); token_turns:
     (B_local, T) model-turn index of each of this process's completion tokens (turn 0 is everything
     before the first <result>; -1 for environment tokens and padding); `local` picks this process's rows.
     The mode (ADVANTAGE_MODES) gives each sample a base advantage and a credit per model turn:
         tokens of model turn k:  base + turn_advantage_coef * credit[k]     (mt_grpo: credit = [A_T, 0])"""
-    norm = Normalizer(group_size, scale_rewards, turn_normalization, turn_credit_discount)
-    A_O, base, A_T, credit, informative = mode_advantages(R_T, R_O, mode, norm, turn_advantage_coef)
+    A_O, base, A_T, credit, informative = mode_advantages(R_T, R_O, s)
     K = credit.shape[1] - 1
     turn_credit = credit[local].gather(1, token_turns.clamp(0, K).to(credit.device)) * (token_turns >= 0)
-    tokens = base[local, None] + turn_advantage_coef * turn_credit  # (B_local, T)
+    tokens = base[local, None] + s.config.turn_advantage_coef * turn_credit  # (B_local, T)
     return Advantages(tokens=tokens, turn=A_T, outcome=A_O, informative=informative)
 
 
-def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, group_size: int, mode: str, turn_advantage_coef: float,
-                       scale_rewards: str = "group", turn_normalization: str = "pooled",
-                       turn_credit_discount: float = 0.0) -> torch.Tensor:
-    """(B // group_size,) True where a group gives some token a non-zero advantage under `mode`: what DAPO's
+def groups_with_signal(R_T: torch.Tensor, R_O: torch.Tensor, s: AdvantageSettings) -> torch.Tensor:
+    """(B // group_size,) True where a group gives some token a non-zero advantage under the mode: what DAPO's
     dynamic sampling keeps. The same definition as the loss's masking (`Advantages.informative`)."""
-    norm = Normalizer(group_size, scale_rewards, turn_normalization, turn_credit_discount)
-    return mode_advantages(R_T, R_O, mode, norm, turn_advantage_coef)[-1][::group_size]
+    return mode_advantages(R_T, R_O, s)[-1][::s.group_size]
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. Importance weights and loss. TRL's GRPOTrainer._compute_loss is the PPO-clipped objective (with `loss_type`, `beta`,
-# `epsilon`, `num_iterations`), and it accepts (B, T) advantages; its mask is
-# completion_mask * tool_mask, and we pass model_mask as tool_mask so only model tokens count.
-# What we add is the correction for sampling from another engine than the trainer:
+# 4. Importance weights and loss: the correction for sampling from another engine than the trainer, then TRL's menu of
+# losses (`loss_type`), each a per-token loss and a normaliser (LOSS_TYPES), over model tokens only
 # ------------------------------------------------------------------------------------------------
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -435,35 +358,146 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
     return torch.where(mask.bool(), ratio, torch.ones_like(ratio)).detach()
 
 
-# How each TRL loss type normalises the summed per-token loss of a micro-batch of b rows, and so the one factor
-# on a generation batch's advantages that takes groups without signal out of that normaliser
-# (mask_zero_advantage_groups); counts over the whole generation batch, all processes:
-#   per-row mean, then the mean over rows, / accumulation   grpo, sapo         -> rows / informative rows
-#   per-row sum, then the mean over rows, / accumulation    luspo              -> likewise
-#   b x max_completion_length x accumulation                dr_grpo            -> likewise
-#   the generation batch's loss tokens, per window          dapo, cispo, vespo -> tokens / informative tokens
-#   the micro-batch's own loss tokens                       bnpo               -> refused (checks.py)
-SEQUENCE_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")
-BATCH_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors for a per-token loss: B rows, T completion positions."""
+
+    logps: torch.Tensor  # (B, T) log pi_theta of the sampled tokens, with grad
+    advantages: torch.Tensor  # (B, T) A_t (times the sampler's importance weights; section 3)
+    mask: torch.Tensor  # (B, T) 1 on the model tokens the loss counts
+    log_ratio: torch.Tensor  # (B, T) log pi_theta - log pi_old
+    ratio: torch.Tensor  # (B, T), or (B, 1) at importance_sampling_level sequence: pi_theta / pi_old
+    sampler_weights: torch.Tensor | None = None  # (B, T) the importance weights VESPO folds into phi (section 4)
+
+
+# A per-token loss: (LossInputs, the config: TRL's fields) -> ((B, T) or (B, 1) loss, {name: tensor} for its metrics).
+def epsilon_high(c) -> float:  # TRL's: None is `epsilon`
+    return c.epsilon if c.epsilon_high is None else c.epsilon_high
+
+
+def clipped_loss(x: LossInputs, c):
+    """PPO's clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A), r capped at `delta` if set (as in TRL, the
+    clip metrics read the capped r)."""
+    clipped = x.ratio.clamp(1 - c.epsilon, 1 + epsilon_high(c))
+    ratio = x.ratio if c.delta is None else x.ratio.clamp(max=c.delta)
+    low, high = (ratio < 1 - c.epsilon) & (x.advantages < 0), (ratio > 1 + epsilon_high(c)) & (x.advantages > 0)
+    return -torch.min(ratio * x.advantages, clipped * x.advantages), {"clip_ratio": (low, high)}
+
+
+def cispo_loss(x: LossInputs, c):
+    """CISPO: -sg(min(r, eps_high)) A log pi, a gradient on every token."""
+    capped = x.ratio.clamp(max=epsilon_high(c)).detach()
+    return -capped * x.advantages * x.logps, {"cispo_clip_ratio": (x.ratio > epsilon_high(c)) & (x.advantages > 0)}
+
+
+def sapo_loss(x: LossInputs, c):
+    """SAPO: a soft gate 4/tau sigmoid(tau (r - 1)) in place of the clip, tau by the advantage's sign."""
+    tau = torch.where(x.advantages > 0, c.sapo_temperature_pos, c.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (x.ratio - 1)) * 4 / tau * x.advantages, {}
+
+
+def vespo_loss(x: LossInputs, c):
+    """VESPO: -phi(w) A log pi, phi a gamma weight of the sequence's ratio w (TRL's get_gamma_weights), detached."""
+    phi = GRPOTrainer.get_gamma_weights(x.advantages, x.log_ratio, x.mask, x.sampler_weights, c.vespo_k_pos,
+                                        c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg)
+    return -phi * x.advantages * x.logps, {"vespo/phi_seq_mean": phi}
+
+
+@dataclass(frozen=True)
+class LossWindow:  # what the normalisers count
+    accumulation: float  # micro-batches of one optimizer step (1 in evaluation)
+    window_tokens: torch.Tensor  # loss tokens of the generation batch, per process, per accumulation window
+    max_completion_length: int
+
+
+# A normaliser: (loss * mask (B, T), mask, LossWindow) -> the micro-batch's loss (divided by `accumulation` after).
+def sequence_mean(loss, mask, w):  # each row's mean over its tokens, then over rows
+    return (loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def sequence_sum(loss, mask, w):  # each row's sum, then the mean over rows
+    return loss.sum(-1).mean()
+
+
+def micro_batch_token_mean(loss, mask, w):
+    return loss.sum() / mask.sum().clamp(min=1.0)
+
+
+def fixed_length_mean(loss, mask, w):  # over rows x max_completion_length
+    return loss.sum() / (loss.size(0) * w.max_completion_length)
+
+
+def window_token_mean(loss, mask, w):  # over the loss tokens of one optimizer step
+    return loss.sum() / w.window_tokens
+
+
+@dataclass(frozen=True)
+class LossType:
+    per_token: Callable  # the loss of each token, above
+    normalise: Callable  # the normaliser, above
+    per_window: bool = False  # the normaliser spans the accumulation window (else the loss is divided by its steps)
+    # what mask_zero_advantage_groups rescales (zero_signal_scale): "rows" | "tokens" of the generation batch; None: a
+    # normaliser it cannot make exact (bnpo's depends on which rows share a micro-batch), refused at start
+    zero_signal: str | None = None
+
+
+# `loss_type` -> its loss: TRL's menu, the same numbers (tests/test_loss.py holds each against TRL's _compute_loss).
+# Adding a loss: its per-token function (and a normaliser, if none fits) above and one entry here.
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_loss, sequence_mean, zero_signal="rows"),
+    "bnpo": LossType(clipped_loss, micro_batch_token_mean),
+    "dr_grpo": LossType(clipped_loss, fixed_length_mean, zero_signal="rows"),
+    "dapo": LossType(clipped_loss, window_token_mean, per_window=True, zero_signal="tokens"),
+    "luspo": LossType(clipped_loss, sequence_sum, zero_signal="rows"),
+    "cispo": LossType(cispo_loss, window_token_mean, per_window=True, zero_signal="tokens"),
+    "sapo": LossType(sapo_loss, sequence_mean, zero_signal="rows"),
+    "vespo": LossType(vespo_loss, window_token_mean, per_window=True, zero_signal="tokens"),
+}
+
+
+def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                c, w: LossWindow, ref_logps: torch.Tensor | None = None,
+                sampling_logps: torch.Tensor | None = None, sampler_weights: torch.Tensor | None = None,
+                entropy_mask: torch.Tensor | None = None):
+    """(the micro-batch's loss before TRL's entropy bonus, its policy term before / accumulation steps, the per-token
+    KL or None, the loss type's metrics), as TRL's _compute_loss: the loss type's per-token loss, off-policy sequences
+    (DeepSeek-V3.2's mask) and tokens outside the entropy mask dropped, plus beta x the k3 KL, then normalised."""
+    log_ratio = logps - old_logps
+    if c.importance_sampling_level == "sequence":  # GSPO: the mean log-ratio of the sequence
+        log_ratio_used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif c.importance_sampling_level == "token":
+        log_ratio_used = log_ratio
+    else:
+        raise ValueError(f"importance_sampling_level is {c.importance_sampling_level!r}; choose token or sequence.")
+    if c.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type is {c.loss_type!r}; choose one of {list(LOSS_TYPES)} (LOSS_TYPES, section 4).")
+    loss_type, ratio = LOSS_TYPES[c.loss_type], log_ratio_used.exp()
+    per_token, metrics = loss_type.per_token(LossInputs(logps, advantages, mask, log_ratio, ratio, sampler_weights), c)
+    if c.off_policy_mask_threshold is not None:
+        per_token = per_token * GRPOTrainer.get_off_policy_mask(
+            advantages, logps, old_logps if sampling_logps is None else sampling_logps, mask, c.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
+    kl = None
+    if c.beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        kl = kl * ratio if c.use_bias_correction_kl else kl
+        per_token = per_token + c.beta * kl
+    term = loss_type.normalise(per_token * mask, mask, w)
+    return (term if loss_type.per_window else term / w.accumulation), term.detach(), kl, metrics
 
 
 def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: torch.Tensor,
                       rows: torch.Tensor, informative_rows: torch.Tensor) -> torch.Tensor:
-    """() factor on every advantage of one generation batch that takes groups without signal out of the
-    policy-gradient term's normaliser; every other term (KL, entropy bonus, metrics) keeps TRL's. Arguments:
-    loss tokens and rows of the generation batch (all processes), all and informative. One constant, so the
-    layout of rows into micro-batches does not matter. Rows: TRL divides each micro-batch of b rows by g
-    accumulation steps and DDP averages P processes, so a step sums its P g b row terms / (P g b); times
-    R / R_inf (R = P S b rows, S = steps_per_generation) that is its informative row terms / (R_inf g / S):
-    with S = g (TRL's default) the mean over the informative rows, as if the others were absent; else over
-    the step's expected share of them, as TRL's dapo treats tokens. Exact: the other rows' advantages are 0, and
-    every policy term is linear in a positively scaled advantage (PPO's min(r A, clip(r) A); CISPO, SAPO and
-    VESPO pick their branch by the sign of A). No signal at all: factor 1."""
-    if loss_type not in SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED:
+    """() factor on one generation batch's advantages that takes groups without signal out of the policy term's
+    normaliser, from its loss tokens and rows, all and informative (all processes). Exact, as every policy term is
+    linear in a positively scaled advantage (docs/guide.md, "The algorithm's choices"); no signal at all: 1."""
+    counted = LOSS_TYPES[loss_type].zero_signal if loss_type in LOSS_TYPES else None
+    if counted is None:
         raise ValueError(f"`loss_type: {loss_type}` has no normaliser that `mask_zero_advantage_groups` makes "
                          "exact; set `mask_zero_advantage_groups: false`, or use one of "
-                         f"{list(SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)}.")
-    total, kept = (rows, informative_rows) if loss_type in SEQUENCE_NORMALISED else (items, informative_items)
+                         f"{[name for name, t in LOSS_TYPES.items() if t.zero_signal]}.")
+    total, kept = (rows, informative_rows) if counted == "rows" else (items, informative_items)
     total, kept = total.float(), kept.float()
     return torch.where(kept > 0, total / kept.clamp(min=1e-9), torch.ones_like(total))
 
@@ -474,7 +508,7 @@ def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: to
 # 5. The vLLM server client: token ids in; sampled ids, their logprobs and a finish reason out.
 # The in-process backend, TransformersBackend, is in sampling.py; make_backend (section 8) picks one by name.
 # ------------------------------------------------------------------------------------------------
-class VLLMServerClient:
+class VLLMServerClient(ServerEndpoints):
     """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
     vllm.entrypoints.openai.api_server`). Each env round sends all live conversations as a few
     batched `/v1/completions` requests, `vllm_max_concurrent_requests` at a time; every request has
@@ -578,41 +612,11 @@ class VLLMServerClient:
 
         return self.post("/v1/completions", body, parse)
 
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """The server's logprob of each token of `ids` given the ones before it (raw logits, no
-        temperature: vLLM scores prompt tokens before any sampling processor). len(ids) - 1 values."""
-        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
-                "temperature": 1.0}
-        scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
-        return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
-
-    # -- weight sync: the logic is in weight_sync.py; the server's endpoints are here ----------------
+    # -- weight sync: the logic and the server's endpoints (ServerEndpoints) are in engine/weight_sync.py --------
     def sync_weights(self, model, accelerator) -> dict:
         """Give the server the current policy and check that it took (WeightSync). Returns `sync/...` metrics."""
         return self.weights(model, accelerator)
 
-    def reload_weights_from_disk(self, weights_dir: str) -> None:
-        """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
-        Needs VLLM_SERVER_DEV_MODE=1 on the server. A failed reload leaves vLLM's model on the meta
-        device and the server dies on its next request, so the folder is checked first."""
-        if not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
-            raise FileNotFoundError(f"No .safetensors file in {weights_dir}: refusing to ask vLLM to reload "
-                                    "from it.")
-        self.post("/collective_rpc",
-                  {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
-        self.reset_prefix_cache()
-
-    def reset_prefix_cache(self) -> None:
-        # Cached KV blocks were computed with the old weights; a reload does not drop them.
-        self.post("/reset_prefix_cache", {})
-
-    def load_lora_adapter(self, name: str, folder: str) -> None:
-        """Serve the PEFT adapter in `folder` under `name` (vLLM started with --enable-lora and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it must see the same filesystem)."""
-        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(folder)}, parse=None)
-
-    def unload_lora_adapter(self, name: str) -> None:
-        self.post("/v1/unload_lora_adapter", {"lora_name": name}, parse=None)
 
 # ------------------------------------------------------------------------------------------------
 # 6. Multi-turn env: the generate/step loop
@@ -633,10 +637,8 @@ class MultiTurnToolEnv:
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
                  turn_samples: str = "interleaved", questions: bool = True, reset_timeout: float | None = None,
                  max_prompt_length: int | None = None, max_user_turns: int | None = None):
-        self.tokenizer = tokenizer
-        # rounds | per_episode | auto (per_episode when the backend can submit requests)
-        self.scheduler = scheduler
-        self.protocol = protocol
+        self.tokenizer, self.protocol = tokenizer, protocol
+        self.scheduler = scheduler  # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.tools = {fn.__name__: fn for fn in tools}
         self.template_tools = protocol.template_tools(tools)
         self.toolset = Toolset(self.tools, self.template_tools)
@@ -648,9 +650,8 @@ class MultiTurnToolEnv:
         self.max_tool_response_tokens = max_tool_response_tokens or max_completion_length  # None: the budget's
         self.tool_timeout, self.reset_timeout = tool_timeout, reset_timeout or tool_timeout
         self.tool_max_workers = tool_max_workers
-        # an environment's observation cut to the prompt budget
         self.fit = None if max_prompt_length is None or environments is None else \
-            prompt_fitter(self.render_ids, tokenizer, max_prompt_length)
+            prompt_fitter(self.render_ids, tokenizer, max_prompt_length)  # an environment's observation, cut to fit
         self.tokenization_check = tokenization_check
         self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -816,9 +817,10 @@ class Scores:
     R_O: torch.Tensor  # (B,) weighted outcome reward
 
 
-class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
+class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
     """GRPOTrainer whose rollouts are multi-turn episodes and whose advantages are per token. Its metrics and
-    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (reporting.py)."""
+    recorded rollouts (`_log`, `_record_rollout`) are written by TrainerReports (run/reporting.py); TRL's terms around
+    the policy loss (entropy bonus, auxiliary loss, the loss metrics) by LossTerms (run/loss_terms.py)."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -834,7 +836,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         args = trainer_config(args, script_args, model)  # the trainer's own MTGRPOConfig; the caller's stays as given
         score_labelled_tokens_only()
         check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
-        check_training_args(args, SEQUENCE_NORMALISED + BATCH_TOKEN_NORMALISED)
+        check_training_args(args, LOSS_TYPES, [name for name, t in LOSS_TYPES.items() if t.zero_signal])
         configured = backend is None
         if configured:  # the configured one's capabilities, before it connects; a given one's below
             check_backend(args, peft_config, backend_class(args))
@@ -842,19 +844,13 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         if env is None:  # the Python API and the recipe: build from the config
             from mt_grpo.run import builders
 
-            parts = builders.assemble(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                      tools=tools, turn_reward_funcs=turn_reward_funcs, corpus=corpus,
-                                      outcome_reward_funcs=outcome_reward_funcs, processing_class=processing_class,
-                                      environment_factory=environment_factory, reward_funcs=reward_funcs)
-            env, processing_class = make_env(args, parts), parts.tokenizer
-            turn_reward_funcs, outcome_reward_funcs = parts.turn_funcs, parts.outcome_funcs
-            train_dataset, eval_dataset = (builders.prompt_dataset(t, args, env, parts.turn_funcs + parts.outcome_funcs)
-                                           for t in (parts.train, parts.eval))
+            parts, env, train_dataset, eval_dataset = builders.build_from_config(
+                model, args, make_env, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
+                turn_reward_funcs=turn_reward_funcs, outcome_reward_funcs=outcome_reward_funcs, corpus=corpus,
+                processing_class=processing_class, environment_factory=environment_factory, reward_funcs=reward_funcs)
+            processing_class, turn_reward_funcs, outcome_reward_funcs = parts.tokenizer, parts.turn_funcs, parts.outcome_funcs
             eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
             weights, step_rewards = parts.weights, parts.step_rewards  # the environment's functions weigh 1
-            # every curve starts at the untrained model (a resumed run evaluated it before it stopped)
-            args.eval_on_start = eval_dataset is not None and args.eval_strategy != "no" \
-                and not args.resume_from_checkpoint
         self.advantage_mode = resolve_advantage_mode(args.advantage_mode, bool(turn_reward_funcs), step_rewards)
         check_reward_sources(args, self.advantage_mode, ADVANTAGE_MODES[self.advantage_mode].credits_turns,
                              turn_reward_funcs, outcome_reward_funcs)
@@ -875,6 +871,8 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         args.reward_weights = trl_weights
         self.env, self.backend = env, backend
         self.packing = PackedForward(args, self.accelerator.autocast, self._metrics)
+        self.advantage = {mode: AdvantageSettings(self.advantage_mode, self._episodes_per_prompt(mode), args)
+                          for mode in ("train", "eval")}  # section 3's settings, one object each
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
         self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
@@ -914,9 +912,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
 
     def _has_signal(self, scores: Scores) -> torch.Tensor:
         """(groups,) True where a group gives some token a non-zero advantage: what dynamic sampling keeps."""
-        a = self.args
-        return groups_with_signal(scores.R_T, scores.R_O, self.num_generations, self.advantage_mode,
-                                  a.turn_advantage_coef, a.scale_rewards, a.turn_normalization, a.turn_credit_discount)
+        return groups_with_signal(scores.R_T, scores.R_O, self.advantage["train"])
 
     def _progress(self) -> bool:
         return not self.args.disable_tqdm and self.accelerator.is_main_process
@@ -975,17 +971,10 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         with torch.no_grad(), self.packing.row_samples(batch["sample_starts"]):
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
-            if self._corrects_sampler() or frame:
-                # pi_trainer of the IS weights and of the off-policy mask: of the distribution the sampler drew from
-                params = self.backend.params
-                if params.truncates:
+            if self._corrects_sampler() or frame:  # pi_trainer of the distribution the sampler drew from
+                if self.backend.params.truncates:  # IS weights and off-policy mask: engine/sampling.py
                     with self.accelerator.autocast():
-                        batch["trainer_sampler_logps"] = policy_sampler_logprobs(
-                            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                            batch["completion_mask"], params, batch["sample_starts"], sampler_kept)
-                    if kept_set_logprobs(params.top_p, params.top_k, params.min_p):  # a metric (_correct_for_sampler)
-                        batch["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) \
-                            if sampler_kept is None else (sampler_kept >= 0).any(-1).long()
+                        batch.update(sampled_distribution_logps(self.model, batch, self.backend.params, sampler_kept))
                 else:  # the softmax at the temperature: what TRL's logprobs already are
                     batch["trainer_sampler_logps"] = batch["old_per_token_logps"]
             if self.beta != 0.0 and self.ref_model is not None:
@@ -1020,7 +1009,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         if not self.turn_reward_funcs:
             R_T = torch.zeros(len(turn), K, device=device)
         else:  # per_turn: a column per tool turn; every mode: turn 0 for everyone, with or without a tool call
-            R_T = per_turn_reward_table(turn, self.turn_weights.to(device),
+            R_T = turn_reward_table(turn, self.turn_weights.to(device),
                                         collect(torch.tensor(tool_turns, device=device)),
                                         [is_per_tool_turn(fn) for fn in self.turn_reward_funcs])
         R_O = weighted_reward(outcome, self.outcome_weights.to(device)) if self.outcome_reward_funcs else \
@@ -1032,10 +1021,7 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         rows. Groups without signal leave the loss and its normaliser (mask_zero_advantage_groups)."""
         B, rank, a = len(batch["completion_ids"]), self.accelerator.process_index, self.args
         local = slice(rank * B, (rank + 1) * B)
-        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self._episodes_per_prompt(mode),
-                                 self.advantage_mode, a.turn_advantage_coef, a.scale_rewards,
-                                 local=local, turn_normalization=a.turn_normalization,
-                                 turn_credit_discount=a.turn_credit_discount)
+        adv = mt_grpo_advantages(scores.R_T, scores.R_O, batch["token_turns"], self.advantage[mode], local=local)
         batch["advantages"] = adv.tokens
         mask = loss_mask(batch)
         informative = adv.informative[local].to(mask.dtype)  # (B_local,)
@@ -1070,13 +1056,30 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
         return weights
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss, with groups without signal out of the policy term's normaliser: the advantages times
-        the generation batch's factor (zero_signal_scale); the recorded advantages stay unscaled."""
-        if "zero_signal_scale" in inputs:
-            inputs = dict(inputs)
-            inputs["advantages"] = inputs["advantages"] * inputs.pop("zero_signal_scale")
+        """The loss stage: the policy's logprobs (packed where asked), then section 4's `policy_loss` on them, with the
+        advantages times the generation batch's zero_signal_scale (the recorded ones stay unscaled); TRL's entropy bonus
+        and auxiliary loss join it, and its metrics are logged (LossTerms)."""
+        mode, mask = "train" if self.model.training else "eval", inputs["completion_mask"] * inputs["tool_mask"]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.packing.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # the rows' layout
-            return super()._compute_loss(model, inputs)
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model, ids, attention, mask.shape[1], compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile) \
+                if self.top_entropy_quantile < 1.0 else None
+        old = inputs.get("old_per_token_logps")  # None: the policy has not moved since the rollout (TRL's rule)
+        loss, term, kl, metrics = policy_loss(
+            logps, logps.detach() if old is None else old, inputs["advantages"] * inputs.get("zero_signal_scale", 1.0), mask, self.args,
+            self._loss_window(inputs, mode), inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
+            inputs.get("importance_sampling_ratio"), entropy_mask)
+        return self._loss_terms(mode, loss, term, entropies, mask, entropy_mask, aux_loss, kl, metrics)  # LossTerms
+
+    def _loss_window(self, inputs: dict, mode: str) -> LossWindow:
+        """The normalisers' counts, as TRL's: the window's micro-batches, and its loss tokens per process."""
+        steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # evaluation accumulates none
+        share = steps / self.args.steps_per_generation if mode == "train" else 1.0  # num_items spans the generation
+        tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes * share  # batch
+        return LossWindow(steps, tokens, self.args.max_completion_length)
 
     def train(self, *args, **kwargs):
         """TRL's training loop; a SIGTERM mid-rollout ends it with the last step's checkpoint (reporting.stoppable)."""
@@ -1096,14 +1099,13 @@ class MTGRPOEnvTrainer(TrainerReports, GRPOTrainer):
 
     def run_evaluation(self, dataset=None) -> tuple[dict[str, float], list[dict]]:
         """(eval/... metrics, per-episode records): the sampler synced, episodes rolled out and scored by `_score`."""
-        return evaluation.run_evaluation(self, dataset, sync=self._sync_weights, score=self._score)
+        return evaluation.run_evaluation(self, dataset, sync=self._sync_weights, score=self._score,
+                                         progress=self._progress(), async_rollouts=self._async)
 
 
 # ------------------------------------------------------------------------------------------------
 # 8. Wiring and main
 # ------------------------------------------------------------------------------------------------
-
-
 def trainer_config(args: GRPOConfig | None, script_args: "MTGRPOScriptArguments | None", model) -> "MTGRPOConfig":
     """The trainer's own MTGRPOConfig (one object: TRL's fields and ours): a copy of `args` (the caller's is never
     changed); a plain GRPOConfig gets ours from `script_args` (else their defaults), as the same object."""
@@ -1119,18 +1121,17 @@ def trainer_config(args: GRPOConfig | None, script_args: "MTGRPOScriptArguments 
 
 
 def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
-    """The env of a config, from what builders.assemble resolved (`parts`: tokenizer, tools, prompt parts)."""
+    """The env of a config, from what run/builders.py resolved (`parts`: tokenizer, tools, prompt parts)."""
     return MultiTurnToolEnv(
         tokenizer=parts.tokenizer, protocol=get_protocol(args.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
         max_env_steps=next((n for n in (args.max_env_steps, args.max_tool_calling_iterations) if n is not None), None),
-        max_tokens_per_turn=args.max_tokens_per_turn,
-        max_completion_length=args.max_completion_length, max_tool_response_tokens=args.max_tool_response_tokens,
+        max_tokens_per_turn=args.max_tokens_per_turn, max_completion_length=args.max_completion_length,
+        max_tool_response_tokens=args.max_tool_response_tokens, max_user_turns=args.max_user_turns,
         tool_timeout=args.tool_timeout, tool_max_workers=args.tool_max_workers, tokenization_check=args.tokenization_check,
-        reset_timeout=args.reset_timeout, max_prompt_length=args.max_prompt_length,
-        few_shot=args.few_shot, chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids,
-        scheduler=args.rollout_scheduler, task_prompt=parts.task_prompt, examples=parts.examples,
-        environments=parts.environments, turn_samples=args.turn_samples, questions=parts.questions,
-        max_user_turns=args.max_user_turns)
+        reset_timeout=args.reset_timeout, max_prompt_length=args.max_prompt_length, few_shot=args.few_shot,
+        chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids, task_prompt=parts.task_prompt,
+        scheduler=args.rollout_scheduler, examples=parts.examples, environments=parts.environments,
+        turn_samples=args.turn_samples, questions=parts.questions)
 
 
 def backend_class(args: "MTGRPOConfig") -> type:
@@ -1142,8 +1143,7 @@ def make_backend(args: "MTGRPOConfig", env: MultiTurnToolEnv):
     params, stop_strings, eos_token_ids = SamplingParams.from_config(args), env.protocol.stop_strings, env.eos_token_ids
     if backend_class(args) is TransformersBackend:
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
-                                   stop_strings=stop_strings,
-                                   gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                   stop_strings=stop_strings, gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
     client = lambda url: VLLMServerClient(base_url=url,  # noqa: E731
         params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,

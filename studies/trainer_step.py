@@ -22,7 +22,7 @@ from prepare_models import make_tiny_model
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from mt_grpo_trainer import MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, mt_grpo_advantages
+from mt_grpo_trainer import AdvantageSettings, MTGRPOEnvTrainer, MTGRPOScriptArguments, MultiTurnToolEnv, mt_grpo_advantages
 from mt_grpo.engine.sampling import TransformersBackend, SamplingParams
 from mt_grpo.base.protocol import XMLProtocol
 
@@ -70,7 +70,7 @@ def batch(vocab):
 
 def step(trainer, inputs, multi_turn, model_mask, turns, R_T, R_O):
     if multi_turn:
-        inputs = {**inputs, "advantages": mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0).tokens, "tool_mask": model_mask}
+        inputs = {**inputs, "advantages": mt_grpo_advantages(R_T, R_O, turns, AdvantageSettings.of("mt_grpo", G, turn_advantage_coef=1.0)).tokens, "tool_mask": model_mask}
     else:  # TRL's sequence-level advantage, as its _generate_and_score_completions computes it
         r = R_O.view(-1, G)
         inputs = {**inputs, "advantages": ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)}
@@ -96,7 +96,7 @@ def time_steps(repeats=12):
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     t0 = time.perf_counter()
     for _ in range(100):
-        mt_grpo_advantages(R_T, R_O, turns, G, "mt_grpo", 1.0)
+        mt_grpo_advantages(R_T, R_O, turns, AdvantageSettings.of("mt_grpo", G, turn_advantage_coef=1.0))
     adv_us = (time.perf_counter() - t0) / 100 * 1e6
     base = med["TRL GRPOTrainer"]
     print_table(f"Trainer step, tiny Qwen2, batch {B} x (prompt {P} + completion {T}), median of {repeats}",

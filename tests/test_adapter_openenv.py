@@ -99,7 +99,7 @@ def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
     turn is never sampled). B guesses 1, 2, 4, 5: -0.1 each, and the fourth try is the last (done). per_turn pools
     the group's six turns: mean (1 - 0.5) / 6, the unbiased std of the six; A_T by hand."""
     from mt_grpo.rollout.episodes import pad_episodes
-    from mt_grpo_trainer import mt_grpo_advantages
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
 
     factory = adapted("number_guess:NumberGuessEnvironment").environment_factory
     rows = [{"prompt": "Guess the number.", "seed": 1}] * 2
@@ -115,7 +115,7 @@ def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
     assert credit == [[pytest.approx(-0.1), 1.0], [pytest.approx(-0.1)] * 4]
     R_T = torch.tensor([credit[0] + [float("nan")] * 2, credit[1]])
     turns = pad_episodes([a, b], 0, False)["token_turns"]
-    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     values = torch.tensor([-0.1, 1.0, -0.1, -0.1, -0.1, -0.1])
     mean, std = values.mean(), values.std()
     assert torch.allclose(adv.tokens[0][turns[0] == 1], (1.0 - mean) / std, atol=1e-4)

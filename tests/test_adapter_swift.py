@@ -115,7 +115,7 @@ def test_a_react_tool_scheduler_appends_its_observation_and_the_gym_rewards_are_
 # -- rewards: swift's keywords ----------------------------------------------------------------------------------------
 def test_orm_rewards_get_swift_keywords_and_text_completions():
     from mt_grpo.adapters.swift import adapt
-    from mt_grpo.rewards import get_reward_func
+    from mt_grpo.adapters import resolve_reward
 
     adapt(config(None, external_plugins=[PLUGIN]))  # the plugin's `orms` registrations serve the reward lists
     seen = {}
@@ -145,10 +145,10 @@ def test_orm_rewards_get_swift_keywords_and_text_completions():
                  stop_reason=["turn_length"]) == [19.0]
     assert seen["is_truncated"] == [True]
     # by dotted path, by the plugin's `orms` name, and swift's built-in 'accuracy' (MathAccuracy)
-    fmt = get_reward_func("plugin:MultiTurnFormat")
-    assert fmt.__name__ == "MultiTurnFormat" and get_reward_func("multi_turn_format").__name__ == "MultiTurnFormat"
+    fmt = resolve_reward("plugin:MultiTurnFormat")
+    assert fmt.__name__ == "MultiTurnFormat" and resolve_reward("multi_turn_format").__name__ == "MultiTurnFormat"
     assert fmt(prompts=[QUESTION], completions=[completion]) == [1.0]
-    accuracy = get_reward_func("accuracy")
+    accuracy = resolve_reward("accuracy")
     assert accuracy(prompts=[QUESTION], completions=[completion, [{"role": "assistant", "content": "13"}]],
                     solution=[SOLUTION] * 2) == [1.0, 0.0]
 
@@ -287,7 +287,7 @@ def test_a_continuation_tip_sits_inside_the_models_message_with_mask_0(smollm2_t
     """MathTipsScheduler, scripted: the first sample is cut before '</think>' (its tokens that stay are the model's),
     the tip follows inside the same assistant message (mask 0), sampling continues there; the rewards read the
     continued message (swift's MathAccuracy: right), and the turns count 2 (swift's num_turns)."""
-    from mt_grpo.rewards import get_reward_func
+    from mt_grpo.adapters import resolve_reward
 
     env, pool = swift_env(smollm2_tokenizer, f"{PLUGIN}:MathTipsScheduler", model_name_or_path=smollm2_dir)
     question = "What is the value of sqrt(36 sqrt(16))?"
@@ -304,8 +304,8 @@ def test_a_continuation_tip_sits_inside_the_models_message_with_mask_0(smollm2_t
     assert [m["content"] for m in ep.messages] == [continued]
     assert ep.toolset.environment.rollout_infos == {"num_turns": 2}
     completions = [ep.messages]
-    assert get_reward_func("accuracy")(prompts=[rows[0]["prompt"]], completions=completions,
-                                       solution=[SOLUTION]) == [1.0]
+    assert resolve_reward("accuracy")(prompts=[rows[0]["prompt"]], completions=completions,
+                                      solution=[SOLUTION]) == [1.0]
     # one model turn for the credit: the continuation's turn is the turn it continues, answered by no one
     assert ep.tool_turns == 0 and pool.reward_funcs[1][0].__name__ == "MathTipsScheduler_steps"
 
@@ -315,7 +315,7 @@ def test_swift_s_own_plugin_file_imports_and_its_react_tool_scheduler_runs(smoll
     copy stands in for): its ToolCallScheduler runs the calculator named in the model's ReAct text and appends the
     result inside the model's message (a continuation keeping the whole sample); its CountdownORM is a reward by its
     `orms` name."""
-    from mt_grpo.rewards import get_reward_func
+    from mt_grpo.adapters import resolve_reward
 
     spec = os.path.join("tests", "fixtures", "swift", "examples_plugin.py") + ":tool_call_scheduler"
     env, pool = swift_env(smollm2_tokenizer, spec, swift_max_turns=5, model_name_or_path=smollm2_dir)
@@ -329,7 +329,7 @@ def test_swift_s_own_plugin_file_imports_and_its_react_tool_scheduler_runs(smoll
     assert (decode(ep.spans[0]), decode(ep.spans[1])) == (first, "Result: 5")
     assert ep.messages[0]["content"] == first + "Result: 5" + final
     assert ep.toolset.environment.rollout_infos == {"tool_results": "Result: 5", "num_turns": 2}
-    countdown = get_reward_func("external_countdown")
+    countdown = resolve_reward("external_countdown")
     assert countdown(prompts=["p"] * 2, completions=[[{"role": "assistant", "content": "<answer>(2+3)*4</answer>"}],
                                                       [{"role": "assistant", "content": "<answer>2+3+4</answer>"}]],
                      target=[20, 20], nums=[[2, 3, 4]] * 2) == [1.0, 0.0]
@@ -360,8 +360,8 @@ def test_a_new_round_scheduler_s_turns_and_their_credit_by_hand(smollm2_tokenize
     import torch
 
     from mt_grpo.rollout.episodes import pad_episodes
-    from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table
-    from mt_grpo.rewards import get_reward_func
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+    from mt_grpo.adapters import resolve_reward
 
     plugin = tmp_path / "graded.py"
     plugin.write_text(GRADED.format(fixtures=os.path.join(ROOT, "tests", "fixtures", "swift")))
@@ -382,14 +382,14 @@ def test_a_new_round_scheduler_s_turns_and_their_credit_by_hand(smollm2_tokenize
     turns = [a.tool_turns, b.tool_turns]
     per_func = compute_rewards_per_func(turn_funcs, ["p", "p"], [a.messages, b.messages],
                                         {"environments": environments}, turns, 1)
-    R_T = per_turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
     assert R_T.tolist() == [[-0.5], [0.0]]
-    accuracy = get_reward_func("accuracy")
+    accuracy = resolve_reward("accuracy")
     R_O = compute_rewards_per_func([accuracy], ["p", "p"], [a.messages, b.messages],
                                    {"solution": [SOLUTION] * 2, "environments": environments})[:, 0]
     assert R_O.tolist() == [1.0, 1.0]
     token_turns = pad_episodes([a, b], 0, False)["token_turns"]
-    adv = mt_grpo_advantages(R_T, R_O, token_turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, R_O, token_turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-0.7071), atol=1e-4)
     assert torch.allclose(adv.tokens[1][token_turns[1] == 0], torch.tensor(0.7071), atol=1e-4)
 

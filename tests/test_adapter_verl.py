@@ -110,14 +110,14 @@ def roll(env, rows, script):
 
 
 def turn_table(pool, episodes, rows):
-    from mt_grpo_trainer import compute_rewards_per_func, per_turn_reward_table
+    from mt_grpo_trainer import compute_rewards_per_func, turn_reward_table
 
     funcs = pool.reward_funcs[1]
     columns = {"environments": [ep.toolset.environment for ep in episodes]}
     turns = max(ep.tool_turns for ep in episodes)
     values = compute_rewards_per_func(funcs, ["p"] * len(rows), [ep.messages for ep in episodes], columns,
                                       [ep.tool_turns for ep in episodes], turns)
-    return per_turn_reward_table(values, torch.ones(len(funcs)), torch.tensor([ep.tool_turns for ep in episodes]),
+    return turn_reward_table(values, torch.ones(len(funcs)), torch.tensor([ep.tool_turns for ep in episodes]),
                                  [True] * len(funcs))
 
 
@@ -126,7 +126,7 @@ def test_the_gsm8k_tool_gives_each_turn_its_step_reward_and_the_advantages_by_ha
     """verl 0.7.1 creates the tool's instance per call, so Gsm8kTool's step reward compares each answer with a
     fresh 0.0: 0.0 for a right answer, -0.05 for a wrong one. A: 72 (right). B: 70, then 72. The turn's R_T is the
     step reward; its schema is the YAML's, and the prompt is verl's, with no system prompt of ours."""
-    from mt_grpo_trainer import mt_grpo_advantages
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
     from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
@@ -147,7 +147,7 @@ def test_the_gsm8k_tool_gives_each_turn_its_step_reward_and_the_advantages_by_ha
     # per_turn: the group's turns (0, -0.05, 0) pooled: mean -1/60, std (unbiased) 0.028868;
     # A_T = (0 + 1/60) / 0.028868 = 0.57735 for a right answer, -1.1547 for the wrong one
     turns = pad_episodes([a, b], 0, False)["token_turns"]
-    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(0.57735), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-1.1547), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 1], torch.tensor(0.57735), atol=1e-4)
@@ -157,13 +157,13 @@ def test_compute_score_gets_verls_arguments(qwen_style_tokenizer):
     """compute_score(data_source, solution_str, ground_truth, extra_info) by dotted path: the whole response decoded
     without special tokens (tool turns included), reward_model.ground_truth, the row's extra_info with the
     episode's tool_rewards, turn_scores and num_turns; its dict's "score" is the reward, its other keys logged."""
-    from mt_grpo.rewards import get_reward_func
+    from mt_grpo.adapters import resolve_reward
 
     env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
     rows = [verl_row("72", 0), verl_row("10", 1)]
     ep72, ep10 = roll(env, rows, {"Natalia sold clips": [call("70"), final("72")], "Weng earns": [final("12")]})
     # verl's custom_reward_function {path, name} as `path:name`
-    reward = get_reward_func(os.path.join(FIXTURES, "user_verl.py") + ":compute_score")
+    reward = resolve_reward(os.path.join(FIXTURES, "user_verl.py") + ":compute_score")
     assert reward.__name__ == "compute_score"
     reward.tokenizer = qwen_style_tokenizer  # as builders.assemble sets it
     logged, scored = {}, reward.verl_compute_score.__globals__["SCORED"]
@@ -186,7 +186,7 @@ def test_compute_score_gets_verls_arguments(qwen_style_tokenizer):
 def test_the_gsm8k_interaction_answers_as_the_user_and_scores_each_turn(qwen_style_tokenizer):
     """A wrong answer gets Gsm8kInteraction's feedback as a user turn and a score of 0; a right one its "correct"
     reply and the end of the episode. Each model turn's R_T is its score; the advantages by hand."""
-    from mt_grpo_trainer import mt_grpo_advantages
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
     from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = verl_env(qwen_style_tokenizer, interaction_config=INTERACTION_CONFIG)
@@ -203,7 +203,7 @@ def test_the_gsm8k_interaction_answers_as_the_user_and_scores_each_turn(qwen_sty
     assert R_T[0, 0].item() == 1.0 and R_T[1, :2].tolist() == [0.0, 1.0]
     # per_turn: (1, 0, 1) pooled: mean 2/3, std (unbiased) 0.57735; A_T = +0.57735 (right), -1.1547 (wrong)
     turns = pad_episodes([a, b], 0, False)["token_turns"]
-    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(0.57735), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-1.1547), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 1], torch.tensor(0.57735), atol=1e-4)

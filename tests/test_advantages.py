@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from mt_grpo_trainer import (ADVANTAGE_MODES, AdvantageMode, compute_rewards_per_func, group_normalize,
-                             importance_weights, mt_grpo_advantages, per_turn_reward_table, resolve_advantage_mode,
+from mt_grpo_trainer import (AdvantageSettings, ADVANTAGE_MODES, AdvantageMode, compute_rewards_per_func, group_normalize,
+                             importance_weights, mt_grpo_advantages, turn_reward_table, resolve_advantage_mode,
                              weighted_reward, zero_signal_scale)
 from mt_grpo.rollout.episodes import Span, result_start, token_turn_index
 from mt_grpo.run.checks import check_reward_columns
@@ -77,7 +77,7 @@ ROWS = turns([Span("model", 0, 3), Span("env", 3, 5), Span("model", 5, 6)],  # a
 
 
 def test_mt_grpo_gives_turn_credit_before_the_first_result_only():
-    adv = mt_grpo_advantages(R_T, R_O, ROWS, group_size=2, mode="mt_grpo", turn_advantage_coef=0.5)
+    adv = mt_grpo_advantages(R_T, R_O, ROWS, AdvantageSettings.of("mt_grpo", 2, turn_advantage_coef=0.5))
     assert adv.outcome.tolist() == pytest.approx([S, -S, -S, S])
     assert adv.turn[:, 0].tolist() == pytest.approx([S, -S, 0.0, 0.0])
     assert adv.tokens[0].tolist() == pytest.approx([S + 0.5 * S] * 3 + [S] * 3)
@@ -87,21 +87,21 @@ def test_mt_grpo_gives_turn_credit_before_the_first_result_only():
 
 
 def test_baselines_ignore_turn_positions():
-    only = mt_grpo_advantages(R_T, R_O, ROWS, 2, "outcome_only", 1.0)
+    only = mt_grpo_advantages(R_T, R_O, ROWS, AdvantageSettings.of("outcome_only", 2, turn_advantage_coef=1.0))
     assert torch.allclose(only.tokens, torch.tensor([[v] * 6 for v in (S, -S, -S, S)]))
-    merged = mt_grpo_advantages(R_T, R_O, ROWS, 2, "merged", 1.0)  # R_T + R_O: (1.5, 0) and (1, 3)
+    merged = mt_grpo_advantages(R_T, R_O, ROWS, AdvantageSettings.of("merged", 2, turn_advantage_coef=1.0))  # R_T + R_O: (1.5, 0) and (1, 3)
     assert torch.allclose(merged.tokens, torch.tensor([[v] * 6 for v in (S, -S, -S, S)]))
 
 
 def test_local_rows_of_a_process():
     # process 1 of 2 holds samples 2-3: its tokens, advantages normalised over the whole batch
-    adv = mt_grpo_advantages(R_T, R_O, ROWS[2:], 2, "mt_grpo", 1.0, local=slice(2, 4))
+    adv = mt_grpo_advantages(R_T, R_O, ROWS[2:], AdvantageSettings.of("mt_grpo", 2, turn_advantage_coef=1.0), local=slice(2, 4))
     assert torch.allclose(adv.tokens, torch.tensor([[-S] * 6, [S] * 6]))
 
 
 def test_groups_without_signal_are_marked():
     R = torch.tensor([1.0, 1.0, 0.0, 1.0])
-    adv = mt_grpo_advantages(torch.zeros(4), R, ROWS, 2, "mt_grpo", 1.0)
+    adv = mt_grpo_advantages(torch.zeros(4), R, ROWS, AdvantageSettings.of("mt_grpo", 2, turn_advantage_coef=1.0))
     assert adv.informative.tolist() == [False, False, True, True]
     assert adv.tokens[:2].abs().sum() == 0
 
@@ -127,7 +127,7 @@ def test_end_to_end_group_of_four_by_hand():
     R_T = torch.tensor([0.7, 0.7, 0.2, 0.0])
     R_O = torch.tensor([1.0, 0.0, 0.0, 0.0])
     rows = turns(*[[Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)]] * 3, [Span("model", 0, 3)], length=3)
-    adv = mt_grpo_advantages(R_T, R_O, rows, 4, "mt_grpo", 1.0)
+    adv = mt_grpo_advantages(R_T, R_O, rows, AdvantageSettings.of("mt_grpo", 4, turn_advantage_coef=1.0))
     assert adv.outcome.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])  # mean .25, sample std .5
     mean_t = 0.4
     std_t = math.sqrt(((0.3) ** 2 * 2 + 0.2**2 + 0.4**2) / 3)
@@ -284,7 +284,7 @@ BY_INDEX = [[S, S], [-S, 0.0], [0.0, 0.0], [0.0, -S]]
 
 @pytest.mark.parametrize("normalization, A_T", [("pooled", POOLED), ("by_turn_index", BY_INDEX)])
 def test_per_turn_credit_by_hand(normalization, A_T):
-    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, 4, "per_turn", 0.5, turn_normalization=normalization)
+    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, AdvantageSettings.of("per_turn", 4, turn_advantage_coef=0.5, turn_normalization=normalization))
     assert torch.allclose(adv.turn, torch.tensor(A_T), atol=1e-6)
     A_O = [A_O4, -A_O4, -A_O4, A_O4]
     env = None  # env tokens: A_O (masked in the loss anyway)
@@ -302,7 +302,7 @@ def test_per_turn_credit_by_hand(normalization, A_T):
 
 def test_per_turn_discount_adds_the_later_turns_credit():
     g = 0.5
-    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, 4, "per_turn", 1.0, turn_credit_discount=g)
+    adv = mt_grpo_advantages(PT_R_T, PT_R_O, PT_ROWS, AdvantageSettings.of("per_turn", 4, turn_advantage_coef=1.0, turn_credit_discount=g))
     A = POOLED
     assert adv.tokens[0, 0].item() == pytest.approx(A_O4 + A[0][0] + g * A[0][1])
     assert adv.tokens[0, 2].item() == pytest.approx(A_O4 + A[0][1])  # the last tool turn: its own credit
@@ -338,7 +338,7 @@ def test_a_per_turn_reward_of_the_wrong_length_or_in_the_outcome_rewards_is_an_e
         compute_rewards_per_func([one_value_too_many], ["p"], [[]], {})
 
 
-# ---- per_turn: an episode without a tool turn still has a turn 0 (per_turn_reward_table)
+# ---- per_turn: an episode without a tool turn still has a turn 0 (turn_reward_table)
 #   functions: f0 per-turn (one value per tool turn), f1 per-sample (one value per episode), weights 1 and 2
 #   s0: two tool turns, f0 (0.5, 0.2), f1 1.0      s1: one tool turn, f0 (0.5,), f1 0.0
 #   s2: no tool turn,   f0 [],         f1 0.0      s3: no tool turn, f0 [], f1 None
@@ -347,7 +347,7 @@ def test_per_turn_table_gives_an_episode_without_a_tool_turn_its_first_turn():
                              [[0.5, NAN], [0.0, NAN]],
                              [[NAN, NAN], [0.0, NAN]],
                              [[NAN, NAN], [NAN, NAN]]])
-    R_T = per_turn_reward_table(per_func, torch.tensor([1.0, 2.0]), torch.tensor([2, 1, 0, 0]), [True, False])
+    R_T = turn_reward_table(per_func, torch.tensor([1.0, 2.0]), torch.tensor([2, 1, 0, 0]), [True, False])
     expected = [[0.5 + 2.0, 0.2], [0.5, NAN], [0.0, NAN], [0.0, NAN]]  # s2, s3: f0 gives 0 to a turn without a call
     assert torch.allclose(R_T, torch.tensor(expected), equal_nan=True)
 
@@ -361,7 +361,7 @@ def test_per_turn_credit_reaches_an_episode_that_never_searched():
     rows = turns([Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)],
                  [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3)],
                  [Span("model", 0, 3)], [Span("model", 0, 3)], length=3)
-    adv = mt_grpo_advantages(R_T, R_O, rows, 4, "per_turn", 1.0)
+    adv = mt_grpo_advantages(R_T, R_O, rows, AdvantageSettings.of("per_turn", 4, turn_advantage_coef=1.0))
     std = math.sqrt(0.3275 / 3)
     A_T0 = [(r - 0.225) / std for r in (0.7, 0.2, 0.0, 0.0)]
     A_O = [0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5]  # R_O mean 0.25, sample std sqrt(0.75 / 3) = 0.5
@@ -386,18 +386,18 @@ def test_mt_grpo_with_a_per_turn_reward_credits_the_first_turn_of_an_episode_tha
 
     tool_turns = [2, 1, 0, 0]
     per_func = compute_rewards_per_func([found], ["p"] * 4, [[]] * 4, {}, tool_turns=tool_turns, max_turns=1)
-    R_T = per_turn_reward_table(per_func, torch.tensor([1.0]), torch.tensor(tool_turns), [True])
+    R_T = turn_reward_table(per_func, torch.tensor([1.0]), torch.tensor(tool_turns), [True])
     assert R_T.tolist() == [[0.5], [0.5], [0.0], [0.0]]
     rows = turns([Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 3), Span("env", 3, 4), Span("model", 4, 5)],
                  [Span("model", 0, 1), Span("env", 1, 2), Span("model", 2, 5)],
                  [Span("model", 0, 5)], [Span("model", 0, 5)], length=5)
-    adv = mt_grpo_advantages(R_T, torch.zeros(4), rows, 4, "mt_grpo", 1.0)
+    adv = mt_grpo_advantages(R_T, torch.zeros(4), rows, AdvantageSettings.of("mt_grpo", 4, turn_advantage_coef=1.0))
     a = math.sqrt(3) / 2
     assert adv.turn[:, 0].tolist() == pytest.approx([a, a, -a, -a])
     assert torch.allclose(adv.tokens, torch.tensor([[a, 0, 0, 0, 0], [a, 0, 0, 0, 0], [-a] * 5, [-a] * 5]))
     assert adv.informative.tolist() == [True] * 4
     without_the_rule = weighted_reward(per_func, torch.tensor([1.0]))  # (4, 1): 0.5 0.5 NaN NaN
-    without = mt_grpo_advantages(without_the_rule, torch.zeros(4), rows, 4, "mt_grpo", 1.0)
+    without = mt_grpo_advantages(without_the_rule, torch.zeros(4), rows, AdvantageSettings.of("mt_grpo", 4, turn_advantage_coef=1.0))
     assert without.informative.tolist() == [False] * 4 and without.tokens.abs().sum() == 0
 
 
@@ -419,9 +419,9 @@ def test_zero_signal_scale_without_signal_is_one_and_a_layout_dependent_loss_is_
 
 
 # ---- a new advantage mode is one function and one entry of ADVANTAGE_MODES
-def turn_only_credit(R_T, R_O, A_O, norm):
+def turn_only_credit(R_T, R_O, A_O, s):
     """A test's mode: no outcome advantage; A_T on the tokens before the first tool result."""
-    A_T = norm(R_T[:, 0])[:, None]
+    A_T = s.normalize(R_T[:, 0])[:, None]
     return torch.zeros_like(A_O), A_T, torch.cat([A_T, torch.zeros_like(A_T)], dim=1)
 
 
@@ -429,7 +429,7 @@ def test_a_mode_added_by_one_function_and_one_entry(monkeypatch):
     monkeypatch.setitem(ADVANTAGE_MODES, "turn_only", AdvantageMode(turn_only_credit, "A_T alone"))
     R_T, R_O = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])
     turns = torch.tensor([[0, 0, -1, 1], [0, -1, -1, -1], [0, 1, 1, -1], [0, 0, 0, 0]])
-    adv = mt_grpo_advantages(R_T, R_O, turns, 4, "turn_only", 0.5)
+    adv = mt_grpo_advantages(R_T, R_O, turns, AdvantageSettings.of("turn_only", 4, turn_advantage_coef=0.5))
     a = 1 / math.sqrt(1 / 3)  # A_T of R_T = (1, 0, 1, 0): +-0.5 / std 0.577
     expected = 0.5 * (turns == 0).float() * torch.tensor([0.5, -0.5, 0.5, -0.5])[:, None] * a
     assert torch.allclose(adv.tokens, expected, atol=1e-6)
@@ -437,7 +437,7 @@ def test_a_mode_added_by_one_function_and_one_entry(monkeypatch):
     # `auto` never picks an entry without a condition; an unknown mode names the table's
     assert resolve_advantage_mode("auto", turn_rewards=True, step_rewards=False) == "mt_grpo"
     with pytest.raises(ValueError, match="turn_only"):
-        mt_grpo_advantages(R_T, R_O, turns, 4, "no_such_mode", 1.0)
+        mt_grpo_advantages(R_T, R_O, turns, AdvantageSettings.of("no_such_mode", 4, turn_advantage_coef=1.0))
 
 
 ADD_A_MODE = """
@@ -469,3 +469,54 @@ def test_the_trainer_trains_with_an_added_mode(tiny_agent_dir, tmp_path):
         for k, (a, m) in enumerate(zip(tokens["advantage"], tokens["model_mask"])):
             want = 0.5 * (A_T[0] if isinstance(A_T, list) else A_T) if k < first else 0.0
             assert a == pytest.approx(want, abs=1e-5), (k, a, want)
+
+
+# ---- a mode with its own knob: one config field, read through AdvantageSettings.config, one function, one entry
+ADD_A_KNOB = """
+import dataclasses, sys
+import torch
+import mt_grpo_trainer as mt
+from mt_grpo.base.fields import arg
+
+
+def outcome_scaled_credit(R_T, R_O, A_O, s):
+    A_T = s.normalize(R_T[:, 0])[:, None]
+    return s.config.outcome_scale * A_O, A_T, torch.zeros(len(A_O), 2)
+
+
+@dataclasses.dataclass
+class Config(mt.MTGRPOConfig):  # a fork adds the field to section 1's MTGRPOScriptArguments
+    outcome_scale: float = arg(1.0, "outcome_scaled: the factor on A_O.")
+
+
+mt.MTGRPOConfig = Config
+mt.ADVANTAGE_MODES["outcome_scaled"] = mt.AdvantageMode(outcome_scaled_credit, "A_O times outcome_scale")
+mt.main(sys.argv[1:])
+"""
+
+
+def test_a_mode_with_its_own_knob_is_a_field_a_function_and_an_entry(tiny_agent_dir, tmp_path):
+    """The knob is a recipe flag like any field, and the mode reads it from the settings the trainer built once:
+    every model token's recorded advantage is outcome_scale x A_O."""
+    import sys
+
+    from helpers import RECIPE, final_metrics, rollout_records, run
+
+    out = str(tmp_path / "out")
+    run([sys.executable, "-c", ADD_A_KNOB, "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
+         "--output_dir", out, "--save_strategy", "no", "--max_steps", "1", "--eval_strategy", "no",
+         "--per_device_train_batch_size", "4", "--max_samples", "4", "--save_rollouts_steps", "1",
+         "--advantage_mode", "outcome_scaled", "--outcome_scale", "3"], tmp_path)
+    assert [h for h in final_metrics(out) if "loss" in h]
+    records = rollout_records(out)
+    assert records and any(r["A_O"] != 0 for r in records)
+    for record in records:
+        model = [a for a, m in zip(record["tokens"]["advantage"], record["tokens"]["model_mask"]) if m]
+        assert model and model == pytest.approx([3 * record["A_O"]] * len(model), abs=1e-5)
+
+
+def test_advantage_settings_read_the_knobs_by_name():
+    s = AdvantageSettings.of("per_turn", 2, turn_credit_discount=0.5, scale_rewards="none")
+    assert (s.config.turn_credit_discount, s.config.turn_normalization, s.config.turn_advantage_coef) == (0.5, "pooled",
+                                                                                                          1.0)
+    assert s.normalize(torch.tensor([1.0, 3.0])).tolist() == [-1.0, 1.0]  # scale none: centred only

@@ -21,7 +21,7 @@ import torch
 from helpers import (CHAT_TEMPLATE_FLAGS, EMPTY_THINK, RECIPE, ROOT, TEMPLATE_FILES, VELTRIA, changed_parameters,
                      fake_search, final_metrics, make_chat_template_agent, make_env, qwen_tokenizer, rollout_records,
                      run, template_call)
-from mt_grpo_trainer import mt_grpo_advantages
+from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
 from mt_grpo.rollout.episodes import pad_episodes, result_start, token_turn_index
 from mt_grpo.base.protocol import ChatTemplateProtocol, XMLProtocol
 from mt_grpo.run.reporting import episode_stats, rollout_metrics
@@ -326,15 +326,13 @@ def test_mt_grpo_split_is_at_the_first_tool_result(tokenizers):
     T = batch["completion_ids"].shape[1]
     assert batch["token_turns"][0].tolist() == turns.tolist() + [-1] * (T - len(two.completion_ids))
     # R_T favours Q-two, R_O favours Q-one: Q-two's first turn gets A_O + A_T = 0, its answer A_O < 0
-    adv = mt_grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), batch["token_turns"], group_size=2,
-                             mode="mt_grpo", turn_advantage_coef=1.0)
+    adv = mt_grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), batch["token_turns"], AdvantageSettings.of("mt_grpo", 2, turn_advantage_coef=1.0))
     tokens = adv.tokens[0]
     assert tokens[: first_turn.end].abs().max() < 1e-6
     assert torch.allclose(tokens[answer_turn.start : answer_turn.end], adv.outcome[0])
     assert adv.outcome[0] < 0
     # per_turn credit with the episode's one tool turn: the same tokens get the same advantages
-    per_turn = mt_grpo_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([0.0, 1.0]), batch["token_turns"],
-                                  group_size=2, mode="per_turn", turn_advantage_coef=1.0)
+    per_turn = mt_grpo_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([0.0, 1.0]), batch["token_turns"], AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     model_tokens = batch["tool_mask"][0].bool()
     assert torch.allclose(per_turn.tokens[0][model_tokens], tokens[model_tokens])
 

@@ -106,7 +106,8 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     """Two episodes of one group. A: presses 1 (right, +1), then 2 (right, +1): turn rewards [1, 1], solved.
     B: presses 3 (wrong, -0.5), then 1 (right, +1): [-0.5, 1], not solved. A turn's R_T is the sum of what the
     environment appended during it; get_reward is R_O."""
-    from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table, weighted_reward
+    from mt_grpo_trainer import (AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table,
+                                 weighted_reward)
     from mt_grpo.rollout.episodes import pad_episodes
 
     env, pool = lock_env(smollm2_tokenizer)
@@ -117,14 +118,14 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     columns = {"code": ["12", "12"], "environments": [ep.toolset.environment for ep in eps]}
     completions = [ep.messages for ep in eps]
     turn = compute_rewards_per_func(turn_funcs, ["p", "p"], completions, columns, [ep.tool_turns for ep in eps], 3)
-    R_T = per_turn_reward_table(turn, torch.ones(1), torch.tensor([2, 2]), [True])
+    R_T = turn_reward_table(turn, torch.ones(1), torch.tensor([2, 2]), [True])
     assert R_T[:, :2].tolist() == [[1.0, 1.0], [-0.5, 1.0]] and torch.isnan(R_T[:, 2]).all()
     R_O = weighted_reward(compute_rewards_per_func(outcome_funcs, ["p", "p"], completions, columns), torch.ones(1))
     assert R_O.tolist() == [1.0, 0.0]
     turns = pad_episodes(eps, 0, False)["token_turns"]
     # mt_grpo: the first turn's R_T. A_T = (1, -0.5) normalised in the group = (+1, -1)/... with std of 2 values:
     # mean 0.25, deviations +-0.75, std (unbiased) 1.0607: A_T = +-0.7071. A_O likewise: +-0.7071.
-    adv = mt_grpo_advantages(R_T[:, :1], R_O, turns, 2, "mt_grpo", 1.0, "group")
+    adv = mt_grpo_advantages(R_T[:, :1], R_O, turns, AdvantageSettings.of("mt_grpo", 2, turn_advantage_coef=1.0))
     first = (turns[0] == 0)
     assert torch.allclose(adv.tokens[0][first], torch.tensor(0.7071 + 0.7071), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-0.7071 - 0.7071), atol=1e-4)
@@ -132,7 +133,7 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     assert torch.allclose(adv.tokens[0][later], torch.tensor(0.7071), atol=1e-4)
     # per_turn: turn 1's rewards are equal (1, 1) and pooled with turn 0's: (1, 1, -0.5, 1), mean 0.625,
     # std (unbiased) 0.75: A_T(A, turn 1) = (1 - 0.625) / 0.75 = 0.5; A_T(B, turn 0) = -1.5
-    adv = mt_grpo_advantages(R_T, R_O, turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, R_O, turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     assert torch.allclose(adv.tokens[0][turns[0] == 1], torch.tensor(0.7071 + 0.5), atol=1e-4)
     assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-0.7071 - 1.5), atol=1e-4)
 

@@ -25,7 +25,7 @@ def test_feedback_is_a_user_turn_a_right_answer_ends_and_the_scores_are_each_tur
     """A group of two: A answers 3 (wrong: feedback, score 0), then 7 (right: "Correct!", score 1, done).
     B answers 2, 4, 5: three wrong, then max_user_turns (3) is spent: no fourth reply, the episode ends on its
     answer. Each reply is a user message with mask 0; its score is the turn's R_T."""
-    from mt_grpo_trainer import compute_rewards_per_func, mt_grpo_advantages, per_turn_reward_table
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
     from mt_grpo.rollout.episodes import pad_episodes
 
     examples.ENDED.clear()
@@ -54,12 +54,12 @@ def test_feedback_is_a_user_turn_a_right_answer_ends_and_the_scores_are_each_tur
     turns = [a.tool_turns, b.tool_turns]
     assert turns == [2, 3]
     per_func = compute_rewards_per_func(turn_funcs, ["p", "p"], [a.messages, b.messages], columns, turns, 3)
-    R_T = per_turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
     assert R_T[0, :2].tolist() == [0.0, 1.0] and torch.isnan(R_T[0, 2]) and R_T[1].tolist() == [0.0, 0.0, 0.0]
     # per_turn, by hand: pooled over (0, 1, 0, 0, 0): mean 0.2, std (unbiased) 0.4472; A_T(A, turn 1) = 1.7889,
     # every other turn -0.4472. R_O = 0 for both: A_O = 0.
     token_turns = pad_episodes([a, b], 0, False)["token_turns"]
-    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, 2, "per_turn", 1.0, "group")
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     assert torch.allclose(adv.tokens[0][token_turns[0] == 1], torch.tensor(1.7889), atol=1e-4)
     assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-0.4472), atol=1e-4)
     assert torch.allclose(adv.tokens[1][token_turns[1] == 2], torch.tensor(-0.4472), atol=1e-4)

@@ -480,7 +480,7 @@ def test_an_episode_without_a_tool_call_records_the_turn_credit_its_tokens_got(s
     import torch
 
     from mt_grpo.rollout.episodes import pad_episodes
-    from mt_grpo_trainer import mt_grpo_advantages
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
     from mt_grpo.run.reporting import episode_records
     from scripted_policy import ScriptedPolicy
 
@@ -491,11 +491,11 @@ def test_an_episode_without_a_tool_call_records_the_turn_credit_its_tokens_got(s
     env = make_env(smollm2_tokenizer, [fake_search(lambda query: "Veltria: its capital is Morvane.")])
     episodes = env.rollout([env.prompt(searching), env.prompt(direct)], ScriptedPolicy(smollm2_tokenizer, script))
     assert [ep.tool_turns for ep in episodes] == [2, 0]
-    # what per_turn_reward_table gives: the searches' two turns, and the direct answer's first turn (0 from a
+    # what turn_reward_table gives: the searches' two turns, and the direct answer's first turn (0 from a
     # per-turn function); pooled over the group: mean 0.3, std 0.2646
     R_T, R_O = torch.tensor([[0.5, 0.4], [0.0, float("nan")]]), torch.tensor([1.0, 0.0])
     batch = pad_episodes(episodes, smollm2_tokenizer.pad_token_id, False)
-    adv = mt_grpo_advantages(R_T, R_O, batch["token_turns"], group_size=2, mode="per_turn", turn_advantage_coef=1.0)
+    adv = mt_grpo_advantages(R_T, R_O, batch["token_turns"], AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
     records = episode_records(smollm2_tokenizer, episodes, [{"question": searching}, {"question": direct}], step=1,
                               mode="train", first_index=0, group_size=2, rewards={}, R_T=R_T, R_O=R_O, A_T=adv.turn,
                               A_O=adv.outcome, token_values={"advantage": adv.tokens})

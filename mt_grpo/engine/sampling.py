@@ -349,3 +349,16 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
         kept = None if sampler_kept is None else sampler_kept[r, first:b]
         out[r, first:b] = sampler_logprobs(logits, params, seen, drawn, kept).gather(1, drawn[:, None]).squeeze(1)
     return out
+
+
+def sampled_distribution_logps(model, batch: dict, params: SamplingParams, sampler_kept: torch.Tensor | None) -> dict:
+    """The trainer's logprobs of the distribution a truncating sampler drew from (`trainer_sampler_logps`: pi_trainer
+    of the importance weights and of the off-policy mask), and, where the sampler lists its kept sets, which tokens it
+    listed (`sampler_kept_listed`, a metric of the trainer's _correct_for_sampler)."""
+    out = {"trainer_sampler_logps": policy_sampler_logprobs(
+        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], params,
+        batch["sample_starts"], sampler_kept)}
+    if kept_set_logprobs(params.top_p, params.top_k, params.min_p):
+        out["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) if sampler_kept is None else \
+            (sampler_kept >= 0).any(-1).long()
+    return out

@@ -29,6 +29,43 @@ from mt_grpo.base.fields import arg
 logger = logging.getLogger("mt_grpo")
 
 
+class ServerEndpoints:
+    """The vLLM server's endpoints that the weight sync and its probes use, on a client with `post(path, body, parse)`
+    and `model_name` (the trainer's VLLMServerClient): a reload from disk, the prefix cache, LoRA adapters, and the
+    server's own logprobs of a prompt."""
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The server's logprob of each token of `ids` given the ones before it (raw logits, no
+        temperature: vLLM scores prompt tokens before any sampling processor). len(ids) - 1 values."""
+        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
+                "temperature": 1.0}
+        scored = self.post("/v1/completions", body)["choices"][0]["prompt_logprobs"]
+        return [float(scored[t][str(ids[t])]["logprob"]) for t in range(1, len(ids))]
+
+    def reload_weights_from_disk(self, weights_dir: str) -> None:
+        """Make the server load the safetensors in `weights_dir` (it must see the same filesystem).
+        Needs VLLM_SERVER_DEV_MODE=1 on the server. A failed reload leaves vLLM's model on the meta
+        device and the server dies on its next request, so the folder is checked first."""
+        if not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
+            raise FileNotFoundError(f"No .safetensors file in {weights_dir}: refusing to ask vLLM to reload "
+                                    "from it.")
+        self.post("/collective_rpc",
+                  {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(weights_dir)}})
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        # Cached KV blocks were computed with the old weights; a reload does not drop them.
+        self.post("/reset_prefix_cache", {})
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        """Serve the PEFT adapter in `folder` under `name` (vLLM started with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it must see the same filesystem)."""
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(folder)}, parse=None)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.post("/v1/unload_lora_adapter", {"lora_name": name}, parse=None)
+
+
 @dataclass
 class WeightSyncArguments:
     """The recipe keys of the weight sync; the trainer's config inherits them."""
@@ -42,6 +79,9 @@ class WeightSyncArguments:
     nccl_master_port: int = arg(51216, "Port of the NCCL rendezvous (TCPStore) on the trainer.")
     sync_probe_tolerance: float = arg(0.1,
                                       "Largest |trainer - server| probe logprob after a sync (fp32: 1e-3; bf16: 0.1).")
+    lora_sync: str = arg("adapter", "use_peft with vllm_server: adapter (load only the adapter, by versioned name; "
+                         "falls back to merged if the server cannot) | merged (push merged weights; weight_sync: disk).",
+                         choices=("adapter", "merged"))
 
 
 @dataclass

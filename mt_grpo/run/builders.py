@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import torch
 
-from mt_grpo.adapters import adapt, fields_set  # importing it registers other frameworks' reward forms (rewards.py)
+from mt_grpo.adapters import adapt, fields_set, resolve_reward
 from mt_grpo.run.checks import check_environment_args, required_columns
 from mt_grpo.base.protocol import end_of_turn_ids
 from mt_grpo.tasks import (EMPTY_PROMPT, Task, TaskArguments, build_dataset, load_eval_task, load_task, recipe_columns,
@@ -70,33 +70,31 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     if factory is not None:
         no_dataset_by_default(args, train_dataset)
         check_environment_args(args, train_dataset)
-    env = factory is not None  # reset gives the prompt: a row may have none (tasks.validate_dataset)
+    environment = factory is not None  # its reset gives the prompt: a row may have none (tasks.validate_dataset)
     # the task's own tools and rewards fill what the caller and the config leave unset (tasks.task_defaults)
     defaults = train_dataset.defaults if isinstance(train_dataset, Task) else \
         task_defaults(args.dataset_name, args.corpus_path) if train_dataset is None else {}
     turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
     needs_answer = [fn.__name__ for fn in turn + outcome  # [] when none; answer_aliases is made from `answer`
                     if {"answer", "answer_aliases"} & set(required_columns(fn))]
-    train = _task(train_dataset, args, needs_answer, "train_dataset", env) if train_dataset is not None or \
+    train = _task(train_dataset, args, needs_answer, "train_dataset", environment) if train_dataset is not None or \
         args.dataset_name is not None else placeholder_task(args)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
     if eval_dataset is None and evaluation:
         if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
-            eval_dataset = load_recipe_task(args, needs_answer, held_out=True, environment=env)
+            eval_dataset = load_recipe_task(args, needs_answer, held_out=True, environment=environment)
         else:
             raise ValueError(f"`eval_strategy: {args.eval_strategy}` needs held-out data: pass `eval_dataset`, "
                              "or set `eval_strategy: no`.")
-    held_out = _task(eval_dataset, args, needs_answer, "eval_dataset", env) if evaluation else None
+    held_out = _task(eval_dataset, args, needs_answer, "eval_dataset", environment) if evaluation else None
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
     if adapted is not None and adapted.use_tokenizer is not None:  # the adapter counts tokens with the run's own
         adapted.use_tokenizer(tokenizer)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)
-    from mt_grpo.rewards import get_reward_func
-
     metrics = {name: fn for name, fn in (source.eval_metrics if source is not None else {}).items()
-               if all(c in source.dataset.column_names for c in required_columns(get_reward_func(fn)))}
+               if all(c in source.dataset.column_names for c in required_columns(resolve_reward(fn)))}
     tools = next(t for t in (tools, args.tools, defaults.get("tools"), []) if t is not None)
     tools = _join_tools(build_tools(tools if isinstance(tools, (list, tuple)) else [tools], corpus if corpus is not
                                     None else getattr(source, "corpus", None)), _mcp_tools(args))
@@ -119,7 +117,7 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         or getattr(source, "system_prompt", None),
         examples=load_examples(args.few_shot_examples) if args.few_shot_examples is not None
         else getattr(source, "examples", None),
-        eval_metrics={name: get_reward_func(f) for name, f in metrics.items()},
+        eval_metrics={name: resolve_reward(f) for name, f in metrics.items()},
         step_rewards=pool is not None and bool(pool.reward_funcs[1]),
     )
 
@@ -159,7 +157,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     turn rewards. A list left unset (None, as argument and in the config) is the task's default, unless
     `reward_funcs` is given: then, as in TRL, the run has only the rewards it was given."""
     from mt_grpo.run.checks import check_reward_lists_given_once, check_reward_weights
-    from mt_grpo.rewards import as_reward_func, get_reward_func, is_per_tool_turn
+    from mt_grpo.rewards import is_per_tool_turn
     from mt_grpo.rewards.judge import build_judge_rewards
 
     check_reward_lists_given_once(args, turn_funcs, outcome_funcs)
@@ -180,10 +178,10 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     resolved = {}
     for kind, (names, weights) in lists.items():
         funcs, judge = build_judge_rewards(names, args, judge)
-        resolved[kind] = [get_reward_func(f) if isinstance(f, str) else as_reward_func(f) for f in funcs], weights
+        resolved[kind] = [resolve_reward(f) for f in funcs], weights
     extra, judge = build_judge_rewards(given, args, judge)
     for fn, w in zip(extra, trl_weights):
-        fn = get_reward_func(fn) if isinstance(fn, str) else as_reward_func(fn)
+        fn = resolve_reward(fn)
         kind = "turn" if is_per_tool_turn(fn) else "outcome"
         resolved[kind] = resolved[kind][0] + [fn], resolved[kind][1] + [w]
     for fn in resolved["turn"][0] + resolved["outcome"][0]:
@@ -313,6 +311,18 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [eos] if isinstance(eos, int) else list(eos or [])
     return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
+
+
+def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, object, object, object]:
+    """(the parts, the env that `make_env(args, parts)` makes of them, the train and eval prompt datasets): what the
+    trainer builds when it is given no env. `given`: `assemble`'s keywords (the trainer's arguments). Every eval curve
+    starts at the untrained model (`eval_on_start`), unless the run resumes (it evaluated it before it stopped)."""
+    parts = assemble(model, args, **given)
+    env = make_env(args, parts)
+    train, held_out = (prompt_dataset(t, args, env, parts.turn_funcs + parts.outcome_funcs) for t in (parts.train,
+                                                                                                     parts.eval))
+    args.eval_on_start = held_out is not None and args.eval_strategy != "no" and not args.resume_from_checkpoint
+    return parts, env, train, held_out
 
 
 def prompt_dataset(task: Task | None, args, env, funcs: list[Callable]):

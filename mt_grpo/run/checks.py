@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from mt_grpo.base.fields import check_choices
+from mt_grpo.base.fields import check_choices, choices_of
 from mt_grpo.run.reporting import eval_metric_names
 from mt_grpo.rewards.judge import check_judge_args
 
@@ -24,9 +24,12 @@ logger = logging.getLogger("mt_grpo")
 #   GRPOTrainer._generate_and_score_completions(inputs) -> batch   overridden: rollout, rewards, advantages
 #   GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
 #       batch_size=) -> (logps, entropies, aux_loss)               old, reference and probe logprobs
-#   GRPOTrainer._compute_loss reads batch keys prompt_ids, prompt_mask, completion_ids, completion_mask,
-#       tool_mask (loss mask = completion_mask * tool_mask), advantages ((B, T) accepted), num_items_in_batch,
-#       old_per_token_logps, ref_per_token_logps, sampling_per_token_logps (off-policy masking)
+#   GRPOTrainer._compute_loss(model, inputs) -> loss   overridden: section 4's LOSS_TYPES (TRL's compute_loss calls it)
+#   GRPOTrainer.get_off_policy_mask, get_gamma_weights (static), get_high_entropy_mask: the off-policy mask, VESPO's
+#       weights and the entropy mask, called by the loss stage as TRL's _compute_loss calls them
+#   GRPOTrainer state read by the loss stage (run/loss_terms.py): aux_loss_enabled, router_aux_loss_coef,
+#       top_entropy_quantile, entropy_coef, use_adaptive_entropy, _entropy_bonus_enabled, _last_world_entropy,
+#       _entropy_window_stats, current_gradient_accumulation_steps
 #   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
 #   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
 #   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
@@ -38,7 +41,8 @@ logger = logging.getLogger("mt_grpo")
 #   trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
-TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
+TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss",
+                     "get_off_policy_mask", "get_gamma_weights", "get_high_entropy_mask")
 
 
 
@@ -116,10 +120,10 @@ def check_server_urls(args) -> None:
 
 # GRPOConfig fields this trainer replaces or cannot honour. A value other than TRL's default is an
 # error that says what to set instead: a silently ignored field trains something else than the recipe
-# says.
+# says. {advantage_modes}: the values the config's `advantage_mode` allows (its declared choices).
 REPLACED_GRPO_FIELDS = {
     "multi_objective_aggregation": "turn and outcome rewards are each summed and normalised per kind; choose "
-                                   "`advantage_mode` (mt_grpo, outcome_only, merged)",
+                                   "`advantage_mode` ({advantage_modes})",
     "generation_kwargs": "set the sampling fields `temperature`, `top_p`, `top_k`, `min_p` and "
                          "`repetition_penalty`; other generation options are not sent, so that both backends "
                          "sample from what the recipe says",
@@ -172,9 +176,12 @@ def check_environment_args(args, train_dataset) -> None:
                          "Set `max_steps` to a positive number of steps, or give a `dataset_name`.")
 
 
-def check_training_args(args: GRPOConfig, normalised_loss_types: tuple[str, ...]) -> None:
-    """Cross-checks between our arguments and TRL's, with errors that name the field to change.
-    `normalised_loss_types`: the loss types whose normaliser zero_signal_scale makes exact."""
+def check_training_args(args: GRPOConfig, loss_types: dict, normalised_loss_types: list[str]) -> None:
+    """Cross-checks between our arguments and TRL's, with errors that name the field to change. `loss_types`: the
+    trainer's LOSS_TYPES; `normalised_loss_types`: those whose normaliser zero_signal_scale makes exact."""
+    if args.loss_type not in loss_types:
+        raise ValueError(f"`loss_type: {args.loss_type}` is not a loss of LOSS_TYPES (mt_grpo_trainer.py, section 4): "
+                         f"choose one of {list(loss_types)}, or add yours there.")
     if args.use_vllm:
         raise ValueError(
             "`use_vllm` turns on TRL's own single-turn vLLM path. This trainer has its own multi-turn "
@@ -183,7 +190,9 @@ def check_training_args(args: GRPOConfig, normalised_loss_types: tuple[str, ...]
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, instead in REPLACED_GRPO_FIELDS.items():
         if getattr(args, name) != defaults[name]:
-            raise ValueError(f"`{name}` ({getattr(args, name)!r}) is not used by this trainer: {instead}.")
+            modes = ", ".join(choices_of(args, "advantage_mode"))
+            raise ValueError(f"`{name}` ({getattr(args, name)!r}) is not used by this trainer: "
+                             f"{instead.format(advantage_modes=modes)}.")
     if args.generation_batch_size % args.num_generations != 0:
         raise ValueError(
             f"The generation batch ({args.generation_batch_size} = per_device_train_batch_size x processes x "
