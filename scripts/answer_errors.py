@@ -36,10 +36,8 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for mt_grpo
 
 from mt_grpo.base.protocol import ANSWER_PATTERN, XMLProtocol  # noqa: E402
-from mt_grpo.rewards.answers import contains_answer, matches_answer  # noqa: E402
-from mt_grpo.rewards.triviaqa_reward import _aliases as aliases  # noqa: E402
-from mt_grpo.rewards.triviaqa_reward import _contains as contains  # noqa: E402
-from mt_grpo.rewards.triviaqa_reward import normalize_answer  # noqa: E402
+from mt_grpo.rewards.answers import (contains_answer, contains_words, matches_answer, normalize_answer,  # noqa: E402
+                                     normalized_aliases)
 from view_rollouts import (load_rollouts, open_record, parse_steps, record_file,  # noqa: E402  (scripts/, here)
                            without_tokens, write_gzipped)
 
@@ -64,9 +62,9 @@ def result_documents(episode: dict) -> list[str]:
 def classify(episode: dict) -> tuple[str, bool, bool]:
     """(class, gold in the reasoning of a wrong answer, gold seen in a result) for one recorded episode."""
     accepted = episode.get("answer_aliases") or episode["answer"]  # records before answer_aliases: a list in answer
-    gold = aliases(accepted)
+    gold = normalized_aliases(accepted)
     docs = result_documents(episode)
-    seen = any(contains(d, g) for d in docs for g in gold)
+    seen = any(contains_words(d, g) for d in docs for g in gold)
     last = episode["turns"][-1] if episode["turns"] else {"role": "env", "text": ""}
     match = ANSWER_PATTERN.search(last["text"]) if last["role"] == "model" else None
     if match is None:
@@ -74,13 +72,13 @@ def classify(episode: dict) -> tuple[str, bool, bool]:
     answer = words(match.group(1))
     if matches_answer(match.group(1), accepted):
         return "exact", False, seen
-    reasoned = any(contains(words(last["text"][: match.start()]), g) for g in gold)
+    reasoned = any(contains_words(words(last["text"][: match.start()]), g) for g in gold)
     if contains_answer(match.group(1), accepted):
         kind = "holds the gold"
-    elif answer and contains(normalize_answer(episode["question"]), answer):
+    elif answer and contains_words(normalize_answer(episode["question"]), answer):
         kind = "from the question"
     else:
-        where = next((k for k, d in enumerate(docs) if answer and contains(d, answer)), None)
+        where = next((k for k, d in enumerate(docs) if answer and contains_words(d, answer)), None)
         kind = "in no result" if where is None else f"result document {where}"
     return kind, reasoned, seen
 

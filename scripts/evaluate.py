@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = build_trainer(argv, evaluation=True)
     metrics, records = trainer.run_evaluation()
     out = trainer.args.output_dir
-    trainer._write_records("eval_episodes.jsonl", records, folder=out)
+    trainer.write_records("eval_episodes.jsonl", records, folder=out)
     if trainer.accelerator.is_main_process:
         summary = {"model": trainer.model.name_or_path, "dataset": trainer.args.eval_dataset_name
                    or trainer.args.dataset_name, "metrics": metrics}

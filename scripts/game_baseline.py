@@ -56,8 +56,8 @@ def play(env: TextWorldQuest, row: dict, policy: str, max_calls: int, rng: rando
     """One episode of `policy` on the row's game: {solved, reward, steps, calls, accepted} (accepted: the calls
     whose command the game carried out)."""
     observation = env.reset(**row)
-    game = textworld_quest._make_game(row["seed"], textworld_quest.QUEST_LENGTH)  # the cached game env plays
-    solution = list(env._inform7.gen_commands_from_actions(env._progress.winning_policy)) if policy == "oracle" else []
+    game = textworld_quest.quest_game(row["seed"], textworld_quest.QUEST_LENGTH)  # the cached game env plays
+    solution = textworld_quest.winning_commands(env) if policy == "oracle" else []
     calls = valid = 0
     while calls < max_calls:
         if policy == "oracle":

@@ -282,7 +282,7 @@ def run_one(trainer_name: str, seed: int, out: str, model: str, recipe: str, fla
                 metrics = json.load(f)
         else:
             metrics, records = ours.run_evaluation()
-            ours._write_records(f"eval-step-{step:06d}.jsonl", records, folder=out)  # view_rollouts.py reads them
+            ours.write_records(f"eval-step-{step:06d}.jsonl", records, folder=out)  # view_rollouts.py reads them
             if step == 0:
                 with open(step0, "w") as f:
                     json.dump(metrics, f)

@@ -194,8 +194,7 @@ from transformers import AutoTokenizer
 from mt_grpo.rollout.environments import EnvironmentPool
 from helpers import make_env
 from mt_grpo.base.protocol import XMLProtocol
-from mt_grpo.run import builders  # noqa: F401  (the trainer imports it, and with it adapters/, which registers the copies)
-from mt_grpo.rewards import get_reward_func
+from mt_grpo.adapters import resolve_reward  # the run's reward lookup (builders.py)
 from scripted_policy import ScriptedPolicy
 
 tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
@@ -228,7 +227,7 @@ def roll(value, rows, script, **limits):
 
 
 # a reward by dotted path whose module imports verl, resolved before any adapter ran (no adapter field is set)
-score = get_reward_func("wordcount_verl.compute_score")
+score = resolve_reward("wordcount_verl.compute_score")
 out = {{}}
 text = "the cat saw the cat and a dog"
 row = {{"prompt": [{{"role": "user", "content": "How often does 'cat' appear in the text? End with #### N."}}],

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import run_trainer
-from helpers import RECIPE, ROOT, final_metrics, launch, rollout_records, run, xml_answer, xml_call
+from helpers import RECIPE, ROOT, launch, rollout_records, run, xml_answer, xml_call
 
 E1, E2, E3 = "What is the capital of Veltria?", "Who founded the city of Morvane?", "What is the main river of Veltria?"
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RECIPE, ROOT, final_metrics, run
-from mt_grpo_trainer import MTGRPOScriptArguments, MultiTurnToolEnv, main
+from mt_grpo_trainer import ADVANTAGE_MODES, MTGRPOScriptArguments, MultiTurnToolEnv, main
 from mt_grpo.base.protocol import XMLProtocol
 from mt_grpo.tasks import build_dataset
 
@@ -78,7 +78,9 @@ CASES = [
     # GRPOConfig fields this trainer replaces: each is refused with the name of ours
     # TRL's reward_weights weigh TRL's reward_funcs (here none); TRL's max_tool_calling_iterations is max_env_steps
     ("reward_weights: [1.0, 1.0, 1.0, 1.0, 1.0]\n", [], ValueError, "`reward_weights` has 5 values but `reward_funcs` has 0 functions"),
-    ("multi_objective_aggregation: normalize_then_sum\n", [], ValueError, "`multi_objective_aggregation` ('normalize_then_sum') is not used"),
+    # the advantage modes the message offers are the config's own choices (the table, then auto), never a list by hand
+    ("multi_objective_aggregation: normalize_then_sum\n", [], ValueError, "`multi_objective_aggregation` ('normalize_then_sum') is not used "
+     f"by this trainer: turn and outcome rewards are each summed and normalised per kind; choose `advantage_mode` ({', '.join([*ADVANTAGE_MODES, 'auto'])})."),
     ("max_tool_calling_iterations: 3\n", [], ValueError, "`max_env_steps` (2) and TRL's `max_tool_calling_iterations` (3) are one limit and disagree"),
     ("generation_kwargs: {no_repeat_ngram_size: 2}\n", [], ValueError, "`generation_kwargs` ({'no_repeat_ngram_size': 2}) is not used by this trainer: set the sampling fields"),
     ("vllm_mode: server\n", [], ValueError, "`vllm_mode` ('server') is not used by this trainer"),

@@ -363,6 +363,50 @@ def test_unknown_name_lists_the_valid_names():
     assert all(name in message for name in REWARD_FUNCS)
 
 
+def test_importing_the_adapters_changes_no_other_module():
+    """Other frameworks' reward names and forms are the adapters' own lookup (adapters.resolve_reward): importing
+    the adapters rebinds, adds to or removes from no global of a module loaded before them (rewards/ included)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    code = """
+import sys
+import mt_grpo.base.registry, mt_grpo.rewards, mt_grpo.rewards.judge, mt_grpo.tasks, mt_grpo.tools
+
+def state():
+    sized = (list, dict, set, tuple)
+    return {(name, key): (id(value), len(value) if isinstance(value, sized) else None)
+            for name, module in list(sys.modules.items()) if name.startswith("mt_grpo")
+            for key, value in vars(module).items()}
+
+before = state()
+import mt_grpo.adapters, mt_grpo.adapters.swift, mt_grpo.adapters.verl
+after = state()
+print(sorted(f"{name}.{key}" for name, key in before if after.get((name, key)) != before[name, key]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_adapters_lookup_adds_another_frameworks_form():
+    """rewards.get_reward_func gives a function as it is found; adapters.resolve_reward gives it as the trainer
+    calls it: a verl compute_score wrapped, a function of ours, by name or as is, unchanged."""
+    from mt_grpo.adapters import resolve_reward
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str.strip() == ground_truth)
+
+    wrapped = resolve_reward(compute_score)
+    assert wrapped is not compute_score and wrapped.verl_compute_score is compute_score
+    assert resolve_reward("exact_match_reward_func") is exact_match_reward_func is get_reward_func(
+        "exact_match_reward_func")
+    assert resolve_reward(exact_match_reward_func) is exact_match_reward_func
+    with pytest.raises(ValueError, match="Unknown reward function 'exact_match'"):
+        resolve_reward("exact_match")
+
+
 @pytest.mark.parametrize("path", ["rewards.triviaqa_reward:exact_match_reward_func",
                                   "rewards.triviaqa_reward.exact_match_reward_func"])
 def test_dotted_paths_resolve(path):

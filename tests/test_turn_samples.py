@@ -97,6 +97,10 @@ def test_the_sample_rule():
     assert next_sample_prompt("auto", [1, 2], [3, 4], render) is None  # the render extends the sample
     assert next_sample_prompt("auto", [1, 2], [3, 9], render) == [1, 2, 3, 4]
     assert next_sample_prompt("per_model_turn", [1, 2], [3, 4], render) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"choose one of \['interleaved', 'per_model_turn', 'auto'\]"):
+        next_sample_prompt("per_sample", [1, 2], [3, 4], render)  # not taken for per_model_turn
+    with pytest.raises(ValueError, match="`turn_samples: per_turn` is now `turn_samples: per_model_turn`"):
+        next_sample_prompt("per_turn", [1, 2], [3, 4], render)
     assert sample_bounds([], 5) == [(0, 5)] and sample_bounds([2, 4], 6) == [(0, 2), (2, 4), (4, 6)]
     assert scored_parts([2, 4], 6) == [(0, 0, 2), (2, 3, 4), (4, 5, 6)]  # a later sample's lead token is not scored
 

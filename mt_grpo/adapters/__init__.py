@@ -14,6 +14,9 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     openenv_env               openenv.py     an OpenEnv Environment `module:Class`, or its server's URL (ws://, http://)
 
 `adapt(args, parts)` runs in builders.assemble: each adapter the config names returns an `Adapted`, merged there.
+`resolve_reward(name or function)` is the run's reward lookup (builders.py): rewards.get_reward_func, with the reward
+names another framework registers (ms-swift plugins' `orms`) and the frameworks' reward forms (an ms-swift ORM, verl's
+compute_score) adapted. Importing this package changes no other module.
 The frameworks need not be installed: adapters/compat ships copies of verl's, verifiers' and OpenEnv's base classes,
 which each adapter puts on sys.path before it imports the user's code, when the framework itself does not import.
 """
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mt_grpo.base.fields import arg
-from mt_grpo.rewards import REWARD_FORMS, REWARD_NAMES
+from mt_grpo.rewards import get_reward_func
 
 
 @dataclass
@@ -112,15 +115,31 @@ def swift_form(fn: Callable) -> Callable:
 
 
 def verl_form(fn: Callable) -> Callable:
-    from mt_grpo.adapters.verl import as_reward_func
+    """A verl compute_score as a function of ours (adapters/verl.py); any other function as is."""
+    from mt_grpo.adapters.verl import is_verl_reward, verl_reward
 
-    return as_reward_func(fn)
-
-
-def _swift_name(name: str):
-    swift = sys.modules.get("mt_grpo.adapters.swift")  # a run with ms-swift plugins: their `orms` names too
-    return swift.lookup_reward(name) if swift is not None else None
+    return verl_reward(fn) if is_verl_reward(fn) else fn
 
 
-REWARD_FORMS.extend([swift_form, verl_form])  # swift's first: a class is unwrapped before verl's check
-REWARD_NAMES.append(_swift_name)
+# Other frameworks' reward forms: each takes a function and gives it back in this trainer's form, or as it is when the
+# form is not its own. swift's first: a class is unwrapped before verl's check.
+REWARD_FORMS = (swift_form, verl_form)
+
+
+def resolve_reward(reward: str | Callable) -> Callable:
+    """A recipe's reward as this trainer calls it: a name or a dotted path (rewards.get_reward_func), else a name that
+    ms-swift's `orms` registry holds (its built-ins, or a plugin's: a run with `multi_turn_scheduler` or
+    `external_plugins`); a function, or what a name stands for, in another framework's form adapted (REWARD_FORMS).
+    An unknown name fails with rewards' error, which lists the valid names."""
+    if isinstance(reward, str):
+        try:
+            reward = get_reward_func(reward)
+        except ValueError:
+            swift = sys.modules.get("mt_grpo.adapters.swift")  # loaded by a run that names ms-swift's objects
+            found = swift.lookup_reward(reward) if swift is not None else None
+            if found is None:
+                raise
+            return found  # already in our form (swift.swift_reward)
+    for form in REWARD_FORMS:
+        reward = form(reward)
+    return reward

@@ -456,11 +456,6 @@ def verl_reward(fn: Callable) -> Callable:
     return reward
 
 
-def as_reward_func(fn: Callable) -> Callable:
-    """`fn` as a reward function of this trainer: a verl compute_score wrapped (verl_reward), any other as is."""
-    return verl_reward(fn) if is_verl_reward(fn) else fn
-
-
 def solution_text(completion: list[dict], ids, tokenizer) -> str:
     """verl's solution_str: the completion's tokens decoded without special tokens. Without a tokenizer (a reward
     called outside the trainer), the messages' contents joined by newlines, which differs from it by the role

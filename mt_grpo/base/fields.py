@@ -63,6 +63,12 @@ def check_choices(config) -> None:
         raise ValueError(f"`{f.name}` is {value!r}; choose one of {list(allowed)}.")
 
 
+def choices_of(config, name: str) -> list:
+    """The values the field `name` of `config` allows, as its `choices` declare them now (a table's current keys)."""
+    field_ = next(f for f in fields(config) if f.name == name)
+    return list(field_.metadata["choices"])
+
+
 def parse_recipe(argv: list[str] | None, config_class) -> tuple:
     """(config, model arguments) of `--config RECIPE` and flags (TRL's parser: flags override the recipe, unknown
     keys fail), with errors that say what to fix."""

@@ -33,6 +33,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 TURN_SAMPLES = ("interleaved", "per_model_turn", "auto")
+RENAMED_TURN_SAMPLES = {"per_turn": "per_model_turn"}  # an old value -> its name now (`per_turn` is an advantage mode)
+
+
+def check_turn_samples(mode: str) -> None:
+    """`mode` is one of TURN_SAMPLES; else an error that names the choices (and a renamed value's new name)."""
+    if mode in TURN_SAMPLES:
+        return
+    if mode in RENAMED_TURN_SAMPLES:
+        raise ValueError(f"`turn_samples: {mode}` is now `turn_samples: {RENAMED_TURN_SAMPLES[mode]}`: rename it.")
+    raise ValueError(f"`turn_samples` is {mode!r}; choose one of {list(TURN_SAMPLES)}.")
 
 
 def next_sample_prompt(mode: str, context_ids: list[int], reply_ids: list[int],
@@ -42,10 +52,13 @@ def next_sample_prompt(mode: str, context_ids: list[int], reply_ids: list[int],
     ids; `reply_ids`: the reply as the interleaved sequence would append it; `render`: the history's render."""
     if mode == "interleaved":
         return None
-    fresh = render()
-    if mode == "auto" and fresh == context_ids + reply_ids:
-        return None
-    return fresh
+    if mode == "per_model_turn":
+        return render()
+    if mode == "auto":
+        fresh = render()
+        return None if fresh == context_ids + reply_ids else fresh
+    check_turn_samples(mode)  # raises: every value of TURN_SAMPLES is handled above
+    raise AssertionError(f"turn_samples {mode!r} is in TURN_SAMPLES but not handled here")
 
 
 def sample_bounds(starts: list[int], length: int) -> list[tuple[int, int]]:

@@ -42,8 +42,8 @@ from mt_grpo.rewards.conversation import (count_tool_turns, is_per_tool_turn, pe
                                           tool_turns)
 from mt_grpo.rewards.triviaqa_reward import OUTCOME_REWARD_FUNCS, TURN_REWARD_FUNCS, exist_answer_in_search_results
 
-__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "as_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn", "tool_turns",
-           "count_tool_turns", "reward_columns"]
+__all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_turn", "per_turn", "is_per_tool_turn",
+           "tool_turns", "count_tool_turns", "reward_columns"]
 
 @per_tool_turn
 def tool_rewards(prompts=None, completions=None, **kwargs) -> list[list[float]]:
@@ -63,34 +63,16 @@ REWARD_FUNCS: dict[str, Callable] = {fn.__name__: fn
 
 def get_reward_func(name: str) -> Callable:
     """A registry name, or a dotted path to any importable function: `package.module:func` or
-    `package.module.func` (registry.py resolves both, for tools too). Fails with a ValueError that
-    says what to change."""
+    `package.module.func` (registry.py resolves both, for tools too), as it is found. Fails with a ValueError that
+    says what to change. A run looks its rewards up with adapters.resolve_reward, which adds the names and forms of
+    other frameworks (an ms-swift ORM, verl's compute_score)."""
     try:
-        fn = resolve(name, REWARD_FUNCS, "reward function")
+        return resolve(name, REWARD_FUNCS, "reward function")
     except ValueError as e:  # the judge rewards are built from the config (rewards/judge.py), not looked up here
-        for lookup in REWARD_NAMES:  # names another framework registers (ms-swift plugins' `orms`)
-            if (found := lookup(name)) is not None:
-                return found
         if name.startswith("judge"):
             raise ValueError(f"{e} The LLM-judge rewards are judge_outcome, judge_turn and judge_group "
                              "(rewards/judge.py; they need `judge_base_url`).") from None
         raise
-    return as_reward_func(fn)
-
-
-# Other frameworks' reward forms, which adapters/ registers when it is imported (the trainer and builders import it):
-# each takes a function and gives it back in this trainer's form, or as it is when the form is not its own (verl's
-# compute_score, an ms-swift ORM class). REWARD_NAMES: lookups of reward names a framework registers.
-REWARD_FORMS: list[Callable[[Callable], Callable]] = []
-REWARD_NAMES: list[Callable[[str], Callable | None]] = []
-
-
-def as_reward_func(fn: Callable) -> Callable:
-    """`fn` as this trainer calls a reward: another framework's reward form adapted (REWARD_FORMS), any other
-    function as is."""
-    for form in REWARD_FORMS:
-        fn = form(fn)
-    return fn
 
 
 def reward_columns(inputs: list[dict]) -> dict[str, list]:

@@ -41,13 +41,14 @@ def normalize_answer(s: str) -> str:
     return " ".join(_ARTICLES.sub(" ", s).split())
 
 
-def _aliases(answer) -> list[str]:
-    """Normalised, non-empty aliases: an empty alias would be found in every text."""
+def normalized_aliases(answer) -> list[str]:
+    """An answer's aliases (a string, or a list of them) normalised (normalize_answer), the empty ones left out: an
+    empty alias would be found in every text."""
     aliases = [answer] if isinstance(answer, str) else list(answer or [])
     return [a for a in (normalize_answer(str(x)) for x in aliases) if a]
 
 
-def _contains(text: str, alias: str) -> bool:
+def contains_words(text: str, alias: str) -> bool:
     """Whole-word containment of normalised strings (which are single-space separated)."""
     return f" {alias} " in f" {text} "
 
@@ -160,7 +161,7 @@ def _split(answer, answer_type: str) -> tuple[list[str], list[str]]:
     aliases = [str(a).strip() for a in ([answer] if isinstance(answer, str) else list(answer or []))]
     aliases = [a for a in aliases if a]
     math = [a for a in aliases if _gold_is_math(a, answer_type)]
-    return _aliases([a for a in aliases if a not in math]), math
+    return normalized_aliases([a for a in aliases if a not in math]), math
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def contains_answer(text: str | None, answer, answer_type: str | None = "auto") 
     alias as one of the text's numbers, fractions or LaTeX spans that math_verify finds equal."""
     text_aliases, math_aliases = _split(answer, check_answer_type(answer_type))
     words = normalize_answer(text or "")
-    if any(_contains(words, a) for a in text_aliases):
+    if any(contains_words(words, a) for a in text_aliases):
         return True
     spans = [s for s in _math_spans(text or "") if _safe(s)] if math_aliases else []
     return any(_equal(a, s) for a in math_aliases for s in spans)

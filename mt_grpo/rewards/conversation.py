@@ -38,8 +38,9 @@ def is_per_tool_turn(fn: Callable) -> bool:
 
 def per_turn(fn: Callable) -> Callable:
     """The mark's old name, refused with the new one (`per_turn` is an advantage mode)."""
-    raise TypeError(f"@per_turn (on '{getattr(fn, '__name__', fn)}') is now @per_tool_turn: `from rewards import "
-                    "per_tool_turn` and decorate with it (`advantage_mode: per_turn` is the mode that credits each turn).")
+    raise TypeError(f"@per_turn (on '{getattr(fn, '__name__', fn)}') is now @per_tool_turn: `from mt_grpo.rewards "
+                    "import per_tool_turn` and decorate with it (`advantage_mode: per_turn` is the mode that credits "
+                    "each turn).")
 
 
 def role(message) -> str | None:
@@ -129,6 +130,15 @@ def malformed(tool_message) -> bool:
     """The call did not parse, so the environment could not say which tool it was for (name "")."""
     name = tool_message.get("name") if isinstance(tool_message, dict) else None
     return not (isinstance(name, str) and name)
+
+
+def question_text(prompt, question=None) -> str:
+    """A sample's question: the dataset's `question` column (`question`, this sample's value), else the prompt's last
+    user message (a string prompt: itself)."""
+    if question is not None:
+        return str(question)
+    users = [m for m in prompt if role(m) == "user"] if isinstance(prompt, list) else []
+    return content(users[-1]) if users else str(prompt or "")
 
 
 def completion_answer(completion) -> str | None:

@@ -75,8 +75,8 @@ import httpx
 
 from mt_grpo.base.fields import arg
 from mt_grpo.base.protocol import tool_call_message
-from mt_grpo.rewards.conversation import calls, completion_answer, content, role, tool_turns, visible_text
-from mt_grpo.rewards.triviaqa_reward import _question
+from mt_grpo.rewards.conversation import (calls, completion_answer, content, question_text, role, tool_turns,
+                                          visible_text)
 
 logger = logging.getLogger("mt_grpo")
 
@@ -762,7 +762,7 @@ class JudgeReward:
         or no value)."""
         answers = aliases if aliases is not None else answer if answer is not None else [None] * len(prompts)
         questions = question if question is not None else [None] * len(prompts)
-        return [(_question(p, q), _reference(a)) for p, q, a in zip(prompts, questions, answers)]
+        return [(question_text(p, q), _reference(a)) for p, q, a in zip(prompts, questions, answers)]
 
     def _prompt(self, context: tuple[str, str | None], render, limits: dict[str, int],
                 **fixed) -> tuple[str, list[str]]:

@@ -45,10 +45,9 @@ always return numbers.
 import re
 
 from mt_grpo.base.protocol import ANSWER_CLOSE, ANSWER_PATTERN, XMLProtocol
-from mt_grpo.rewards.answers import _aliases  # noqa: F401  (scripts/answer_errors.py imports it from here)
-from mt_grpo.rewards.answers import _contains, answer_types, contains_answer, matches_answer, normalize_answer
+from mt_grpo.rewards.answers import answer_types, contains_answer, contains_words, matches_answer, normalize_answer
 from mt_grpo.rewards.conversation import (assistant_turns, calls, completion_answer, content, failed, malformed,
-                                          per_tool_turn, role, tool_turns, visible_text)
+                                          per_tool_turn, question_text, tool_turns, visible_text)
 
 _REASONING = re.compile(re.escape(XMLProtocol.REASONING_OPEN) + ".*?" + re.escape(XMLProtocol.REASONING_CLOSE),
                         re.DOTALL)
@@ -167,14 +166,6 @@ def exist_answer_reward_func(prompts, completions, answer_aliases, answer_type=N
 GROUNDED_MAX_WORDS = 4
 
 
-def _question(prompt, question) -> str:
-    """The question: the dataset's `question` column, else the prompt's last user message."""
-    if question is not None:
-        return str(question)
-    users = [m for m in prompt if role(m) == "user"] if isinstance(prompt, list) else []
-    return content(users[-1]) if users else str(prompt or "")
-
-
 def grounded_answer_reward_func(prompts, completions, question=None, **kwargs) -> list[float]:
     """0.25 if the final `<answer>` (1 to GROUNDED_MAX_WORDS words after normalisation) appears, whole
     words, in a successful tool result of the episode and not in the question; else 0.0.
@@ -190,8 +181,8 @@ def grounded_answer_reward_func(prompts, completions, question=None, **kwargs) -
     for prompt, completion, q in zip(prompts, completions, questions):
         final = normalize_answer(completion_answer(completion) or "")
         results = [normalize_answer(content(t)) for _, tools in tool_turns(completion) for t in tools if not failed(t)]
-        grounded = (0 < len(final.split()) <= GROUNDED_MAX_WORDS and any(_contains(r, final) for r in results)
-                    and not _contains(normalize_answer(_question(prompt, q)), final))
+        grounded = (0 < len(final.split()) <= GROUNDED_MAX_WORDS and any(contains_words(r, final) for r in results)
+                    and not contains_words(normalize_answer(question_text(prompt, q)), final))
         rewards.append(0.25 if grounded else 0.0)
     return rewards
 

@@ -42,5 +42,5 @@ def resample_groups(trainer, inputs: list[dict], episodes: list, scores, seconds
             inputs[i], episodes[i] = x, ep
         seconds += more
         scores, rolled = score([x["prompt"] for x in inputs], episodes, inputs), empty
-    trainer._log_dynamic_sampling(passes)  # the first draw and the replacements, apart (reporting.py)
+    trainer.log_dynamic_sampling(passes)  # the first draw and the replacements, apart (reporting.py)
     return inputs, episodes, scores, seconds

@@ -321,7 +321,7 @@ class EnvironmentPool:
         for name in self.probe_tools:
             cls = type(self.free[name][0])
             if callable(getattr(cls, "get_reward", None)) and cls.__name__ not in [f.__name__ for f in outcome]:
-                outcome.append(_get_reward_func(cls, self))
+                outcome.append(_outcome_reward_func(cls, self))
             if (self.steps[name] or self.replies[name]) and f"{cls.__name__}_steps" not in [f.__name__ for f in turn]:
                 turn.append(_step_reward_func(cls, self))
         return outcome, turn
@@ -388,15 +388,15 @@ def row_label(row: dict, position: int) -> str:
     return index + " (" + ", ".join(f"{k}={str(v)[:40]!r}" for k, v in fields) + ")"
 
 
-def _get_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
+def _outcome_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
     """`get_reward()` of each episode whose environment is exactly `cls` (None for the others, and for an episode
     whose timed-out call still runs: its state is not settled), as TRL scores it; bounded by the episode's
     tool_timeout (a get_reward still running then gives None, logged)."""
 
     def get_reward(prompts=None, completions=None, environments=None, **kwargs):
         values = []
-        for env in environments or []:
-            value = pool.reward_of(env) if type(env) is cls and not pool.stuck(env) else None
+        for environment in environments or []:
+            value = pool.reward_of(environment) if type(environment) is cls and not pool.stuck(environment) else None
             values.append(None if value is None else environment_number(value, lambda: (
                 f"{cls.__name__}.get_reward returned {value!r} ({type(value).__name__}); it must return a number (a "
                 "float, or a numpy or torch scalar), the episode's reward.")))
@@ -412,15 +412,15 @@ def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
     @per_tool_turn
     def steps(prompts=None, completions=None, environments=None, **kwargs):
         values = []
-        for completion, env in zip(completions, environments, strict=True):
+        for completion, environment in zip(completions, environments, strict=True):
             turns = count_tool_turns(completion)
-            if type(env) is not cls or pool.stuck(env):
+            if type(environment) is not cls or pool.stuck(environment):
                 values.append([None] * turns)
                 continue
             recorded = [[environment_number(v, lambda: f"{cls.__name__}.step_rewards holds {v!r} (tool turn {k}); append "
                                             "one number per tool step (a float, or a numpy or torch scalar).")
                          for v in step]
-                        for k, step in enumerate(pool.turn_rewards(env)[:turns])]
+                        for k, step in enumerate(pool.turn_rewards(environment)[:turns])]
             values.append([float(sum(step)) for step in recorded] + [0.0] * (turns - len(recorded)))
         return values
 

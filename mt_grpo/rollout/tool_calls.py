@@ -142,7 +142,7 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
         content, reward = tool_output(output, f"tool '{call.name}'")
         return ToolResult(content, True, time.monotonic() - begun, reward)
     except Exception as e:  # the model sees the error and the turn reward counts a failure
-        if _refused_signal(e) and threading.current_thread() is not threading.main_thread():
+        if signal_refused(e) and threading.current_thread() is not threading.main_thread():
             if inspect.iscoroutinefunction(_function(fn)):  # its loop's thread is never the main one
                 return ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main "
                                              f"thread, and async tools run on an event loop's: {SIGNAL_FIX}"), False)
@@ -224,7 +224,7 @@ def _function(fn: Callable) -> Callable:
     return getattr(fn, "__func__", fn)
 
 
-def _refused_signal(error: BaseException | None) -> bool:
+def signal_refused(error: BaseException | None) -> bool:
     """Whether `error`, or an error it was raised from (math_verify re-raises it with its own message), is Python's
     refusal of `signal` off the main thread."""
     seen = set()

@@ -13,7 +13,7 @@ from typing import Callable
 
 from mt_grpo.base.protocol import ToolCall, error_text
 from mt_grpo.base.runtime import in_thread, join, run_async
-from mt_grpo.rollout.tool_calls import (MAIN, ToolResult, _refused_signal, run_on_main, run_tool_calls, start_call,
+from mt_grpo.rollout.tool_calls import (MAIN, ToolResult, run_on_main, run_tool_calls, signal_refused, start_call,
                                         timed_out)
 from mt_grpo.rollout.user_turns import UserTurn, as_reply
 
@@ -75,7 +75,7 @@ class Toolset:
         if outcome is None:
             return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
         ok, value = outcome
-        if not ok and _refused_signal(value) and not inspect.iscoroutinefunction(self.environment.respond):
+        if not ok and signal_refused(value) and not inspect.iscoroutinefunction(self.environment.respond):
             ok, value = self._respond_on_main(messages, timeout)  # it uses `signal` (math_verify's timeouts)
         try:
             return ToolResult(as_reply(value, type(self.environment).__name__), True) if ok else \

@@ -152,14 +152,16 @@ def _number(x) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
-def _nanmean(x: torch.Tensor) -> float:
+def applicable_mean(x: torch.Tensor) -> float:
+    """The mean of x's values that apply (NaN: not applicable, as a reward's None), NaN when none does."""
     return torch.nanmean(x).item() if not torch.isnan(x).all() else float("nan")
 
 
-def _per_turn(values: torch.Tensor | None, i: int, tool_turns: int):
-    """Row i of a (B,) or (B, 1) tensor as a number, or of a (B, K) per-turn tensor as a list: one value per
-    tool turn the episode took, and one for an episode without a tool call, whose first turn is credited like
-    any other (mt_grpo_trainer.per_turn_reward_table: its tokens got A_O + A_T(0)); None when absent."""
+def episode_value(values: torch.Tensor | None, i: int, tool_turns: int):
+    """Episode i's value as its record holds it: row i of a (B,) or (B, 1) tensor as a number, or of a (B, K)
+    per-turn tensor as a list: one value per tool turn the episode took, and one for an episode without a tool call,
+    whose first turn is credited like any other (mt_grpo_trainer.turn_reward_table: its tokens got A_O + A_T(0));
+    None when absent."""
     if values is None:
         return None
     row = values[i].reshape(-1).tolist()
@@ -175,8 +177,8 @@ def reward_metrics(scores, signal: torch.Tensor, turn_funcs: list[Callable], out
     for kind, funcs, per_func, R in (("turn", turn_funcs, scores.turn_per_func, scores.R_T),
                                      ("outcome", outcome_funcs, scores.outcome_per_func, scores.R_O)):
         for i, fn in enumerate(funcs):
-            out[f"{prefix}rewards/{kind}/{fn.__name__}"] = _nanmean(per_func[:, i])
-        out[f"{prefix}rewards/{kind}/mean"] = _nanmean(R)
+            out[f"{prefix}rewards/{kind}/{fn.__name__}"] = applicable_mean(per_func[:, i])
+        out[f"{prefix}rewards/{kind}/mean"] = applicable_mean(R)
     out[f"{prefix}rewards/frac_zero_signal_groups"] = 1 - signal.float().mean().item() if len(signal) else math.nan
     return out
 
@@ -200,11 +202,11 @@ def trl_metrics(stats: torch.Tensor, per_func: torch.Tensor, weights: torch.Tens
     out = {}
     for i, name in enumerate(names):
         if name not in ("turn", "outcome"):
-            out[f"rewards/{name}/mean"] = _nanmean(per_func[:, i])
+            out[f"rewards/{name}/mean"] = applicable_mean(per_func[:, i])
             out[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
     reward = (per_func * weights.to(per_func.device)[None, :]).nansum(dim=1)
     reward[torch.isnan(per_func).all(dim=1)] = float("nan")  # unscorable: every function returned None
-    out["reward"], out["reward_std"] = _nanmean(reward), nanstd(reward).item()
+    out["reward"], out["reward_std"] = applicable_mean(reward), nanstd(reward).item()
     std = nanstd(reward) if scale_rewards == "batch" else nanstd(reward.view(-1, group_size), dim=1) \
         if group_size > 1 else torch.zeros(1)
     out["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
@@ -277,8 +279,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
             "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
                                for name, v in funcs.items()} for kind, funcs in rewards.items()},
-            "R_T": _per_turn(R_T, i, ep.tool_turns), "R_O": _per_turn(R_O, i, ep.tool_turns),
-            "A_T": _per_turn(A_T, i, ep.tool_turns), "A_O": _per_turn(A_O, i, ep.tool_turns),
+            "R_T": episode_value(R_T, i, ep.tool_turns), "R_O": episode_value(R_O, i, ep.tool_turns),
+            "A_T": episode_value(A_T, i, ep.tool_turns), "A_O": episode_value(A_O, i, ep.tool_turns),
             "first_result": ep.first_result, "stop_reason": ep.stop_reason,
             **({} if environment is None else {"environment": type(environment).__name__}),  # environments.py
             # without outputs: each is in its env turn's tool_calls, and the token text holds it again
@@ -286,6 +288,17 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
                            for c in ep.calls],
         })
     return records
+
+
+def rewards_by_name(scores, rows: slice, episodes: list, turn_funcs: list[Callable],
+                    outcome_funcs: list[Callable]) -> dict[str, dict[str, list]]:
+    """Each function's value per sample of `rows` (the trainer's Scores; `episodes`: those rows' episodes), as
+    episode_records takes them: a number, or a list per tool turn for a per-turn function."""
+    turn = {fn.__name__: [r[:ep.tool_turns] for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
+            if is_per_tool_turn(fn) else scores.turn_per_func[rows, i, 0].tolist()
+            for i, fn in enumerate(turn_funcs)}
+    outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist() for i, fn in enumerate(outcome_funcs)}
+    return {"turn": turn, "outcome": outcome}
 
 
 def eval_metrics(results: list[dict], k: int) -> dict[str, float]:
@@ -573,12 +586,12 @@ class TrainerReports:
         work for this batch's rewards, when a reward is a judge (rewards/judge.py); else {}."""
         return judge_metrics(self.turn_reward_funcs + self.outcome_reward_funcs)
 
-    def _log_dynamic_sampling(self, passes: list) -> None:
-        """`dynamic_sampling/...` of one generation batch. `passes`: one (Scores, (groups,) signal, groups rolled
-        out) per scoring pass of `_resample_groups`: the first rolled out every group (the policy's own draw), each
-        later one the groups replaced after the pass before. `rewards/...` describe the batch trained on, after
-        replacement; `first_draw/` the first pass (what the policy scored on the questions it was given), and
-        `replacements/` the replaced groups of the later passes (NaN when there were none)."""
+    def log_dynamic_sampling(self, passes: list) -> None:
+        """`dynamic_sampling/...` of one generation batch (dynamic_sampling.resample_groups calls it). `passes`: one
+        (Scores, (groups,) signal, groups rolled out) per scoring pass: the first rolled out every group (the policy's
+        own draw), each later one the groups replaced after the pass before. `rewards/...` describe the batch trained
+        on, after replacement; `first_draw/` the first pass (what the policy scored on the questions it was given),
+        and `replacements/` the replaced groups of the later passes (NaN when there were none)."""
         m, G = self._metrics["train"], self.num_generations
         m["dynamic_sampling/rounds"].append(float(len(passes) - 1))  # rounds that rolled out replacements
         m["dynamic_sampling/groups_replaced"].append(float(sum(len(groups) for _, _, groups in passes[1:])))
@@ -601,16 +614,24 @@ class TrainerReports:
         self._logs["advantages"].extend(adv.outcome.tolist())
         # what rewards logged through TRL's `log_extra` and `log_metric`, as TRL flushes it (sorted: every rank
         # gathers the same names in the same order)
-        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
-            values = self._pending_extra_logs.get(column, [None] * len(prompts))
+        extra, logged = self.take_reward_logs()
+        for column in sorted(set(gather_object(list(extra)))):
+            values = extra.get(column, [None] * len(prompts))
             self._logs["extra"][column].extend(gather_object(values))
-        self._pending_extra_logs.clear()
-        for name in sorted(set(gather_object(list(self._pending_metrics)))):
-            values = self._pending_metrics.get(name, [])
+        for name in sorted(set(gather_object(list(logged)))):
+            values = logged.get(name, [])
             total, count = gather(torch.tensor([[sum(values), len(values)]], dtype=torch.float32,
                                                device=self.accelerator.device)).sum(dim=0).tolist()
             self._metrics["train" if self.model.training else "eval"][name].append(total / max(count, 1))
+
+    def take_reward_logs(self) -> tuple[dict[str, list], dict[str, list[float]]]:
+        """(columns, metrics): what the rewards logged on this process through TRL's keywords since the last call,
+        `log_extra(column, values)` and `log_metric(name, value)` (a list of values per name); TRL's buffers are
+        emptied."""
+        extra, logged = dict(self._pending_extra_logs), dict(self._pending_metrics)
+        self._pending_extra_logs.clear()
         self._pending_metrics.clear()
+        return extra, logged
 
     # -- recorded rollouts (scripts/view_rollouts.py reads them) ---------------------------------------
     def _record_rollout(self, inputs: list[dict], episodes: list, scores, adv,
@@ -624,28 +645,18 @@ class TrainerReports:
         records = episode_records(
             self.env.tokenizer, episodes, inputs, step=self.state.global_step + 1, mode="train",
             first_index=rank * B, group_size=self.num_generations,
-            rewards=self._rewards_by_name(scores, local, episodes),
+            rewards=rewards_by_name(scores, local, episodes, self.turn_reward_funcs, self.outcome_reward_funcs),
             R_T=scores.R_T[local], R_O=scores.R_O[local],
             A_T=adv.turn[local], A_O=adv.outcome[local],
             token_values={"advantage": adv.tokens,  # before the importance weight (is_weight)
                           "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},
         )
-        self._write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
+        self.write_records(f"step-{self.state.global_step + 1:06d}.jsonl", records)
 
-    def _rewards_by_name(self, scores, rows: slice,
-                         episodes: list) -> dict[str, dict[str, list]]:
-        """Each function's value per sample: a number, or a list per tool turn for a per-turn function."""
-        turn = {fn.__name__: [r[:ep.tool_turns]
-                              for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
-                if is_per_tool_turn(fn) else scores.turn_per_func[rows, i, 0].tolist()
-                for i, fn in enumerate(self.turn_reward_funcs)}
-        outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist()
-                   for i, fn in enumerate(self.outcome_reward_funcs)}
-        return {"turn": turn, "outcome": outcome}
-
-    def _write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
-        """Gather every process's records; the main process writes them as JSONL. Returns the path."""
+    def write_records(self, name: str, records: list[dict], folder: str | None = None) -> str:
+        """Gather every process's records; the main process writes them as JSONL, as `name` in `folder` (default:
+        the run's rollouts/, which scripts/view_rollouts.py reads). Returns the path."""
         records = gather_object(records) if self.accelerator.num_processes > 1 else records
         path = os.path.join(folder or os.path.join(self.args.output_dir, "rollouts"), name)
         if self.accelerator.is_main_process:
