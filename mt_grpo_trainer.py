@@ -1,6 +1,6 @@
 """MT-GRPO: multi-turn GRPO with turn-level credit assignment, for LLM agents that call tools.
 
-The policy answers in turns: a tool call, whose result the environment appends, or a final answer (`protocol.py`
+The policy answers in turns: a tool call, whose result the environment appends, or a final answer (`mt_grpo/base/protocol.py`
 defines the tool formats). Each episode gets a turn reward R_T (did the first tool call work and bring back the
 answer?) and an outcome reward R_O (is the final answer right?), each normalised within its group of
 `num_generations` episodes of the same prompt:
@@ -122,19 +122,19 @@ class MTGRPOScriptArguments(TaskArguments, ToolArguments, RolloutArguments, Adap
 class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
     """TRL's GRPOConfig with the fields above: the `args` of the Python API and the recipe's keys. Evaluation is
     greedy (TRL's None means num_generations episodes per eval question, and its check then wants the eval batch
-    divisible by num_generations, which one greedy episode per question does not need); checks.py's
+    divisible by num_generations, which one greedy episode per question does not need); run/checks.py's
     settle_training_defaults says what else moves."""
 
     num_generations_eval: int | None = arg(1, "Episodes per eval question: 1 greedy; k > 1 sampled, with pass@k.")
     gradient_checkpointing: bool | None = arg(None, "Deprecated name of `activation_checkpointing`; either may be set.")
     # TRL's ScriptArguments has these two, and argparse refuses a flag twice: constructor keywords, not fields, so that
-    # TRL's TrlParser((ScriptArguments, MTGRPOConfig, ModelConfig)) parses; recipes set them (fields.parse_recipe).
+    # TRL's TrlParser((ScriptArguments, MTGRPOConfig, ModelConfig)) parses; recipes set them (base/fields.parse_recipe).
     dataset_name: InitVar[str | None] = task_keyword("dataset_name")
     dataset_config: InitVar[str | None] = task_keyword("dataset_config")
 
     def __post_init__(self, dataset_name, dataset_config):
         self.dataset_name, self.dataset_config = dataset_name, dataset_config
-        settle_training_defaults(self)  # checks.py: the two names of checkpointing; no pinned memory without a GPU
+        settle_training_defaults(self)  # run/checks.py: the two names of checkpointing; no pinned memory without a GPU
         check_script_args(self)  # GRPOConfig's __post_init__ does not reach the script arguments
         super().__post_init__()
 
@@ -506,7 +506,7 @@ def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: to
 
 # ------------------------------------------------------------------------------------------------
 # 5. The vLLM server client: token ids in; sampled ids, their logprobs and a finish reason out.
-# The in-process backend, TransformersBackend, is in sampling.py; make_backend (section 8) picks one by name.
+# The in-process backend, TransformersBackend, is in engine/sampling.py; make_backend (section 8) picks one by name.
 # ------------------------------------------------------------------------------------------------
 class VLLMServerClient(ServerEndpoints):
     """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
@@ -548,9 +548,9 @@ class VLLMServerClient(ServerEndpoints):
             model, *ids, self.params if processed else SamplingParams(), None, kept)
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
 
-    # -- HTTP: bounded waits and retries (completions.py) ---------------------------------------------
+    # -- HTTP: bounded waits and retries (base/completions.py) ----------------------------------------
     def post(self, path: str, body: dict, parse: Callable[[dict], object] | None = lambda r: r):
-        """POST with bounded retries (completions.post_with_retries); `parse` None: the response is text."""
+        """POST with bounded retries (base/completions.post_with_retries); `parse` None: the response is text."""
         return post_with_retries(self.http, self.base_url, path, body, parse, self.max_retries)
 
     # -- generation --------------------------------------------------------------------------------
@@ -592,7 +592,7 @@ class VLLMServerClient(ServerEndpoints):
             "include_stop_str_in_output": True,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
         }
-        if asked := kept_set_logprobs(p.top_p, p.top_k, p.min_p):  # the sampler's kept sets (completions.py)
+        if asked := kept_set_logprobs(p.top_p, p.top_k, p.min_p):  # the sampler's kept sets (base/completions.py)
             body.update(logprobs=asked, return_tokens_as_token_ids=True)
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
             body["seed"] = p.seed
@@ -653,7 +653,7 @@ class MultiTurnToolEnv:
         self.fit = None if max_prompt_length is None or environments is None else \
             prompt_fitter(self.render_ids, tokenizer, max_prompt_length)  # an environment's observation, cut to fit
         self.tokenization_check = tokenization_check
-        self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (turn_samples.py)
+        self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (base/turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's
         self.prompt_parts = dict(tools=tools, task_prompt=task_prompt, examples=examples, few_shot=few_shot,
@@ -705,7 +705,7 @@ class MultiTurnToolEnv:
             raise ValueError("`rollout_scheduler: per_episode` needs a backend that takes requests one at a time "
                              "(`generation_backend: vllm_server`); in-process generation runs in rounds.")
         if backend.can_submit and self.scheduler != "rounds":
-            run_per_episode(self, episodes, backend, params, bar)  # scheduling.py
+            run_per_episode(self, episodes, backend, params, bar)  # rollout/scheduling.py
         else:
             self._rounds(episodes, backend, params, bar)
         bar.close()
@@ -719,7 +719,7 @@ class MultiTurnToolEnv:
         asks for it (backend.another_round)."""
         first = True
         while backend.another_round(bool(live := [ep for ep in episodes if not ep.done])):
-            stop_point()  # SIGTERM on one process: the step is dropped (reporting.stoppable)
+            stop_point()  # SIGTERM on one process: the step is dropped (run/reporting.stoppable)
             budgets = [self.budget(ep) for ep in live]
             samples = self._generate(backend, live, budgets, first, params)
             first = False
@@ -766,13 +766,13 @@ class MultiTurnToolEnv:
             ep.stop_reason = "max_env_steps"  # these calls are not run
         else:
             return turn.calls
-        return ask_user(self, ep)  # user_turns.py: a UserTurn when the environment replies as the user
+        return ask_user(self, ep)  # rollout/user_turns.py: a UserTurn when the environment replies as the user
 
     def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
         if isinstance(calls, UserTurn):
             return record_reply(self, ep, calls, results[0])
         messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output),
-                     **({} if r.reward is None else {"reward": r.reward})}  # tools.tool_output: a step reward
+                     **({} if r.reward is None else {"reward": r.reward})}  # rollout/tool_calls.tool_output: a step reward
                     for c, r in zip(calls, results)]
         turn, done = ep.tool_turns, environment_done(getattr(ep.toolset, "environment", None))
         if self.append_reply(ep, messages, last=done):
@@ -787,7 +787,7 @@ class MultiTurnToolEnv:
         # The model may have closed its turn itself with an end-of-turn id; the template's close must not repeat it.
         if ep.completion_ids and ids and ep.completion_ids[-1] == ids[0] and ids[0] in self.eos_token_ids:
             ids = ids[1:]
-        # the next sample's prompt where the template renders the history otherwise (turn_samples.py)
+        # the next sample's prompt where the template renders the history otherwise (base/turn_samples.py)
         prompt = None if last else next_sample_prompt(self.turn_samples, ep.context_ids, ids, lambda: self.render_ids(
             ep.prompt_messages + ep.messages + messages, add_generation_prompt=True, toolset=ep.toolset))
         if (len(prompt) if prompt is not None else len(ep.context_ids) + len(ids)) - len(ep.prompt_ids) \
@@ -829,7 +829,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
                  outcome_reward_funcs: list | None = None, env: "MultiTurnToolEnv | None" = None, backend=None,
                  script_args: MTGRPOScriptArguments | None = None, eval_metric_funcs: dict[str, Callable] | None = None,
                  corpus: list[dict] | None = None):
-        """TRL's GRPOTrainer's arguments, in its order (builders.py says what each may be). `reward_funcs` join the
+        """TRL's GRPOTrainer's arguments, in its order (run/builders.py says what each may be). `reward_funcs` join the
         outcome rewards, those marked @per_tool_turn the turn rewards. `args`: an MTGRPOConfig (a plain GRPOConfig
         takes ours from `script_args`); the trainer keeps a copy. Without `env`, the env, tools and prompts are built
         from the config. `backend`: a backend, a function env -> backend, or None (`generation_backend`)."""
@@ -861,7 +861,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         if not configured:  # a backend given (or made by a given function): what it can do, not what the config says
             check_backend(args, peft_config, backend)
         # TRL sees every reward function (for its bookkeeping); we score them ourselves, once each, with the weights
-        # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: builders.reward_lists split them). On the
+        # of their kind (TRL's `reward_weights` weigh `reward_funcs` only: run/builders.reward_lists split them). On the
         # trainer's copy of the config: the caller's is never changed
         trl_weights, args.reward_weights = args.reward_weights, None
         super().__init__(model=model, reward_funcs=turn_reward_funcs + outcome_reward_funcs, args=args,
@@ -876,7 +876,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         self.turn_reward_funcs = turn_reward_funcs
         self.outcome_reward_funcs = outcome_reward_funcs
         self.eval_metric_funcs = dict(eval_metric_funcs or {})  # the task's: eval/<name> = share of episodes > 0
-        # one weight per function; those an environment adds after the caller's (environments.py) weigh 1.0
+        # one weight per function; those an environment adds after the caller's (rollout/environments.py) weigh 1.0
         self.turn_weights, self.outcome_weights = (torch.tensor([*(w or []), *[1.0] * (len(f) - len(w or []))])
                                                    for w, f in zip(weights, (turn_reward_funcs, outcome_reward_funcs)))
         self._synced_step = -1
@@ -889,7 +889,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         )
         self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
         check_distributed_generation(backend, self.accelerator, args)
-        install_console(self, args.max_train_minutes, args.stop_timeout)  # SIGTERM, time budget, one line per step (reporting.py)
+        install_console(self, args.max_train_minutes, args.stop_timeout)  # SIGTERM, time budget, one line per step (run/reporting.py)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -897,7 +897,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         inputs, episodes, seconds = self._roll_out(inputs, mode)  # 1-2. sync the sampler; multi-turn episodes
         scores = self._score([x["prompt"] for x in inputs], episodes, inputs)  # 3. rewards of all processes
         if mode == "train" and self.args.dynamic_sampling:  # groups without signal: new questions
-            inputs, episodes, scores, seconds = resample_groups(  # dynamic_sampling.py, with these stages
+            inputs, episodes, scores, seconds = resample_groups(  # rollout/dynamic_sampling.py, with these stages
                 self, inputs, episodes, scores, seconds, roll_out=self._roll_out, score=self._score,
                 has_signal=self._has_signal)
         prompts = [x["prompt"] for x in inputs]
@@ -995,7 +995,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         device = self.accelerator.device
         collect = gather if all_processes else (lambda x: x)  # noqa: E731
         completions = [ep.messages for ep in episodes]
-        # the dataset's columns and TRL's keywords: `environments` (environments.py), completion_ids, and the batch's
+        # the dataset's columns and TRL's keywords: `environments` (rollout/environments.py), completion_ids, and the batch's
         columns = {**episode_columns(inputs, episodes), "completion_ids": [ep.completion_ids for ep in episodes]}
         keywords = dict(trainer_state=self.state, log_extra=self._log_completion_extra, log_metric=self._log_metric)
         tool_turns = [ep.tool_turns for ep in episodes]
@@ -1052,7 +1052,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
             batch["importance_sampling_ratio"] = weights
         else:  # the weights are detached and >= 0: scaling A scales each token's clipped loss by the weight
             batch["advantages"] = batch["advantages"] * weights
-        self._log_sampler_gap(mode, weights, mask, old, sampler, listed, batch["token_turns"])  # reporting.py
+        self._log_sampler_gap(mode, weights, mask, old, sampler, listed, batch["token_turns"])  # run/reporting.py
         return weights
 
     def _compute_loss(self, model, inputs):
@@ -1082,17 +1082,17 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         return LossWindow(steps, tokens, self.args.max_completion_length)
 
     def train(self, *args, **kwargs):
-        """TRL's training loop; a SIGTERM mid-rollout ends it with the last step's checkpoint (reporting.stoppable)."""
+        """TRL's training loop; a SIGTERM mid-rollout ends it with the last step's checkpoint (run/reporting.stoppable)."""
         return stoppable(self, super().train, *args, **kwargs)
 
-    # -- forwards: packed tries where padding_free or per-turn samples ask for them (packing.py) ------------
+    # -- forwards: packed tries where padding_free or per-turn samples ask for them (engine/packing.py) -----
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         return self.packing.logps_and_entropies(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         return super().get_high_entropy_mask(entropies, self.packing.signal_mask(mask), threshold)
 
-    # -- evaluation: the same stages on the eval set; evaluation.py runs them and aggregates ------------
+    # -- evaluation: the same stages on the eval set; run/evaluation.py runs them and aggregates --------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict[str, float]:
         """What `eval_strategy` runs, in place of TRL's loop (which scores single-turn completions)."""
         return evaluation.evaluate(self, eval_dataset)
@@ -1168,7 +1168,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
     (tests use a scripted one). The eval set is loaded when `eval_strategy` is set, or with `evaluation`."""
     args, _, model_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    quiet_library_bars()  # no library progress bar where the output is a log, not a terminal (reporting.py)
+    quiet_library_bars()  # no library progress bar where the output is a log, not a terminal (run/reporting.py)
     args.model_init_kwargs = {**(args.model_init_kwargs or {}), "dtype": model_args.dtype or "auto",  # as TRL's
                               "attn_implementation": model_args.attn_implementation,  # scripts set them
                               "revision": model_args.model_revision}

@@ -450,19 +450,29 @@ mt.main(sys.argv[1:])
 """
 
 
+def train_one_step(script: str, tiny_agent_dir: str, tmp_path, *flags) -> str:
+    """One step of the tiny recipe, run by `script` (a table extended, then mt.main), its rollouts recorded; the
+    output folder, after checking that the step trained."""
+    import sys
+
+    from helpers import RECIPE, final_metrics, run
+
+    out = str(tmp_path / "out")
+    run([sys.executable, "-c", script, "--config", RECIPE, "--model_name_or_path", tiny_agent_dir, "--output_dir", out,
+         "--save_strategy", "no", "--max_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "4",
+         "--max_samples", "4", "--save_rollouts_steps", "1", *flags], tmp_path)
+    (step,) = [h for h in final_metrics(out) if "loss" in h]
+    assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+    return out
+
+
 def test_the_trainer_trains_with_an_added_mode(tiny_agent_dir, tmp_path):
     """The recipe's field takes the new mode (its choices are the table's), and a step trains with it: every
     recorded token advantage is coef * A_T on turn 0 and 0 elsewhere."""
-    import sys
+    from helpers import rollout_records
 
-    from helpers import RECIPE, final_metrics, rollout_records, run
-
-    out = str(tmp_path / "out")
-    run([sys.executable, "-c", ADD_A_MODE, "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", out, "--save_strategy", "no", "--max_steps", "1", "--eval_strategy", "no",
-         "--per_device_train_batch_size", "4", "--max_samples", "4", "--save_rollouts_steps", "1",
-         "--advantage_mode", "turn_only", "--turn_advantage_coef", "0.5"], tmp_path)
-    assert [h for h in final_metrics(out) if "loss" in h]
+    out = train_one_step(ADD_A_MODE, tiny_agent_dir, tmp_path, "--advantage_mode", "turn_only",
+                         "--turn_advantage_coef", "0.5")
     for record in rollout_records(out):
         A_T, tokens = record["A_T"], record["tokens"]
         first = record["first_result"]
@@ -498,16 +508,10 @@ mt.main(sys.argv[1:])
 def test_a_mode_with_its_own_knob_is_a_field_a_function_and_an_entry(tiny_agent_dir, tmp_path):
     """The knob is a recipe flag like any field, and the mode reads it from the settings the trainer built once:
     every model token's recorded advantage is outcome_scale x A_O."""
-    import sys
+    from helpers import rollout_records
 
-    from helpers import RECIPE, final_metrics, rollout_records, run
-
-    out = str(tmp_path / "out")
-    run([sys.executable, "-c", ADD_A_KNOB, "--config", RECIPE, "--model_name_or_path", tiny_agent_dir,
-         "--output_dir", out, "--save_strategy", "no", "--max_steps", "1", "--eval_strategy", "no",
-         "--per_device_train_batch_size", "4", "--max_samples", "4", "--save_rollouts_steps", "1",
-         "--advantage_mode", "outcome_scaled", "--outcome_scale", "3"], tmp_path)
-    assert [h for h in final_metrics(out) if "loss" in h]
+    out = train_one_step(ADD_A_KNOB, tiny_agent_dir, tmp_path, "--advantage_mode", "outcome_scaled",
+                         "--outcome_scale", "3")
     records = rollout_records(out)
     assert records and any(r["A_O"] != 0 for r in records)
     for record in records:

@@ -33,7 +33,10 @@ def test_the_dry_run_writes_every_part_in_order(tiny_model_dir, tiny_agent_dir, 
                                                           (8, "float16")]  # shortest first, both precisions
     assert all(lo <= c["seq_below_0.5"] <= hi for c in cells for lo, hi in [c["seq_below_0.5_ci"]])
     (step,) = parts["training"]["result"]["bf16"]
-    assert step["step"] == 1 and step["kl"] == 0  # on-policy: the reference is the policy
+    # on-policy the reference is the policy: what is left is bf16's rounding between two forwards of one model, which
+    # depends on the CPU's kernels (3.7e-6 on an AVX512-BF16 EPYC, 0 elsewhere). k3 of a logprob gap d is about d^2 / 2,
+    # and a bf16 logit carries 8 bits (d up to ~1e-2): at most ~5e-5
+    assert step["step"] == 1 and 0 <= step["kl"] < 1e-4
 
 
 def test_a_part_past_its_cap_is_killed_and_one_that_does_not_fit_is_skipped(tiny_model_dir, tmp_path):

@@ -369,7 +369,9 @@ def test_a_servers_map_connects_stdio_http_and_sse_with_their_filters_and_tokens
                                              "excludeTools": ["search"]}},
                                    ["search"], timeout=TIMEOUT)
     assert (search.__name__, search.mcp_server) == ("search", "kb-sse")
-    assert "idle" not in [server.spec.label for server in tools.mcp._SERVERS]
+    from mt_grpo.tools import mcp
+
+    assert "idle" not in [server.spec.label for server in mcp._SERVERS]
 
 
 @pytest.mark.parametrize("transport", ["sse", "http"])

@@ -61,15 +61,18 @@ MOVED = {"rewards": "mt_grpo.rewards", "tools": "mt_grpo.tools", "tasks": "mt_gr
          "server_pool": "mt_grpo.engine.server_pool", "episodes": "mt_grpo.rollout.episodes",
          "user_turns": "mt_grpo.rollout.user_turns", "environments": "mt_grpo.rollout.environments",
          "scheduling": "mt_grpo.rollout.scheduling", "builders": "mt_grpo.run.builders",
-         "checks": "mt_grpo.run.checks", "reporting": "mt_grpo.run.reporting", "evaluation": "mt_grpo.run.evaluation"}
+         "checks": "mt_grpo.run.checks", "reporting": "mt_grpo.run.reporting", "evaluation": "mt_grpo.run.evaluation",
+         "async_rollout": "mt_grpo.rollout.async_rollout", "dynamic_sampling": "mt_grpo.rollout.dynamic_sampling",
+         "adapters.compat": "mt_grpo.compat"}
 _WARNED: set[str] = set()
 
 
 def moved_to(module_name: str) -> str | None:
     """The package's name of a module that stood at the top level before (`rewards.answers` ->
     `mt_grpo.rewards.answers`); None for any other name."""
-    head, dot, rest = module_name.partition(".")
-    return MOVED[head] + dot + rest if head in MOVED else None
+    old = max((name for name in MOVED if module_name == name or module_name.startswith(name + ".")), key=len,
+              default=None)  # the longest: adapters.compat before adapters
+    return None if old is None else MOVED[old] + module_name[len(old):]
 
 
 def _import(module_name: str):

@@ -669,7 +669,9 @@ class TrainerReports:
 
 # What save_model writes, by transformers' names: safetensors (one file or shards), a PEFT adapter, or torch's pickle.
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin")
-VIEWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "view_rollouts.py")
+# the repository's viewer (mt_grpo/run/ is two floors below the repository root)
+VIEWER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                      "view_rollouts.py")
 
 
 def closing_lines(trainer) -> list[str]:
