@@ -146,8 +146,7 @@ class MTGRPOConfig(GRPOConfig, MTGRPOScriptArguments):
 # ------------------------------------------------------------------------------------------------
 # ALGO LOGIC: sections 2 to 4
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(B, F) -> (B,), or per turn (B, F, K) -> (B, K). NaN entries (None) are left out of the sum; an
-    entry whose functions are all NaN stays NaN."""
+    """(B, F) -> (B,), or per turn (B, F, K) -> (B, K); NaN entries (None) left out, all NaN stays NaN."""
     w = weights.view(1, -1, *([1] * (rewards_per_func.dim() - 2)))
     total = (rewards_per_func * w).nansum(dim=1)
     total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
@@ -201,8 +200,7 @@ def group_normalize(rewards: torch.Tensor, num_generations: int, scale: str = "g
 @dataclass
 class Advantages:
     tokens: torch.Tensor  # (B_local, T) per-token advantage of this process's samples
-    # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
-    turn: torch.Tensor
+    turn: torch.Tensor  # (B, K) A_T of every sample of the generation batch (K = 1 but for per_turn); 0 if absent
     outcome: torch.Tensor  # (B,) A_O
     informative: torch.Tensor  # (B,) bool: the sample's group carries a learning signal (some advantage != 0)
 
@@ -227,19 +225,17 @@ class AdvantageSettings:
         return group_normalize(rewards, self.group_size, self.config.scale_rewards)
 
 
-def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str,
-                    scale_rewards: str) -> torch.Tensor:
-    """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is
-    normalised over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of
-    the group."""
+def turn_advantages(R_T: torch.Tensor, group_size: int, normalization: str, scale_rewards: str) -> torch.Tensor:
+    """(B, K) turn rewards (NaN: no such tool turn) -> (B, K) A_T. by_turn_index: each turn index k is normalised
+    over the group's samples that have a turn k; pooled: over all (sample, turn) pairs of the group."""
     B, K = R_T.shape
     if normalization == "by_turn_index":
         return torch.stack([group_normalize(R_T[:, k], group_size, scale_rewards) for k in range(K)], dim=1)
     return group_normalize(R_T.reshape(-1), group_size * K, scale_rewards).view(B, K)  # rows are group-major
 
 
-# A mode: (R_T (B, K), R_O (B,), A_O (B,), AdvantageSettings) -> (base (B,), A_T (B, K'), credit (B, K' + 1)). Every model
-# token gets base; the tokens of model turn k also get turn_advantage_coef * credit[:, k] (column K': no credit).
+# A mode: (R_T (B, K), R_O (B,), A_O (B,), AdvantageSettings) -> (base (B,), A_T (B, K'), credit (B, K' + 1)). Every
+# model token gets base; those of model turn k also get turn_advantage_coef * credit[:, k] (column K': no credit).
 def mt_grpo_credit(R_T, R_O, A_O, s):
     """The paper: A_O everywhere, and A_T on turn 0, the tokens before the first tool result."""
     A_T = s.normalize(R_T[:, 0])[:, None]
@@ -338,11 +334,10 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
                        mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
-    """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them:
-    per token or per sequence (the product over the sequence's model tokens), then truncated to
-    [clip_min, clip_max] or masked (0) outside it. Off-mask tokens and NaN sampler logprobs count as
-    ratio 1. The weights are >= 0 and detached, so scaling the advantages by them equals scaling the
-    clipped per-token loss, which is how TRL applies them."""
+    """(B, T) weights pi_trainer / pi_sampler as TRL's `vllm_importance_sampling_mode` defines them: per token or
+    per sequence (the product over its model tokens), truncated to [clip_min, clip_max] or masked (0) outside it.
+    Off-mask tokens and NaN sampler logprobs count as ratio 1. Detached and >= 0: scaling the advantages by them
+    scales each token's clipped loss, as TRL applies them."""
     if mode not in IS_MODES:
         raise ValueError(f"vllm_importance_sampling_mode is {mode!r}; choose one of {list(IS_MODES)}.")
     diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # (B, T)

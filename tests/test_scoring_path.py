@@ -281,7 +281,7 @@ def test_dynamic_sampling_replaces_groups_without_signal_by_new_questions(tiny_a
 def test_mt_grpo_gives_a_per_turn_turn_reward_of_an_episode_without_a_tool_call_zero(tiny_agent_dir, task_files,
                                                                                      tmp_path):
     """`advantage_mode: mt_grpo` with a @per_tool_turn turn reward, on episodes that all answer at once: the function
-    returns [] (no tool turn), and the first turn of each episode earns 0 from it (per_turn_reward_table), as
+    returns [] (no tool turn), and the first turn of each episode earns 0 from it (turn_reward_table), as
     in per_turn mode, not NaN ("not applicable", which would leave it out of its group's A_T)."""
     trainer, _ = signal_trainer(tiny_agent_dir, task_files, tmp_path, "--advantage_mode", "mt_grpo",
                                 "--turn_reward_funcs", "tool_execution_per_turn")
