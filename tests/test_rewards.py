@@ -323,7 +323,7 @@ def test_per_turn_marks_a_function_and_the_registry_keeps_the_mark():
         per_turn(plain)
     assert {name for name, fn in REWARD_FUNCS.items() if is_per_tool_turn(fn)} == {
         "tool_execution_per_turn", "answer_in_result_per_turn", "repeated_query_penalty_per_turn", "tool_rewards"}
-    assert is_per_tool_turn(get_reward_func("rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
+    assert is_per_tool_turn(get_reward_func("mt_grpo.rewards.triviaqa_reward:repeated_query_penalty_per_turn"))
     assert is_per_tool_turn(get_reward_func("reward_examples:one_per_tool_turn"))
 
 
@@ -407,8 +407,10 @@ def test_the_adapters_lookup_adds_another_frameworks_form():
         resolve_reward("exact_match")
 
 
-@pytest.mark.parametrize("path", ["rewards.triviaqa_reward:exact_match_reward_func",
-                                  "rewards.triviaqa_reward.exact_match_reward_func"])
+@pytest.mark.parametrize("path", ["mt_grpo.rewards.triviaqa_reward:exact_match_reward_func",
+                                  "mt_grpo.rewards.triviaqa_reward.exact_match_reward_func",
+                                  # the path of before mt_grpo/, with a warning (tests/test_tools.py: the old paths)
+                                  "rewards.triviaqa_reward:exact_match_reward_func"])
 def test_dotted_paths_resolve(path):
     assert get_reward_func(path) is exact_match_reward_func
 
@@ -416,10 +418,10 @@ def test_dotted_paths_resolve(path):
 @pytest.mark.parametrize("path, why", [
     ("no_such_package.rewards:my_reward", "cannot import module 'no_such_package.rewards'"),
     ("no_such_package.rewards.my_reward", "cannot import module 'no_such_package.rewards'"),
-    ("rewards.triviaqa_reward:no_such_reward", "has no attribute 'no_such_reward'"),
-    ("rewards.triviaqa_reward.no_such_reward", "has no attribute 'no_such_reward'"),
-    ("rewards.triviaqa_reward:TURN_REWARD_FUNCS", "is a list, not a function"),
-    ("rewards.triviaqa_reward:", "must look like `module:function`"),
+    ("mt_grpo.rewards.triviaqa_reward:no_such_reward", "has no attribute 'no_such_reward'"),
+    ("mt_grpo.rewards.triviaqa_reward.no_such_reward", "has no attribute 'no_such_reward'"),
+    ("mt_grpo.rewards.triviaqa_reward:TURN_REWARD_FUNCS", "is a list, not a function"),
+    ("mt_grpo.rewards.triviaqa_reward:", "must look like `module:function`"),
     (":exact_match_reward_func", "must look like `module:function`"),
 ])
 def test_bad_dotted_path_says_what_is_wrong(path, why):

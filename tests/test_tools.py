@@ -4,6 +4,7 @@ dotted paths and corpus tools."""
 
 import contextlib
 import inspect
+import logging
 import os
 import pickle
 import re
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -73,9 +75,9 @@ def test_search_is_a_function_named_search_with_a_documented_signature():
 
 
 def test_search_top1_is_search_with_one_document_by_default():
-    """`tools: [tools.search:make_search_top1_tool]`: the model sees and calls the same `search`, whose
+    """`tools: [mt_grpo.tools.search:make_search_top1_tool]`: the model sees and calls the same `search`, whose
     default is one document; it can still ask for more."""
-    (search,) = build_tools(["tools.search:make_search_top1_tool"], CORPUS)
+    (search,) = build_tools(["mt_grpo.tools.search:make_search_top1_tool"], CORPUS)
     assert search.__name__ == "search"
     assert str(inspect.signature(search)) == "(query: str, num_results: int = 1) -> str"
     assert search("Kalosh") == KALOSH and search("Kalosh", num_results=3) == f"{KALOSH}\n\n{RUSK}"
@@ -117,8 +119,8 @@ def test_search_document_without_title_is_shown_as_text_only():
 @pytest.mark.parametrize("names, called", [
     (["search"], ["search"]),  # a registry name; a corpus tool, built from the corpus
     (["wiki_search", "search"], ["wiki_search", "search"]),  # in the recipe's order
-    (["tools.wiki_search:wiki_search"], ["wiki_search"]),  # dotted paths
-    (["tools.wiki_search.wiki_search"], ["wiki_search"]),
+    (["mt_grpo.tools.wiki_search:wiki_search"], ["wiki_search"]),  # dotted paths
+    (["mt_grpo.tools.wiki_search.wiki_search"], ["wiki_search"]),
     (["tool_examples:make_count_tool", "search"], ["count_documents", "search"]),  # a corpus tool by its path
 ])
 def test_build_tools_resolves_names_and_paths_in_order(names, called):
@@ -129,7 +131,7 @@ def test_build_tools_builds_corpus_tools_from_the_corpus():
     search, count_documents = build_tools(["search", "tool_examples:make_count_tool"], CORPUS)
     assert search("capital of Veltria", num_results=1) == "Veltria: Veltria is a country. Its capital is Morvane."
     assert count_documents(word="kalosh") == "2"
-    assert build_tools(["tools.wiki_search:wiki_search"], None) == [wiki.wiki_search]
+    assert build_tools(["mt_grpo.tools.wiki_search:wiki_search"], None) == [wiki.wiki_search]
 
 
 @pytest.mark.parametrize("name", sorted(TOOLS))
@@ -154,8 +156,8 @@ def undocumented(query: str) -> str:
     (["search", "search"], CORPUS, "`tools` lists a tool twice"),
     (["search", "tool_examples:search"], CORPUS,
      "Tools 'search' and 'tool_examples:search' are both functions named 'search'"),
-    (["wiki_search", "tools.wiki_search:wiki_search"], None,
-     "Tools 'wiki_search' and 'tools.wiki_search:wiki_search' are both functions named 'wiki_search'"),
+    (["wiki_search", "mt_grpo.tools.wiki_search:wiki_search"], None,
+     "Tools 'wiki_search' and 'mt_grpo.tools.wiki_search:wiki_search' are both functions named 'wiki_search'"),
     ([lambda expression: expression], None, "Tool '<lambda>' is named '<lambda>' (a lambda?), which the model cannot "
                                             "write as a call's name: make it a named function"),
     ([undocumented], None, "Tool 'undocumented' has no docstring, and the model reads what a tool does from its first "
@@ -171,6 +173,181 @@ def test_build_tools_errors(names, corpus, message):
 
 def test_wiki_search_only_needs_no_corpus():
     assert [fn.__name__ for fn in build_tools(["wiki_search"], None)] == ["wiki_search"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the old top-level dotted paths (before mt_grpo/), and a user's own `tools`, `rewards`, `tasks`
+
+def resolve_reward(path):
+    from mt_grpo.rewards import get_reward_func
+
+    return get_reward_func(path)
+
+
+def resolve_tool(path):
+    (fn,) = build_tools([path], CORPUS)
+    return fn
+
+
+def resolve_factory(path):
+    from mt_grpo.rollout.environments import load_factory
+
+    return load_factory(path)
+
+
+def moved_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mt_grpo" and "is now `" in r.getMessage()]
+
+
+@pytest.fixture
+def warnings_once_more(monkeypatch, caplog):
+    """The registry's warnings, each of which it logs once a process, logged afresh for the test (caplog)."""
+    from mt_grpo.base import registry
+
+    monkeypatch.setattr(registry, "_WARNED", set())
+    caplog.set_level(logging.WARNING, logger="mt_grpo")
+    return caplog
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """`write({relative path: source})`: a user's modules in a folder first on sys.path, as the folder a run starts
+    in is; whatever the test imported from them is dropped from sys.modules afterwards."""
+    folder = tmp_path / "user"
+
+    def write(files: dict[str, str]) -> None:
+        for path, text in files.items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(textwrap.dedent(text))
+        monkeypatch.syspath_prepend(str(folder))
+
+    yield write
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(folder) + os.sep):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("resolve_with, old, new", [
+    (resolve_reward, "rewards.triviaqa_reward:exact_match_reward_func", "mt_grpo.rewards.triviaqa_reward"),
+    (resolve_reward, "rewards.triviaqa_reward.exact_match_reward_func", "mt_grpo.rewards.triviaqa_reward"),
+    (resolve_tool, "tools.search:make_search_tool", "mt_grpo.tools.search"),
+    (resolve_factory, "tasks.textworld_quest:TextWorldQuest", "mt_grpo.tasks.textworld_quest"),
+])
+def test_an_old_top_level_path_is_its_place_in_mt_grpo_with_a_warning(resolve_with, old, new, warnings_once_more):
+    """A recipe of before the package (`rewards.triviaqa_reward:...`, `tools.search:...`, `tasks.textworld_quest:...`)
+    still runs: get_reward_func, build_tools and environment_factory's lookup find the function's new place, and the
+    log names it, once."""
+    import importlib
+
+    module, attr = (old.split(":") if ":" in old else old.rsplit(".", 1))
+    found = resolve_with(old)
+    expected = getattr(importlib.import_module(new), attr)
+    if resolve_with is resolve_tool:  # a corpus tool: the function it builds over the corpus
+        assert found.__module__ == new and found("Kalosh") == expected(CORPUS)("Kalosh") == f"{KALOSH}\n\n{RUSK}"
+    else:
+        assert found is expected
+    assert moved_warnings(warnings_once_more) == [f"`{module}` is now `{new}` (mt_grpo/): it is used; write the new "
+                                                  "path in the recipe."]
+    resolve_with(old)
+    assert len(moved_warnings(warnings_once_more)) == 1  # once a module
+
+
+RECIPE_OF_BEFORE = """
+model_name_or_path: tiny
+output_dir: {out}
+dataset_name: fictional_kb
+tools: [tools.search:make_search_tool, tools.wiki_search:wiki_search]
+turn_reward_funcs: [rewards.triviaqa_reward:tool_execution_reward_func]
+outcome_reward_funcs: [rewards.triviaqa_reward:exact_match_reward_func, format_reward_func]
+environment_factory: tasks.textworld_quest:TextWorldQuest
+use_cpu: true
+bf16: false
+report_to: none
+"""
+
+
+def test_a_recipe_with_the_old_paths_gets_the_functions_of_mt_grpo(tmp_path, warnings_once_more):
+    """The recipe's `tools`, reward lists and `environment_factory`, read as the trainer reads them, resolve where
+    the builders resolve them; the log names each module's new path."""
+    from mt_grpo.rewards.triviaqa_reward import exact_match_reward_func, format_reward_func, tool_execution_reward_func
+    from mt_grpo.rollout.environments import load_factory
+    from mt_grpo.run.builders import reward_lists
+    from mt_grpo.tasks.textworld_quest import TextWorldQuest
+    from mt_grpo_trainer import parse_args
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE_OF_BEFORE.format(out=tmp_path / "out"))
+    args, _, _ = parse_args(["--config", str(recipe)])
+    search, wiki_search = build_tools(args.tools, CORPUS)
+    assert search.__module__ == "mt_grpo.tools.search" and wiki_search is wiki.wiki_search
+    turn, outcome, _ = reward_lists(args, {}, None, None, None)
+    assert turn == [tool_execution_reward_func] and outcome == [exact_match_reward_func, format_reward_func]
+    assert load_factory(args.environment_factory) is TextWorldQuest
+    assert sorted(m.split("`")[1] for m in moved_warnings(warnings_once_more)) == [
+        "rewards.triviaqa_reward", "tasks.textworld_quest", "tools.search", "tools.wiki_search"]
+
+
+USER_REWARDS = '''
+def f(prompts, completions, **kwargs):
+    return [0.5 for _ in completions]
+'''
+USER_TOOLS = '''
+def f(query: str) -> str:
+    """Look it up in the user's own index."""
+    return "mine"
+'''
+USER_TASKS = '''
+class Game:
+    def reset(self, **kwargs):
+        return "Play."
+
+    def move(self, where: str) -> str:
+        """Move."""
+        return where
+'''
+
+
+def test_a_users_own_rewards_tools_and_tasks_modules_win(user_modules, warnings_once_more):
+    """A user's `rewards.py`, `tools.py` and `tasks.py` beside the recipe are what `rewards:f`, `tools:f` and
+    `tasks:Game` name, with no warning; a name of ours under them is looked up in the user's module (and is not
+    there), while an old path the user's module cannot hold (`rewards.triviaqa_reward`: their rewards is no package)
+    is still ours."""
+    from mt_grpo.rewards.triviaqa_reward import exact_match_reward_func
+
+    user_modules({"rewards.py": USER_REWARDS, "tools.py": USER_TOOLS, "tasks.py": USER_TASKS})
+    reward, tool, game = resolve_reward("rewards:f"), resolve_tool("tools:f"), resolve_factory("tasks:Game")
+    assert reward is sys.modules["rewards"].f and reward(None, [[], []]) == [0.5, 0.5]
+    assert tool is sys.modules["tools"].f and tool("x") == "mine"
+    assert game is sys.modules["tasks"].Game and game().reset() == "Play."
+    assert moved_warnings(warnings_once_more) == []
+    with pytest.raises(ValueError, match=re.escape("module 'rewards' has no attribute 'exact_match_reward_func'")):
+        resolve_reward("rewards:exact_match_reward_func")
+    assert resolve_reward("rewards.triviaqa_reward:exact_match_reward_func") is exact_match_reward_func
+    assert moved_warnings(warnings_once_more) == ["`rewards.triviaqa_reward` is now `mt_grpo.rewards.triviaqa_reward` "
+                                                  "(mt_grpo/): it is used; write the new path in the recipe."]
+
+
+@pytest.mark.parametrize("files, resolve_with, path, error", [
+    # the user's module imports a library that is not installed
+    ({"rewards.py": "import no_such_dependency_76\n" + USER_REWARDS}, resolve_reward, "rewards:f",
+     "cannot import module 'rewards' (ModuleNotFoundError: No module named 'no_such_dependency_76')"),
+    # the user's package's module imports a module of that package that is missing
+    ({"tools/__init__.py": "", "tools/mine.py": "from tools.helpers import g\n" + USER_TOOLS}, resolve_tool,
+     "tools.mine:f", "cannot import module 'tools.mine' (ModuleNotFoundError: No module named 'tools.helpers')"),
+    # the user's module imports one of our old top-level names itself: its import fails, ours is not put in
+    ({"my_rewards.py": "from rewards.answers import matches_answer\n" + USER_REWARDS}, resolve_reward,
+     "my_rewards:f", "cannot import module 'my_rewards' (ModuleNotFoundError: No module named 'rewards')"),
+    # an old path of ours under a package of the user's whose import fails: the user's error, not ours
+    ({"rewards/__init__.py": "import no_such_dependency_76\n"}, resolve_reward,
+     "rewards.triviaqa_reward:exact_match_reward_func", "cannot import module 'rewards.triviaqa_reward' "
+                                                        "(ModuleNotFoundError: No module named 'no_such_dependency_76')"),
+])
+def test_a_users_module_that_fails_to_import_fails_with_its_own_error(files, resolve_with, path, error, user_modules,
+                                                                     warnings_once_more):
+    user_modules(files)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        resolve_with(path)
+    assert moved_warnings(warnings_once_more) == []
 
 
 def test_importing_tools_loads_no_tool_library():
