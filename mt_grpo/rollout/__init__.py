@@ -5,7 +5,7 @@
 from dataclasses import dataclass
 
 from mt_grpo.base.fields import Choices, arg
-from mt_grpo.base.turn_samples import TURN_SAMPLES
+from mt_grpo.base.turn_samples import RENAMED_TURN_SAMPLES, TURN_SAMPLES
 
 
 @dataclass
@@ -33,7 +33,7 @@ class RolloutArguments:
                                   choices=("strict", "ignore_whitespace", "off"))
     turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
                             "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a "
-                            "re-render differs).", choices=Choices(TURN_SAMPLES, renamed={"per_turn": "per_model_turn"}))
+                            "re-render differs).", choices=Choices(TURN_SAMPLES, renamed=RENAMED_TURN_SAMPLES))
     # Generation and the run
     generation_backend: str = arg("transformers", "transformers (in-process; the CPU demo) | vllm_server (HTTP to "
                                   "vllm_server_host:vllm_server_port, or vllm_server_base_url).",

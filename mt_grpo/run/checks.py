@@ -31,6 +31,8 @@ logger = logging.getLogger("mt_grpo")
 #       top_entropy_quantile, entropy_coef, use_adaptive_entropy, _entropy_bonus_enabled, _last_world_entropy,
 #       _entropy_window_stats, current_gradient_accumulation_steps
 #   GRPOTrainer._metrics[mode][name] (lists averaged by `log`), GRPOTrainer._logs (completions table)
+#   GRPOTrainer._pending_extra_logs, _pending_metrics: what rewards logged through `log_extra` / `log_metric`, taken
+#       (and emptied) by reporting.TrainerReports.take_reward_logs only
 #   GRPOTrainer.num_generations / num_generations_eval / beta / ref_model / pad_to_multiple_of / loss_type (attributes)
 #   GRPOTrainer._step (micro-steps of this run; _prepare_inputs generates when _step % (steps_per_generation x
 #       num_iterations) == 0): async_rollout's batch index follows it
