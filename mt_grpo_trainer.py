@@ -48,7 +48,7 @@ from mt_grpo.base.completions import (RetryableResponse, Sample, check_length, k
 from mt_grpo.base.fields import Choices, arg, parse_recipe
 from mt_grpo.base.protocol import Protocol, ToolCall, build_prompt, get_protocol, template_ids, tool_call_message
 from mt_grpo.base.runtime import stop_point
-from mt_grpo.base.turn_samples import next_sample_prompt
+from mt_grpo.base.turn_samples import check_turn_samples, next_sample_prompt
 from mt_grpo.engine.packing import PackedForward, PackingArguments, score_labelled_tokens_only
 from mt_grpo.engine.sampling import (SamplingParams, TransformersBackend, policy_sampler_logprobs,
                                      sampled_distribution_logps)
@@ -648,6 +648,7 @@ class MultiTurnToolEnv:
         self.fit = None if max_prompt_length is None or environments is None else \
             prompt_fitter(self.render_ids, tokenizer, max_prompt_length)  # an environment's observation, cut to fit
         self.tokenization_check = tokenization_check
+        check_turn_samples(turn_samples)  # a wrong value fails here, naming the choices, not at the first tool turn
         self.turn_samples = turn_samples  # interleaved | per_model_turn | auto (base/turn_samples.py)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # the system prompt's task part and the worked examples (protocol.build_prompt): the task's, not the protocol's

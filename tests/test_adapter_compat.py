@@ -1,4 +1,4 @@
-"""adapters/compat: a user's environment written for verl, verifiers or OpenEnv runs on a machine without that
+"""mt_grpo/compat: a user's environment written for verl, verifiers or OpenEnv runs on a machine without that
 framework, with nothing on its path but the environment's own folder. Held-out environments (not the canonical
 examples of tests/fixtures), one per framework, written into a temporary folder in each framework's style, roll out
 from their recipe field with a scripted policy in a fresh process whose PYTHONPATH is that folder and the repository
@@ -274,7 +274,7 @@ def test_held_out_environments_of_each_framework_roll_out_without_the_framework(
     """verl: the tool's create_kwargs come from the row, each lookup's step reward is its turn's R_T and the
     interaction's score the answered turn's; verifiers: env_response is the user and the rubric scores; OpenEnv:
     the Action is the tool, each observation's reward its turn's R_T, `done` ends the episode. All three
-    frameworks resolve to the copies in adapters/compat."""
+    frameworks resolve to the copies in mt_grpo/compat."""
     script = ROLLOUTS.format(root=ROOT, tokenizer=tiny_model_dir)
     proc = subprocess.run([sys.executable, "-c", script], cwd=user_folder, env=clean_env(user_folder),
                           capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
 """adapters/openenv.py: OpenEnv environments (tests/fixtures/openenv/: OpenEnv's echo environment and a
-number-guessing game in its style, on the copy of OpenEnv's core types that ships in adapters/compat/openenv) run by
+number-guessing game in its style, on the copy of OpenEnv's core types that ships in mt_grpo/compat/openenv) run by
 the trainer unchanged, in process and over HTTP: the Action as one tool, the observation as text, `reward` as each
 turn's credit (by hand), `done` ending the episode; bad names fail naming the fix; one recipe line trains each."""
 
@@ -22,7 +22,7 @@ OE = os.path.join(FIXTURES, "openenv")
 
 @pytest.fixture(scope="module", autouse=True)
 def openenv_provided():
-    """`openenv`: the copy in adapters/compat, as the adapter provides it (before the module's server fixture)."""
+    """`openenv`: the copy in mt_grpo/compat, as the adapter provides it (before the module's server fixture)."""
     from mt_grpo.compat import provide
 
     with pytest.MonkeyPatch.context() as mp:

@@ -1,5 +1,5 @@
 """adapters/verifiers.py: classic verifiers environments (tests/fixtures/verifiers/: environment modules in verifiers'
-own style, on the copy of verifiers 0.1.14's classic classes that ships in adapters/compat/verifiers) run by the
+own style, on the copy of verifiers 0.1.14's classic classes that ships in mt_grpo/compat/verifiers) run by the
 trainer unchanged: their datasets, tool schemas, hidden arguments, env_response as the user, stop conditions,
 max_turns, rubrics and per-step rewards, each turn's credit by hand; bad names fail naming the fix; one recipe line
 trains each."""
@@ -18,7 +18,7 @@ VF = os.path.join(FIXTURES, "verifiers")
 
 @pytest.fixture(autouse=True)
 def verifiers_on_path(monkeypatch):
-    """`verifiers` (the copy in adapters/compat, as the adapter provides it) and the environment modules importable,
+    """`verifiers` (the copy in mt_grpo/compat, as the adapter provides it) and the environment modules importable,
     as an installed environment is."""
     from mt_grpo.compat import provide
 

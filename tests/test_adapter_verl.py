@@ -2,7 +2,7 @@
 own YAML files and a parquet written as verl's preprocessing scripts write it, train two steps from one constructor
 field each; scripted episodes check each turn's credit (the tool's step rewards, the interaction's scores) and
 the advantages by hand, finalize_interaction for every episode, compute_score's arguments; bad configs fail
-naming the fix. The verl classes are the wheel's own files, shipped in adapters/compat/verl (the package itself does
+naming the fix. The verl classes are the wheel's own files, shipped in mt_grpo/compat/verl (the package itself does
 not import without torch distributed and ray): the adapter puts them on sys.path, as it does for a user without verl;
 tests/fixtures/verl holds the configs and a user's module."""
 
@@ -29,7 +29,7 @@ INSTRUCTION = "Let's think step by step and output the final answer after `####`
 
 @pytest.fixture(autouse=True)
 def verl_on_path(monkeypatch):
-    """verl (the copy in adapters/compat, as the adapter provides it) and the user's module importable here and in
+    """verl (the copy in mt_grpo/compat, as the adapter provides it) and the user's module importable here and in
     the trainer's subprocess."""
     from mt_grpo.compat import provide
 
@@ -351,7 +351,7 @@ def test_an_mcp_entry_serves_its_selected_tools(tmp_path):
     from mt_grpo.tools.search import make_search_tool
 
     if not hasattr(mcp, "mcp_tools_from_map"):  # the mcpServers map lands on main from the `mcpfix` branch
-        pytest.skip("tools.mcp.mcp_tools_from_map is not on this branch yet")
+        pytest.skip("mt_grpo.tools.mcp.mcp_tools_from_map is not on this branch yet")
 
     servers = tmp_path / "mcp_server.json"
     servers.write_text('{"mcpServers": {"kb": {"command": "python", "args": ["mt_grpo/tools/kb_mcp_server.py", "--seed", '

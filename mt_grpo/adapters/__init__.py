@@ -17,7 +17,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
 `resolve_reward(name or function)` is the run's reward lookup (builders.py): rewards.get_reward_func, with the reward
 names another framework registers (ms-swift plugins' `orms`) and the frameworks' reward forms (an ms-swift ORM, verl's
 compute_score) adapted. Importing this package changes no other module.
-The frameworks need not be installed: adapters/compat ships copies of verl's, verifiers' and OpenEnv's base classes,
+The frameworks need not be installed: mt_grpo/compat ships copies of verl's, verifiers' and OpenEnv's base classes,
 which each adapter puts on sys.path before it imports the user's code, when the framework itself does not import.
 """
 

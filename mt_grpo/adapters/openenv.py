@@ -43,7 +43,7 @@ HTTP_TIMEOUT = 30.0  # seconds an HTTP reset or step may take
 
 
 def adapt(args) -> Adapted:
-    provide("openenv")  # before the user's module imports: the installed openenv, else the copy in adapters/compat
+    provide("openenv")  # before the user's module imports: the installed openenv, else the copy in mt_grpo/compat
     target = args.openenv_env
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"`openenv_env` is {target!r}; give the Environment class `module:Class` or its server's URL "

@@ -75,7 +75,7 @@ def swift_modules() -> str:
             return "ms-swift"
         except Exception as e:  # another package named swift, or ms-swift without its dependencies
             logger.warning("`import swift.rollout.multi_turn` failed (%s: %s); ms-swift plugins run on mt-grpo's copy "
-                           "of its classes (adapters/swift_compat.py).", type(e).__name__, e)
+                           "of its classes (mt_grpo/adapters/swift_compat.py).", type(e).__name__, e)
             for name in [m for m in sys.modules if m == "swift" or m.startswith("swift.")]:
                 del sys.modules[name]
     from mt_grpo.adapters import swift_compat

@@ -449,7 +449,7 @@ rm_plugins = {}
 # -- what a plugin file names but mt-grpo does not run: importable (a plugin may subclass it), refused when made ------
 def _not_here(name: str, instead: str):
     def __init__(self, *args, **kwargs):
-        raise RuntimeError(f"{name} is ms-swift's, and mt-grpo's copy of swift (adapters/swift_compat.py) does not "
+        raise RuntimeError(f"{name} is ms-swift's, and mt-grpo's copy of swift (mt_grpo/adapters/swift_compat.py) does not "
                            f"run it: {instead}, or install ms-swift.")
     return type(name, (), {'__init__': __init__, '__doc__': f'A stand-in for swift\'s {name} ({instead}).'})
 
@@ -486,7 +486,7 @@ def _missing(module: str):
             raise AttributeError(name)
         raise ImportError(
             f"`from {module} import {name}`: mt-grpo runs ms-swift plugins without ms-swift, through a copy of "
-            f"swift's scheduler and reward classes (adapters/swift_compat.py), which has no `{name}`. Install "
+            f"swift's scheduler and reward classes (mt_grpo/adapters/swift_compat.py), which has no `{name}`. Install "
             "ms-swift (`pip install ms-swift`) so that the plugin imports the real one, or drop that import from "
             "the plugin (swift's inference engines, templates and gym environments are not used by mt-grpo).")
     return __getattr__

@@ -52,7 +52,7 @@ TRAINER_STOPS = ("max_turns_reached",)
 # Loading the environment
 # ------------------------------------------------------------------------------------------------
 def adapt(args) -> Adapted:
-    provide("verifiers")  # before the user's module imports: the installed verifiers, else the copy in adapters/compat
+    provide("verifiers")  # before the user's module imports: the installed verifiers, else the copy in mt_grpo/compat
     env = load_environment(args.verifiers_env, args.verifiers_env_args)
     episode = episode_class(env, os.path.splitext(os.path.basename(args.verifiers_env))[0])
     return Adapted(environment_factory=episode, outcome_funcs=rubric_rewards(env, episode),

@@ -70,7 +70,7 @@ TOOL_ERROR = "Error when executing tool: {}"  # 0.7.1's ToolAgentLoop._call_tool
 def adapt(args) -> Adapted:
     """verl's tool and/or interaction configs as one environment class (its methods the native tools) and the MCP
     tools the tool config names (stateless functions)."""
-    provide("verl")  # before the configs' classes import: the installed verl, else the copy in adapters/compat
+    provide("verl")  # before the configs' classes import: the installed verl, else the copy in mt_grpo/compat
     timeout = float(getattr(args, "tool_timeout", 30.0) or 30.0)
     tools, served = load_tools(args.verl_tool_config, timeout) if args.verl_tool_config else ([], [])
     interactions = load_interactions(args.verl_interaction_config) if args.verl_interaction_config else {}
@@ -135,7 +135,7 @@ def import_class(dotted: str, where: str) -> type:
 
 
 def schema_model():
-    """verl's OpenAIFunctionToolSchema (pydantic): the installed verl's, else the copy's (adapters/compat)."""
+    """verl's OpenAIFunctionToolSchema (pydantic): the installed verl's, else the copy's (mt_grpo/compat)."""
     provide("verl")
     return importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
 

@@ -60,7 +60,7 @@ from mt_grpo.base.turn_samples import scored_parts  # noqa: E402
 class PackingArguments:
     """The recipe keys of packed forwards; the trainer's config inherits them."""
 
-    padding_free: bool = arg(False, "Forward each micro-batch as shared-prefix tries (packing.py): a group's prompt "
+    padding_free: bool = arg(False, "Forward each micro-batch as shared-prefix tries (engine/packing.py): a group's prompt "
                              "and common turns once, no padding; exact, and faster with whole groups per micro-batch.")
     max_tokens_per_microbatch: int | None = arg(None, "Packed forwards (padding_free, split rows): unique tokens per "
                                                 "forward, at most; more start another (None: one per micro-batch).")

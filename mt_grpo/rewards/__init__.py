@@ -21,9 +21,9 @@ the trainer reads the mark and never guesses the form from the values. `tool_tur
 gives each tool turn as (assistant message, [the tool messages that answer it]), for the trainer
 and the rewards alike.
 
-To add a reward: write the function in a module under `rewards/`, then either add it to
+To add a reward: write the function in a module under `mt_grpo/rewards/` (or your own), then either add it to
 `REWARD_FUNCS` below and use its name in the recipe's `turn_reward_funcs` / `outcome_reward_funcs`
-lists, or put its dotted path there (`rewards.my_module:my_reward`, or any importable module).
+lists, or put its dotted path there (`mt_grpo.rewards.my_module:my_reward`, or any importable module).
 A reward that compares with the gold answer should take the keyword `answer_aliases` (the row's accepted answers,
 list[str], made by tasks/ from the `answer` column, which itself arrives as the dataset holds it, as in TRL) and
 ask `rewards.answers.matches_answer` / `contains_answer`, passing the row's `answer_type` (a dataset column:
@@ -48,7 +48,7 @@ __all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_
 @per_tool_turn
 def tool_rewards(prompts=None, completions=None, **kwargs) -> list[list[float]]:
     """Each tool turn's step rewards, summed: what its tools returned beside their output, `(output, reward)` (verl's
-    function tools; tools.tool_output). A turn whose tools returned none earned 0. Any task's turn reward."""
+    function tools; rollout/tool_calls.tool_output). A turn whose tools returned none earned 0. Any task's turn reward."""
     return [[float(sum(r for m in messages if (r := step_reward(m)) is not None)) for _, messages in tool_turns(c)]
             for c in completions]
 

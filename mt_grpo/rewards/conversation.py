@@ -6,7 +6,7 @@
     {"role": "assistant", "content": "...<answer>Morvane</answer>", "tool_calls": []}
 
 A tool message's content is a list where the tool returned one (as TRL passes it; `content` gives its text), and it
-has a `reward` where the tool returned (output, reward) (tools.tool_output; `tool_rewards` sums them per tool turn).
+has a `reward` where the tool returned (output, reward) (rollout/tool_calls.tool_output; `tool_rewards` sums them per tool turn).
 
 A tool turn is an assistant message with the tool messages that answer it (one per call: XML makes
 one call per turn, chat_template may make several), or with the user message an environment replied as the user
@@ -151,6 +151,6 @@ def completion_answer(completion) -> str | None:
 
 
 def step_reward(tool_message) -> float | None:
-    """The step reward a tool returned with its output (`(output, reward)`: tools.tool_output); None if none."""
+    """The step reward a tool returned with its output (`(output, reward)`: rollout/tool_calls.tool_output); None if none."""
     value = tool_message.get("reward") if isinstance(tool_message, dict) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -19,7 +19,7 @@ Start a judge, then name the rewards in a recipe:
     outcome_reward_funcs: [judge_outcome]        # or judge_group; turn_reward_funcs: [judge_turn]
 
 Prompt templates (str.format; write literal braces as {{ }}; leading `#` lines are comments and dropped).
-The shipped ones are rewards/judge_prompts/*.txt; `judge_*_prompt` names another file, or is the text itself.
+The shipped ones are mt_grpo/rewards/judge_prompts/*.txt; `judge_*_prompt` names another file, or is the text itself.
 
     outcome.txt   {question} {reference} {answer}                       ({answer} required)
     turn.txt      {question} {reference} {history} {turn} {call} {result}   ({call} and {result} required)
@@ -99,11 +99,11 @@ class JudgeArguments:
     judge_model: str | None = arg(None, "Model the judge server serves (None: the first its /models lists).")
     judge_api_key: str | None = arg(None, "Bearer token for the judge (None: env JUDGE_API_KEY if set, else no auth).")
     judge_outcome_prompt: str | None = arg(None, "judge_outcome's template: a file path, or the text with its "
-                                           "placeholders (None: rewards/judge_prompts/outcome.txt).")
+                                           "placeholders (None: mt_grpo/rewards/judge_prompts/outcome.txt).")
     judge_turn_prompt: str | None = arg(None, "judge_turn's template: a file path, or the text with its placeholders "
-                                        "(None: rewards/judge_prompts/turn.txt).")
+                                        "(None: mt_grpo/rewards/judge_prompts/turn.txt).")
     judge_group_prompt: str | None = arg(None, "judge_group's template: a file path, or the text with its "
-                                         "placeholders (None: rewards/judge_prompts/group.txt).")
+                                         "placeholders (None: mt_grpo/rewards/judge_prompts/group.txt).")
     judge_temperature: float = arg(0.0, "Judge sampling temperature (0.0: greedy, the same score for the same "
                                    "prompt; recommended).")
     judge_max_tokens: int = arg(32, "Tokens the judge may write per score (judge_group: per episode); raise it for "
@@ -279,7 +279,7 @@ def parse_group_scores(reply: str | None, n: int) -> list[float | None]:
 def load_template(value: str | None, field_name: str, default_file: str, placeholders: tuple[str, ...],
                   required: tuple[str, ...]) -> str:
     """A judge prompt template: `value` is a file path or the template text itself; None: the shipped
-    `default_file` in rewards/judge_prompts/. Leading `#` lines are comments and dropped. Fails with an
+    `default_file` in mt_grpo/rewards/judge_prompts/. Leading `#` lines are comments and dropped. Fails with an
     error naming `field_name` when the template uses an unknown placeholder, lacks a required one, or
     holds a score tag with a number (a judge echoing the prompt would return it)."""
     path = os.path.join(PROMPTS_DIR, default_file) if value is None else value
@@ -709,7 +709,7 @@ class JudgeReward:
 
     name: str
     template_field: str  # the config field that replaces the template
-    template_file: str  # the shipped template in rewards/judge_prompts/
+    template_file: str  # the shipped template in mt_grpo/rewards/judge_prompts/
     placeholders: tuple[str, ...]
     required: tuple[str, ...]
     graded: tuple[str, ...]  # the placeholders that hold what the policy wrote: a reply copying them is no grade

@@ -31,7 +31,7 @@ class RolloutArguments:
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "
                                   "ignore_whitespace (text) | off. Mismatches are logged.",
                                   choices=("strict", "ignore_whitespace", "off"))
-    turn_samples: str = arg("auto", "Turns as training samples (turn_samples.py): interleaved (one per episode) | "
+    turn_samples: str = arg("auto", "Turns as training samples (base/turn_samples.py): interleaved (one per episode) | "
                             "per_model_turn (one per model turn, prompt re-rendered) | auto (a new one where a "
                             "re-render differs).", choices=Choices(TURN_SAMPLES, renamed=RENAMED_TURN_SAMPLES))
     # Generation and the run

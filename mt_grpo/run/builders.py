@@ -3,8 +3,8 @@ tokenizer, the tools, the reward functions and the task, and the prompts of a da
 file keeps the classes (`MultiTurnToolEnv`, the backends) and calls these.
 
 The trainer takes what TRL's GRPOTrainer takes, and more loosely:
-    tools                functions, or names of tools/ (and dotted paths), or both; None: the config's `tools`
-    turn/outcome rewards functions or names of rewards/; None: the config's lists
+    tools                functions, or names of mt_grpo/tools (and dotted paths), or both; None: the config's `tools`
+    turn/outcome rewards functions or names of mt_grpo/rewards; None: the config's lists
     train/eval_dataset   a `datasets.Dataset` with `question` and `answer` columns, or TRL's `prompt` column
                          (standard text or conversational messages), renamed by the config's `*_column` fields;
                          or a `tasks.Task`; None: the config's `dataset_name` (and the task's held-out split
@@ -187,7 +187,7 @@ def reward_lists(args, defaults: dict, turn_funcs, outcome_funcs, reward_funcs) 
     for fn in resolved["turn"][0] + resolved["outcome"][0]:
         if isinstance(fn, torch.nn.Module) or not callable(fn):
             raise ValueError(f"Reward {fn!r} is a {type(fn).__name__}: give a function (prompts, completions, "
-                             "**kwargs) -> list[float | None], a name from rewards/, or a dotted path `module:fn`. A "
+                             "**kwargs) -> list[float | None], a name from mt_grpo/rewards, or a dotted path `module:fn`. A "
                              "reward model goes inside a function that scores the completions with it.")
     return resolved["turn"][0], resolved["outcome"][0], (resolved["turn"][1], resolved["outcome"][1])
 

@@ -42,6 +42,8 @@ logger = logging.getLogger("mt_grpo")
 #   trl.trainer.utils.pad, trl.trainer.utils.use_adapter, trl.trainer.utils.nanstd (TRL's metrics, reporting.py),
 #   trl.models.unwrap_model_for_generation,
 #   trl.distributed.DistributedBackend (is_zero3, fsdp_version, summon_full_params)
+#   transformers.Trainer._save_checkpoint(model, trial=None): run/reporting.stoppable saves the last finished step
+#       on SIGTERM
 TRL_TESTED_RANGE = ">=1.16.0,<1.17"
 TRL_PRIVATE_NAMES = ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss",
                      "get_off_policy_mask", "get_gamma_weights", "get_high_entropy_mask")
@@ -271,7 +273,7 @@ def check_trl(reward_processing_classes=None, rollout_func=None) -> None:
             and os.environ.get("MT_GRPO_ALLOW_UNTESTED_TRL") != "1"):
         raise RuntimeError(
             f"TRL {trl.__version__} is installed; this trainer is tested with trl{TRL_TESTED_RANGE} and "
-            "relies on TRL private names (listed at the top of checks.py). Install the pinned "
+            "relies on TRL private names (listed at the top of mt_grpo/run/checks.py). Install the pinned "
             "version (pip install -r requirements.txt), or set MT_GRPO_ALLOW_UNTESTED_TRL=1 to try this one "
             "and check that list."
         )

@@ -355,7 +355,7 @@ class GracefulStop(TrainerCallback):
     `--resume_from_checkpoint last` then continues at the same step with the same optimizer, scheduler and RNG
     state. Safe points: each step's end, where the flag is max-reduced across ranks (one scalar collective, so every
     rank stops at the same step even if only one got the signal); and, on one process, each round of a rollout and
-    every wait on user code (tools.STOP: StopRequested; the step in flight is dropped and the last finished one
+    every wait on user code (base/runtime.STOP: StopRequested; the step in flight is dropped and the last finished one
     saved, its RNG state as it was when the dropped step began). `stop_timeout` bounds the rest: still running then,
     the process exits, as it does at once on a second SIGTERM. The signal's arrival is logged."""
 

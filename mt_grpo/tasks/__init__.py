@@ -102,7 +102,7 @@ ROLES = ("question", "answer", "prompt")  # the columns the trainer reads; `colu
 ALIASES = "answer_aliases"  # the answer's aliases, list[str]: the column this module makes (or the dataset gives)
 MAX_SKIP_REASONS = 5
 # What evaluation reports on a question-answer task (every task here is one): `eval/<name>` is the share of
-# episodes on which the reward function (a name from rewards/) is above 0.
+# episodes on which the reward function (a name from mt_grpo/rewards) is above 0.
 QA_EVAL_METRICS = {"exact_match": "exact_match_reward_func", "first_search_hit": "exist_answer_in_search_results"}
 FEATURES = datasets.Features({"question": datasets.Value("string"), "answer": datasets.Value("string"),
                               ALIASES: datasets.List(datasets.Value("string"))})
