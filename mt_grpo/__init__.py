@@ -2,10 +2,10 @@
 classes; this package is the plumbing they stand on, one sub-package a floor, each importing only from the floors
 below it:
 
+    compat/    copies of verl's, verifiers' and OpenEnv's base classes, used where the framework does not import
     base/      protocol (tool formats, prompts), fields (config fields, recipes), registry (names and dotted
                paths to functions), completions (vLLM's answers as samples), turn_samples (an episode's samples),
                runtime (threads, event loops, the SIGTERM stop)
-    compat/    copies of verl's, verifiers' and OpenEnv's base classes, used where the framework does not import
     engine/    what runs the policy: in-process sampling, packed forwards, the vLLM servers' pool and weight sync
     rewards/   reward functions and the readers of a conversation; the LLM judge
     tasks/     datasets: the fictional knowledge base, TriviaQA, TextWorld, local files, column mapping

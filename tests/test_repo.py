@@ -28,3 +28,33 @@ def test_no_environment_or_model_is_tracked():
     paths = [p for _, p in tracked()]
     assert not [p for p in paths if p.split("/")[0].startswith((".venv", "models", "outputs"))]
     assert not [p for p in paths if p.endswith((".safetensors", ".gguf", ".bin"))]
+
+
+# The package's floors, lowest first (mt_grpo/__init__.py, README's layout): a sub-package imports only itself and the
+# ones before it, and nothing in the package imports the trainer above it.
+FLOORS = ["compat", "base", "engine", "rewards", "tasks", "tools", "rollout", "adapters", "run"]
+
+
+def test_each_sub_package_imports_only_the_floors_below_it():
+    import ast
+
+    package = os.path.join(ROOT, "mt_grpo")
+    assert sorted(FLOORS) == sorted(d for d in os.listdir(package) if os.path.isdir(os.path.join(package, d))
+                                    and not d.startswith("__"))
+    wrong = []
+    for floor in FLOORS:
+        top = os.path.join(package, floor)
+        for folder, dirs, files in os.walk(top):
+            if floor == "compat" and folder != top:  # the vendored copies: the frameworks' own code
+                break
+            for name in (f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                        [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                    for module in modules:
+                        parts = module.split(".")
+                        if parts[0] == "mt_grpo_trainer" or (parts[0] == "mt_grpo" and len(parts) > 1 and
+                                                             FLOORS.index(parts[1]) > FLOORS.index(floor)):
+                            wrong.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {module}")
+    assert wrong == []
