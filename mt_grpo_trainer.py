@@ -758,7 +758,7 @@ class MultiTurnToolEnv:
             ep.stop_reason = "repetition"
         elif turn.kind == "none":
             ep.stop_reason = "no_action"
-        elif ep.tool_turns - ep.user_turns >= self.max_env_steps:
+        elif len({c.turn for c in ep.calls}) >= self.max_env_steps:  # tool turns run (user turns are no steps)
             ep.stop_reason = "max_env_steps"  # these calls are not run
         else:
             return turn.calls

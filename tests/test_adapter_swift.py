@@ -403,7 +403,8 @@ def test_the_swift_plugin_trains_from_the_recipe(tiny_agent_dir, tmp_path):
     out = str(tmp_path / "out")
     recipe = env_recipe(tmp_path, environment_factory=None, multi_turn_scheduler=f"{PLUGIN}:MathTipsScheduler",
                         dataset_name=os.path.join("tests", "fixtures", "swift", "math.jsonl"), max_steps=2,
-                        outcome_reward_funcs=["accuracy", "plugin:MultiTurnFormat"], max_completion_length=160)
+                        outcome_reward_funcs=["accuracy", "plugin:MultiTurnFormat"], max_completion_length=160,
+                        max_tool_response_tokens=64)  # the tip (33 tokens) whole: it is cut as a tool's output is
     run([sys.executable, "mt_grpo_trainer.py", "--config", recipe, "--model_name_or_path", tiny_agent_dir,
          "--output_dir", out], tmp_path)
     steps = [h for h in final_metrics(out) if "loss" in h]

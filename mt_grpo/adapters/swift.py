@@ -365,8 +365,10 @@ class SwiftEpisode:
         kept = common_prefix(rest, sample)
         inserted = rest[kept:]
         self._message, self._inserted, self._at = new, inserted, at
-        # the characters of the sample that stay: the trainer cuts its sampled tokens there, as swift's step does
-        return Reply(content=inserted, continuation=True, keep_chars=None if kept == len(sample) else kept, score=score)
+        # the characters of the message that stay (Reply.keep_chars counts from its start, as respond sees it): the
+        # trainer cuts the sample's tokens there, as swift's step does
+        return Reply(content=inserted, continuation=True, keep_chars=None if kept == len(sample) else len(prefix) + kept,
+                     score=score)
 
 def make_environment(scheduler, tokenizer, max_turns) -> type:
     """A SwiftEpisode subclass named after the scheduler (its rewards log under that name: `<Class>_steps`)."""

@@ -6,9 +6,9 @@ An environment (environments.py's contract) may define
     respond(messages) -> None | str | dict | Reply   sync or async; called after a model turn that made no tool call
                                (an <answer>, or text) and was not cut by a token limit, while the episode has had
                                fewer than `max_user_turns` replies. `messages`: the whole conversation, prompt first, the
-                               model's last message last. None: no reply, the episode ends as it would without respond.
-                               A string: a user message, and the model takes another turn. A Reply (or a dict of its
-                               fields): see Reply.
+                               model's last message last (a copy). None: no reply, the episode ends as it would without
+                               respond. A string: a user message, and the model takes another turn. A Reply (or a dict
+                               of its fields): see Reply. Its text is made as a tool's output is (reply_text).
     done                       a plain attribute: set True by a tool (or by respond), it ends the episode after that
                                turn's reply (stop_reason `env_done`). Set it False in `reset`.
     end_episode()              sync or async; called once per episode after its rewards are read, also when it ended
@@ -17,15 +17,20 @@ A reply's score is its turn's reward R_T, as the step rewards a turn's tools app
 `<Class>_steps`); a turn the environment answered as the user is a turn like a tool turn (rewards.conversation).
 """
 
+import copy
 import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
 
+from mt_grpo.rollout.tool_calls import clean_text
+
 logger = logging.getLogger("mt_grpo")
 
 _FAILED: set[str] = set()  # classes whose respond failed (logged once each)
+_CUT: set[str] = set()  # classes whose reply was cut to max_tool_response_tokens (logged once each)
+_DROPPED: set[str] = set()  # classes whose reply did not fit the budget (logged once each)
 
 
 @dataclass
@@ -36,10 +41,13 @@ class Reply:
     done: bool = False  # the reply is appended, then the episode ends (stop_reason env_done), as verl's should_terminate
     score: float | None = None  # the reward R_T of the model turn it answers (a continuation's: of the turn it continues)
     continuation: bool = False  # the content goes inside the model's open message (plain text), and sampling continues
-    keep_tokens: int | None = None  # continuation: tokens of the model's last sample that stay (None: all but a final
-    # end-of-turn token); the rest leave the episode, as swift's MathTipsScheduler cuts a completion at <answer>
-    keep_chars: int | None = None  # or the characters of its text that stay: the tokens up to the first whose decoded
-    # prefix reaches them (a token across the cut stays, as swift's step counts them)
+    keep_tokens: int | None = None  # continuation: tokens of the open assistant message that stay, counted from its
+    # start (its samples and inserted texts, as the completion holds them); only the last sample can be cut, never its
+    # end-of-turn token kept (None: all of it but that token); the rest leave the episode, as swift's MathTipsScheduler
+    # cuts a completion at <answer>
+    keep_chars: int | None = None  # or the characters that stay of the message's text as respond sees it
+    # (messages[-1]["content"]): the last sample's tokens up to the first whose decoded prefix reaches them (a token
+    # across the cut stays, as swift's step counts them)
 
 
 class UserTurn(list):
@@ -81,21 +89,75 @@ def ask_user(env, ep) -> "UserTurn | None":
     if ep.stop_reason not in ("answer", "no_action") or not responds(environment) or ep.toolset.stuck \
             or ep.user_turns >= env.max_user_turns:
         return None
-    turn, ep.stop_reason = UserTurn(ep.prompt_messages + ep.messages, ep.stop_reason), ""
+    # a copy: respond may edit it in place, and the rewards read the episode's own messages
+    turn, ep.stop_reason = UserTurn(copy.deepcopy(ep.prompt_messages + ep.messages), ep.stop_reason), ""
     return turn
 
 
 def as_reply(value, label: str) -> Reply | None:
     """What respond returned, as a Reply (None: no reply); anything else fails naming the class and the fix."""
     if value is None or isinstance(value, Reply):
-        return value
+        return value if value is None else checked(value, label)
     if isinstance(value, str):
         return Reply(value)
     if isinstance(value, dict) and set(value) <= {f.name for f in dataclasses.fields(Reply)}:
-        return Reply(**value)
+        return checked(Reply(**value), label)
     raise ValueError(f"{label}.respond returned {type(value).__name__} {str(value)[:80]!r}; return None (no reply), a "
                      "string (the user message), or a user_turns.Reply / dict with content, done, score, continuation, "
                      "keep_tokens, keep_chars.")
+
+
+def checked(reply: Reply, label: str) -> Reply:
+    """`reply`, its fields checked: one of the wrong type, a negative count, keep_* without a continuation or both
+    given fail naming the class and the field."""
+    def fail(name: str, want: str):
+        value = getattr(reply, name)
+        raise ValueError(f"{label}.respond gave Reply.{name} = {str(value)[:80]!r} ({type(value).__name__}); "
+                         f"give {want}.")
+
+    if not isinstance(reply.content, str):
+        fail("content", "a string (the user message, or the text a continuation inserts; \"\" for none)")
+    for name in ("done", "continuation", "end"):
+        if not isinstance(getattr(reply, name, False), bool):
+            fail(name, "True or False")
+    for name in ("keep_tokens", "keep_chars"):
+        value = getattr(reply, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            fail(name, "a count >= 0 from the start of the model's message, or None (keep all of its last sample)")
+        if value is not None and not reply.continuation:
+            fail(name, "None, or continuation=True: it says where a continuation cuts the model's message")
+    if reply.keep_tokens is not None and reply.keep_chars is not None:
+        raise ValueError(f"{label}.respond gave Reply.keep_tokens and Reply.keep_chars: give one.")
+    return reply
+
+
+def reply_text(env, content: str, label: str) -> str:
+    """A reply's text (a user message or a continuation's) made as a tool's output is: repaired
+    (tool_calls.clean_text: lone surrogates, NUL and other C0 controls as U+FFFD, warned once per class) and cut to
+    `max_tool_response_tokens` (cut_tool_output: by characters before it is tokenized, so that 10 MB cost what
+    16 KB do), with a warning once per class."""
+    text = clean_text(content, f"{label}.respond")
+    cut = env.truncate_tool_output(text)
+    if cut != text and label not in _CUT:
+        _CUT.add(label)
+        logger.warning("%s.respond gave a reply of %d characters, more than max_tool_response_tokens (%d): cut, with "
+                       "a marker the model sees (first time only).", label, len(text), env.max_tool_response_tokens)
+    return cut
+
+
+def dropped(label: str) -> None:
+    """A reply that does not fit the episode's budget: the episode ends (stop_reason budget), warned once per class."""
+    if label not in _DROPPED:
+        _DROPPED.add(label)
+        logger.warning("%s.respond gave a reply that does not fit the rest of the episode's max_completion_length: the "
+                       "episode ends at the budget without it (first time only); a lower max_tool_response_tokens cuts "
+                       "replies to fit.", label)
+
+
+def message_start(spans: list) -> int:
+    """Completion offset of the open assistant message: where the model's first sample after the last environment
+    reply starts (a continuation's inserted text and later samples are inside it)."""
+    return next((s.end for s in reversed(spans) if s.role == "env"), 0)
 
 
 def record_reply(env, ep, turn: UserTurn, result) -> None:
@@ -113,6 +175,7 @@ def record_reply(env, ep, turn: UserTurn, result) -> None:
         ep.stop_reason = turn.stop_reason
         return
     score = [] if reply.score is None else [number(reply.score, label)]
+    reply = dataclasses.replace(reply, content=reply_text(env, reply.content, label))  # as a tool's output is
     ep.user_turns += 1
     if reply.continuation:
         toolset.carry += score  # the turn goes on: its score joins the turn's rewards when the turn is answered
@@ -120,31 +183,44 @@ def record_reply(env, ep, turn: UserTurn, result) -> None:
     else:
         toolset.turn_rewards.append(toolset.carry + score)
         toolset.carry = []
-        env.append_reply(ep, [{"role": "user", "content": reply.content}], last=reply.done)
+        if not env.append_reply(ep, [{"role": "user", "content": reply.content}], last=reply.done):
+            dropped(label)
     if reply.done or environment_done(toolset.environment):
         ep.stop_reason = ep.stop_reason or "env_done"
 
 
 def continue_turn(env, ep, reply: Reply) -> None:
     """Insert the reply's text inside the model's open message (plain text, mask 0), after the tokens of its last
-    sample that stay (`keep_tokens`; None: all but a final end-of-turn id, which would close the message); sampling
-    continues in the same message, and in the same turn (episodes.token_turn_index)."""
+    sample that stay (`keep_tokens` / `keep_chars`, counted from the message's start; None: all); a final end-of-turn
+    id never stays, as it would close the message. Sampling continues in the same message, and in the same turn
+    (episodes.token_turn_index)."""
     from mt_grpo.base.protocol import encode_text
 
-    model = ep.spans[-1]
-    sampled, ids = model.end - model.start, ep.completion_ids[model.start:model.end]
-    if reply.keep_tokens is not None and reply.keep_chars is not None:
-        raise ValueError(f"{type(ep.toolset.environment).__name__}.respond gave keep_tokens and keep_chars: give one.")
-    kept = sampled if reply.keep_tokens is None else max(0, min(reply.keep_tokens, sampled))
-    if reply.keep_chars is not None:
+    model, label = ep.spans[-1], type(ep.toolset.environment).__name__
+    ids = ep.completion_ids[model.start:model.end]
+    limit = len(ids) - bool(ids and ids[-1] in env.eos_token_ids)  # the sample, without its end-of-turn token
+    # the message before its last sample (an earlier continuation's samples and text) stays whole
+    fixed = {"keep_tokens": model.start - message_start(ep.spans), "keep_chars": len(ep.turn_prefix)}
+    name = next((n for n in fixed if getattr(reply, n) is not None), None)
+    if name is not None and getattr(reply, name) < fixed[name]:
+        unit = name.removeprefix("keep_").replace("chars", "characters")
+        raise ValueError(f"{label}.respond gave Reply.{name} = {getattr(reply, name)}, which cuts the model's message "
+                         f"before its last sample: its first {fixed[name]} {unit} were fixed by an earlier continuation."
+                         f" {name} counts from the start of the message (respond's messages[-1]); give at least "
+                         f"{fixed[name]}.")
+    if name == "keep_tokens":
+        kept = reply.keep_tokens - fixed[name]
+    elif name == "keep_chars":
         decode = lambda n: env.tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
-        kept = next((n for n in range(sampled + 1) if len(decode(n)) >= reply.keep_chars), sampled)
-    elif reply.keep_tokens is None and kept and ids[-1] in env.eos_token_ids:
-        kept -= 1
+        kept = next((n for n in range(limit + 1) if len(decode(n)) >= reply.keep_chars - fixed[name]), limit)
+    else:
+        kept = limit
+    kept = min(kept, limit)  # bounded to the sample: past its end, all of it but the end-of-turn token
     ep.truncate(model.start + kept)
     ids = encode_text(env.tokenizer, reply.content)
     if ep.context_length + len(ids) >= env.max_completion_length:  # no room for the text and a token after it
         ep.stop_reason = "budget"
+        dropped(label)
         return
     ep.append("insert", ids)
     message = ep.messages[-1]
