@@ -670,7 +670,7 @@ class MultiTurnToolEnv:
 
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
-        """Token ids of a render, outside text (tool results, user turns) as plain text (protocol.template_ids)."""
+        """Token ids of a render, text from outside (protocol.OUTSIDE_TEXT) as plain text (protocol.template_ids)."""
         return template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset), messages)
 
     def env_reply_ids(self, tool_messages: list[dict], last: bool = False) -> list[int]:

@@ -176,7 +176,7 @@ def test_websocket_sessions_play_the_game_as_openenvs_client_does(tokenizer):
                                         [act("guess", guess="three"), act("guess", guess=3)]]}
         (a, b), pool = episodes(tokenizer, factory, script, rows)
         assert "I picked a number from 1 to 10." in a.prompt_messages[-1]["content"]
-        assert turn_credit(pool, [a, b]) == [[pytest.approx(-0.1), 1.0], [0.0, 1.0]]  # a refused call earns 0
+        assert turn_credit(pool, [a, b]) == [[pytest.approx(-0.1), 1.0], [None, 1.0]]  # a refused call: no score
         assert "VALIDATION_ERROR" in [m["content"] for m in b.messages if m["role"] == "tool"][0]
         assert a.stop_reason == b.stop_reason == "env_done"
     finally:

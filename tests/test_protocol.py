@@ -481,7 +481,8 @@ def test_a_conversational_prompts_system_message_replaces_the_task_part_only(fmt
     assert messages[0]["content"] == protocol.system_prompt([calculator], CHAT[0]["content"], with_example=False)
     assert messages[0]["content"].startswith(CHAT[0]["content"] + "\n\n")  # a blank line before the protocol's part
     assert "<answer> </answer>" in messages[0]["content"]
-    assert messages[1]["content"] == "What is 17 * 23?" and messages[-3:] == CHAT[1:]
+    assert messages[1]["content"] == "What is 17 * 23?" and messages[-3:] == [  # its assistant text: from outside
+        CHAT[1], {**CHAT[2], "outside_text": [[0, len(CHAT[2]["content"])]]}, CHAT[3]]
     assert build_prompt(protocol, [calculator], CHAT[1:], "You do arithmetic.", None)[0]["content"].startswith(
         "You do arithmetic.")  # no system message of its own: the task's part stays
 

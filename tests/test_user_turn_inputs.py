@@ -38,6 +38,11 @@ class Said(ScriptedPolicy):
         return samples
 
 
+def plain(messages: list[dict]) -> list[dict]:
+    """The messages' role, content and tool calls (what the rewards read; the record's other keys aside)."""
+    return [{k: m[k] for k in ("role", "content", "tool_calls") if k in m} for m in messages]
+
+
 def once(*replies, name: str = "Once"):
     """An environment class `name` (the warnings, once per class, name it) whose respond gives `replies` in order (a
     callable: what it returns for the messages), then None; `seen` holds what each call was given."""
@@ -85,7 +90,7 @@ def test_a_long_continuation_is_cut_as_a_tool_output_is(smollm2_tokenizer):
     assert ep.stop_reason == "answer" and [s.role for s in ep.spans] == ["model", "insert", "model"]
     inserted = smollm2_tokenizer.decode(ep.completion_ids[ep.spans[1].start:ep.spans[1].end])
     assert inserted.startswith("word word") and inserted.endswith("\n[truncated: 32 tokens of 200000 characters shown]")
-    assert ep.messages == [{"role": "assistant", "content": "I think\n<answer>3</answer>" + inserted +
+    assert plain(ep.messages) == [{"role": "assistant", "content": "I think\n<answer>3</answer>" + inserted +
                             " So 7.\n<answer>7</answer>", "tool_calls": []}]
     assert set(ep.model_mask[ep.spans[1].start:ep.spans[1].end]) == {0}
 
@@ -189,7 +194,7 @@ def test_respond_editing_the_conversation_in_place_changes_nothing_the_rewards_r
 
     env, _ = lock_env(smollm2_tokenizer, factory=once(rewrite, None))
     (ep,) = roll(env, [GUESS], {"Guess the number.": [answer("3"), answer("5")]})
-    assert ep.messages == [{"role": "assistant", "content": answer("3"), "tool_calls": []},
+    assert plain(ep.messages) == [{"role": "assistant", "content": answer("3"), "tool_calls": []},
                            {"role": "user", "content": "Try again."},
                            {"role": "assistant", "content": answer("5"), "tool_calls": []}]
     assert ep.prompt_messages[0]["content"] != "SYSTEM REWRITTEN"
@@ -232,7 +237,7 @@ def test_keep_chars_counts_the_whole_message_as_respond_sees_it_on_a_second_cont
     assert [s.role for s in ep.spans] == ["model", "insert", "model", "insert", "model"]
     decode = lambda s: smollm2_tokenizer.decode(ep.completion_ids[s.start:s.end])  # noqa: E731
     assert [decode(s) for s in ep.spans] == ["I think\n", " But wait,", " it is 7.\n", " Sure?", SURE + "<|im_end|>"]
-    assert ep.messages == [{"role": "assistant", "content": "I think\n But wait, it is 7.\n Sure?" + SURE,
+    assert plain(ep.messages) == [{"role": "assistant", "content": "I think\n But wait, it is 7.\n Sure?" + SURE,
                             "tool_calls": []}]
     seen = ep.toolset.environment.seen
     assert seen[1][-1]["content"] == "I think\n But wait," + TIPPED  # what the second keep_chars counted

@@ -129,7 +129,7 @@ def test_a_continuation_inserts_inside_the_models_message_and_sampling_continues
     assert ep.stop_reason == "answer" and ep.user_turns == 1 and ep.tool_turns == 0
     assert [s.role for s in ep.spans] == ["model", "insert", "model"]
     assert ep.messages == [{"role": "assistant", "content": "I think\n But wait, it is 7.\n<answer>7</answer>",
-                            "tool_calls": []}]
+                            "tool_calls": [], "outside_text": [[8, 18]]}]  # the tip: text from outside, in any render
     first, tip, second = ep.spans
     assert smollm2_tokenizer.decode(ep.completion_ids[first.start:first.end]) == "I think\n"  # cut before <answer>
     assert smollm2_tokenizer.decode(ep.completion_ids[tip.start:tip.end]) == " But wait,"

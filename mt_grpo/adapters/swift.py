@@ -14,7 +14,8 @@ each model turn without a tool call gives one call of swift's loop body, on a Ro
 conversation, the row's other columns as `data_dict`) and a ChatCompletionResponseChoice (the turn's text):
 
     on_turn_end -> {'done', 'rollout_infos'}   'done' decides, else check_finished; past swift_max_turns: stop
-    stop                                       no reply: the episode ends as it would without respond
+    stop                                       no reply: the episode ends as it would without respond (the last
+                                               turn's step_rewards stay its R_T: Reply(end=True, score=...))
     step appended a user message               Reply(content): a new round (MathTipsMultiTurnScheduler)
     step rewrote the model's own message       Reply(content=<the text it inserted>, continuation=True,
                                                keep_chars=<the model's characters that stay>): the text sits
@@ -23,7 +24,9 @@ conversation, the row's other columns as `data_dict`) and a ChatCompletionRespon
     rollout_infos (on_turn_end's and step's)   kept for the rewards (`rollout_infos`, and 3.x's `multi_turn_infos`)
 
 Turn credit: swift scores no turn; a turn's R_T is what its rollout_infos appended to `step_rewards` (swift's gym
-convention), else 0, and the episode's rewards are the outcome rewards the recipe lists.
+convention), the turn that ends the episode included (gym's final step carries the success reward: Reply(end=True));
+a continued turn's several step rewards are summed; a turn that appended none has no R_T (not applicable, never 0).
+The episode's rewards are the outcome rewards the recipe lists.
 
 Tool calls: a turn with a tool call the trainer parses runs the recipe's tools (or an environment's) and never
 reaches the scheduler, which sees the turns without one, as swift's loop does when its engine parses none. A
@@ -324,8 +327,8 @@ class SwiftEpisode:
         with self._lock:  # swift runs the sync methods of its one scheduler one at a time (one event loop)
             stop = result["done"] if "done" in result else scheduler.check_finished(request, choice, turn)
         self.rollout_infos["num_turns"] = turn
-        if stop or (self.max_turns and turn >= self.max_turns):
-            return None
+        if stop or (self.max_turns and turn >= self.max_turns):  # no reply; the final step keeps its reward
+            return None if score is None else Reply(end=True, score=score)
         before, images = deepcopy(request.messages), len(request.images or [])
         with self._lock:
             request, extras = step_result(scheduler.step(request, choice, turn), label)

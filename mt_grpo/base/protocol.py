@@ -564,12 +564,62 @@ class StopStringMatcher:
 
 
 # ------------------------------------------------------------------------------------------------
-# Text from outside as tokens: a tool's output, an environment's observation, a user turn, a dataset's question is
-# data. Its `<|im_end|><|im_start|>user` must stay those characters, never become the template's control tokens
-# (which would forge a turn in the training data).
+# Text from outside as tokens: a tool's output, an environment's observation, a user turn, a dataset's question,
+# system or assistant message, a continuation's text inside the model's message is data. Its
+# `<|im_end|><|im_start|>user` must stay those characters, never become the template's control tokens (which would
+# forge a turn in the training data), in every render: the episode's prompt, its replies, each re-rendered sample.
 # ------------------------------------------------------------------------------------------------
-OUTSIDE_ROLES = ("tool", "user")  # the messages whose text comes from outside the model and the recipe
+OUTSIDE_ROLES = ("tool", "user")  # the messages whose whole text comes from outside the model and the recipe
+# In any other message (system, assistant), the [start, end) character ranges of its content that came from outside
+# (mark_outside): a dataset's system text inside our system prompt, a dataset's assistant message, a continuation's
+# text inside the model's own message. The model's sampled text and the recipe's are not marked.
+OUTSIDE_TEXT = "outside_text"
 _MARK = "\x00MT_GRPO_TEXT_{}\x00"
+
+
+def mark_outside(message: dict, start: int = 0, end: int | None = None) -> dict:
+    """Mark `message["content"][start:end]` (to its end by default) as text from outside (OUTSIDE_TEXT): every
+    render keeps it plain text (template_ids), the rest of the message renders as the template writes it. Returns
+    `message`, changed in place."""
+    end = len(message["content"]) if end is None else end
+    if end > start:
+        message[OUTSIDE_TEXT] = [*(message.get(OUTSIDE_TEXT) or []), [start, end]]
+    return message
+
+
+def with_outside_text(message, replace: Callable[[str], str]):
+    """`message` with each piece of its text from outside (an OUTSIDE_ROLES message's whole text, another's
+    OUTSIDE_TEXT ranges) replaced by `replace(piece)` (and its ranges gone); the message itself where nothing
+    changes. Ranges that no longer fit the content (it was edited after it was marked) count the whole content as
+    from outside."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, (str, list)):
+        return message
+    if message.get("role") in OUTSIDE_ROLES:  # a tool's content list renders as its text (content_text)
+        text = content_text(content)
+        return message if (new := replace(text)) == text else dict(message, content=new)
+    ranges = sorted(tuple(r) for r in message.get(OUTSIDE_TEXT) or [])
+    if not ranges or not isinstance(content, str):
+        return message
+    ends = [0, *(b for _, b in ranges)]
+    if not all(ends[k] <= a <= b <= len(content) for k, (a, b) in enumerate(ranges)):
+        ranges, ends = [(0, len(content))], [0, len(content)]
+    new = "".join(content[ends[k]:a] + replace(content[a:b]) for k, (a, b) in enumerate(ranges)) + content[ends[-1]:]
+    # the ranges belong to the old content
+    return message if new == content else {**{k: v for k, v in message.items() if k != OUTSIDE_TEXT}, "content": new}
+
+
+def outside_emptied(messages: list[dict]) -> list[dict]:
+    """`messages` without their text from outside: what the template writes around it (the forged-control check)."""
+    return [with_outside_text(m, lambda text: "") for m in messages]
+
+
+def outside_pieces(messages: list[dict]) -> list[str]:
+    """Every piece of text from outside in `messages` (with_outside_text's), in order."""
+    pieces: list[str] = []
+    for m in messages:
+        with_outside_text(m, lambda text: pieces.append(text) or text)
+    return pieces
 
 
 def control_strings(tokenizer) -> list[str]:
@@ -603,20 +653,25 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 def template_ids(tokenizer, render: Callable[[list[dict]], str], messages: list[dict]) -> list[int]:
-    """Token ids of `render(messages)` (a chat template's text) with each outside message's text (OUTSIDE_ROLES) as
-    plain text (encode_text): the template's own tokens stay control tokens, the messages' cannot become any. Only
-    messages holding a control string are encoded apart, so everything else tokenizes as one render does."""
-    risky = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") in OUTSIDE_ROLES
-             and isinstance(m.get("content"), (str, list))  # a tool's content list renders as its text (content_text)
-             and any(c in content_text(m["content"]) for c in control_strings(tokenizer))]
-    if not risky:
+    """Token ids of `render(messages)` (a chat template's text) with each message's text from outside (OUTSIDE_ROLES'
+    whole text, the OUTSIDE_TEXT ranges of the others) as plain text (encode_text): the template's own tokens and
+    the model's text stay as the template writes them, the outside text cannot become a control token. Only pieces
+    holding a control string are encoded apart, so everything else tokenizes as one render does."""
+    control, texts = control_strings(tokenizer), []
+
+    def hide(text: str) -> str:  # a piece holding a control string -> a placeholder, encoded apart below
+        if not any(c in text for c in control):
+            return text
+        texts.append(text)
+        return _MARK.format(len(texts) - 1)
+
+    marked = [with_outside_text(m, hide) for m in messages]
+    if not texts:
         return tokenizer.encode(render(messages), add_special_tokens=False)
-    marked = [dict(m, content=_MARK.format(i)) if i in risky else m for i, m in enumerate(messages)]
     pieces = re.split(_MARK.format("(\\d+)").replace("\x00", "\\x00"), render(marked))
     ids = []
     for k, piece in enumerate(pieces):
-        ids += encode_text(tokenizer, content_text(messages[int(piece)]["content"])) if k % 2 else \
-            tokenizer.encode(piece, add_special_tokens=False)
+        ids += encode_text(tokenizer, texts[int(piece)]) if k % 2 else tokenizer.encode(piece, add_special_tokens=False)
     return ids
 
 
@@ -874,11 +929,18 @@ def build_prompt(protocol: Protocol, tools: list[Callable], prompt: str | list[d
     conversational prompt's own system message replaces `task_prompt`, the task's part of the system message;
     the protocol's tool part follows either, so the model always sees the call format. The system message
     shows a call in text only when no worked example is shown as turns."""
-    messages = prompt_messages(prompt)
+    messages, outside = prompt_messages(prompt), None
     if messages[0]["role"] == "system":
         task_prompt, messages = messages[0]["content"], messages[1:]
+        outside = task_prompt.strip()  # the prompt's own system text: from outside, as its other messages are
     examples = run_examples(protocol, tools, examples)
     shots = protocol.few_shot(tools, examples) if few_shot else []
     example = next((e for e in examples if e.get("steps")), None)
     system = protocol.system_prompt(tools, task_prompt, with_example=not shots, example=example, questions=questions)
-    return [*([{"role": "system", "content": system}] if system else []), *shots, *messages]
+    system = [{"role": "system", "content": system}] if system else []
+    if system and outside:  # where the protocol wrote it; the whole message if it rewrote it
+        at = system[0]["content"].find(outside)
+        mark_outside(system[0], *((at, at + len(outside)) if at >= 0 else (0,)))
+    # the prompt's assistant messages are text from outside (user ones are, by their role); the model's own turns
+    # follow the prompt as its sampled ids
+    return [*system, *shots, *(mark_outside(m) if m["role"] == "assistant" else m for m in messages)]

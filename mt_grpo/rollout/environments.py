@@ -17,7 +17,8 @@ The extension, which TRL ignores (an attribute is not a method, so TRL exposes n
                                class's source: has_step_rewards). The values a model turn's calls appended while
                                they ran, summed, are that turn's reward R_T, through a per-turn reward function
                                named `<Class>_steps` (weight 1): every tool turn's in `per_turn` mode, the first
-                               turn's in `mt_grpo`. A turn whose calls appended nothing earned 0.
+                               turn's in `mt_grpo`. A turn whose calls appended nothing (or None) has no score: not
+                               applicable, left out of the group's statistics (append 0.0 to score it 0).
 
 Tool calls of one episode run one at a time, in order (they share the instance's state); episodes run
 concurrently. A call past `tool_timeout` is waited for before the instance is touched again, and what it
@@ -310,8 +311,10 @@ class EnvironmentPool:
         return value
 
     def turn_rewards(self, instance) -> list[list[float]]:
-        """What `instance` reported per tool turn of its current episode (Toolset.turn_rewards)."""
-        return self.handed_out[id(instance)][1].turn_rewards
+        """What `instance` reported per model turn of its current episode: per tool turn (Toolset.turn_rewards), then
+        the scores of the turn that ended it (a continuation's, a Reply(end=True)'s: Toolset.carry), if any."""
+        toolset = self.handed_out[id(instance)][1]
+        return toolset.turn_rewards + ([toolset.carry] if toolset.carry else [])
 
     # -- rewards ------------------------------------------------------------------------------------
     def _reward_funcs(self) -> tuple[list[Callable], list[Callable]]:
@@ -407,7 +410,9 @@ def _outcome_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
 
 
 def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
-    """Each tool turn's reward: the sum of the `step_rewards` the environment appended during that turn."""
+    """Each tool turn's reward: the sum of the `step_rewards` the environment appended during that turn (a reply's
+    score); and one more value, the final model turn's, when the turn that ended the episode was scored (gym's final
+    step). A turn with no score (nothing appended, only None, a call that raised first) is None: not applicable."""
 
     @per_tool_turn
     def steps(prompts=None, completions=None, environments=None, **kwargs):
@@ -419,9 +424,9 @@ def _step_reward_func(cls: type, pool: EnvironmentPool) -> Callable:
                 continue
             recorded = [[environment_number(v, lambda: f"{cls.__name__}.step_rewards holds {v!r} (tool turn {k}); append "
                                             "one number per tool step (a float, or a numpy or torch scalar).")
-                         for v in step]
-                        for k, step in enumerate(pool.turn_rewards(environment)[:turns])]
-            values.append([float(sum(step)) for step in recorded] + [0.0] * (turns - len(recorded)))
+                         for v in step if v is not None]
+                        for k, step in enumerate(pool.turn_rewards(environment)[:turns + 1])]
+            values.append([float(sum(step)) if step else None for step in recorded] + [None] * (turns - len(recorded)))
         return values
 
     steps.__name__ = f"{cls.__name__}_steps"

@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 from trl.trainer.utils import pad
 
+from mt_grpo.base.protocol import control_strings, outside_emptied, outside_pieces
+from mt_grpo.base.turn_samples import episode_samples
 from mt_grpo.rewards.conversation import env_replies
 from mt_grpo.rollout.toolset import Toolset
 
@@ -191,39 +193,61 @@ def loss_mask(batch: dict) -> torch.Tensor:
 
 def check_tokenization(env, prompts: list[list[dict]], episodes: list, mode: str) -> None:
     """Compare each rollout's ids with a full re-render (`tokenization_check`: strict | ignore_whitespace | off);
-    log how many differ, and the first difference."""
+    log how many differ, and the first difference; and whether text from outside became a control token anywhere
+    in a rollout (forged_controls)."""
     if mode == "off":
         return
     diffs = [tokenization_difference(env, p, ep, mode) for ep, p in zip(episodes, prompts)]
     if bad := [d for d in diffs if d]:
         logger.warning("Tokenization check (%s): %d of %d rollouts differ from a full re-render; first: %s",
                        mode, len(bad), len(episodes), bad[0])
-    cache: dict = {}  # the template's reply to emptied messages, by their roles and names
+    cache: dict = {}  # the template's reply to emptied messages, by their roles and names; prompts' counts by ids
     if forged := [f for f in (forged_controls(env, ep, cache) for ep in episodes) if f]:
-        logger.error("Tokenization check: %d of %d rollouts hold a control token inside an environment reply, which "
-                     "only the chat template may put there; first: %s", len(forged), len(episodes), forged[0])
+        logger.error("Tokenization check: %d of %d rollouts hold a control token inside text from outside (a reply, "
+                     "a continuation's text, a prompt's message), which only the chat template may put there; "
+                     "first: %s", len(forged), len(episodes), forged[0])
 
 
 def forged_controls(env, ep, cache: dict | None = None) -> str:
-    """Where an environment reply (an env span appended after a model turn) holds more control tokens (added tokens:
-    `<|im_end|>`...) than the chat template's own reply to the same messages, emptied: text from outside that became
-    a control token. "" when none did (protocol.template_ids keeps such text plain). Re-rendered samples' prompts
-    (turn_samples.py) are renders of the whole history, and are not read here."""
+    """Where the episode holds more control tokens (added tokens: `<|im_end|>`...) than the chat template writes
+    around its text from outside: that text became a control token. Read: each environment reply appended after a
+    model turn (against the template's reply to the same messages, emptied), each continuation's text (an "insert"
+    span: none at all), and every rendered prompt, the episode's and each re-rendered sample's (turn_samples.py:
+    against the render of the same history without its text from outside, protocol.outside_emptied). "" when none
+    did (protocol.template_ids keeps such text plain)."""
     control, cache = set(env.tokenizer.added_tokens_decoder), ({} if cache is None else cache)
+    count = lambda ids: sum(t in control for t in ids)  # noqa: E731
+    text = lambda ids: env.tokenizer.decode(ids)[:200]  # noqa: E731
     groups = env_replies(ep.messages)  # the messages of each environment reply, in order
     resampled = {start for start, _ in ep.sample_starts}
     replies = [s for s in ep.spans if s.role == "env"]
     for k, (span, messages) in enumerate(zip(replies, groups)):
-        if span.start in resampled:
+        if span.start in resampled:  # a sample's prompt: read below
             continue
-        have = sum(t in control for t in ep.completion_ids[span.start : span.end])
+        have = count(ep.completion_ids[span.start : span.end])
         key = tuple((m.get("role"), m.get("name", "")) for m in messages)
         if key not in cache:
-            cache[key] = sum(t in control for t in env.env_reply_ids([{**m, "content": ""} for m in messages]))
+            cache[key] = count(env.env_reply_ids([{**m, "content": ""} for m in messages]))
         skeleton = cache[key]
         if have > skeleton:
             return (f"environment reply {k} has {have} control tokens, the template's {skeleton}: "
-                    f"{env.tokenizer.decode(ep.completion_ids[span.start : span.end])[:200]!r}")
+                    f"{text(ep.completion_ids[span.start : span.end])!r}")
+    for k, span in enumerate(s for s in ep.spans if s.role == "insert"):
+        if have := count(ep.completion_ids[span.start : span.end]):
+            return (f"continuation text {k} has {have} control tokens: "
+                    f"{text(ep.completion_ids[span.start : span.end])!r}")
+    strings = control_strings(env.tokenizer)
+    for k, sample in enumerate(episode_samples(ep) if ep.prompt_messages else []):
+        history = ep.prompt_messages + ep.messages[: sample.history]
+        if not any(c in piece for piece in outside_pieces(history) for c in strings):
+            continue  # no text from outside that could have become one (and no render to pay for)
+        have, key = count(sample.prompt_ids), ("prompt", tuple(sample.prompt_ids))  # a group shares its prompt
+        if key not in cache:
+            emptied = outside_emptied(history)
+            cache[key] = count(env.render_ids(emptied, add_generation_prompt=True, toolset=ep.toolset))
+        if have > cache[key]:
+            where = "the episode's prompt" if k == 0 else f"the prompt of sample {k + 1} (a re-render)"
+            return f"{where} has {have} control tokens, the template's {cache[key]}: {text(sample.prompt_ids)!r}"
     return ""
 
 

@@ -194,7 +194,7 @@ def continue_turn(env, ep, reply: Reply) -> None:
     sample that stay (`keep_tokens` / `keep_chars`, counted from the message's start; None: all); a final end-of-turn
     id never stays, as it would close the message. Sampling continues in the same message, and in the same turn
     (episodes.token_turn_index)."""
-    from mt_grpo.base.protocol import encode_text
+    from mt_grpo.base.protocol import encode_text, mark_outside
 
     model, label = ep.spans[-1], type(ep.toolset.environment).__name__
     ids = ep.completion_ids[model.start:model.end]
@@ -226,6 +226,7 @@ def continue_turn(env, ep, reply: Reply) -> None:
     message = ep.messages[-1]
     message["content"] = ep.turn_prefix + env.tokenizer.decode(ep.completion_ids[model.start:model.start + kept],
                                                                skip_special_tokens=True) + reply.content
+    mark_outside(message, len(message["content"]) - len(reply.content))  # plain text in every later render too
 
 
 def environment_done(environment) -> bool:
