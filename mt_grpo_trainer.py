@@ -156,16 +156,17 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
 def turn_reward_table(turn_per_func: torch.Tensor, weights: torch.Tensor, tool_turns: torch.Tensor,
                       per_turn_funcs: list[bool]) -> torch.Tensor:
     """(B, F, K) turn rewards per function and tool turn -> (B, K) R_T (K = 1 but in per_turn mode); columns past an
-    episode's turns are NaN. An episode that called no tool still has a first turn, credited like any other: 0 from
-    each per-turn function (it did no tool work), its own value from each per-sample one. Left NaN, it would get no
-    A_T, and the pressure to search (a no-tool episode's A_T below its group's mean) would vanish."""
+    episode's turns (its tool turns, then the final model turn's where a function scored it) are NaN. An episode that
+    called no tool still has a first turn, credited like any other: 0 from each per-turn function that gave it no
+    value (it did no tool work), its own value from each per-sample one. Left NaN, it would get no A_T, and the
+    pressure to search (a no-tool episode's A_T below its group's mean) would vanish."""
     no_tool = (tool_turns == 0)[:, None]  # (B, 1)
     flags = torch.tensor(per_turn_funcs, dtype=torch.bool, device=turn_per_func.device)[None, :]  # (1, F)
     table = turn_per_func.clone()
-    table[:, :, 0].masked_fill_(no_tool & flags, 0.0)  # (B, F) view of the first turn
+    table[:, :, 0].masked_fill_(no_tool & flags & table[:, :, 0].isnan(), 0.0)  # (B, F) view of the first turn
     R_T = weighted_reward(table, weights)  # (B, K)
     turns = torch.arange(turn_per_func.shape[2], device=R_T.device)[None, :]
-    R_T[turns >= tool_turns.clamp(min=1)[:, None]] = float("nan")
+    R_T[turns > tool_turns[:, None]] = float("nan")
     return R_T
 
 
@@ -996,8 +997,8 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         keywords = dict(trainer_state=self.state, log_extra=self._log_completion_extra, log_metric=self._log_metric)
         tool_turns = [ep.tool_turns for ep in episodes]
         longest = lambda: collect(torch.tensor([max(tool_turns, default=0)], device=device)).max().item()  # noqa: E731
-        K = turns or (max(1, longest()) if ADVANTAGE_MODES[self.advantage_mode].turn_columns else 1)  # per_turn: a column
-        # per tool turn of the batch's longest episode (over every process: one mode on all, so all gather or none)
+        K = turns or (longest() + 1 if ADVANTAGE_MODES[self.advantage_mode].turn_columns else 1)  # per_turn: a column per
+        # model turn of the batch's longest episode, its final one's too (over every process: all gather or none)
         turn = collect(compute_rewards_per_func(self.turn_reward_funcs, prompts, completions, columns,
                                                tool_turns, K, keywords).to(device))
         outcome = collect(compute_rewards_per_func(self.outcome_reward_funcs, prompts, completions,

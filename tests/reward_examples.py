@@ -15,5 +15,6 @@ def one_per_tool_turn(prompts, completions, **kwargs):
 
 @per_tool_turn
 def one_value_too_many(prompts, completions, **kwargs):
-    """A per-turn reward that breaks its contract: one value more than there are tool turns."""
-    return [[1.0] * (count_tool_turns(c) + 1) for c in completions]
+    """A per-turn reward that breaks its contract: two values more than there are tool turns (one more is the final
+    model turn's)."""
+    return [[1.0] * (count_tool_turns(c) + 2) for c in completions]

@@ -354,9 +354,10 @@ class GradedTips(MathTipsMultiTurnScheduler):
 
 def test_a_new_round_scheduler_s_turns_and_their_credit_by_hand(smollm2_tokenizer, tmp_path):
     """A group of two on MathTipsMultiTurnScheduler with gym-style step rewards (acc - 0.5 per turn). A answers 13
-    (-0.5): the tip comes as a user message, A answers 12 and the scheduler stops (tips once; that turn's +0.5 has no
-    reply to carry it: the outcome rewards judge it). B answers 12 at once: no reply. R_T: A [-0.5], B [0] (its
-    first turn, credited 0); per_turn A_T = -+0.7071; swift's accuracy R_O = 1 for both: A_O = 0."""
+    (-0.5): the tip comes as a user message, A answers 12 and the scheduler stops (tips once): no reply, and the final
+    step keeps its +0.5 (gym's convention). B answers 12 at once: no reply, +0.5 on its only turn. R_T: A [-0.5, 0.5],
+    B [0.5]. per_turn, pooled over (-0.5, 0.5, 0.5): mean 1/6, std (unbiased) 0.5774: A_T(A, 0) = -1.1547, A_T(A, 1)
+    = A_T(B, 0) = 0.5774; swift's accuracy R_O = 1 for both: A_O = 0."""
     import torch
 
     from mt_grpo.rollout.episodes import pad_episodes
@@ -381,17 +382,64 @@ def test_a_new_round_scheduler_s_turns_and_their_credit_by_hand(smollm2_tokenize
     _, turn_funcs = pool.reward_funcs
     turns = [a.tool_turns, b.tool_turns]
     per_func = compute_rewards_per_func(turn_funcs, ["p", "p"], [a.messages, b.messages],
-                                        {"environments": environments}, turns, 1)
+                                        {"environments": environments}, turns, 2)  # the trainer's K: 1 + 1
     R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
-    assert R_T.tolist() == [[-0.5], [0.0]]
+    assert R_T[0].tolist() == [-0.5, 0.5] and R_T[1, 0] == 0.5 and torch.isnan(R_T[1, 1])
     accuracy = resolve_reward("accuracy")
     R_O = compute_rewards_per_func([accuracy], ["p", "p"], [a.messages, b.messages],
                                    {"solution": [SOLUTION] * 2, "environments": environments})[:, 0]
     assert R_O.tolist() == [1.0, 1.0]
     token_turns = pad_episodes([a, b], 0, False)["token_turns"]
     adv = mt_grpo_advantages(R_T, R_O, token_turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
-    assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-0.7071), atol=1e-4)
-    assert torch.allclose(adv.tokens[1][token_turns[1] == 0], torch.tensor(0.7071), atol=1e-4)
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-1.1547), atol=1e-4)
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 1], torch.tensor(0.5774), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][token_turns[1] == 0], torch.tensor(0.5774), atol=1e-4)
+
+
+REACT = """
+    class Calc(MultiTurnScheduler):
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return 'Action:' not in response_choice.message.content or super().check_finished(
+                infer_request, response_choice, current_turn)
+
+        def step(self, infer_request, response_choice, current_turn):
+            expression = response_choice.message.content.split('Action Input:')[1].strip()
+            result = f'Observation: {eval(expression)}\\n'
+            infer_request.messages[-1]['content'] += result
+            return {'infer_request': infer_request, 'rollout_infos': {'step_rewards': [0.5] * current_turn}}
+    """
+
+
+def test_a_react_episode_in_one_continued_message_gets_its_step_rewards_summed(smollm2_tokenizer, tmp_path):
+    """A ReAct scheduler whose whole episode is one message: A calls the calculator twice (each observation inserted
+    inside its message, 0.5 each in step_rewards), then answers (no reply): one model turn, which ends the episode,
+    R_T 0.5 + 0.5 = 1. B answers at once: no step reward, R_T 0 (a first turn with no tool work, as any). per_turn
+    over (1, 0): A_T = +-0.7071 (R_O 0)."""
+    import torch
+
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+
+    env, pool = swift_env(smollm2_tokenizer, f"{write_plugin(tmp_path, REACT)}:Calc")
+    question = "What is (2+3)+1?"
+    rows = [{"prompt": [{"role": "user", "content": question}]}] * 2
+    script = {question: [["Thought: add.\nAction: calculator\nAction Input: 2+3\n",
+                          "Action: calculator\nAction Input: 5+1\n", "Final Answer: 6"], ["Final Answer: 6"]]}
+    a, b = roll(env, rows, Tipped(smollm2_tokenizer, script, marker="Observation:"))
+    assert [s.role for s in a.spans] == ["model", "insert", "model", "insert", "model"] and [s.role for s in
+                                                                                              b.spans] == ["model"]
+    assert (a.tool_turns, b.tool_turns, a.stop_reason) == (0, 0, "no_action")
+    assert a.toolset.environment.rollout_infos["step_rewards"] == [0.5, 0.5]
+    environments = [a.toolset.environment, b.toolset.environment]
+    assert [pool.turn_rewards(e) for e in environments] == [[[0.5, 0.5]], []]
+    per_func = compute_rewards_per_func(pool.reward_funcs[1], ["p"] * 2, [a.messages, b.messages],
+                                        {"environments": environments}, [0, 0], 1)
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor([0, 0]), [True])
+    assert R_T.tolist() == [[1.0], [0.0]]
+    token_turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, AdvantageSettings.of("per_turn", 2))
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(0.7071), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][token_turns[1] == 0], torch.tensor(-0.7071), atol=1e-4)
 
 
 def test_the_swift_plugin_trains_from_the_recipe(tiny_agent_dir, tmp_path):

@@ -80,7 +80,7 @@ def test_tool_env_brings_its_dataset_schema_rubric_and_limits():
     method = parts.environment_factory.calculate
     assert method.json_schema["function"]["name"] == "calculate"
     assert method.json_schema["function"]["parameters"]["required"] == ["expression"]
-    assert parts.settings == {"max_env_steps": 2, "max_user_turns": 2}  # max_turns=3 model turns
+    assert parts.settings == {"max_env_steps": 2, "max_user_turns": 3}  # max_turns=3 model turns: respond sees all
     assert [f.__name__ for f in parts.outcome_funcs] == ["correct_answer", "format_reward_func"]
     assert parts.environment_factory.respond is None  # a ToolEnv ends on a turn without a call
 
@@ -188,7 +188,7 @@ def test_multiturn_env_replies_as_the_user_and_its_stop_condition_ends_the_game(
     scores = outcome(parts, [a, b])
     assert scores["correct_answer"] == [1.0, 0.0] and scores["efficiency"] == [0.25, 0.0]
     assert scores["format_reward_func"] == [pytest.approx(0.16), pytest.approx(0.16)]
-    assert turn_credit(pool, [a, b]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]  # no step rewards: R_T 0 per answered turn
+    assert turn_credit(pool, [a, b]) == [[None, None], [None, None, None]]  # no step rewards: not applicable
 
 
 def test_per_step_rewards_the_environment_sets_are_each_turns_credit(tokenizer):
@@ -210,6 +210,48 @@ def test_per_step_rewards_the_environment_sets_are_each_turns_credit(tokenizer):
     script = {"Guess the secret number": [[guess(5), guess(3), guess(3)], [guess(3), guess(3)]]}
     eps, pool = episodes(tokenizer, parts, script, rows)
     assert turn_credit(pool, eps) == [[-0.1, 1.0], [1.0]]
+
+
+def test_the_final_turn_keeps_its_step_reward_when_a_stop_condition_or_max_turns_ends_the_episode(tokenizer):
+    """Gym's convention: the step that ends the episode carries the success reward. add_trajectory_step scores each
+    guess (1 right, -0.5 wrong) and a stop condition fires on the right one; max_turns 2. Secret 3, a group of three:
+    A guesses 5, 3 (stop): R_T [-0.5, 1]; B guesses 3 (stop at once): [1]; C guesses 1, 2 (max_turns): [-0.5, -0.5].
+    per_turn, pooled over the five: mean 0.1, std (unbiased) 0.8216: A_T -0.7303 for a wrong guess, 1.0954 a right."""
+    import torch
+
+    import verifiers as vf
+    import vf_guess
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+
+    class GymGuessEnv(vf_guess.GuessEnv):
+        async def add_trajectory_step(self, state, step):
+            step["reward"] = 1.0 if self.parser.parse_answer(step["completion"]) == state["answer"] else -0.5
+            state["trajectory"].append(step)
+
+        @vf.stop
+        async def guessed(self, state) -> bool:
+            return bool(state["trajectory"]) and state["trajectory"][-1]["reward"] == 1.0
+
+    env = vf_guess.load_environment(secrets=[3])
+    gym = GymGuessEnv(dataset=env.dataset_source(), system_prompt=env.system_prompt, parser=env.parser,
+                      rubric=env.rubric, max_turns=2)
+    parts = adapt_env(gym)
+    rows = [dict(parts.train_dataset[0])] * 3
+    script = {"Guess the secret number": [[guess(5), guess(3)], [guess(3)], [guess(1), guess(2), guess(4)]]}
+    eps, pool = episodes(tokenizer, parts, script, rows)
+    assert [ep.tool_turns for ep in eps] == [1, 0, 1] and [ep.user_turns for ep in eps] == [1, 0, 1]
+    assert [ep.toolset.environment.state["turn"] for ep in eps] == [2, 1, 2]
+    assert turn_credit(pool, eps) == [[-0.5, 1.0], [1.0], [-0.5, -0.5]]  # the final turn's value, one more
+    turns = [ep.tool_turns for ep in eps]
+    per_func = compute_rewards_per_func(pool.reward_funcs[1], ["p"] * 3, [ep.messages for ep in eps],
+                                        {"environments": [ep.toolset.environment for ep in eps]}, turns, 2)
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True])
+    assert R_T[[0, 2]].tolist() == [[-0.5, 1.0], [-0.5, -0.5]] and R_T[1, 0] == 1.0 and torch.isnan(R_T[1, 1])
+    token_turns = pad_episodes(eps, 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(3), token_turns, AdvantageSettings.of("per_turn", 3))
+    for i, k, value in [(0, 0, -0.7303), (0, 1, 1.0954), (1, 0, 1.0954), (2, 0, -0.7303), (2, 1, -0.7303)]:
+        assert torch.allclose(adv.tokens[i][token_turns[i] == k], torch.tensor(value), atol=1e-4), (i, k)
 
 
 def test_a_rubric_with_a_group_function_scores_each_examples_episodes_together(tokenizer):

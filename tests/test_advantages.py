@@ -330,7 +330,7 @@ def test_per_turn_rewards_fill_one_column_per_tool_turn():
 def test_a_per_turn_reward_of_the_wrong_length_or_in_the_outcome_rewards_is_an_error():
     from reward_examples import one_value_too_many
 
-    with pytest.raises(ValueError, match=r"'one_value_too_many' returned \[1.0, 1.0\] for sample 0, which has 1 tool turns"):
+    with pytest.raises(ValueError, match=r"'one_value_too_many' returned \[1.0, 1.0, 1.0\] for sample 0, which has 1 tool turns"):
         compute_rewards_per_func([one_value_too_many], ["p"], [[{"role": "assistant", "content": "x", "tool_calls": []},
                                                                {"role": "tool", "name": "s", "content": "r"}]],
                                  {}, tool_turns=[1], max_turns=2)

@@ -383,4 +383,4 @@ def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(s
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     reply_ids = [ep.completion_ids[s.start : s.end] for s in ep.spans if s.role == "env"]
     assert reply_ids[1].count(im_end) == reply_ids[0].count(im_end)  # the tool's <|im_end|> is text, not a turn's end
-    assert REWARD_FUNCS["tool_rewards"]([None], [ep.messages]) == [[0.0, 0.0, 1.0, -0.5]]
+    assert REWARD_FUNCS["tool_rewards"]([None], [ep.messages]) == [[None, None, 1.0, -0.5]]  # no reward: no score

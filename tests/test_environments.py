@@ -138,7 +138,7 @@ def test_step_rewards_become_each_turns_reward_and_the_advantages_by_hand(smollm
     assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-0.7071 - 1.5), atol=1e-4)
 
 
-def test_a_turn_that_appended_nothing_earned_zero_and_a_non_number_fails(smollm2_tokenizer):
+def test_a_turn_that_appended_nothing_has_no_score_and_a_non_number_fails(smollm2_tokenizer):
     from mt_grpo_trainer import compute_rewards_per_func
 
     env, pool = lock_env(smollm2_tokenizer)
@@ -146,12 +146,79 @@ def test_a_turn_that_appended_nothing_earned_zero_and_a_non_number_fails(smollm2
     ep, = roll(env, [{"prompt": "Open.", "code": "1"}], {"Open.": [bad, answer()]})
     assert ep.tool_failures == 1  # bad arguments: the method never ran, nothing appended
     steps = pool.reward_funcs[1][0]
-    assert steps(completions=[ep.messages], environments=[ep.toolset.environment]) == [[0.0]]
+    assert steps(completions=[ep.messages], environments=[ep.toolset.environment]) == [[None]]  # not applicable
     ep.toolset.environment.step_rewards.append("a lot")
     ep.toolset.turn_rewards[0].append("a lot")
     with pytest.raises(RuntimeError, match=r"step_rewards holds 'a lot'"):
         compute_rewards_per_func([steps], ["p"], [ep.messages], {"environments": [ep.toolset.environment]},
                                  [1], 1)
+
+
+class Penalized:
+    """Penalty-only step rewards: a wrong guess appends -0.1, a right one nothing (no score); a guess that is not a
+    number raises; `hint` appends None (no score); `skip` appends 0.0, a turn scored 0 on purpose."""
+
+    def __init__(self):
+        self.secret, self.step_rewards = "7", []
+
+    def reset(self, secret: str = "7", **kwargs) -> None:
+        self.secret, self.step_rewards = secret, []
+
+    def guess(self, number: str) -> str:
+        """Guess the secret.
+
+        Args:
+            number: the guess, a whole number.
+        """
+        int(number)
+        if number == self.secret:
+            return "Right."
+        self.step_rewards.append(-0.1)
+        return "Wrong."
+
+    def hint(self) -> str:
+        """Ask for a hint."""
+        self.step_rewards.append(None)
+        return "It is odd."
+
+    def skip(self) -> str:
+        """Skip a turn."""
+        self.step_rewards.append(0.0)
+        return "Skipped."
+
+
+def xml_call(name: str, **args) -> str:
+    return f'<reasoning>x</reasoning>\n<tool>{{"name": "{name}", "args": {json.dumps(args)}}}</tool>'
+
+
+def test_a_turn_without_a_score_is_left_out_of_the_group_and_credited_nothing(smollm2_tokenizer):
+    """Penalty-only step rewards. A guesses 5 (-0.1), then 7 (right: nothing appended). B guesses "x" (raises: nothing
+    appended), asks a hint (None appended), skips (0.0, on purpose). Only the two scored turns pool: (-0.1, 0.0),
+    mean -0.05, std (unbiased) 0.0707: A_T -0.7071 (A, turn 0) and 0.7071 (B, turn 2); the three turns without a
+    score get no A_T (0 here: R_O 0, so A_O 0), where an implicit 0.0 would have ranked B's crash above A's guess."""
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+
+    env, pool = lock_env(smollm2_tokenizer, factory=Penalized)
+    rows = [{"prompt": "Find the secret.", "secret": "7"}] * 2
+    script = {"Find the secret.": [[xml_call("guess", number="5"), xml_call("guess", number="7"), answer("7")],
+                                   [xml_call("guess", number="x"), xml_call("hint"), xml_call("skip"), answer("7")]]}
+    a, b = roll(env, rows, script)
+    assert (a.tool_turns, b.tool_turns, a.tool_failures, b.tool_failures) == (2, 3, 0, 1)
+    steps = pool.reward_funcs[1][0]
+    environments = [a.toolset.environment, b.toolset.environment]
+    assert steps(completions=[a.messages, b.messages], environments=environments) == [[-0.1, None],
+                                                                                      [None, None, 0.0]]
+    per_func = compute_rewards_per_func([steps], ["p"] * 2, [a.messages, b.messages],
+                                        {"environments": environments}, [2, 3], 4)
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor([2, 3]), [True])
+    assert R_T[0, 0].item() == pytest.approx(-0.1) and R_T[1, 2].item() == 0.0
+    assert torch.isnan(R_T[0, 1:]).all() and torch.isnan(R_T[1, :2]).all() and torch.isnan(R_T[1, 3])
+    token_turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, AdvantageSettings.of("per_turn", 2))
+    for i, k, value in [(0, 0, -0.7071), (0, 1, 0.0), (0, 2, 0.0), (1, 0, 0.0), (1, 1, 0.0), (1, 2, 0.7071),
+                        (1, 3, 0.0)]:
+        assert torch.allclose(adv.tokens[i][token_turns[i] == k], torch.tensor(value), atol=1e-4), (i, k)
 
 
 # -- timeouts, slow calls and pooled instances: each reward to its own turn and episode ------------------------
@@ -231,7 +298,7 @@ def test_a_timed_out_call_is_waited_for_and_its_late_append_is_credited_to_no_tu
     assert toolset.turn_rewards == [[], [1.0]]  # the late 5 is credited to no turn
     steps = gated.reward_funcs[1][0]
     completion = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "x"}] * 2
-    assert steps(completions=[completion], environments=[toolset.environment]) == [[0.0, 1.0]]
+    assert steps(completions=[completion], environments=[toolset.environment]) == [[None, 1.0]]  # no score
 
 
 def test_a_call_still_running_after_the_grace_fails_the_rest_and_its_instance_is_not_reused(gated):

@@ -120,7 +120,7 @@ class Continuing(ScriptedPolicy):
 def test_a_continuation_inserts_inside_the_models_message_and_sampling_continues(smollm2_tokenizer):
     """The tutor cuts the first sample before its <answer> (keep_tokens), inserts " But wait," (mask 0) inside the
     open assistant message, and the model continues the same message; one turn for the credit, the rewards see the
-    continued message, and the tip's score waits for a turn the environment answers (none here)."""
+    continued message, and the tip's score is that turn's, though no reply follows (the episode ends on it)."""
     from mt_grpo.rollout.episodes import token_turn_index
 
     examples.TOKENIZER = smollm2_tokenizer
@@ -135,12 +135,53 @@ def test_a_continuation_inserts_inside_the_models_message_and_sampling_continues
     assert smollm2_tokenizer.decode(ep.completion_ids[tip.start:tip.end]) == " But wait,"
     assert ep.model_mask == [1] * first.end + [0] * (tip.end - tip.start) + [1] * (second.end - second.start)
     assert len(ep.sampler_logprobs) == len(ep.completion_ids)
+    steps = pool.reward_funcs[1][0]
+    assert steps(completions=[ep.messages], environments=[ep.toolset.environment]) == [[0.5]]  # the final turn's
     assert token_turn_index(ep.spans, len(ep.completion_ids)).tolist() == \
         [0] * first.end + [-1] * (tip.end - tip.start) + [0] * (second.end - second.start)
     # the whole completion reads as one assistant message, as a fresh render of the conversation gives it
     rendered = env.render_ids(ep.prompt_messages + ep.messages)
     assert smollm2_tokenizer.decode(ep.prompt_ids + ep.completion_ids) in smollm2_tokenizer.decode(rendered)
     assert not ep.tokenization_mismatch
+
+
+class Checking(ScriptedPolicy):
+    """Sample j plays variant j of its question; after each " Check again:" inside its message, the next turn."""
+
+    def turn_text(self, ids, sample=0):
+        text = self.tokenizer.decode(ids)
+        variants = next(v for q, v in self.script.items() if q in text)
+        k = text.count("Check again:")
+        turns = variants[sample % len(variants)] if k == 0 else next(v for v in variants if v[0] in text)
+        return turns[min(k, len(turns) - 1)]
+
+
+def test_a_continued_turn_that_ends_the_episode_keeps_its_scores_summed(smollm2_tokenizer):
+    """Secret 7, max_user_turns 2, a group of three whose episodes are each one continued message. A answers 3
+    (" Check again:", 0.25), then 7 (no message, score 1: Reply(end=True)): R_T 1.25. B answers 2, 4 (0.25 each),
+    then 5, past max_user_turns: no respond, its turn's two scores stay: 0.5. C answers 7 at once: 1. per_turn, by
+    hand: mean 0.9167, std (unbiased) 0.3819: A_T = 0.8729, -1.0911, 0.2182 (R_O 0: A_O 0)."""
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+
+    env, pool = lock_env(smollm2_tokenizer, factory=examples.Checker, max_user_turns=2)
+    rows = [{"prompt": "Guess the number.", "secret": "7"}] * 3
+    script = {"Guess the number.": [[answer("3"), answer("7")], [answer("2"), answer("4"), answer("5")],
+                                    [answer("7")]]}
+    eps = roll(env, rows, {}, Checking(smollm2_tokenizer, script))
+    assert [[s.role for s in ep.spans] for ep in eps] == [["model", "insert", "model"],
+                                                          ["model", "insert", "model", "insert", "model"], ["model"]]
+    assert [ep.stop_reason for ep in eps] == ["answer"] * 3 and [ep.tool_turns for ep in eps] == [0, 0, 0]
+    assert [pool.turn_rewards(ep.toolset.environment) for ep in eps] == [[[0.25, 1.0]], [[0.25, 0.25]], [[1.0]]]
+    columns = {"environments": [ep.toolset.environment for ep in eps]}
+    per_func = compute_rewards_per_func(pool.reward_funcs[1], ["p"] * 3, [ep.messages for ep in eps], columns,
+                                        [0, 0, 0], 1)
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.zeros(3, dtype=torch.long), [True])
+    assert R_T.flatten().tolist() == [1.25, 0.5, 1.0]
+    token_turns = pad_episodes(eps, 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(3), token_turns, AdvantageSettings.of("per_turn", 3))
+    for i, value in enumerate([0.8729, -1.0911, 0.2182]):
+        assert torch.allclose(adv.tokens[i][token_turns[i] == 0], torch.tensor(value), atol=1e-4), i
 
 
 def test_an_environment_with_respond_trains_from_the_recipe(tiny_agent_dir, tmp_path):

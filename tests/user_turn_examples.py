@@ -71,3 +71,16 @@ class Tutor:
 
 
 TOKENIZER = None  # the test's tokenizer: Tutor counts the model's tokens before its <answer> with it
+
+
+class Checker:
+    """Scores inside one message: a wrong answer gets " Check again:" inserted after it (a continuation, score 0.25),
+    a right one ends the episode with no message and score 1 (Reply(end=True): gym's final step)."""
+
+    def reset(self, secret: str = "7", **kwargs) -> None:
+        self.secret = secret
+
+    def respond(self, messages):
+        if answer_of(messages) == self.secret:
+            return Reply(end=True, score=1.0)
+        return Reply(" Check again:", continuation=True, score=0.25)

@@ -15,9 +15,12 @@ rollout loop would, with verifiers' own objects doing the environment's part:
                                                 (@vf.stop, or an older is_completed(messages, state)) end the
                                                 episode; else env_response's messages are the user's reply, and a
                                                 final_env_response ends the episode after it (Reply.done)
-    max_turns (model turns; <= 0: no limit)     max_env_steps and max_user_turns = max_turns - 1 (the replies
-                                                between max_turns model turns), unless the recipe sets fewer
-    trajectory step "reward" set by the env     that turn's R_T (add_trajectory_step or env_response may set it)
+    max_turns (model turns; <= 0: no limit)     max_env_steps = max_turns - 1 (the tool replies between max_turns
+                                                model turns) and max_user_turns = max_turns (respond sees the last
+                                                turn too, to record and score it, and replies nothing), unless the
+                                                recipe sets fewer
+    trajectory step "reward" set by the env     that turn's R_T (add_trajectory_step or env_response may set it), the
+                                                final turn's too (a stop condition, max_turns: Reply(end=True))
     env.rubric (funcs, weights, parser)         one outcome reward per weighted function, named as it is, worth
                                                 weight x score: rubric.score_rollout (score_group when it has group
                                                 functions), on verifiers' named arguments (prompt, completion,
@@ -128,11 +131,12 @@ def _dataset(env, which: str):
 
 def turn_limits(env) -> dict:
     """verifiers' max_turns counts model turns; the trainer counts the replies between them: max_turns - 1 tool
-    replies (max_env_steps) and user replies (max_user_turns). <= 0 is verifiers' no limit."""
+    replies (max_env_steps); respond is asked after each of the max_turns turns (max_user_turns), the last one to
+    record its trajectory step and score it, with no reply (VerifiersEpisode.respond). <= 0 is verifiers' no limit."""
     max_turns = getattr(env, "max_turns", -1)
     if not isinstance(max_turns, int) or max_turns <= 0:
         return {}
-    return {"max_env_steps": max_turns - 1, "max_user_turns": max_turns - 1}
+    return {"max_env_steps": max_turns - 1, "max_user_turns": max_turns}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,8 +283,10 @@ class VerifiersEpisode:
         with env_response as the user."""
         conversation = vf_messages(messages)
         step = await self._step(conversation)
-        if await self._stopped(conversation):
-            return None
+        limit = getattr(self.vf_env, "max_turns", -1)
+        if await self._stopped(conversation) or (isinstance(limit, int) and 0 < limit <= self.state["turn"]):
+            score = step.get("reward")  # the episode ends on this turn, which keeps its score (gym's final step)
+            return None if score is None else {"end": True, "score": float(score)}
         replies = await self._env_response(conversation)
         self.state["completion"] += replies
         score = step.get("reward")  # the reply's score: this turn's R_T

@@ -14,7 +14,8 @@ It returns one of two forms:
                            or its first tool turn.
     per turn (@per_tool_turn)   list[list[float | None]]: for each sample, the value of each of its tool
                            turns in order, `len(values[i]) == count_tool_turns(completions[i])`
-                           ([] for a sample without a tool turn). Turn rewards only.
+                           ([] for a sample without a tool turn), or one more: the final model turn's.
+                           Turn rewards only.
 
 The `per_tool_turn` decorator marks the second form (`fn.per_tool_turn = True`; test it with `is_per_tool_turn`):
 the trainer reads the mark and never guesses the form from the values. `tool_turns(completion)`
@@ -46,11 +47,13 @@ __all__ = ["REWARD_FUNCS", "RENAMED_REWARD_FUNCS", "get_reward_func", "per_tool_
            "tool_turns", "count_tool_turns", "reward_columns"]
 
 @per_tool_turn
-def tool_rewards(prompts=None, completions=None, **kwargs) -> list[list[float]]:
+def tool_rewards(prompts=None, completions=None, **kwargs) -> list[list[float | None]]:
     """Each tool turn's step rewards, summed: what its tools returned beside their output, `(output, reward)` (verl's
-    function tools; rollout/tool_calls.tool_output). A turn whose tools returned none earned 0. Any task's turn reward."""
-    return [[float(sum(r for m in messages if (r := step_reward(m)) is not None)) for _, messages in tool_turns(c)]
-            for c in completions]
+    function tools; rollout/tool_calls.tool_output). A turn whose tools returned none is None, not applicable (a tool
+    returns `(output, 0.0)` to score 0). Any task's turn reward."""
+    turns = [[[r for m in messages if (r := step_reward(m)) is not None] for _, messages in tool_turns(c)]
+             for c in completions]
+    return [[float(sum(rs)) if rs else None for rs in c] for c in turns]
 
 
 # Old names, each its own function that calls the new one: a recipe naming it keeps its logged metric names

@@ -26,7 +26,8 @@ from mt_grpo.base.protocol import ERROR_PREFIX, THINK_CLOSE, content_text, final
 def per_tool_turn(fn: Callable) -> Callable:
     """Mark a turn reward as one value per tool turn: for each sample it returns a list with one value (float or
     None) per tool turn, in order, so `len(values[i]) == count_tool_turns(completions[i])` ([] for a
-    sample without a tool turn). Without the mark a reward returns one number per sample."""
+    sample without a tool turn); or one value more, the final model turn's (the turn no reply answered: gym's final
+    step, as an environment's `<Class>_steps` gives it). Without the mark a reward returns one number per sample."""
     fn.per_tool_turn = True
     return fn
 

@@ -14,8 +14,8 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
     """Rewards, each function called once for the whole batch: (B, F), or with `tool_turns` (tool turns of
     each sample) (B, F, max_turns). `columns`: a list per keyword, a value per sample; `keywords`: TRL's
     others, for the batch (trainer_state, log_extra, log_metric). A per-turn function (`fn.per_tool_turn`, rewards/conversation.py)
-    returns a list per sample, one value per tool turn, which fills [i, f, :turns]; a per-sample value
-    fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
+    returns a list per sample, one value per tool turn, which fills [i, f, :turns] (one more: the final model
+    turn's, [i, f, turns], gym's final step); a per-sample value fills [i, f, 0]. None -> NaN ("not applicable"); a NaN or inf, a wrong count, or an exception is an
     error naming the function and sample."""
     B = len(prompts)
     out = torch.full((B, len(funcs), max_turns), float("nan"))
@@ -34,10 +34,10 @@ def compute_rewards_per_func(funcs: list[Callable], prompts: list, completions: 
         check_reward_count(name, values, B)
         for i, v in enumerate(values):
             if per_tool_turn:
-                if not isinstance(v, (list, tuple)) or len(v) != tool_turns[i]:
+                if not isinstance(v, (list, tuple)) or len(v) not in (tool_turns[i], tool_turns[i] + 1):
                     raise ValueError(f"Per-turn reward function '{name}' returned {v!r} for sample {i}, "
                                      f"which has {tool_turns[i]} tool turns: return one value (or None) per "
-                                     "tool turn.")
+                                     "tool turn (and optionally one more, the final model turn's).")
                 for k, x in enumerate(v[:max_turns]):
                     out[i, f, k] = reward_value(name, i, x)
             else:

@@ -15,6 +15,8 @@ An environment (environments.py's contract) may define
                                on an error or a timeout (verl's release and finalize_interaction, OpenEnv's close).
 A reply's score is its turn's reward R_T, as the step rewards a turn's tools append are (environments.py,
 `<Class>_steps`); a turn the environment answered as the user is a turn like a tool turn (rewards.conversation).
+The turn that ends the episode keeps its score too: a continuation's scores, and `Reply(end=True, score=...)` (no
+message, gym's final step), are that model turn's, summed, whether or not a reply follows.
 """
 
 import copy
@@ -39,7 +41,8 @@ class Reply:
 
     content: str = ""  # the user message (the chat template renders it; mask 0), or the text a continuation inserts
     done: bool = False  # the reply is appended, then the episode ends (stop_reason env_done), as verl's should_terminate
-    score: float | None = None  # the reward R_T of the model turn it answers (a continuation's: of the turn it continues)
+    score: float | None = None  # the reward R_T of the model turn it answers (a continuation's: of the turn it continues,
+    # whether or not a reply follows); None: no score, the turn is not applicable (never an implicit 0.0)
     continuation: bool = False  # the content goes inside the model's open message (plain text), and sampling continues
     keep_tokens: int | None = None  # continuation: tokens of the open assistant message that stay, counted from its
     # start (its samples and inserted texts, as the completion holds them); only the last sample can be cut, never its
@@ -48,6 +51,7 @@ class Reply:
     keep_chars: int | None = None  # or the characters that stay of the message's text as respond sees it
     # (messages[-1]["content"]): the last sample's tokens up to the first whose decoded prefix reaches them (a token
     # across the cut stays, as swift's step counts them)
+    end: bool = False  # no message: the episode ends on the model's turn, which `score` credits (gym's final step)
 
 
 class UserTurn(list):
@@ -104,7 +108,7 @@ def as_reply(value, label: str) -> Reply | None:
         return checked(Reply(**value), label)
     raise ValueError(f"{label}.respond returned {type(value).__name__} {str(value)[:80]!r}; return None (no reply), a "
                      "string (the user message), or a user_turns.Reply / dict with content, done, score, continuation, "
-                     "keep_tokens, keep_chars.")
+                     "keep_tokens, keep_chars, end.")
 
 
 def checked(reply: Reply, label: str) -> Reply:
@@ -171,14 +175,18 @@ def record_reply(env, ep, turn: UserTurn, result) -> None:
             logger.warning("%s.respond failed (the episode ends; first failure of the class): %s", label, result.output)
         return
     reply = result.output
-    if reply is None:
+    score = [] if reply is None or reply.score is None else [number(reply.score, label)]
+    if reply is None or reply.end:  # no reply; an end's score joins the turn's (EnvironmentPool.turn_rewards)
+        if reply is not None and (reply.content or reply.continuation):
+            raise ValueError(f"{label}.respond gave a Reply with end=True and content or continuation; end is no "
+                             "message: give end=True with a score, or a reply without end.")
+        toolset.carry += score
         ep.stop_reason = turn.stop_reason
         return
-    score = [] if reply.score is None else [number(reply.score, label)]
     reply = dataclasses.replace(reply, content=reply_text(env, reply.content, label))  # as a tool's output is
     ep.user_turns += 1
     if reply.continuation:
-        toolset.carry += score  # the turn goes on: its score joins the turn's rewards when the turn is answered
+        toolset.carry += score  # the turn goes on: its score joins the turn's, answered or the episode's last
         continue_turn(env, ep, reply)
     else:
         toolset.turn_rewards.append(toolset.carry + score)

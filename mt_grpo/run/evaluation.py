@@ -54,7 +54,7 @@ def run_evaluation(trainer, dataset, *, sync: Callable, score: Callable, progres
     prompts, completions = [x["prompt"] for x in inputs], [ep.messages for ep in episodes]
     columns = episode_columns(inputs, episodes)
     scores = score(prompts, episodes, inputs, all_processes=False,
-                   turns=max([1, *(ep.tool_turns for ep in episodes)]))
+                   turns=1 + max([0, *(ep.tool_turns for ep in episodes)]))  # the final model turn's too
     funcs = trainer.turn_reward_funcs + trainer.outcome_reward_funcs
     judged = {f"eval/{name}": value for name, value in judge_metrics(funcs).items()}  # this process's judge work
     # what rewards logged through TRL's log_metric (this process's; log_extra's columns belong to training's table)

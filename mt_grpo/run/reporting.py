@@ -157,15 +157,22 @@ def applicable_mean(x: torch.Tensor) -> float:
     return torch.nanmean(x).item() if not torch.isnan(x).all() else float("nan")
 
 
-def episode_value(values: torch.Tensor | None, i: int, tool_turns: int):
+def episode_value(values: torch.Tensor | None, i: int, turns: int):
     """Episode i's value as its record holds it: row i of a (B,) or (B, 1) tensor as a number, or of a (B, K)
-    per-turn tensor as a list: one value per tool turn the episode took, and one for an episode without a tool call,
-    whose first turn is credited like any other (mt_grpo_trainer.turn_reward_table: its tokens got A_O + A_T(0));
-    None when absent."""
+    per-turn tensor as a list of its first `turns` values (turns_scored); None when absent."""
     if values is None:
         return None
     row = values[i].reshape(-1).tolist()
-    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:max(tool_turns, 1)]]
+    return _number(row[0]) if len(row) == 1 else [_number(x) for x in row[:turns]]
+
+
+def turns_scored(R_T: torch.Tensor | None, i: int, tool_turns: int) -> int:
+    """How many of episode i's per-turn values are its own: one per tool turn it took, one for an episode without a
+    tool call, whose first turn is credited like any other (mt_grpo_trainer.turn_reward_table: its tokens got A_O +
+    A_T(0)), and one for the final model turn where a reward scored it (R_T holds a value past the tool turns)."""
+    row = [] if R_T is None else R_T[i].reshape(-1).tolist()
+    final = tool_turns < len(row) and not math.isnan(row[tool_turns])
+    return max(tool_turns + final, 1)
 
 
 def reward_metrics(scores, signal: torch.Tensor, turn_funcs: list[Callable], outcome_funcs: list[Callable],
@@ -279,8 +286,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
             "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
                                for name, v in funcs.items()} for kind, funcs in rewards.items()},
-            "R_T": episode_value(R_T, i, ep.tool_turns), "R_O": episode_value(R_O, i, ep.tool_turns),
-            "A_T": episode_value(A_T, i, ep.tool_turns), "A_O": episode_value(A_O, i, ep.tool_turns),
+            "R_T": episode_value(R_T, i, scored := turns_scored(R_T, i, ep.tool_turns)),
+            "R_O": episode_value(R_O, i, scored), "A_T": episode_value(A_T, i, scored), "A_O": episode_value(A_O, i, scored),
             "first_result": ep.first_result, "stop_reason": ep.stop_reason,
             **({} if environment is None else {"environment": type(environment).__name__}),  # environments.py
             # without outputs: each is in its env turn's tool_calls, and the token text holds it again
@@ -294,7 +301,8 @@ def rewards_by_name(scores, rows: slice, episodes: list, turn_funcs: list[Callab
                     outcome_funcs: list[Callable]) -> dict[str, dict[str, list]]:
     """Each function's value per sample of `rows` (the trainer's Scores; `episodes`: those rows' episodes), as
     episode_records takes them: a number, or a list per tool turn for a per-turn function."""
-    turn = {fn.__name__: [r[:ep.tool_turns] for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
+    turn = {fn.__name__: [r[:ep.tool_turns + (ep.tool_turns < len(r) and not math.isnan(r[ep.tool_turns]))]
+                           for r, ep in zip(scores.turn_per_func[rows, i].tolist(), episodes)]
             if is_per_tool_turn(fn) else scores.turn_per_func[rows, i, 0].tolist()
             for i, fn in enumerate(turn_funcs)}
     outcome = {fn.__name__: scores.outcome_per_func[rows, i].tolist() for i, fn in enumerate(outcome_funcs)}
