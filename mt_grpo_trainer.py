@@ -627,7 +627,7 @@ class MultiTurnToolEnv:
 
     def __init__(self, *, tokenizer, protocol: Protocol, tools: list[Callable], max_env_steps: int | None,
                  max_tokens_per_turn: int | None, max_completion_length: int, max_tool_response_tokens: int | None,
-                 tool_timeout: float = 10.0, tool_max_workers: int = 16,
+                 tool_timeout: float = 10.0, tool_max_workers: int | None = None,
                  tokenization_check: str = "ignore_whitespace", few_shot: bool = False,
                  chat_template_kwargs: dict | None = None, eos_token_ids: list[int] | None = None,
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,

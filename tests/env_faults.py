@@ -142,3 +142,64 @@ class HangingTool(HangingReset):
         HangingTool.calls += 1
         hang_past_free(HangingTool.calls)
         return "pong"
+
+
+class HangingResetOnce(HangingReset):
+    """For the trainer's SIGTERM test: the one reset after the first `MT_GRPO_TEST_FREE` hangs, the others answer, so
+    that the run goes on past the hung one."""
+
+    resets = 0
+
+    def reset(self, **kwargs) -> str:
+        HangingResetOnce.resets += 1
+        if HangingResetOnce.resets == int(os.environ.get("MT_GRPO_TEST_FREE", "4")) + 1:
+            hang_past_free(HangingResetOnce.resets)
+        return " Ready."
+
+
+class Stalling:
+    """Async methods: `stall` blocks its event loop until the test sets `Stalling.release`, `ping` answers at once."""
+
+    release = threading.Event()
+
+    def reset(self, **kwargs) -> None:
+        self.step_rewards = []
+
+    async def stall(self) -> str:
+        """Stall."""
+        type(self).release.wait()
+        return "stalled"
+
+    async def ping(self) -> str:
+        """Say you are here."""
+        self.step_rewards.append(1.0)
+        return "pong"
+
+
+class Answering(Stalling):
+    """The same tools, sync: an instance needs no event loop."""
+
+    def stall(self) -> str:
+        """Stall."""
+        type(self).release.wait()
+        return "stalled"
+
+    def ping(self) -> str:
+        """Say you are here."""
+        self.step_rewards.append(1.0)
+        return "pong"
+
+
+class Meeting:
+    """`meet` returns once every party of `Meeting.barrier` has called it: each episode's tool turn waits for all the
+    others' to be running at once."""
+
+    barrier = threading.Barrier(1)
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+    def meet(self) -> str:
+        """Meet the others."""
+        type(self).barrier.wait(timeout=120)
+        return "met"

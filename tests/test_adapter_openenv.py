@@ -241,3 +241,65 @@ def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path):
     record = rollout_records(out)[0]
     tool = "echo(message: str)" if name == "EchoEnvironment" else "guess(guess: int)"
     assert tool in record["prompt_text"]
+
+
+# -- a server that fails ------------------------------------------------------------------------------------------
+@pytest.fixture
+def faulty_server(monkeypatch):
+    """A server with the guessing game's /schema whose POST /reset answers, in turn, what `faults` lists (a status
+    and a body), then {"observation": {"text": "Ready."}}; the retries' sleeps cut to nothing."""
+    import http.server
+    import json as json_module
+
+    from mt_grpo.base import completions
+
+    monkeypatch.setattr(completions, "backoff", lambda attempt: 0.0)
+    faults, resets = [], []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, status: int, body: str):
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            schema = {"title": "GuessAction", "type": "object", "properties": {"guess": {"type": "integer"}},
+                      "required": ["guess"]}
+            self.answer(200, json_module.dumps({"action": schema}))
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            resets.append(self.path)
+            self.answer(*(faults.pop(0) if faults else (200, json_module.dumps({"observation": {"text": "Ready."}}))))
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", faults, resets
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_reset_that_fails_is_retried_then_fails_naming_the_server(faulty_server):
+    """A 500, a body that is not JSON and a JSON list: retried (as the vLLM client retries), the fourth answer
+    plays. Four faults in a row: the run stops naming the server, not the class or the row."""
+    from mt_grpo.base.protocol import XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+
+    url, faults, resets = faulty_server
+    pool = EnvironmentPool(adapted(url).environment_factory, [], XMLProtocol())
+    start = lambda: pool.start([{"prompt": "Guess.", "row": 2}], [[{"role": "user", "content": "Guess."}]],  # noqa
+                               reset_timeout=120.0)
+    faults[:] = [(500, "Internal Server Error"), (200, "<html>gateway</html>"), (200, "[1, 2]")]
+    (prompt,), _ = start()
+    assert prompt[-1]["content"] == "Guess.\n\nReady." and resets == ["/reset"] * 4
+    faults[:] = [(500, "Internal Server Error")] * 4
+    with pytest.raises(RuntimeError, match=rf"reset failed for row 2.*OpenEnv server at {url} failed /reset 4 times "
+                                           r"\(status 500") as failed:
+        start()
+    assert "fix the class" not in str(failed.value).lower()

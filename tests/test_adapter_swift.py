@@ -525,3 +525,66 @@ def test_a_dataset_in_swift_s_format_becomes_prompts(tmp_path):
     prompts = tmp_path / "prompts.jsonl"  # already the trainer's format: loaded by the trainer as usual
     prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "solution": "4"}) + "\n")
     assert adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=str(prompts))).train_dataset is None
+
+
+# -- a scheduler that hangs or breaks its contract -------------------------------------------------------------------
+STUCK = """
+    import threading
+
+    class Stuck(MultiTurnScheduler):
+        release = threading.Event()  # set by the test: the hung steps return
+
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return current_turn > 1
+
+        def step(self, infer_request, response_choice, current_turn):
+            if 'hang' in response_choice.message.content:
+                self.release.wait()
+            if 'text' in response_choice.message.content:
+                return 'try again'
+            infer_request.messages.append({'role': 'user', 'content': 'Once more.'})
+            return {'infer_request': infer_request}
+    """
+
+
+def test_a_step_that_never_returns_ends_only_its_own_episode(smollm2_tokenizer, tmp_path):
+    """Episode 0's step never returns (until the test lets it): it ends `env_error`; the other three episodes, in this
+    rollout and the next, get the scheduler's reply and end on their answers (the hung step held the scheduler's
+    lock: every episode ended env_error). Threads: the hung steps' own, given back once they return."""
+    import threading
+    from helpers import xml_answer
+    from test_environments import roll
+
+    env, pool = swift_env(smollm2_tokenizer, f"{write_plugin(tmp_path, STUCK)}:Stuck", tool_timeout=6.0)
+    env.tool_timeout = 6.0
+    rows = [{"prompt": f"Question {i}."} for i in range(4)]
+    script = {f"Question {i}.": [xml_answer("hang" if i == 0 else "one"), xml_answer("two")] for i in range(4)}
+    scheduler = pool.factories[None].scheduler
+    before = threading.active_count()
+    try:
+        for _ in range(2):
+            episodes = roll(env, rows, script)
+            assert [ep.stop_reason for ep in episodes] == ["env_error", "answer", "answer", "answer"]
+            assert all([m["content"] for m in ep.messages if m["role"] == "user"] == ["Once more."]
+                       for ep in episodes[1:])
+            pool.release([ep.toolset for ep in episodes])
+    finally:
+        scheduler.release.set()
+    waited = threading.Event()
+    for _ in range(240):  # the hung steps' threads end once released (a generous bound only a leak reaches)
+        if threading.active_count() <= before + len(pool.free[None]):
+            break
+        waited.wait(0.25)
+    assert threading.active_count() <= before + len(pool.free[None])  # at most one loop per pooled instance
+
+
+def test_a_step_of_the_wrong_type_in_a_rollout_stops_the_run_naming_the_class(smollm2_tokenizer, tmp_path):
+    """As a `respond` of the wrong type does: a bug in the scheduler, not one episode's failure."""
+    from helpers import xml_answer
+    from test_environments import roll
+
+    env, pool = swift_env(smollm2_tokenizer, f"{write_plugin(tmp_path, STUCK)}:Stuck")
+    rows = [{"prompt": "Question 0."}, {"prompt": "Question 1."}]
+    script = {"Question 0.": [xml_answer("one")], "Question 1.": [xml_answer("text")]}
+    with pytest.raises(ValueError, match=r"Stuck.step returned str: return \{'infer_request': infer_request\}.*row"):
+        roll(env, rows, script)

@@ -6,6 +6,7 @@ naming the fix. The verl classes are the wheel's own files, shipped in mt_grpo/c
 not import without torch distributed and ray): the adapter puts them on sys.path, as it does for a user without verl;
 tests/fixtures/verl holds the configs and a user's module."""
 
+import asyncio
 import os
 import sys
 import types
@@ -240,6 +241,41 @@ def test_finalize_interaction_runs_for_every_episode_even_one_that_raised(qwen_s
     assert interaction._instance_dict == {}  # each finalize released its state
 
 
+SLEEPY_CONFIG = """tools:
+  - class_name: user_verl.SleepyTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: nap
+        description: Sleep for some seconds.
+        parameters: {type: object, properties: {seconds: {type: number, description: how long}}, required: [seconds]}
+"""
+
+
+def test_an_execute_that_blocks_its_loop_stalls_only_its_own_episode(tmp_path):
+    """Episode A's `execute` blocks its event loop with `time.sleep(60)`: A's call times out; B's call, made beside
+    it, and C's, made after A was given up, answer at once with their rewards (on one shared verl loop both timed
+    out, and so did every later verl call of the run)."""
+    from mt_grpo.base.protocol import ToolCall, XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.rollout.toolset import run_turns
+
+    config = tmp_path / "tool_config.yaml"
+    config.write_text(SLEEPY_CONFIG)
+    pool = EnvironmentPool(adapted(tool_config=str(config)).environment_factory, [], XMLProtocol())
+    start = lambda: pool.start([{"prompt": "Nap.", "row": 0}], [[{"role": "user", "content": "Nap."}]])[1][0]  # noqa
+    a, b = start(), start()
+    nap = lambda seconds: [ToolCall(name="nap", arguments={"seconds": seconds})]  # noqa: E731
+    (stalled,), (answered,) = run_turns([(a, nap(60)), (b, nap(0))], timeout=5.0, max_workers=4)
+    assert not stalled.ok and "timed out" in stalled.output
+    assert answered.ok and answered.output == "slept 0" and b.turn_rewards == [[1.0]]
+    c = start()
+    (later,), = run_turns([(c, nap(0))], timeout=5.0, max_workers=4)
+    assert later.ok and later.output == "slept 0" and c.turn_rewards == [[1.0]]
+    assert a.environment.tool_rewards == [] and c.environment.tool_rewards == [1.0]
+
+
 # -- training, from the constructor field ----------------------------------------------------------------------
 TRAIN = """
 import sys
@@ -336,9 +372,9 @@ def test_bad_configs_fail_naming_the_fix(tmp_path, text, message):
 def test_a_row_naming_an_unknown_interaction_fails_naming_the_fix():
     env_class = adapted(interaction_config=INTERACTION_CONFIG).environment_factory
     with pytest.raises(ValueError, match=r"'math_tutor', which verl_interaction_config does not define.*\['gsm8k'\]"):
-        env_class().reset(**verl_row("72", 0, interaction="math_tutor"))
+        asyncio.run(env_class().reset(**verl_row("72", 0, interaction="math_tutor")))
     with pytest.raises(ValueError, match="requires one: give each row `extra_info.interaction_kwargs.name`"):
-        env_class().reset(**verl_row("72", 0))  # the tool rows have interaction_kwargs without a name
+        asyncio.run(env_class().reset(**verl_row("72", 0)))  # the tool rows have interaction_kwargs without a name
     with pytest.raises(ValueError, match="is not a file"):
         adapted(tool_config="no/such/tool_config.yaml")
 

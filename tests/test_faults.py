@@ -120,6 +120,59 @@ def test_a_blocking_async_method_stalls_only_its_own_episode(smollm2_tokenizer, 
     assert not stalled.ok and "timed out" in stalled.output
 
 
+@pytest.mark.parametrize("factory", ["Stalling", "Answering"])
+def test_threads_and_fds_stay_flat_over_steps_with_a_stuck_instance(factory):
+    """Five steps of eight episodes; in each, one episode's call blocks past its timeout and its grace (stuck: its
+    instance leaves the pool) until the step is over, then returns. After each step the threads and file descriptors
+    come back to what the first left (a stuck instance's loop is stopped once its call returns: +1 thread, +3 fds a
+    step before); a sync-only class gets no event loop at all."""
+    import env_faults
+    from mt_grpo.rollout.toolset import run_turns
+
+    cls = getattr(env_faults, factory)
+    pool = pool_of(cls)
+    rows = [{"prompt": "Act.", "row": i} for i in range(8)]
+    counts, waited = [], threading.Event()
+    for step in range(5):
+        cls.release = threading.Event()
+        _, toolsets = pool.start(rows, [[{"role": "user", "content": "Act."}]] * 8)
+        turns = [(t, [call("stall" if i == 0 else "ping")]) for i, t in enumerate(toolsets)]
+        results = run_turns(turns, timeout=0.5, max_workers=None)
+        assert [r[0].ok for r in results] == [False] + [True] * 7
+        pool.release(toolsets)
+        assert toolsets[0].stuck and toolsets[0].environment not in pool.free[None] and len(pool.free[None]) == 7
+        cls.release.set()  # the stuck call returns: what it held is given back
+        now = lambda: (threading.active_count(), len(os.listdir("/proc/self/fd")))  # noqa: E731
+        for _ in range(240):  # a generous bound that only a leak reaches
+            if not counts or all(n <= c for n, c in zip(now(), counts[0])):
+                break
+            waited.wait(0.25)
+        counts.append(now())
+    assert all(c[0] <= counts[0][0] and c[1] <= counts[0][1] for c in counts), counts
+    assert len(pool.loops) == (7 if factory == "Stalling" else 0)  # one loop per pooled async instance; none for sync
+
+
+def test_by_default_every_episode_s_tool_turn_runs_at_once():
+    """64 episodes whose calls each wait until all 64 are running (a barrier; under the old default of 16 workers the
+    first 16 waited for a fourth wave that never came): tool_max_workers None runs the batch's turns at once, for
+    environment instances and stateless tools alike."""
+    import env_faults
+    from mt_grpo.rollout.tool_calls import run_tool_calls
+    from mt_grpo.rollout.toolset import run_turns
+    from mt_grpo.tools import ToolArguments
+
+    assert ToolArguments.__dataclass_fields__["tool_max_workers"].default is None
+    pool = pool_of(env_faults.Meeting)
+    env_faults.Meeting.barrier = threading.Barrier(64)
+    _, toolsets = pool.start([{"prompt": "Meet.", "row": i} for i in range(64)], [[{"role": "user", "content": "Meet."}]]
+                             * 64)
+    results = run_turns([(t, [call("meet")]) for t in toolsets], timeout=300.0, max_workers=None)
+    assert [r[0].output for r in results] == ["met"] * 64
+    barrier = threading.Barrier(64)
+    outputs = run_tool_calls({"meet": lambda: barrier.wait(timeout=120) * 0 or "met"}, [call("meet")] * 64, 300.0, None)
+    assert [r.output for r in outputs] == ["met"] * 64
+
+
 def test_get_reward_that_hangs_gives_none_within_its_timeout():
     from env_faults import FOREVER
 
@@ -179,6 +232,32 @@ def test_sigterm_while_user_code_hangs_ends_with_a_checkpoint(factory, tiny_agen
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-1"]
     with open(os.path.join(out, "checkpoint-1", "trainer_state.json")) as f:
         assert json.load(f)["global_step"] == 1
+
+
+def test_sigterm_after_a_hung_reset_exits_on_the_first_signal(tiny_agent_dir, tmp_path):
+    """Step 2's first reset hangs past reset_timeout (1 s): its episode ends unplayed and the run goes on. A SIGTERM
+    sent after it (while the hung reset's thread still waits) ends the run with a checkpoint, exit status 0, on the
+    first signal (it took a second one)."""
+    data = write_jsonl(tmp_path / "ping.jsonl", [{"prompt": "Ping."}] * 4)
+    flag, out = tmp_path / "hung", str(tmp_path / "out")
+    script = {"Ping.": ['<reasoning>Ask.</reasoning>\n<tool>{"name": "ping", "args": {}}</tool>', xml_answer("pong")]}
+    recipe = env_recipe(tmp_path, dataset_name=data, environment_factory="tests.env_faults:HangingResetOnce",
+                        max_steps=1000, tool_timeout=600, reset_timeout=1, stop_timeout=300, save_strategy="no",
+                        advantage_mode="auto")
+    env = {**os.environ, "MT_GRPO_TEST_FREE": "4", "MT_GRPO_TEST_FLAG": str(flag), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPTED_TRAIN, json.dumps(script), "--config", recipe,
+                             "--model_name_or_path", tiny_agent_dir, "--output_dir", out], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    waited = threading.Event()
+    while not flag.exists() and proc.poll() is None and not waited.wait(0.2):
+        pass
+    assert flag.exists(), proc.communicate()[0][-4000:]
+    waited.wait(3.0)  # past reset_timeout: the rollout has given the reset up (any later moment is as good)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=280)[0]
+    assert proc.returncode == 0, log[-4000:]
+    assert "SIGTERM received" in log and "A second SIGTERM: exiting now" not in log
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")], log[-4000:]
 
 
 def test_a_second_sigterm_exits_at_once_and_stop_timeout_bounds_the_first(monkeypatch, caplog):

@@ -40,6 +40,7 @@ from mt_grpo.compat import provide
 
 OWN_FIELDS = ("done", "reward", "metadata")  # Observation's framework fields: not the observation's text
 HTTP_TIMEOUT = 30.0  # seconds an HTTP reset or step may take
+HTTP_RETRIES = 3  # retries of a /reset that fails (as the vLLM client's vllm_max_retries): 1, 2, 4 s apart
 
 
 def adapt(args) -> Adapted:
@@ -258,9 +259,14 @@ class RemoteEpisode:
         return response.json()
 
     def reset(self, prompt: list[dict] | None = None, **row) -> str:
+        """POST /reset, retried as the vLLM client retries (a connection error, a 5xx, an answer that is not a JSON
+        object: 1, 2, 4 s apart, within reset_timeout); then a ConnectionError naming the server. A step is not
+        retried: it may have been applied."""
+        from mt_grpo.base.completions import post_with_retries
+
         self.episode_id, self.step_rewards, self.done = uuid.uuid4().hex, [], False
         body = {"episode_id": self.episode_id, **({"seed": row["seed"]} if row.get("seed") is not None else {})}
-        reply = self._post("/reset", body)
+        reply = post_with_retries(self.http, self.url, "/reset", body, _json_object, HTTP_RETRIES, "OpenEnv server")
         return first_observation(prompt, reply.get("observation") or {})
 
     def _step(self, action: dict) -> dict:
@@ -279,6 +285,15 @@ class RemoteEpisode:
             self.step_rewards.append(float(reply["reward"]))
         self.done = bool(reply.get("done"))
         return observation_text(reply.get("observation") or {})
+
+
+def _json_object(reply) -> dict:
+    """A /reset answer: a JSON object, else retried (RetryableResponse)."""
+    from mt_grpo.base.completions import RetryableResponse
+
+    if not isinstance(reply, dict):
+        raise RetryableResponse(f"answered a JSON {type(reply).__name__}, not an object: {str(reply)[:200]}")
+    return reply
 
 
 class SessionEpisode(RemoteEpisode):

@@ -55,6 +55,7 @@ from typing import Callable
 
 from mt_grpo.adapters import Adapted
 from mt_grpo.base.registry import load_file
+from mt_grpo.base.runtime import ContractBroken, PatientLock
 
 logger = logging.getLogger("mt_grpo")
 
@@ -213,17 +214,18 @@ def swift_message(m: dict) -> dict:
 
 def step_result(ret, label: str) -> tuple:
     """(request, extras) from what step returned: 4.x's dict {'infer_request', 'rollout_infos', ...}, or 3.x's request
-    or (request, extra_dict) (3.x's extra dict is the rewards' `multi_turn_infos`)."""
+    or (request, extra_dict) (3.x's extra dict is the rewards' `multi_turn_infos`). Anything else is a bug in the
+    scheduler, which stops the run naming it (ContractBroken), as a `respond` of the wrong type does."""
     if isinstance(ret, dict):
         if "infer_request" not in ret:
-            raise ValueError(f"{label}.step returned a dict without 'infer_request': return "
+            raise ContractBroken(f"{label}.step returned a dict without 'infer_request': return "
                              "{'infer_request': infer_request, ...} (ms-swift 4.x).")
         return ret["infer_request"], ret
     if isinstance(ret, tuple) and len(ret) == 2:
         return ret[0], {"rollout_infos": ret[1] or {}}
     if hasattr(ret, "messages"):
         return ret, {}
-    raise ValueError(f"{label}.step returned {type(ret).__name__}: return {{'infer_request': infer_request}} (4.x), or "
+    raise ContractBroken(f"{label}.step returned {type(ret).__name__}: return {{'infer_request': infer_request}} (4.x), or "
                      "the request, or (request, extra_dict) (3.x).")
 
 
@@ -240,7 +242,8 @@ class SwiftEpisode:
     scheduler = None
     tokenizer = None
     max_turns = None
-    _lock = None  # the scheduler's: its check_finished and step run one at a time, as in swift
+    _lock = None  # the scheduler's PatientLock: its check_finished and step run one at a time, as in swift, but a step
+    # still running after half tool_timeout is no longer waited for: one that never returns ends only its own episode
 
     def reset(self, **row) -> str | None:
         self.done = False
@@ -324,13 +327,13 @@ class SwiftEpisode:
         result = scheduler.on_turn_end(request, choice, turn)
         result = (await result if inspect.isawaitable(result) else result) or {}
         score = self._infos(result.get("rollout_infos"))
-        with self._lock:  # swift runs the sync methods of its one scheduler one at a time (one event loop)
+        with self._lock.held():  # swift runs the sync methods of its one scheduler one at a time (one event loop)
             stop = result["done"] if "done" in result else scheduler.check_finished(request, choice, turn)
         self.rollout_infos["num_turns"] = turn
         if stop or (self.max_turns and turn >= self.max_turns):  # no reply; the final step keeps its reward
             return None if score is None else Reply(end=True, score=score)
         before, images = deepcopy(request.messages), len(request.images or [])
-        with self._lock:
+        with self._lock.held():
             request, extras = step_result(scheduler.step(request, choice, turn), label)
         if len(getattr(request, "images", None) or []) > images:
             raise ValueError(f"{label}.step added images to the request; mt-grpo's episodes are text: a multimodal "
@@ -373,13 +376,13 @@ class SwiftEpisode:
         return Reply(content=inserted, continuation=True, keep_chars=None if kept == len(sample) else len(prefix) + kept,
                      score=score)
 
-def make_environment(scheduler, tokenizer, max_turns) -> type:
-    """A SwiftEpisode subclass named after the scheduler (its rewards log under that name: `<Class>_steps`)."""
+def make_environment(scheduler, tokenizer, max_turns, tool_timeout: float = 10.0) -> type:
+    """A SwiftEpisode subclass named after the scheduler (its rewards log under that name: `<Class>_steps`). Its lock
+    gives up on a holder after half `tool_timeout` (respond's bound), so that an episode queued behind a stuck step
+    still has half its own bound to run in."""
     name = type(scheduler).__name__
-    import threading
-
     return type(name, (SwiftEpisode,), {"scheduler": scheduler, "tokenizer": tokenizer, "max_turns": max_turns,
-                                       "_lock": threading.Lock(),
+                                       "_lock": PatientLock(tool_timeout / 2),
                                        "__module__": __name__, "__doc__": f"ms-swift scheduler {name}, as an "
                                        "environment (adapters/swift.py)."})
 
@@ -532,7 +535,7 @@ def adapt(args) -> Adapted:
     scheduler = found if not inspect.isclass(found) else make_scheduler(cls, max_turns, tokenizer)
     if not inspect.isclass(found) and max_turns is not None:
         scheduler.max_turns = max_turns
-    environment = make_environment(scheduler, tokenizer, max_turns)
+    environment = make_environment(scheduler, tokenizer, max_turns, float(getattr(args, "tool_timeout", None) or 10.0))
 
     def use_tokenizer(run_tokenizer) -> None:
         """The run's tokenizer (the model's, or the processing_class given): it counts the sampled tokens a

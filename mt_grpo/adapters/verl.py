@@ -18,6 +18,10 @@ the older SGLangRollout loop, which created each tool once per episode, is gone)
         release(id) in a finally                  model's arguments, agent_data=...)`, `release` in a finally
     an exception in create/execute -> "Error      the same text to the model, and a step reward of 0.0
         when executing tool: {e}", reward 0.0
+    a worker's calls on one event loop           each episode's on its instance's own loop, bounded by tool_timeout:
+                                                  an `execute` that blocks stalls only its episode (an object a tool
+                                                  binds to a loop, an asyncio.Lock its calls share, is used from
+                                                  several loops here)
     execute's step reward -> tool_rewards         appended to `step_rewards`: the turn's reward R_T (and kept in
                                                   `tool_rewards` for compute_score's extra_info)
     interaction: [{name, class_name, config}]     `cls(config={**config, "name": name})`, once per run; `name`
@@ -210,28 +214,24 @@ def mcp_entry_tools(entry: dict, where: str, timeout: float) -> list[Callable]:
                               filter_field=f"{where} tool_selected_list")  # its errors name verl's own keys
 
 
-def call_tool(tool, name: str, parameters: dict, tools_kwargs: dict, agent_data) -> tuple[str, float | None]:
+async def call_tool(tool, name: str, parameters: dict, tools_kwargs: dict, agent_data) -> tuple[str, float | None]:
     """(the text the model sees, the step reward) of one call, as 0.7.1's ToolAgentLoop._call_tool makes it: a
-    new instance per call, released in a finally; an exception in create or execute is the model's error text."""
-
-    async def call():
-        instance_id = None
-        try:
-            created = await _awaited(tool.create(create_kwargs=(tools_kwargs.get(name) or {}).get("create_kwargs")
-                                                 or {}))
-            instance_id = created[0] if isinstance(created, tuple) else created  # 0.7.1: (id, ToolResponse)
-            extra = {"agent_data": agent_data} if _takes(tool.execute, "agent_data") else {}
-            response, reward, _metrics = await _awaited(tool.execute(instance_id, parameters, **extra))
-        except Exception as e:
-            _log_once(f"{type(tool).__name__}.execute", "%s (tool %r) raised %s: %s; the model sees verl's error "
-                      "text (first time only).", type(tool).__name__, name, type(e).__name__, e)
-            return TOOL_ERROR.format(e), 0.0
-        finally:
-            if instance_id:
-                await _awaited(tool.release(instance_id))
-        return response_text(response, name), reward
-
-    return _run(call())
+    new instance per call, released in a finally; an exception in create or execute is the model's error text.
+    Awaited on the calling episode's own loop (VerlEnvironment)."""
+    instance_id = None
+    try:
+        created = await _awaited(tool.create(create_kwargs=(tools_kwargs.get(name) or {}).get("create_kwargs") or {}))
+        instance_id = created[0] if isinstance(created, tuple) else created  # 0.7.1: (id, ToolResponse)
+        extra = {"agent_data": agent_data} if _takes(tool.execute, "agent_data") else {}
+        response, reward, _metrics = await _awaited(tool.execute(instance_id, parameters, **extra))
+    except Exception as e:
+        _log_once(f"{type(tool).__name__}.execute", "%s (tool %r) raised %s: %s; the model sees verl's error "
+                  "text (first time only).", type(tool).__name__, name, type(e).__name__, e)
+        return TOOL_ERROR.format(e), 0.0
+    finally:
+        if instance_id:
+            await _awaited(tool.release(instance_id))
+    return response_text(response, name), reward
 
 
 def response_text(response, name: str) -> str:
@@ -323,8 +323,8 @@ RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "do
 
 
 def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Callable:
-    def method(self, **parameters) -> str:
-        text, reward = call_tool(self._verl_tools[name], name, parameters, self.tools_kwargs, self.agent_data)
+    async def method(self, **parameters) -> str:
+        text, reward = await call_tool(self._verl_tools[name], name, parameters, self.tools_kwargs, self.agent_data)
         if reward is not None:  # as verl appends it to tool_rewards; here also the turn's step reward
             self.tool_rewards.append(reward)
             self.step_rewards.append(float(reward))
@@ -342,7 +342,10 @@ def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Calla
 
 class VerlEnvironment:
     """verl's tools and interactions (adapters/verl.py), one instance per episode; the objects verl built are
-    shared by all instances (`_verl_tools`, `_verl_interactions`, set on the generated subclass)."""
+    shared by all instances (`_verl_tools`, `_verl_interactions`, set on the generated subclass). Every method is
+    async, so that the trainer awaits it on the instance's own event loop, each call bounded on its own (verl runs a
+    worker's calls on one loop; here an `execute` that blocks, a `time.sleep` or a synchronous HTTP call, stalls
+    only its own episode, which times out and leaves the pool)."""
 
     _verl_tools: dict = {}
     _verl_interactions: dict = {}
@@ -352,7 +355,7 @@ class VerlEnvironment:
         self.tools_kwargs, self.interaction, self.interaction_kwargs, self.request_id = {}, None, {}, None
         self.agent_data = None
 
-    def reset(self, **row):
+    async def reset(self, **row):
         """A new episode: verl's request id, the row's tools_kwargs, and the row's interaction started."""
         self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
@@ -361,7 +364,7 @@ class VerlEnvironment:
         if self._verl_interactions:
             self.interaction_kwargs = interaction_kwargs(row, list(self._verl_interactions))
             interaction = self._verl_interactions[self.interaction_kwargs["name"]]
-            _run(interaction.start_interaction(self.request_id, **self.interaction_kwargs))
+            await _awaited(interaction.start_interaction(self.request_id, **self.interaction_kwargs))
             self.interaction = interaction  # started: end_episode finalizes it
         self.agent_data = types.SimpleNamespace(
             messages=list(row.get("prompt") or []), request_id=self.request_id, tools_kwargs=self.tools_kwargs,
@@ -369,14 +372,14 @@ class VerlEnvironment:
             turn_scores=self.turn_scores, extra_fields={}, metrics={}, image_data=None, video_data=None)
         return None
 
-    def end_episode(self):
+    async def end_episode(self):
         """finalize_interaction, for every episode that started one (0.7.1 never calls it; its docs ask for it)."""
         interaction, self.interaction = self.interaction, None
         if interaction is None:
             return
         finalize = interaction.finalize_interaction
         try:  # BaseInteraction's takes nothing; the shipped ones take (instance_id, **kwargs)
-            _run(finalize(self.request_id) if _positional(finalize) else finalize())
+            await _awaited(finalize(self.request_id) if _positional(finalize) else finalize())
         except Exception as e:
             _log_once(f"{type(interaction).__name__}.finalize_interaction", "%s.finalize_interaction raised %s: %s "
                       "(first time only).", type(interaction).__name__, type(e).__name__, e)
@@ -385,13 +388,13 @@ class VerlEnvironment:
 class UserTurns:
     """`respond` of a run with interactions: the user's turns come from the row's interaction."""
 
-    def respond(self, messages: list[dict]):
+    async def respond(self, messages: list[dict]):
         """A model turn without a tool call: the interaction's generate_response, as the user's reply."""
         if self.interaction is None:
             return None
         conversation = verl_messages(messages)
         self.agent_data.messages = conversation
-        terminate, content, score, _metadata = _run(self.interaction.generate_response(
+        terminate, content, score, _metadata = await _awaited(self.interaction.generate_response(
             self.request_id, conversation, **self.interaction_kwargs))
         if score is not None:
             self.turn_scores.append(score)
@@ -486,10 +489,11 @@ def episode_fields(completion: list[dict], env) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# Plumbing: one event loop for verl's async objects
+# Plumbing: an async compute_score's loop
 # ------------------------------------------------------------------------------------------------
 # verl runs a worker's tools and interactions on one event loop, shared by its concurrent requests (told apart by
-# their instance ids); here too: the objects are built once, and every call runs on this module's loop.
+# their instance ids); here each episode's calls run on its instance's own loop (VerlEnvironment), and only an async
+# compute_score, which the rewards call one at a time, runs on this module's loop.
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
 _LOGGED: set[str] = set()

@@ -161,19 +161,28 @@ def wait_for_health(http, base_url: str, timeout: float) -> None:
     )
 
 
+def json_body(response):
+    """The response's JSON; a body that is not JSON (a proxy's error page, a cut answer) is retried."""
+    try:
+        return response.json()
+    except ValueError:
+        raise RetryableResponse(f"status {response.status_code}, not JSON: {response.text[:200]!r}") from None
+
+
 def post_with_retries(http, base_url: str, path: str, body: dict, parse: Callable[[dict], object] | None,
-                      max_retries: int):
+                      max_retries: int, server: str = "vLLM server"):
     """POST with bounded retries on connection errors, 5xx, and responses `parse` rejects as retryable
-    (RetryableResponse); 4xx are the caller's bug and raise at once (ServerRejected). `parse` None: the response is
-    text (vLLM's LoRA endpoints answer in plain text), returned as is."""
+    (RetryableResponse; a body that is not JSON too); 4xx are the caller's bug and raise at once (ServerRejected).
+    `parse` None: the response is text (vLLM's LoRA endpoints answer in plain text), returned as is. `server`: what
+    the errors call it."""
     for attempt in range(max_retries + 1):
         try:
             response = http.post(path, json=body)
             if 400 <= response.status_code < 500:
-                raise ServerRejected(response.status_code, f"vLLM server rejected {path} ({response.status_code}): "
+                raise ServerRejected(response.status_code, f"{server} rejected {path} ({response.status_code}): "
                                      f"{response.text[:500]}")
             if response.status_code < 400:
-                return parse(response.json()) if parse is not None else response.text
+                return parse(json_body(response)) if parse is not None else response.text
             error = f"status {response.status_code}: {response.text[:300]}"
         except (httpx.TransportError, httpx.TimeoutException) as e:
             error = f"{type(e).__name__}: {e}"
@@ -182,6 +191,6 @@ def post_with_retries(http, base_url: str, path: str, body: dict, parse: Callabl
         if attempt < max_retries:
             time.sleep(backoff(attempt))
     raise ConnectionError(
-        f"vLLM server at {base_url} failed {path} {max_retries + 1} times ({error}). Is it "
+        f"{server} at {base_url} failed {path} {max_retries + 1} times ({error}). Is it "
         "still running? Check its log."
     )

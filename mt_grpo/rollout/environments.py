@@ -28,10 +28,12 @@ None and its instance out of the pool (toolset.Toolset). See docs/guide.md, "Bri
 
 import ast
 import asyncio
+import functools
 import inspect
 import logging
 import textwrap
 import threading
+import time
 import typing
 from typing import Callable
 
@@ -39,7 +41,7 @@ from mt_grpo.base.registry import resolve
 from mt_grpo.rewards import reward_columns
 from mt_grpo.rewards.conversation import count_tool_turns, per_tool_turn
 from mt_grpo.rollout.user_turns import environment_done, environment_number, responds
-from mt_grpo.base.runtime import in_thread, join, own_event_loop, run_async
+from mt_grpo.base.runtime import in_thread, join, own_event_loop, run_async, stop_event_loop
 from mt_grpo.rollout.tool_calls import clean_text, cut_tool_output
 from mt_grpo.rollout.toolset import STEP_REWARD_TYPES, Toolset, settle_all
 
@@ -184,10 +186,11 @@ class EnvironmentPool:
     def start(self, rows: list[dict], prompts: list[list[dict]], reset_timeout: float = 10.0,
               fit: Callable | None = None) -> tuple[list[list[dict]], list[Toolset]]:
         """An instance per row, reset with the row: the prompts with each observation appended to the last user
-        message, and each episode's Toolset. The resets run one at a time, each on a thread of its own (on its
-        instance's own event loop when async), within `reset_timeout`; a reset still running then makes its Toolset
-        `stuck` (logged, naming the class and the row): its episode ends unplayed, without rewards, and its instance
-        is not reused.
+        message, and each episode's Toolset. The resets run at once, each on a thread of its own (on its instance's
+        own event loop when async), within one `reset_timeout` for the batch, as tool calls do; a reset still running
+        then makes its Toolset `stuck` (logged, naming the class and the row): its episode ends unplayed, without
+        rewards, and its instance is not reused. So a reset must not rely on running alone (a tool call of another
+        episode never did): one that holds the GIL (a game generated in Python) shares it with the batch's others.
         `fit(prompt, toolset, observation) -> observation`: the observation cut to the prompt budget."""
         if rows is None or len(rows) != len(prompts):
             raise ValueError("An env with an environment_factory resets each episode's instance with its dataset row: "
@@ -200,10 +203,11 @@ class EnvironmentPool:
             toolsets.append(Toolset(functions, self.template_tools[name], environment=instance, timeout=reset_timeout,
                                     label=row_label(row, position), loop=self.loop_of(instance)))
             self.handed_out[id(instance)] = (name, toolsets[-1])
-        resets = []
-        for toolset, row, prompt in zip(toolsets, rows, prompts):  # one at a time, as TRL resets: user code (a game
-            resets.append(self._start_reset(toolset, row, prompt))  # generator's parser) need not be thread-safe
-            join(resets[-1][0], reset_timeout)
+        # all at once (TRL resets one at a time: eight hung resets cost eight timeouts there, one here)
+        resets = [self._start_reset(toolset, row, prompt) for toolset, row, prompt in zip(toolsets, rows, prompts)]
+        deadline = time.monotonic() + reset_timeout
+        for thread, _ in resets:
+            join(thread, max(0.0, deadline - time.monotonic()))
         for toolset, (thread, _) in zip(toolsets, resets):
             if thread.is_alive():
                 toolset.running, toolset.running_call, toolset.stuck = thread, "reset", True
@@ -226,6 +230,8 @@ class EnvironmentPool:
             return prompt
         instance, label = toolset.environment, toolset.label
         ok, observation = out[0]
+        if not ok and isinstance(observation, ConnectionError):  # a server's fault, retried where it was made
+            raise RuntimeError(f"{type(instance).__name__}.reset failed for {label}: {observation}") from observation
         if not ok:
             raise RuntimeError(f"{type(instance).__name__}.reset raised {type(observation).__name__}: {observation}, "
                                f"for {label}. Fix the class, or the row (reset receives the row's columns as keyword "
@@ -253,11 +259,13 @@ class EnvironmentPool:
                              "list[float]` on the class.")
         return prompt
 
-    def loop_of(self, instance) -> asyncio.AbstractEventLoop:
-        """The instance's own event loop, made at its first episode (base/runtime.own_event_loop)."""
-        if id(instance) not in self.loops:
+    def loop_of(self, instance) -> asyncio.AbstractEventLoop | None:
+        """The instance's own event loop, made at its first episode (base/runtime.own_event_loop), where its class has
+        an async method; None for a sync-only class, which needs none (a thread and three file descriptors saved per
+        instance)."""
+        if id(instance) not in self.loops and has_async_methods(type(instance)):
             self.loops[id(instance)] = own_event_loop(type(instance).__name__)
-        return self.loops[id(instance)]
+        return self.loops.get(id(instance))
 
     def release(self, toolsets: list) -> None:
         """Return the episodes' instances once their rewards are read (a reward may read the final state). An
@@ -270,8 +278,8 @@ class EnvironmentPool:
             name, _ = self.handed_out.pop(id(toolset.environment))
             if not toolset.stuck:
                 self.free[name].append(toolset.environment)
-            else:
-                self.loops.pop(id(toolset.environment), None)
+            elif (loop := self.loops.pop(id(toolset.environment), None)) is not None:
+                stop_event_loop(loop)  # its thread ends once the stuck call returns, if it ever does
 
     def _end_episodes(self, toolsets: list) -> None:
         """Each instance's `end_episode()` (verl's release and finalize_interaction, OpenEnv's close), one at a time, on
@@ -382,6 +390,13 @@ def has_step_rewards(instance) -> bool:
                    for n in named):
                 return True
     return False
+
+
+@functools.cache
+def has_async_methods(cls: type) -> bool:
+    """Whether any method of the class (a tool, reset, respond, get_reward, end_episode) is async: only then do its
+    instances get an event loop of their own (EnvironmentPool.loop_of)."""
+    return any(inspect.iscoroutinefunction(fn) for _, fn in inspect.getmembers(cls, predicate=inspect.isfunction))
 
 
 def row_label(row: dict, position: int) -> str:

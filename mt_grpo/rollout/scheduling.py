@@ -18,7 +18,9 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
     MultiTurnToolEnv whose turns are recorded; `bar`: its progress bar."""
     ready = [(group, len(group)) for group in identical_runs(episodes)]  # (episodes, n): first turns
     in_flight: dict[concurrent.futures.Future, tuple] = {}
-    tool_pool = concurrent.futures.ThreadPoolExecutor(env.tool_max_workers, thread_name_prefix="tools")
+    # the episodes' tool turns at once (tool_max_workers None: one worker each, made as they are needed)
+    tool_pool = concurrent.futures.ThreadPoolExecutor(env.tool_max_workers or max(1, len(episodes)),
+                                                      thread_name_prefix="tools")
     try:
         with MAIN.serving():  # a tool that uses `signal` runs on this (the main) thread
             while ready or in_flight:

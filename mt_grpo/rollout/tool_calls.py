@@ -89,8 +89,10 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[ToolCall], timeout: f
     """Run tool calls concurrently, `max_workers` at a time, each bounded by `timeout` seconds. A
     failure becomes an `Error: ...` output the model sees. Calls run on daemon threads, so a tool that
     never returns is abandoned after its timeout and can neither stall later calls nor keep the
-    process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run."""
+    process alive at exit. Tools get parsed JSON arguments only; malformed calls are not run. `max_workers` None:
+    all at once."""
     results: list[ToolResult] = [ToolResult("", False)] * len(calls)
+    max_workers = max_workers or max(1, len(calls))
     for start in range(0, len(calls), max_workers):
         wave = [start_call(tools, call) for call in calls[start:start + max_workers]]
         deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mt_grpo.base.protocol import ToolCall, error_text
-from mt_grpo.base.runtime import in_thread, join, run_async
+from mt_grpo.base.runtime import ContractBroken, in_thread, join, run_async
 from mt_grpo.rollout.tool_calls import (MAIN, ToolResult, run_on_main, run_tool_calls, signal_refused, start_call,
                                         timed_out)
 from mt_grpo.rollout.user_turns import UserTurn, as_reply
@@ -77,6 +77,8 @@ class Toolset:
         ok, value = outcome
         if not ok and signal_refused(value) and not inspect.iscoroutinefunction(self.environment.respond):
             ok, value = self._respond_on_main(messages, timeout)  # it uses `signal` (math_verify's timeouts)
+        if not ok and isinstance(value, ContractBroken):  # a bug in the class (a swift step's wrong type): the run stops
+            raise ContractBroken(f"{value} ({self.label})") from value
         try:
             return ToolResult(as_reply(value, type(self.environment).__name__), True) if ok else \
                 ToolResult(f"raised {type(value).__name__}: {value} ({self.label})", False)
@@ -194,7 +196,7 @@ def run_turns(turns: list[tuple[Toolset, list[ToolCall]]], timeout: float,
     by_toolset: dict[int, list[int]] = {}
     for i, (toolset, _) in enumerate(turns):
         by_toolset.setdefault(id(toolset), []).append(i)
-    with MAIN.serving(), concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(turns))),
+    with MAIN.serving(), concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers or len(turns), len(turns))),
                                                                thread_name_prefix="env-turns") as pool:
         stateful = {pool.submit(turns[i][0].run, turns[i][1], timeout, max_workers): i
                     for i, (toolset, _) in enumerate(turns) if toolset.environment is not None}

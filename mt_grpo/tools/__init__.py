@@ -82,9 +82,11 @@ class ToolArguments:
     mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
                                             "(None: the larger of tool_timeout and 30).")
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
-    reset_timeout: float | None = arg(None, "Seconds one environment `reset` may run before its episode ends unplayed "
-                                      "(None: tool_timeout).")
-    tool_max_workers: int = arg(16, "Tool calls run at once, at most.")
+    reset_timeout: float | None = arg(None, "Seconds a batch's environment resets, run at once, may take before each "
+                                      "still running ends its episode unplayed (None: tool_timeout).")
+    tool_max_workers: int | None = arg(None, "Tool calls (and episodes' tool turns) run at once, at most (None: all "
+                                       "the batch has, so that no call waits for a worker; 64 episodes of three "
+                                       "0.5 s tool turns took four waves a turn at 16).")
     max_user_turns: int | None = arg(None, "An environment's replies as the user (`respond`, "
                                      "mt_grpo/rollout/user_turns.py) per episode, at most (None: no limit but "
                                      "max_completion_length).")
