@@ -452,9 +452,8 @@ LOSS_TYPES: dict[str, LossType] = {
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                c, w: LossWindow, ref_logps: torch.Tensor | None = None,
-                sampling_logps: torch.Tensor | None = None, sampler_weights: torch.Tensor | None = None,
-                entropy_mask: torch.Tensor | None = None):
+                c, w: LossWindow, ref_logps: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None,
+                sampler_weights: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None, beta=None):
     """(the micro-batch's loss before TRL's entropy bonus, its policy term before / accumulation steps, the per-token
     KL or None, the loss type's metrics), as TRL's _compute_loss: the loss type's per-token loss, off-policy sequences
     (DeepSeek-V3.2's mask) and tokens outside the entropy mask dropped, plus beta x the k3 KL, then normalised."""
@@ -475,10 +474,11 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     kl = None
-    if c.beta != 0.0:
+    beta = c.beta if beta is None else beta  # the trainer's `beta` (TRL's attribute, which a schedule may move)
+    if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         kl = kl * ratio if c.use_bias_correction_kl else kl
-        per_token = per_token + c.beta * kl
+        per_token = per_token + beta * kl
     term = loss_type.normalise(per_token * mask, mask, w)
     return (term if loss_type.per_window else term / w.accumulation), term.detach(), kl, metrics
 
@@ -1068,7 +1068,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         loss, term, kl, metrics = policy_loss(
             logps, logps.detach() if old is None else old, inputs["advantages"] * inputs.get("zero_signal_scale", 1.0), mask, self.args,
             self._loss_window(inputs, mode), inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
-            inputs.get("importance_sampling_ratio"), entropy_mask)
+            inputs.get("importance_sampling_ratio"), entropy_mask, beta=self.beta)
         return self._loss_terms(mode, loss, term, entropies, mask, entropy_mask, aux_loss, kl, metrics)  # LossTerms
 
     def _loss_window(self, inputs: dict, mode: str) -> LossWindow:
