@@ -90,6 +90,40 @@ def test_eight_stuck_episodes_cost_one_grace_and_are_never_waited_for_again(capl
     assert clock.now == pytest.approx(101.0)
 
 
+def test_eight_hung_resets_cost_one_grace(monkeypatch, caplog):
+    """Eight resets that all hang, at reset_timeout 1 s: waited for together, one grace for the batch (on the test's
+    clock, each wait taking all the time it is given), not one after another (8 s)."""
+    from mt_grpo.rollout import environments
+
+    gate = threading.Event()
+
+    class Hanging:
+        def reset(self, **kwargs) -> None:
+            gate.wait()
+
+        def ping(self) -> str:
+            """Say you are here."""
+            return "pong"
+
+    clock, waits = SimpleNamespace(now=100.0), []
+
+    def join(thread, timeout):  # a reset that hangs: the wait takes all its time
+        waits.append(timeout)
+        clock.now += timeout
+
+    monkeypatch.setattr(environments, "join", join)
+    monkeypatch.setattr(environments, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    pool = pool_of(Hanging)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mt_grpo"):
+            _, toolsets = pool.start([{"prompt": "Act.", "row": i} for i in range(8)],
+                                     [[{"role": "user", "content": "Act."}]] * 8, reset_timeout=1.0)
+        assert clock.now == pytest.approx(101.0) and len(waits) == 8  # one grace, not eight
+        assert all(t.stuck for t in toolsets) and "8 reset(s) still running after reset_timeout=1s" in caplog.text
+    finally:
+        gate.set()
+
+
 def test_a_hung_reset_ends_its_episode_unplayed_and_the_others_play(smollm2_tokenizer, caplog):
     from env_faults import SlowReset
 
