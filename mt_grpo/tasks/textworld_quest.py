@@ -55,6 +55,7 @@ import functools
 import numbers
 import random
 import re
+import threading
 
 import datasets
 
@@ -103,7 +104,8 @@ class TextWorldQuest:
                 raise ValueError(f"TextWorldQuest.reset needs the row's `{name}` as an int >= {least}, got "
                                  f"{value!r}. Build the rows with mt_grpo.tasks.textworld_quest.load, or give each "
                                  "a `seed` column.")
-        return self._start(quest_game(int(seed), int(quest_length)))
+        with _TEXTWORLD:  # the trainer resets a batch's instances at once; TextWorld's generator and parser share state
+            return self._start(quest_game(int(seed), int(quest_length)))
 
     def act(self, command: str) -> str:
         """Do one action in the text game, such as "open chest", "take key" or "go north".
@@ -225,6 +227,9 @@ def _normalize(command: str) -> str:
     """Lower case, single spaces, no articles or end punctuation: "Take the key." and "take key" are one command."""
     words = re.sub(r"[.!?]+$", "", str(command).strip().lower()).split()
     return " ".join(w for w in words if w not in ("the", "a", "an"))
+
+
+_TEXTWORLD = threading.Lock()  # one game made or started at a time (TextWorld's parser is not thread-safe)
 
 
 # ------------------------------------------------------------------------------------------------
