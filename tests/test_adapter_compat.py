@@ -298,7 +298,7 @@ def test_held_out_environments_of_each_framework_roll_out_without_the_framework(
     assert [m["content"] for m in vf["messages"][1] if m["role"] == "user"] == ["Not quite (1). Reverse it letter by "
                                                                                "letter."]
     assert vf["outcome"] == {"exact": [1.0, 1.0]}
-    assert vf["steps"] == [[], [0.0]]  # the reply has no score: 0
+    assert vf["steps"] == [[], [None]]  # the reply has no score: not applicable (left out of the group)
 
     oe = out["openenv"]
     assert oe["tools"] == ["add"] and oe["stop"] == ["env_done"]

@@ -241,16 +241,14 @@ end_processes(trainer)
 """
 
 
-@pytest.mark.parametrize("factory", ["HangingReset", "HangingTool"])
-def test_sigterm_while_user_code_hangs_ends_with_a_checkpoint(factory, tiny_agent_dir, tmp_path):
-    """Step 1 plays; in step 2 a reset (or a tool call) hangs, with timeouts of 600 s. A SIGTERM then ends the run
-    with the checkpoint of step 1, exit status 0, long before the timeouts or stop_timeout (an exit there is 143)."""
+def run_until_it_hangs(factory: str, tiny_agent_dir: str, tmp_path, **recipe):
+    """A scripted run of `tests.env_faults:<factory>` on four "Ping." rows, started and waited for until the class
+    writes its flag (it hangs then): (the process, its output folder)."""
     data = write_jsonl(tmp_path / "ping.jsonl", [{"prompt": "Ping."}] * 4)
     flag, out = tmp_path / "hung", str(tmp_path / "out")
     script = {"Ping.": ['<reasoning>Ask.</reasoning>\n<tool>{"name": "ping", "args": {}}</tool>', xml_answer("pong")]}
-    recipe = env_recipe(tmp_path, dataset_name=data, environment_factory=f"tests.env_faults:{factory}", max_steps=3,
-                        tool_timeout=600, reset_timeout=600, stop_timeout=300, save_strategy="no",
-                        advantage_mode="auto")
+    recipe = env_recipe(tmp_path, dataset_name=data, environment_factory=f"tests.env_faults:{factory}",
+                        tool_timeout=600, stop_timeout=300, save_strategy="no", advantage_mode="auto", **recipe)
     env = {**os.environ, "MT_GRPO_TEST_FREE": "4", "MT_GRPO_TEST_FLAG": str(flag), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", SCRIPTED_TRAIN, json.dumps(script), "--config", recipe,
                              "--model_name_or_path", tiny_agent_dir, "--output_dir", out], cwd=ROOT, env=env,
@@ -259,6 +257,14 @@ def test_sigterm_while_user_code_hangs_ends_with_a_checkpoint(factory, tiny_agen
     while not flag.exists() and proc.poll() is None and not waited.wait(0.2):
         pass
     assert flag.exists(), proc.communicate()[0][-4000:]
+    return proc, out
+
+
+@pytest.mark.parametrize("factory", ["HangingReset", "HangingTool"])
+def test_sigterm_while_user_code_hangs_ends_with_a_checkpoint(factory, tiny_agent_dir, tmp_path):
+    """Step 1 plays; in step 2 a reset (or a tool call) hangs, with timeouts of 600 s. A SIGTERM then ends the run
+    with the checkpoint of step 1, exit status 0, long before the timeouts or stop_timeout (an exit there is 143)."""
+    proc, out = run_until_it_hangs(factory, tiny_agent_dir, tmp_path, max_steps=3, reset_timeout=600)
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=280)[0]
     assert proc.returncode == 0, log[-4000:]
@@ -272,21 +278,8 @@ def test_sigterm_after_a_hung_reset_exits_on_the_first_signal(tiny_agent_dir, tm
     """Step 2's first reset hangs past reset_timeout (1 s): its episode ends unplayed and the run goes on. A SIGTERM
     sent after it (while the hung reset's thread still waits) ends the run with a checkpoint, exit status 0, on the
     first signal (it took a second one)."""
-    data = write_jsonl(tmp_path / "ping.jsonl", [{"prompt": "Ping."}] * 4)
-    flag, out = tmp_path / "hung", str(tmp_path / "out")
-    script = {"Ping.": ['<reasoning>Ask.</reasoning>\n<tool>{"name": "ping", "args": {}}</tool>', xml_answer("pong")]}
-    recipe = env_recipe(tmp_path, dataset_name=data, environment_factory="tests.env_faults:HangingResetOnce",
-                        max_steps=1000, tool_timeout=600, reset_timeout=1, stop_timeout=300, save_strategy="no",
-                        advantage_mode="auto")
-    env = {**os.environ, "MT_GRPO_TEST_FREE": "4", "MT_GRPO_TEST_FLAG": str(flag), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPTED_TRAIN, json.dumps(script), "--config", recipe,
-                             "--model_name_or_path", tiny_agent_dir, "--output_dir", out], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    waited = threading.Event()
-    while not flag.exists() and proc.poll() is None and not waited.wait(0.2):
-        pass
-    assert flag.exists(), proc.communicate()[0][-4000:]
-    waited.wait(3.0)  # past reset_timeout: the rollout has given the reset up (any later moment is as good)
+    proc, out = run_until_it_hangs("HangingResetOnce", tiny_agent_dir, tmp_path, max_steps=1000, reset_timeout=1)
+    threading.Event().wait(3.0)  # past reset_timeout: the rollout has given the reset up (any later moment is as good)
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=280)[0]
     assert proc.returncode == 0, log[-4000:]

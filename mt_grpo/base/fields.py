@@ -10,8 +10,6 @@ import sys
 import typing
 from dataclasses import field, fields
 
-from trl import ModelConfig, TrlParser
-
 
 class Choices:
     """A field's allowed values: a collection, or a function returning one (a table defined below the config, as
@@ -78,6 +76,8 @@ def parse_recipe(argv: list[str] | None, config_class) -> tuple:
         if not os.path.isfile(path):
             raise SystemExit(f"Recipe file not found: {path!r}. Pass an existing YAML, e.g. --config "
                              "hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml")
+    from trl import ModelConfig, TrlParser  # here: a field (`arg`) needs no TRL (engine/packing's run without it)
+
     parser = TrlParser((constructor_keywords(config_class), ModelConfig))
     try:
         keywords, model_args = parser.parse_args_and_config(argv)
