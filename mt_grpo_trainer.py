@@ -363,7 +363,7 @@ class LossInputs:
     mask: torch.Tensor  # (B, T) 1 on the model tokens the loss counts
     log_ratio: torch.Tensor  # (B, T) log pi_theta - log pi_old
     ratio: torch.Tensor  # (B, T), or (B, 1) at importance_sampling_level sequence: pi_theta / pi_old
-    sampler_weights: torch.Tensor | None = None  # (B, T) the importance weights VESPO folds into phi (section 4)
+    sampler_weights: torch.Tensor | None = None  # (B, T) the importance weights VESPO folds into phi (_correct_for_sampler)
 
 
 # A per-token loss: (LossInputs, the config: TRL's fields) -> ((B, T) or (B, 1) loss, {name: tensor} for its metrics).
@@ -833,7 +833,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         args = trainer_config(args, script_args, model)  # the trainer's own MTGRPOConfig; the caller's stays as given
         score_labelled_tokens_only()
         check_trl(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func)
-        check_training_args(args, LOSS_TYPES, [name for name, t in LOSS_TYPES.items() if t.zero_signal])
+        check_training_args(args, LOSS_TYPES)
         configured = backend is None
         if configured:  # the configured one's capabilities, before it connects; a given one's below
             check_backend(args, peft_config, backend_class(args))
@@ -1054,8 +1054,8 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         """The loss stage: the policy's logprobs (packed where asked), then section 4's `policy_loss` on them, with the
-        advantages times the generation batch's zero_signal_scale (the recorded ones stay unscaled); TRL's entropy bonus
-        and auxiliary loss join it, and its metrics are logged (LossTerms)."""
+        advantages times the generation batch's zero_signal_scale; TRL's entropy bonus and auxiliary loss join it, and
+        its metrics are logged (LossTerms)."""
         mode, mask = "train" if self.model.training else "eval", inputs["completion_mask"] * inputs["tool_mask"]
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -1065,9 +1065,10 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile) \
                 if self.top_entropy_quantile < 1.0 else None
         old = inputs.get("old_per_token_logps")  # None: the policy has not moved since the rollout (TRL's rule)
+        advantages = inputs["advantages"] * inputs.get("zero_signal_scale", 1.0)  # the recorded ones stay unscaled
         loss, term, kl, metrics = policy_loss(
-            logps, logps.detach() if old is None else old, inputs["advantages"] * inputs.get("zero_signal_scale", 1.0), mask, self.args,
-            self._loss_window(inputs, mode), inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
+            logps, logps.detach() if old is None else old, advantages, mask, self.args, self._loss_window(inputs, mode),
+            inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
             inputs.get("importance_sampling_ratio"), entropy_mask, beta=self.beta)
         return self._loss_terms(mode, loss, term, entropies, mask, entropy_mask, aux_loss, kl, metrics)  # LossTerms
 

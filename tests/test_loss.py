@@ -163,7 +163,7 @@ def test_an_unknown_loss_type_is_refused_naming_the_table(tmp_path):
 
     args = SimpleNamespace(loss_type="no_such_loss")
     with pytest.raises(ValueError, match=r"`loss_type: no_such_loss` is not a loss of LOSS_TYPES.*grpo"):
-        check_training_args(args, LOSS_TYPES, ["grpo"])
+        check_training_args(args, LOSS_TYPES)
 
 
 # ---- a new loss is one function and one entry of LOSS_TYPES

@@ -180,9 +180,9 @@ def check_environment_args(args, train_dataset) -> None:
                          "Set `max_steps` to a positive number of steps, or give a `dataset_name`.")
 
 
-def check_training_args(args: GRPOConfig, loss_types: dict, normalised_loss_types: list[str]) -> None:
+def check_training_args(args: GRPOConfig, loss_types: dict) -> None:
     """Cross-checks between our arguments and TRL's, with errors that name the field to change. `loss_types`: the
-    trainer's LOSS_TYPES; `normalised_loss_types`: those whose normaliser zero_signal_scale makes exact."""
+    trainer's LOSS_TYPES (each entry's `zero_signal`: what zero_signal_scale rescales, None where it cannot)."""
     if args.loss_type not in loss_types:
         raise ValueError(f"`loss_type: {args.loss_type}` is not a loss of LOSS_TYPES (mt_grpo_trainer.py, section 4): "
                          f"choose one of {list(loss_types)}, or add yours there.")
@@ -218,7 +218,7 @@ def check_training_args(args: GRPOConfig, loss_types: dict, normalised_loss_type
         raise ValueError("`async_rollout` trains on samples from the weights of the batch before; the "
                          "importance-sampling correction is what corrects for that: set "
                          "`vllm_importance_sampling_correction: true`.")
-    known = normalised_loss_types
+    known = [name for name, loss in loss_types.items() if loss.zero_signal]  # normalisers masking makes exact
     if args.mask_zero_advantage_groups and args.loss_type == "bnpo":
         raise ValueError("`loss_type: bnpo` divides each micro-batch by its own token count, so with "
                          "`mask_zero_advantage_groups: true` a row's weight would depend on which rows TRL's shuffle "
