@@ -3,6 +3,7 @@ async method that blocks its event loop, step_rewards replaced instead of append
 control-token strings or odd characters, an observation longer than the prompt budget. Importable by dotted path
 (`tests.env_faults:HangingReset`) for the trainer's subprocess runs."""
 
+import asyncio
 import os
 import threading
 import time
@@ -175,6 +176,12 @@ class Stalling:
         self.step_rewards.append(1.0)
         return "pong"
 
+    async def slow(self) -> str:
+        """Answer after a fifth of a second."""
+        await asyncio.sleep(0.2)
+        self.step_rewards.append(0.5)
+        return "late pong"
+
 
 class Answering(Stalling):
     """The same tools, sync: an instance needs no event loop."""
@@ -188,6 +195,12 @@ class Answering(Stalling):
         """Say you are here."""
         self.step_rewards.append(1.0)
         return "pong"
+
+    def slow(self) -> str:
+        """Answer after a fifth of a second."""
+        time.sleep(0.2)
+        self.step_rewards.append(0.5)
+        return "late pong"
 
 
 class Meeting:

@@ -286,7 +286,9 @@ def roll(env, rows, policy):
 def test_a_continuation_tip_sits_inside_the_models_message_with_mask_0(smollm2_tokenizer, smollm2_dir):
     """MathTipsScheduler, scripted: the first sample is cut before '</think>' (its tokens that stay are the model's),
     the tip follows inside the same assistant message (mask 0), sampling continues there; the rewards read the
-    continued message (swift's MathAccuracy: right), and the turns count 2 (swift's num_turns)."""
+    continued message (swift's MathAccuracy: right), and the turns count 2 (swift's num_turns). check_finished runs
+    swift's MathAccuracy as ms-swift 4.6 ships it (math_verify's default SIGALRM timeouts) on respond's loop thread:
+    its alarms are skipped there, where they once failed every episode at turn 1 (issue 77, point 15)."""
     from mt_grpo.adapters import resolve_reward
 
     env, pool = swift_env(smollm2_tokenizer, f"{PLUGIN}:MathTipsScheduler", model_name_or_path=smollm2_dir)

@@ -156,34 +156,39 @@ def test_a_blocking_async_method_stalls_only_its_own_episode(smollm2_tokenizer, 
 
 @pytest.mark.parametrize("factory", ["Stalling", "Answering"])
 def test_threads_and_fds_stay_flat_over_steps_with_a_stuck_instance(factory):
-    """Five steps of eight episodes; in each, one episode's call blocks past its timeout and its grace (stuck: its
-    instance leaves the pool) until the step is over, then returns. After each step the threads and file descriptors
-    come back to what the first left (a stuck instance's loop is stopped once its call returns: +1 thread, +3 fds a
-    step before); a sync-only class gets no event loop at all."""
+    """Twenty steps of 64 episodes (issue 77's done-when); in each, two episodes' calls block past their timeout and
+    their grace (stuck: their instances leave the pool) until the step is over, then return, and half the others call
+    a slow tool (0.2 s). After each step the threads and file descriptors come back to what the first left (a stuck
+    instance's loop is stopped once its call returns: +1 thread, +3 fds a step before); a sync-only class gets no
+    event loop at all."""
     import env_faults
     from mt_grpo.rollout.toolset import run_turns
 
     cls = getattr(env_faults, factory)
     pool = pool_of(cls)
-    rows = [{"prompt": "Act.", "row": i} for i in range(8)]
+    n, stuck = 64, 2
+    rows = [{"prompt": "Act.", "row": i} for i in range(n)]
+    method = lambda i: "stall" if i < stuck else "slow" if i % 2 else "ping"  # noqa: E731
     counts, waited = [], threading.Event()
-    for step in range(5):
+    for step in range(20):
         cls.release = threading.Event()
-        _, toolsets = pool.start(rows, [[{"role": "user", "content": "Act."}]] * 8)
-        turns = [(t, [call("stall" if i == 0 else "ping")]) for i, t in enumerate(toolsets)]
+        _, toolsets = pool.start(rows, [[{"role": "user", "content": "Act."}]] * n)
+        turns = [(t, [call(method(i))]) for i, t in enumerate(toolsets)]
         results = run_turns(turns, timeout=0.5, max_workers=None)
-        assert [r[0].ok for r in results] == [False] + [True] * 7
+        assert [r[0].ok for r in results] == [False] * stuck + [True] * (n - stuck)
+        assert [t.turn_rewards for t in toolsets[stuck:]] == [[[0.5 if i % 2 else 1.0]] for i in range(stuck, n)]
         pool.release(toolsets)
-        assert toolsets[0].stuck and toolsets[0].environment not in pool.free[None] and len(pool.free[None]) == 7
-        cls.release.set()  # the stuck call returns: what it held is given back
+        assert all(t.stuck and t.environment not in pool.free[None] for t in toolsets[:stuck])
+        assert len(pool.free[None]) == n - stuck
+        cls.release.set()  # the stuck calls return: what they held is given back
         now = lambda: (threading.active_count(), len(os.listdir("/proc/self/fd")))  # noqa: E731
         for _ in range(240):  # a generous bound that only a leak reaches
-            if not counts or all(n <= c for n, c in zip(now(), counts[0])):
+            if not counts or all(k <= c for k, c in zip(now(), counts[0])):
                 break
             waited.wait(0.25)
         counts.append(now())
     assert all(c[0] <= counts[0][0] and c[1] <= counts[0][1] for c in counts), counts
-    assert len(pool.loops) == (7 if factory == "Stalling" else 0)  # one loop per pooled async instance; none for sync
+    assert len(pool.loops) == (n - stuck if factory == "Stalling" else 0)  # a loop per pooled async instance; none sync
 
 
 def test_by_default_every_episode_s_tool_turn_runs_at_once():

@@ -671,15 +671,58 @@ def test_a_signal_tool_on_the_main_thread_is_bounded_by_tool_timeout():
         [ToolResult("Error: tool 'slow_lookup' timed out after 0.5s", False, 0.5)]
 
 
-def test_a_signal_tool_off_the_main_thread_fails_naming_the_fix():
-    """A rollout beside training (async_rollout) has no main thread to run such a call: it fails, naming the fix."""
+def test_a_signal_tool_off_the_main_thread_runs_with_its_alarm_skipped(caplog):
+    """A rollout beside training (async_rollout) has no main thread to run such a call: math_verify's default
+    timeouts are skipped there (never refused, nor armed: SIGALRM would reach the main thread), the call is bounded by
+    tool_timeout, and the model sees the real result, every call; one warning names the tool."""
+
+    def verify_half(query: str) -> str:
+        return check(query)
+
     results = []
-    thread = threading.Thread(target=lambda: results.extend(
-        run_tool_calls({"check": check}, [ToolCall(name="check", arguments={"query": "0.5"})], 5.0, 4)))
-    thread.start()
-    thread.join()
-    assert not results[0].ok
-    assert "tool 'check' uses `signal`" in results[0].output and "parsing_timeout=None" in results[0].output
+    calls = [ToolCall(name="verify_half", arguments={"query": q}) for q in ("0.5", "3", "1/2")]
+    thread = threading.Thread(target=lambda: [results.extend(run_tool_calls({"verify_half": verify_half}, [c], 5.0, 4))
+                                              for c in calls])
+    with caplog.at_level(logging.WARNING, logger="mt_grpo"):
+        thread.start()
+        thread.join()
+    assert [(r.output, r.ok) for r in results] == [("True", True), ("False", True), ("True", True)]
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.alarm(0) == 0  # nothing armed here
+    assert sum("verify_half" in r.message and "alarm" in r.message for r in caplog.records) == 2  # skipped; off main
+
+
+COUNTS: dict[str, list] = {}
+
+
+def count_then_alarm(query: str) -> str:
+    """Count a call, then time the rest with SIGALRM (a change of state before the alarm: run twice, it counts twice).
+
+    Args:
+        query: what to count.
+    """
+    COUNTS.setdefault(query, []).append(threading.current_thread() is threading.main_thread())
+    with alarm_after(5):
+        return f"{query}: {len(COUNTS[query])}"
+
+
+@pytest.mark.parametrize("scheduler", ["rounds", "per_episode"])
+def test_a_signal_tools_first_call_runs_once(smollm2_tokenizer, scheduler):
+    """Issue 77, point 15: a tool that changes state before it arms its alarm. Its first call runs once, off the main
+    thread with the alarm skipped (it used to fail at the alarm and run again on the main thread: counted twice, where
+    TRL, which runs every call on the main thread, counts once); every later call runs on the main thread, where its
+    alarm works. Two episodes of three calls each count to six, each call once, as under TRL."""
+    key = f"calls-{scheduler}"
+    step = [xml_call(key, tool="count_then_alarm")]
+    script = {"Q-count": [[*step * 3, xml_answer("done")]] * 2}
+    env = make_env(smollm2_tokenizer, [count_then_alarm], scheduler=scheduler, max_env_steps=3,
+                   max_completion_length=600)
+    policy = ScriptedPolicy(smollm2_tokenizer, script) if scheduler == "rounds" else \
+        ScriptedServer(smollm2_tokenizer, script)
+    episodes = env.rollout([env.prompt("Q-count")] * 2, policy)
+    outputs = sorted(c.output for ep in episodes for c in ep.calls)
+    assert outputs == sorted(f"{key}: {n}" for n in range(1, 7)) and all(c.ok for ep in episodes for c in ep.calls)
+    ran_on_main = COUNTS[key]
+    assert len(ran_on_main) == 6 and ran_on_main.count(False) <= 2 and ran_on_main[-4:] == [True] * 4
 
 
 class Lookups:

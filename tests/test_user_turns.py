@@ -255,25 +255,36 @@ def test_keep_chars_cuts_the_sample_where_its_text_reaches_them(smollm2_tokenize
     assert ep.messages[0]["content"] == "I think\n But wait, it is 7.\n<answer>7</answer>"
 
 
-def test_a_respond_that_uses_signal_runs_on_the_main_thread(smollm2_tokenizer):
-    """math_verify's default timeouts use `signal`, which works only on the main thread: such a respond is run there,
-    as a tool that uses it is (tools.run_on_main), under both schedulers."""
+def test_a_respond_that_uses_signal_runs_once_then_on_the_main_thread(smollm2_tokenizer):
+    """math_verify's default timeouts use `signal`, which works only on the main thread. A respond that counts its
+    turn before it arms its alarm: its first call runs once, off the main thread with the alarm skipped (it used to
+    fail there and run again on the main thread, counting twice); from then on it runs on the main thread, as a tool
+    that uses `signal` does (tools.run_on_main), under both schedulers."""
     import signal
     import threading
-
-    class Strict(examples.Quiz):
-        def respond(self, messages):
-            signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # raises off the main thread
-            assert threading.current_thread() is threading.main_thread()
-            return super().respond(messages)
 
     from scripted_policy import ScriptedServer
 
     script = {"Guess the number.": [answer("3"), answer("7")]}
     for scheduler, policy in (("rounds", None), ("per_episode", ScriptedServer(smollm2_tokenizer, script))):
+        on_main = []
+
+        class Strict(examples.Quiz):  # a class per scheduler: each finds out on its first call
+            def respond(self, messages):
+                on_main.append(threading.current_thread() is threading.main_thread())
+                old = signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # refused off the main thread
+                signal.alarm(5)
+                try:
+                    return super().respond(messages)
+                finally:
+                    signal.alarm(0)
+                    signal.signal(signal.SIGALRM, old)
+
         env, _ = lock_env(smollm2_tokenizer, factory=Strict, scheduler=scheduler)
         (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], script, policy)
         assert ep.stop_reason == "env_done" and ep.user_turns == 2, scheduler
+        assert on_main == [False, True], scheduler  # each turn answered once: the second on the main thread
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.alarm(0) == 0
 
 
 def test_a_user_turn_starts_a_new_sample_where_the_template_rewrites_the_history(smollm2_tokenizer):

@@ -22,7 +22,7 @@ def load(name):
 
 class Server:
     """A loopback server whose behaviour each test sets: `mode` is ok | down_5xx | slow (it answers once
-    `release` is set, then appends the request to `answered`); `finish` lists the finish_reason of the next
+    `release` is set, listing the request in `answered` first); `finish` lists the finish_reason of the next
     responses (then "length"); `fault(k)` of the k-th POST (from 1) is None (answer it), an HTTP status to answer
     instead, or "drop" (close the connection unanswered); `healthy` False: /health answers 503. POSTs other than
     /v1/completions (the weight-sync endpoints) answer 200 `{}`; `answered` lists every path answered 200."""
@@ -67,8 +67,9 @@ class Server:
                     return self.reply(fault or 503, {"error": "overloaded"})
                 if server.mode == "slow":
                     server.release.wait(timeout=60)
-                self.reply(200, server.completion_for(body) if self.path == "/v1/completions" else {})
+                # Listed before the reply is written: a client that has read its answer then finds it listed.
                 server.answered.append(self.path)
+                self.reply(200, server.completion_for(body) if self.path == "/v1/completions" else {})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]

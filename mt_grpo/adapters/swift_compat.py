@@ -260,15 +260,8 @@ class MathAccuracy(ORM):
             "Please install it using 'pip install math_verify'.")
 
     def __call__(self, completions, solution, **kwargs) -> List[float]:
-        import threading
-        from functools import partial
-
         from latex2sympy2_extended import NormalizationConfig
         from math_verify import LatexExtractionConfig, parse, verify
-        if threading.current_thread() is not threading.main_thread():
-            # The one change from swift: math_verify times itself with SIGALRM, which Python refuses off the main
-            # thread, and a scheduler's check_finished runs on respond's thread here (bounded by tool_timeout).
-            parse, verify = partial(parse, parsing_timeout=None), partial(verify, timeout_seconds=None)
         rewards = []
         for content, sol in zip(completions, solution):
             content_match = re.search(r'<answer>(.*?)</answer>', content, re.DOTALL)

@@ -42,7 +42,7 @@ from mt_grpo.rewards import reward_columns
 from mt_grpo.rewards.conversation import count_tool_turns, per_tool_turn
 from mt_grpo.rollout.user_turns import environment_done, environment_number, responds
 from mt_grpo.base.runtime import in_thread, join, own_event_loop, run_async, stop_event_loop
-from mt_grpo.rollout.tool_calls import clean_text, cut_tool_output
+from mt_grpo.rollout.tool_calls import clean_text, cut_tool_output, signal_scope
 from mt_grpo.rollout.toolset import STEP_REWARD_TYPES, Toolset, settle_all
 
 logger = logging.getLogger("mt_grpo")
@@ -221,8 +221,11 @@ class EnvironmentPool:
         """(the daemon thread running the instance's reset with the row's columns, the list its outcome lands in)."""
         instance = toolset.environment
         kwargs = {k: v for k, v in row.items() if k not in ("row", "environment", "answer_aliases")}  # the row's own
-        return in_thread(lambda: run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop),
-                         f"reset-{type(instance).__name__}")
+        def reset():
+            with signal_scope(f"{type(instance).__name__}.reset"):  # a `signal` call is skipped, never refused
+                return run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop)
+
+        return in_thread(reset, f"reset-{type(instance).__name__}")
 
     def _prompt(self, toolset: Toolset, prompt: list[dict], out: list, fit: Callable | None) -> list[dict]:
         """The episode's prompt: the row's, with the reset's observation appended (cut to fit the prompt budget)."""

@@ -1,10 +1,12 @@
 """Running tool calls: each on a daemon thread bounded by `tool_timeout` (`run_tool_calls`, `start_call`), what a
 tool returned as the tool message's content (`tool_output`, `clean_text`, `cut_tool_output`), and the main thread's
-runner for sync tools that use `signal` (MAIN, `run_on_main`)."""
+runner for sync tools that use `signal` (MAIN, `run_on_main`, `signal_scope`)."""
 
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import inspect
 import logging
 import re
@@ -122,11 +124,14 @@ def start_call(tools: dict[str, Callable], call: ToolCall,
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
         return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False)]
-    if _function(tools[call.name]) in _SIGNAL_TOOLS:
+    if _function(tools[call.name]) in SIGNAL_TOOLS:
         return None, [ToolResult("", False, main_thread=True)]
+    return _threaded(tools[call.name], call, loop)
+
+
+def _threaded(fn: Callable, call: ToolCall, loop) -> tuple[threading.Thread, list[ToolResult]]:
     slot: list[ToolResult] = []
-    thread = threading.Thread(target=lambda: slot.append(_call(tools[call.name], call, loop)), daemon=True,
-                              name=f"tool-{call.name}")
+    thread = threading.Thread(target=lambda: slot.append(_call(fn, call, loop)), daemon=True, name=f"tool-{call.name}")
     thread.start()
     return thread, slot
 
@@ -140,7 +145,8 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
     except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
         return ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False, time.monotonic() - begun)
     try:
-        output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
+        with signal_scope(f"tool '{call.name}'", _function(fn)):  # an async tool: its environment's loop, or the shared one
+            output = run_async(fn(**call.arguments), loop)
         content, reward = tool_output(output, f"tool '{call.name}'")
         return ToolResult(content, True, time.monotonic() - begun, reward)
     except Exception as e:  # the model sees the error and the turn reward counts a failure
@@ -148,10 +154,12 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
             if inspect.iscoroutinefunction(_function(fn)):  # its loop's thread is never the main one
                 return ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main "
                                              f"thread, and async tools run on an event loop's: {SIGNAL_FIX}"), False)
-            _SIGNAL_TOOLS.add(_function(fn))
-            logger.warning("Tool '%s' uses `signal` (%s), which works only on the main thread: its calls run there "
-                           "from now on, one at a time, after the concurrent ones, each bounded by tool_timeout "
-                           "(docs/guide.md, 'Adding a tool'). To keep them concurrent: %s", call.name, e, SIGNAL_FIX)
+            SIGNAL_TOOLS.add(_function(fn))  # `signal` bound by name before guard_signals: this call runs again
+            logger.warning("Tool '%s' uses `signal` (%s), which works only on the main thread, through a name bound "
+                           "before mt-grpo guarded `signal` (`from signal import ...` at import): this call is run "
+                           "again there, and so are its calls from now on, one at a time, after the concurrent ones, "
+                           "each bounded by tool_timeout (docs/guide.md, 'Adding a tool'). To keep them concurrent: "
+                           "%s", call.name, e, SIGNAL_FIX)
             return ToolResult("", False, time.monotonic() - begun, main_thread=True)
         return ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
                           time.monotonic() - begun)
@@ -202,18 +210,96 @@ _REWARDED: set[str] = set()  # the tools whose (output, reward) return was logge
 
 # A sync tool that sets a signal handler or an alarm (TRL's grpo_agent.py tool times its query with SIGALRM;
 # math_verify's parse and verify do by default) is refused on any thread but the main one: "signal only works in
-# main thread". Its first call shows it; from then on its calls run on the main thread, one at a time, each bounded
-# by tool_timeout through WATCHDOG (a real-time signal, so that the tool's own SIGALRM stays its own). A thread that
-# is not the main one hands its call to the main thread (MAIN), which runs it where it waits for the tools: in
-# run_turns (rounds) and in the per-episode scheduler's loop. A rollout beside training (async_rollout) has no such
-# wait, and the call fails naming the tool and SIGNAL_FIX.
+# main thread". So that no call runs twice (a tool that changes state before it arms its alarm would apply that
+# twice), a call of user code off the main thread runs in a `signal_scope`, where `signal.signal`, `signal.alarm`
+# and `signal.setitimer` are skipped instead of refused (an alarm armed there would fire on the main thread, whose
+# default for SIGALRM ends the process), and noted: that call runs once, to its end, bounded by tool_timeout as
+# every call is. From then on a sync tool's calls run on the main thread, where its alarm works, one at a time, each
+# bounded by tool_timeout through WATCHDOG (a real-time signal, so that the tool's own SIGALRM stays its own). A
+# thread that is not the main one hands its call to the main thread (MAIN), which runs it where it waits for the
+# tools: in run_turns (rounds) and in the per-episode scheduler's loop. A rollout beside training (async_rollout) has
+# no such wait, nor does an event loop's thread (an async tool, an async `respond`): there the calls keep running in
+# a scope, their alarms skipped. `signal` bound before the guards were set (`from signal import alarm` at import)
+# is not seen: its refusal moves the tool to the main thread after its first call has failed, which is run again.
 SIGNAL_REFUSED = "signal only works in main thread"
-SIGNAL_FIX = ("drop the signal from the tool, as tool_timeout bounds each call (math_verify: "
+SIGNAL_FIX = ("drop the signal from the code, as tool_timeout bounds each call (math_verify: "
               "`parse(..., parsing_timeout=None)`, `verify(..., timeout_seconds=None)`)")
 WATCHDOG = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
-_SIGNAL_TOOLS: set = set()  # the functions whose calls run on the main thread
+SIGNAL_TOOLS: set = set()  # the sync functions (tools, `respond`) whose calls run on the main thread
 _OFF_MAIN: set[str] = set()  # the tools whose call found no main thread to run on (logged once)
 _ARMED = threading.Event()  # a call runs on the main thread under WATCHDOG
+
+
+@dataclass
+class SignalUse:
+    """What a `signal_scope` saw: `used` once its code called `signal` off the main thread (skipped)."""
+
+    source: str  # what the log names: "tool 'check'", "Quiz.respond"
+    function: Callable | None = None  # the tool's function, for the tools that run on the main thread from now on
+    used: bool = False
+
+
+_SCOPE: contextvars.ContextVar[SignalUse | None] = contextvars.ContextVar("mt_grpo_signal_scope", default=None)
+_SKIPPED_LOGGED: set[str] = set()
+
+
+def _skipped_off_main(original: Callable, skipped: Callable) -> Callable:
+    """`original` (signal.signal, .alarm, .setitimer) as it is, but inside a signal_scope off the main thread, where it
+    does `skipped` and notes the scope's use."""
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        scope = _SCOPE.get()
+        if scope is None or threading.current_thread() is threading.main_thread():
+            return original(*args, **kwargs)
+        scope.used = True
+        return skipped(*args, **kwargs)
+
+    guarded.mt_grpo_original = original
+    return guarded
+
+
+def guard_signals() -> None:
+    """Set the guards on `signal`'s functions (once; outside a signal_scope they call the originals)."""
+    if hasattr(signal.signal, "mt_grpo_original"):
+        return
+    getsignal = signal.getsignal
+    signal.signal = _skipped_off_main(signal.signal, lambda signum, handler: getsignal(signum))
+    signal.alarm = _skipped_off_main(signal.alarm, lambda seconds: 0)
+    if hasattr(signal, "setitimer"):
+        signal.setitimer = _skipped_off_main(signal.setitimer, lambda which, seconds, interval=0.0: (0.0, 0.0))
+
+
+@contextlib.contextmanager
+def signal_scope(source: str, function: Callable | None = None):
+    """The scope of one call of user code (`source`): off the main thread its `signal` calls are skipped, not refused,
+    and the call runs once. An async call started here takes the scope to its loop (asyncio copies the context).
+    After it, a sync tool that used `signal` (`function`) runs on the main thread; the first use is logged."""
+    guard_signals()
+    scope = SignalUse(source, function)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+        if scope.used:
+            _note_signal_use(scope)
+
+
+def _note_signal_use(scope: SignalUse) -> None:
+    to_main = scope.function is not None and not inspect.iscoroutinefunction(scope.function)
+    if to_main:
+        SIGNAL_TOOLS.add(scope.function)
+    if scope.source in _SKIPPED_LOGGED:
+        return
+    _SKIPPED_LOGGED.add(scope.source)
+    where = ("from now on its calls run on the main thread, where its alarm works, one at a time, after the "
+             "concurrent ones, each bounded by tool_timeout" if to_main else
+             "it runs off the main thread (an event loop's, or a rollout beside training), so its alarms are skipped "
+             "at every call, each bounded by tool_timeout")
+    logger.warning("%s uses `signal`, which works only on the main thread: its first call ran once, here, with its "
+                   "alarm skipped (bounded by tool_timeout); %s (docs/guide.md, 'Adding a tool'). To keep it "
+                   "concurrent with its own timeout gone: %s", scope.source, where, SIGNAL_FIX)
 
 
 class _Overtime(BaseException):
@@ -319,14 +405,18 @@ def run_on_main(tools: dict[str, Callable], call: ToolCall, timeout: float,
     if threading.current_thread() is threading.main_thread():
         return job()
     result = MAIN.hand_over(job)
-    if result is None:
+    if result is None:  # no main thread waits for the tools (async_rollout): run here, its alarms skipped
         if call.name not in _OFF_MAIN:
             _OFF_MAIN.add(call.name)
             logger.warning("Tool '%s' uses `signal`, which works only on the main thread, and this rollout runs off "
-                           "it (async_rollout): its calls fail. To run them: %s, or set async_rollout: false.",
-                           call.name, SIGNAL_FIX)
-        result = ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main thread, and "
-                                       f"this rollout runs off it: {SIGNAL_FIX}, or set async_rollout: false"), False)
+                           "it (async_rollout): its calls run on worker threads with their alarms skipped, each "
+                           "bounded by tool_timeout. For its own timeouts, set async_rollout: false.", call.name)
+        thread, slot = _threaded(tools[call.name], call, loop)
+        result = finish_call(call, thread, slot, timeout, timeout)
+        if result.main_thread:  # refused all the same (`signal` bound by name before the guards)
+            result = ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main thread, "
+                                           f"and this rollout runs off it: {SIGNAL_FIX}, or set async_rollout: "
+                                           "false"), False)
     return result
 
 

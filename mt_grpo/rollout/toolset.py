@@ -13,8 +13,8 @@ from typing import Callable
 
 from mt_grpo.base.protocol import ToolCall, error_text
 from mt_grpo.base.runtime import ContractBroken, in_thread, join, run_async
-from mt_grpo.rollout.tool_calls import (MAIN, ToolResult, run_on_main, run_tool_calls, signal_refused, start_call,
-                                        timed_out)
+from mt_grpo.rollout.tool_calls import (MAIN, SIGNAL_TOOLS, ToolResult, run_on_main, run_tool_calls, signal_refused,
+                                        signal_scope, start_call, timed_out)
 from mt_grpo.rollout.user_turns import UserTurn, as_reply
 
 logger = logging.getLogger("mt_grpo")
@@ -71,12 +71,17 @@ class Toolset:
         within `timeout`): a ToolResult whose output is the Reply (or None), or the error."""
         if not self.settle(timeout):
             return ToolResult(f"not run: an earlier call of this episode is still running ({self.label})", False)
-        outcome = self.bounded("respond", lambda: self.environment.respond(messages), timeout)
-        if outcome is None:
-            return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
-        ok, value = outcome
-        if not ok and signal_refused(value) and not inspect.iscoroutinefunction(self.environment.respond):
-            ok, value = self._respond_on_main(messages, timeout)  # it uses `signal` (math_verify's timeouts)
+        respond = self.environment.respond
+        if getattr(respond, "__func__", respond) in SIGNAL_TOOLS:  # a sync respond that uses `signal`: on the main thread
+            ok, value = self._respond_on_main(messages, timeout)
+        else:
+            outcome = self.bounded("respond", lambda: respond(messages), timeout, to_main=respond)
+            if outcome is None:
+                return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
+            ok, value = outcome
+            if not ok and signal_refused(value) and not inspect.iscoroutinefunction(respond):
+                SIGNAL_TOOLS.add(getattr(respond, "__func__", respond))  # `signal` bound by name before the guards:
+                ok, value = self._respond_on_main(messages, timeout)  # this call runs again, here
         if not ok and isinstance(value, ContractBroken):  # a bug in the class (a swift step's wrong type): the run stops
             raise ContractBroken(f"{value} ({self.label})") from value
         try:
@@ -117,12 +122,20 @@ class Toolset:
         (and `stuck`) if it still is. A stuck call is not waited for again."""
         return settle_all([self], self.timeout if timeout is None else timeout)
 
-    def bounded(self, method: str, call: Callable[[], object], timeout: float) -> tuple[bool, object] | None:
+    def bounded(self, method: str, call: Callable[[], object], timeout: float,
+                to_main: Callable | None = None) -> tuple[bool, object] | None:
         """`call()`, a call of the environment's `method` that is not a tool (respond, get_reward, end_episode), on a
         daemon thread (awaited on the instance's own loop when async), waited for `timeout` seconds: (True, its value)
         or (False, its exception); None when it still runs then, which becomes `running` (a later `settle` waits for
-        it; the caller marks the instance `stuck` where nothing will)."""
-        thread, out = in_thread(lambda: run_async(call(), self.loop), f"{method}-{type(self.environment).__name__}")
+        it; the caller marks the instance `stuck` where nothing will). It runs in a signal_scope (its `signal` calls
+        skipped, never refused); `to_main`: the method, which runs on the main thread from then on if it used one."""
+        name = type(self.environment).__name__
+
+        def scoped():
+            with signal_scope(f"{name}.{method}", getattr(to_main, "__func__", to_main)):
+                return run_async(call(), self.loop)
+
+        thread, out = in_thread(scoped, f"{method}-{name}")
         join(thread, timeout)
         if thread.is_alive():
             self.running, self.running_call = thread, method
