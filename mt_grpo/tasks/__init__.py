@@ -82,7 +82,7 @@ class TaskArguments:
     prompt_column: str = arg("prompt", "The dataset's column holding a TRL prompt (text, or chat messages), used "
                              "instead of the question when present.")
     dataset_split: str = arg("train", "Split of the dataset to train on.")
-    max_samples: int | None = arg(None, "Keep at most this many questions (None: all).")
+    max_samples: int | None = arg(None, "Keep at most this many questions (None: all).", minimum=1)
     kb_seed: int = arg(0, "Seed of the fictional knowledge base, apart from `seed`: every training seed sees one task.")
     kb_multi_hop: float = arg(0.0, "Share of fictional_kb questions that need two searches (0 to 1).")
     corpus_path: str | None = arg(None, ".jsonl of {title, text} documents for `search` (fictional_kb brings its own).")
@@ -90,7 +90,7 @@ class TaskArguments:
     eval_dataset_name: str | None = arg(None, "Dataset to evaluate on, as `dataset_name` (None: the training one).")
     eval_dataset_split: str | None = arg(None, "Split to evaluate on (None: the task's held-out one); never the "
                                          "training split.")
-    eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).")
+    eval_max_samples: int | None = arg(None, "Evaluate on at most this many questions (None: all).", minimum=1)
 
 
 logger = logging.getLogger("mt_grpo")

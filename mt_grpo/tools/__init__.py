@@ -86,10 +86,10 @@ class ToolArguments:
                                       "still running ends its episode unplayed (None: tool_timeout).")
     tool_max_workers: int | None = arg(None, "Tool calls (and episodes' tool turns) run at once, at most (None: all "
                                        "the batch has, so that no call waits for a worker; 64 episodes of three "
-                                       "0.5 s tool turns took four waves a turn at 16).")
+                                       "0.5 s tool turns took four waves a turn at 16).", minimum=1)
     max_user_turns: int | None = arg(None, "An environment's replies as the user (`respond`, "
                                      "mt_grpo/rollout/user_turns.py) per episode, at most (None: no limit but "
-                                     "max_completion_length).")
+                                     "max_completion_length).", minimum=0)
 
 
 def corpus_tool(factory: Callable) -> Callable:
