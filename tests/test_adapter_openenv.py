@@ -3,8 +3,10 @@ number-guessing game in its style, on the copy of OpenEnv's core types that ship
 the trainer unchanged, in process and over HTTP: the Action as one tool, the observation as text, `reward` as each
 turn's credit (by hand), `done` ending the episode; bad names fail naming the fix; one recipe line trains each."""
 
+import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from helpers import FIXTURES, ROOT, make_env, rollout_records
-from scripted_policy import ScriptedPolicy
+from scripted_policy import ScriptedPolicy, ScriptedServer
 
 OE = os.path.join(FIXTURES, "openenv")
 
@@ -49,7 +51,8 @@ def adapted(target: str, action: str | None = None):
     return adapt(SimpleNamespace(openenv_env=target, openenv_action=action))
 
 
-def episodes(tokenizer, factory, script: dict, rows: list[dict], max_env_steps: int = 5):
+def episodes(tokenizer, factory, script: dict, rows: list[dict], max_env_steps: int = 5, policy=ScriptedPolicy):
+    """The rows' episodes under the scripted `policy` (ScriptedServer: the per-episode scheduler), and the pool."""
     from mt_grpo.rollout.environments import EnvironmentPool
     from mt_grpo.base.protocol import XMLProtocol
 
@@ -58,7 +61,7 @@ def episodes(tokenizer, factory, script: dict, rows: list[dict], max_env_steps: 
     env = make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, task_prompt=None, examples=None,
                    max_env_steps=max_env_steps, max_completion_length=800, max_tokens_per_turn=64)
     prompts = [env.prompt(row["prompt"]) for row in rows]
-    return env.rollout(prompts, ScriptedPolicy(tokenizer, script), rows=rows), pool
+    return env.rollout(prompts, policy(tokenizer, script), rows=rows), pool
 
 
 def act(tool: str, **args) -> str:
@@ -123,29 +126,37 @@ def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def guess_server():
-    """The number-guessing game behind the minimal OpenEnv HTTP server (tests/fixtures/openenv/serve.py), on a free
-    local port, in a thread of this process; stopped at the end."""
+@contextlib.contextmanager
+def http_server(env_name: str = "NumberGuessEnvironment"):
+    """A game of number_guess behind the minimal OpenEnv HTTP server (tests/fixtures/openenv/serve.py), on a free
+    local port, in a thread of this process: its URL; stopped at the end."""
     import uvicorn
 
     sys.path.insert(0, OE)
-    from number_guess import GuessAction, GuessObservation, NumberGuessEnvironment
+    import number_guess
     from serve import create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(NumberGuessEnvironment, GuessAction, GuessObservation),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(getattr(number_guess, env_name), number_guess.GuessAction, number_guess.GuessObservation)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def guess_server():
+    with http_server() as url:
+        yield url
 
 
 def test_an_http_server_plays_the_same_game(tokenizer, guess_server):
@@ -181,6 +192,88 @@ def test_websocket_sessions_play_the_game_as_openenvs_client_does(tokenizer):
         assert a.stop_reason == b.stop_reason == "env_done"
     finally:
         server.stop()
+
+
+# -- a group plays one game --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def seeded_game(where: str):
+    """`openenv_env` of number_guess's SeededNumberGuessEnvironment (its prompt names the game it plays): the class
+    in process, or its server over HTTP or over WebSocket sessions, stopped at the end."""
+    from number_guess import GuessAction, SeededNumberGuessEnvironment
+    from session_server import SessionServer
+
+    if where == "class":
+        yield "number_guess:SeededNumberGuessEnvironment"
+    elif where == "http":
+        with http_server("SeededNumberGuessEnvironment") as url:
+            yield url
+    else:
+        server = SessionServer(SeededNumberGuessEnvironment, GuessAction)
+        port = server.start()
+        try:
+            yield f"ws://127.0.0.1:{port}"
+        finally:
+            server.stop()
+
+
+def placeholder_rows(seed: int, groups: int, G: int) -> list[dict]:
+    """A generation batch of a run without a dataset: the placeholder rows (builders.placeholder_task), each with the
+    seed builders.seed_rows draws for it with the run's `seed`, each repeated for its G episodes (TRL's layout)."""
+    from mt_grpo.run.builders import placeholder_task, seed_rows
+
+    task = placeholder_task(SimpleNamespace(generation_batch_size=groups * G, num_generations=G))
+    return [row for row in seed_rows(task.dataset, seed, "train") for _ in range(G)]
+
+
+@pytest.mark.parametrize("scheduler", ["rounds", "per_episode"])
+@pytest.mark.parametrize("where", ["class", "http", "ws"])
+def test_without_a_dataset_a_group_plays_one_game(tokenizer, where, scheduler):
+    """No dataset, the run's seed 5: the two groups' rows get two seeds, whose games hide 2 and 10. A group's G = 2
+    episodes read one game in their prompts (reset got its row's seed), the groups two. Variant A guesses 1, 2, 3, 4
+    and B 10, 9, 8, 7: in game 2 A wins at its second guess and B misses four times, in game 10 the other way round,
+    which only one secret per group gives. per_turn pools a group's own turns: A_T by hand from that game's alone."""
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
+
+    rows = placeholder_rows(5, groups=2, G=2)
+    script = {"Guess it.": [[act("guess", guess=g) for g in (1, 2, 3, 4)],
+                            [act("guess", guess=g) for g in (10, 9, 8, 7)]]}
+    with seeded_game(where) as target:
+        eps, pool = episodes(tokenizer, adapted(target).environment_factory, script, rows,
+                             policy=ScriptedPolicy if scheduler == "rounds" else ScriptedServer)
+    games = [int(re.search(r"Game (\d+)\.", ep.prompt_messages[-1]["content"]).group(1)) for ep in eps]
+    assert games == [row["seed"] for row in rows] and games[0] == games[1] != games[2] == games[3]
+    if where == "class":
+        assert [ep.toolset.environment.env._secret for ep in eps] == [2, 2, 10, 10]
+    miss = pytest.approx(-0.1)
+    credit = turn_credit(pool, eps)
+    assert credit == [[miss, 1.0], [miss] * 4, [miss] * 4, [1.0]]
+    R_T = torch.tensor([c + [float("nan")] * (4 - len(c)) for c in credit])
+    turns = pad_episodes(eps, 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(4), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
+    game_2, game_10 = torch.tensor([-0.1, 1.0] + [-0.1] * 4), torch.tensor([-0.1] * 4 + [1.0])  # each group's turns
+    for group, values in ((slice(0, 2), game_2), (slice(2, 4), game_10)):
+        expected = ((R_T[group] - values.mean()) / values.std()).nan_to_num(0.0)
+        assert torch.allclose(adv.turn[group], expected, atol=1e-4)
+    assert torch.allclose(adv.tokens[0][turns[0] == 1], (1.0 - game_2.mean()) / game_2.std(), atol=1e-4)
+
+
+def test_a_rows_own_seed_is_kept_and_the_drawn_ones_follow_the_runs_seed():
+    """seed_rows: a row's own seed stays; one without gets a seed drawn with the run's (the same again on a re-run or
+    a resume, another with another seed, and the eval rows apart). No dataset: one row a group of the run
+    (run_groups: 10 steps x 4 micro-steps, a generation every 2, 32 / 8 groups each)."""
+    import datasets
+
+    from mt_grpo.run.builders import run_groups, seed_rows
+
+    rows = datasets.Dataset.from_dict({"prompt": ["a", "b", "c"], "seed": [5, None, 7]})
+    seeds = list(seed_rows(rows, 0, "train")["seed"])
+    assert seeds[0] == 5 and seeds[2] == 7 and seeds[1] not in (None, 5, 7)
+    assert list(seed_rows(rows, 0, "train")["seed"]) == seeds
+    assert list(seed_rows(rows, 1, "train")["seed"])[1] != seeds[1] != list(seed_rows(rows, 0, "eval")["seed"])[1]
+    args = SimpleNamespace(max_steps=10, gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=1,
+                           generation_batch_size=32, num_generations=8)
+    assert run_groups(args) == 20 * 4
 
 
 def test_mistakes_fail_naming_the_fix():
@@ -241,6 +334,27 @@ def test_one_recipe_line_trains_two_steps(target, tiny_agent_dir, tmp_path):
     record = rollout_records(out)[0]
     tool = "echo(message: str)" if name == "EchoEnvironment" else "guess(guess: int)"
     assert tool in record["prompt_text"]
+
+
+def test_without_a_dataset_each_group_of_a_run_plays_its_own_game(tiny_agent_dir, tmp_path):
+    """One recipe line and no dataset, 2 steps of 2 groups of G = 2: the trainer's rows are one per group the run
+    plays, each its own seed; in the recorded rollouts each group read one game in its prompt, and the 4 groups 4."""
+    from mt_grpo_trainer import build_trainer
+
+    out = str(tmp_path / "out")
+    recipe = oe_recipe(tmp_path, openenv_env="number_guess:SeededNumberGuessEnvironment", max_steps=2,
+                       num_generations=2, per_device_train_batch_size=4)
+    trainer = build_trainer(["--config", recipe, "--model_name_or_path", tiny_agent_dir, "--output_dir", out])
+    seeds = list(trainer.train_dataset["seed"])
+    assert len(set(seeds)) == len(seeds) == 4
+    trainer.train()
+    games = {}
+    for step in (1, 2):
+        for record in rollout_records(out, f"step-{step:06d}.jsonl"):
+            game = int(re.search(r"Game (\d+)\.", record["prompt_text"]).group(1))
+            games.setdefault((step, record["group"]), set()).add(game)
+    assert sorted(games) == [(1, 0), (1, 1), (2, 0), (2, 1)] and all(len(g) == 1 for g in games.values())
+    assert sorted(g.pop() for g in games.values()) == sorted(seeds)
 
 
 # -- a server that fails ------------------------------------------------------------------------------------------

@@ -87,23 +87,27 @@ def final(answer: str, why: str = "So the answer is") -> str:
     return f"{why}\n#### {answer}<|im_end|>"
 
 
-def adapted(tool_config=None, interaction_config=None):
+def adapted(tool_config=None, interaction_config=None, max_assistant_turns=None):
     from mt_grpo.adapters.verl import adapt
 
     return adapt(types.SimpleNamespace(verl_tool_config=tool_config, verl_interaction_config=interaction_config,
-                                       tool_timeout=10.0))
+                                       verl_max_assistant_turns=max_assistant_turns, tool_timeout=10.0))
 
 
-def verl_env(tokenizer, tool_config=None, interaction_config=None, **overrides):
-    """The trainer's env over the adapted class, chat_template protocol, no system prompt of ours."""
+def verl_env(tokenizer, tool_config=None, interaction_config=None, max_assistant_turns=None, **overrides):
+    """The trainer's env over the adapted class, chat_template protocol, no system prompt of ours; the limits the
+    adapter brings applied as builders applies them."""
     from mt_grpo.rollout.environments import EnvironmentPool
     from mt_grpo.base.protocol import ChatTemplateProtocol
+    from mt_grpo.run.builders import apply_settings
 
     protocol = ChatTemplateProtocol(tokenizer)
-    pool = EnvironmentPool(adapted(tool_config, interaction_config).environment_factory, [], protocol)
-    settings = dict(max_env_steps=4, max_completion_length=600, max_tokens_per_turn=64, task_prompt=None,
-                    examples=None, questions=False, **overrides)  # a `prompt` column's rows, as builders sees them
-    return make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, **settings), pool
+    parts = adapted(tool_config, interaction_config, max_assistant_turns)
+    pool = EnvironmentPool(parts.environment_factory, [], protocol)
+    settings = types.SimpleNamespace(**{"max_env_steps": 4, "max_completion_length": 600, "max_tokens_per_turn": 64,
+                                        "task_prompt": None, "examples": None, "questions": False, **overrides})
+    apply_settings(settings, parts.settings)  # a `prompt` column's rows, as builders sees them
+    return make_env(tokenizer, pool.all_tools(), protocol=protocol, environments=pool, **vars(settings)), pool
 
 
 def roll(env, rows, script):
@@ -239,6 +243,108 @@ def test_finalize_interaction_runs_for_every_episode_even_one_that_raised(qwen_s
     assert len(user_verl.STARTED) == 2 and sorted(user_verl.FINALIZED) == sorted(user_verl.STARTED)
     interaction = pool.free[None][0]._verl_interactions["flaky"]
     assert interaction._instance_dict == {}  # each finalize released its state
+
+
+# -- verl's turn limits and per-turn behaviour ---------------------------------------------------------------------
+def unknown_call(name: str = "calc_gsm8k") -> str:
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+
+    return ChatTemplateProtocol().format_call(name, {"answer": "72"}) + "<|im_end|>"
+
+
+def test_max_assistant_turns_ends_the_episode_on_its_last_model_turn(qwen_style_tokenizer, tmp_path):
+    """verl_max_assistant_turns (verl's multi_turn.max_assistant_turns) 2, tools: verl ends the episode after the
+    model's 2nd turn, before it parses it. A: 70 (-0.05), then a call of 72 that is not run (max_assistant_turns);
+    B: 72 (0.0), then its answer (no_action: the cap ended nothing). Turns the interaction answers count too: cap 3,
+    tool and interaction: A's answer at turn 3 gets no reply (Gsm8kInteraction would have said correct, 1.0)."""
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
+    from mt_grpo.rollout.episodes import pad_episodes
+
+    assert adapted(TOOL_CONFIG, max_assistant_turns=2).settings == {"max_env_steps": 1}  # the cap's calls held back
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG, max_assistant_turns=2)
+    rows = [verl_row("72", 0)] * 2
+    a, b = roll(env, rows, {"Natalia sold clips": [[call("70"), call("72"), final("72")], [call("72"), final("72")]]})
+    assert [m["role"] for m in a.messages] == ["assistant", "tool", "assistant"]  # the 2nd call: not run
+    assert (a.stop_reason, b.stop_reason) == ("max_assistant_turns", "no_action")
+    assert a.toolset.environment.tool_rewards == [-0.05] and b.toolset.environment.tool_rewards == [0.0]
+    R_T = turn_table(pool, [a, b], rows)
+    assert R_T[:, 0].tolist() == pytest.approx([-0.05, 0.0])
+    # per_turn: the group's turns (-0.05, 0) pooled: mean -0.025, std (unbiased) 0.035355; A_T = -/+0.70711
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
+    assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(-0.70711), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(0.70711), atol=1e-4)
+    assert torch.all(adv.tokens[0][turns[0] == 1] == 0.0)  # the turn that ended it has no score (no outcome here)
+
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG, INTERACTION_CONFIG, max_assistant_turns=3)
+    row = verl_row("72", 0, interaction="gsm8k")
+    row["extra_info"]["tools_kwargs"] = verl_row("72", 0)["extra_info"]["tools_kwargs"]
+    ep, = roll(env, [row], {"Natalia sold clips": [call("70"), final("70"), final("72")]})
+    assert [m["role"] for m in ep.messages] == ["assistant", "tool", "assistant", "user", "assistant"]
+    assert ep.stop_reason == "max_assistant_turns" and ep.toolset.environment.turn_scores == [0]
+    assert turn_table(pool, [ep], [row])[0, :2].tolist() == pytest.approx([-0.05, 0.0])
+    from mt_grpo_trainer import MTGRPOConfig
+
+    with pytest.raises(ValueError, match="`verl_max_assistant_turns` takes an integer ≥ 1 or null; the config gave 0"):
+        MTGRPOConfig(output_dir=str(tmp_path), verl_tool_config=TOOL_CONFIG, verl_max_assistant_turns=0)
+    with pytest.raises(ValueError, match="neither `verl_tool_config` nor `verl_interaction_config` is"):
+        adapted(max_assistant_turns=2)
+
+
+def test_a_turn_cut_by_max_tokens_per_turn_gets_the_interactions_reply(qwen_style_tokenizer):
+    """verl has no per-turn cap: its loop answers every turn that leaves budget. A's first turn is cut by
+    max_tokens_per_turn before its `#### 72`: Gsm8kInteraction reads the cut text (incorrect, 0) and A answers again,
+    right (1.0); B is right at once (1.0). R_T A [0, 1], B [1]; A_T by hand. A cut turn that holds a tool call ends
+    the episode there, its call not run (turn_length; verl would run it: the guide says so)."""
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
+    from mt_grpo.rollout.episodes import pad_episodes
+
+    env, pool = verl_env(qwen_style_tokenizer, interaction_config=INTERACTION_CONFIG, max_tokens_per_turn=16)
+    rows = [verl_row("72", 0, interaction="gsm8k")] * 2
+    long = "A: let me think it through step by step, month by month, adding what she sold in each month.\n#### 72"
+    a, = roll(env, rows[:1], {"Natalia sold clips": [long + "<|im_end|>", final("72")]})  # a cut turn is no
+    b, = roll(env, rows[1:], {"Natalia sold clips": [final("72", "B:")]})  # script variant's key: one group in two
+    assert len(a.completion_ids[a.spans[0].start:a.spans[0].end]) == 16 and "####" not in a.messages[0]["content"]
+    assert [m["content"] for m in a.messages if m["role"] == "user"] == [
+        "Your response is incorrect! You need to reflect on your answer and try again.", "Your response is correct!"]
+    assert (a.stop_reason, b.stop_reason) == ("env_done", "env_done") and a.toolset.environment.turn_scores == [0, 1]
+    R_T = turn_table(pool, [a, b], rows)
+    assert R_T[0, :2].tolist() == [0.0, 1.0] and R_T[1, 0].item() == 1.0
+    # per_turn: (0, 1, 1) pooled: mean 2/3, std (unbiased) 0.57735; A_T = -1.1547 (cut, wrong), +0.57735 (right)
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
+    assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(-1.1547), atol=1e-4)
+    assert torch.allclose(adv.tokens[0][turns[0] == 1], torch.tensor(0.57735), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(0.57735), atol=1e-4)
+
+    whole_call = call("72")[:-len("<|im_end|>")] + "\n"  # the call, then text the cap cuts
+    cap = len(qwen_style_tokenizer.encode(whole_call, add_special_tokens=False)) + 4
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG, INTERACTION_CONFIG, max_tokens_per_turn=cap)
+    row = verl_row("72", 0, interaction="gsm8k")
+    row["extra_info"]["tools_kwargs"] = verl_row("72", 0)["extra_info"]["tools_kwargs"]
+    ep, = roll(env, [row], {"Natalia sold clips": [whole_call + long, final("72")]})
+    assert ep.messages[0]["tool_calls"] and [m["role"] for m in ep.messages] == ["assistant"]
+    assert ep.stop_reason == "turn_length" and ep.toolset.environment.tool_rewards == []
+
+
+def test_an_unknown_tool_gets_verls_0_in_tool_rewards(qwen_style_tokenizer):
+    """verl's _call_tool answers a name it has no tool for (a KeyError) with its error text and appends 0.0 to
+    tool_rewards. A calls `calc_gsm8k` (no such tool): 0.0, its turn's R_T; B calls the tool with 70: -0.05.
+    Pooled (0, -0.05): A_T = +/-0.70711."""
+    from mt_grpo_trainer import AdvantageSettings, mt_grpo_advantages
+    from mt_grpo.rollout.episodes import pad_episodes
+
+    env, pool = verl_env(qwen_style_tokenizer, TOOL_CONFIG)
+    rows = [verl_row("72", 0)] * 2
+    a, b = roll(env, rows, {"Natalia sold clips": [[unknown_call(), final("72")], [call("70"), final("72")]]})
+    assert [m["content"] for m in a.messages if m["role"] == "tool"][0].startswith("Error: unknown tool 'calc_gsm8k'")
+    assert a.toolset.environment.tool_rewards == [0.0] and b.toolset.environment.tool_rewards == [-0.05]
+    R_T = turn_table(pool, [a, b], rows)
+    assert R_T[:, 0].tolist() == pytest.approx([0.0, -0.05])
+    turns = pad_episodes([a, b], 0, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), turns, AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0))
+    assert torch.allclose(adv.tokens[0][turns[0] == 0], torch.tensor(0.70711), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][turns[1] == 0], torch.tensor(-0.70711), atol=1e-4)
 
 
 SLEEPY_CONFIG = """tools:

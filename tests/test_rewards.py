@@ -306,9 +306,11 @@ def test_tool_turns_pair_each_assistant_message_with_the_tool_messages_that_answ
     two_calls = chat_calls("Veltria", "Morvane")
     completion = [two_calls, tool(NOT_FOUND), tool(FOUND), SEARCH, {"role": "user", "content": "hint"},
                   tool(FOUND), answer_turn("Morvane")]
-    # the user message answers SEARCH (an environment's reply as the user: a turn with no tool message); the tool
-    # message after it answers no assistant message
-    assert tool_turns(completion) == [(two_calls, [tool(NOT_FOUND), tool(FOUND)]), (SEARCH, [])]
+    # the user message answers SEARCH (an environment's reply as the user), and so does the tool message after it:
+    # every message up to the next assistant one is that reply (user_turns.Reply.messages may hold several)
+    assert tool_turns(completion) == [(two_calls, [tool(NOT_FOUND), tool(FOUND)]), (SEARCH, [tool(FOUND)])]
+    assert tool_turns([SEARCH, {"role": "system", "content": "round 2"}, {"role": "user", "content": "hint"}]) == \
+        [(SEARCH, [])]  # a reply of a system and a user message: one turn, no tool message
     assert count_tool_turns(completion) == 2
     assert tool_turns(None) == [] and count_tool_turns([answer_turn("Morvane")]) == 0
 

@@ -126,10 +126,41 @@ def test_a_10_mb_reply_costs_what_a_short_one_does(smollm2_tokenizer):
     (Reply("x", continuation=True, keep_chars=2.5), r"Reply\.keep_chars = '2\.5' \(float\); give a count >= 0"),
     (Reply("x", keep_tokens=2), r"Reply\.keep_tokens = '2' \(int\); give None, or continuation=True"),
     (Reply("x", continuation=True, keep_tokens=1, keep_chars=1), r"Reply\.keep_tokens and Reply\.keep_chars: give one"),
+    # several messages with their roles (point 16): no assistant, one of the reply roles, text, alone
+    ([{"role": "assistant", "content": "7"}], r"Reply\.messages\[0\] with the role 'assistant': only the model's "
+                                              r"sampled turns are assistant messages.*as a user or system message"),
+    ([{"role": "user", "content": "a"}, {"role": "judge", "content": "b"}],
+     r"Reply\.messages\[1\] with the role 'judge'; give one of user, system, tool"),
+    ([{"role": "system", "content": None}],
+     r"Reply\.messages\[0\]\[\"content\"\] = 'None' \(NoneType\); give a string"),
+    ([{"role": "user", "content": "a", "reward": 1.0}], r"Reply\.messages\[0\] with the key\(s\) \['reward'\]"),
+    (["Hello"], r"Reply\.messages\[0\] = 'Hello' \(str\); give a dict"),
+    (Reply(messages=[]), r"Reply\.messages = '\[\]' \(list\); give a non-empty list"),
+    (Reply("x", messages=[{"role": "user", "content": "y"}]), r"Reply\.messages and Reply\.content: the messages are "
+                                                             r"the whole reply"),
+    (Reply(end=True, score=1.0, messages=[{"role": "user", "content": "y"}]), r"Reply\.messages and Reply\.end"),
 ])
 def test_a_reply_field_of_the_wrong_type_fails_naming_the_class_and_the_field(reply, field):
     with pytest.raises(ValueError, match=r"^Quiz\.respond gave " + field):
         as_reply(reply, "Quiz")
+
+
+def test_a_list_of_messages_is_one_reply_each_message_with_its_role_and_made_as_a_tools_output_is(smollm2_tokenizer):
+    """respond returning a list: Reply(messages=...), appended as one reply after the model's turn, each message with
+    its role (a tool message with its name, "" when not given), each text repaired and cut on its own, the system
+    text marked as from outside (protocol.mark_outside)."""
+    Hinting = once([{"role": "system", "content": "Hint: odd.\x00"}, {"role": "tool", "content": WORDS},
+                    {"role": "user", "content": "Try again."}], name="Hinting")
+    env, _ = lock_env(smollm2_tokenizer, factory=Hinting, max_tool_response_tokens=16)
+    (ep,) = roll(env, [GUESS], {"Guess the number.": [answer("3"), answer("7")]})
+    cut = ep.messages[2]["content"]
+    assert ep.messages[1:4] == [{"role": "system", "content": "Hint: odd.\ufffd", "outside_text": [[0, 11]]},
+                                {"role": "tool", "name": "", "content": cut}, {"role": "user", "content": "Try again."}]
+    assert cut.endswith("[truncated: 16 tokens of 200000 characters shown]")
+    assert [s.role for s in ep.spans] == ["model", "env", "model"] and ep.user_turns == 1
+    span = ep.spans[1]
+    assert set(ep.model_mask[span.start:span.end]) == {0}
+    assert ep.completion_ids[span.start:span.end] == env.env_reply_ids(ep.messages[1:4])
 
 
 def test_a_wrong_reply_stops_the_rollout_naming_the_class_the_field_and_the_row(smollm2_tokenizer):

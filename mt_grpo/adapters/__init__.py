@@ -8,6 +8,7 @@ environments.py), reward functions, and a dataset or its defaults. No wrapper co
     recipe field              module         what it names
     verl_tool_config          verl.py        verl's tools YAML (`tools: [{class_name, config, tool_schema}]`)
     verl_interaction_config   verl.py        verl's interaction YAML (`interaction: [{name, class_name, config}]`)
+    verl_max_assistant_turns  verl.py        verl's `multi_turn.max_assistant_turns`, with either config
     multi_turn_scheduler      swift.py       an ms-swift MultiTurnScheduler: `plugin.py:Class` or `module:Class`
     external_plugins          swift.py       ms-swift plugin files (their `multi_turns` and `orms` registrations)
     verifiers_env             verifiers.py   a classic verifiers environment: `module` (its load_environment)
@@ -39,6 +40,11 @@ class AdapterArguments:
                                        "tools, each its own `tool_schema` (docs/guide.md, 'From verl').")
     verl_interaction_config: str | None = arg(None, "verl's interaction YAML (`interaction_config_path`): user turns "
                                               "from `generate_response`, picked per row by `interaction_kwargs.name`.")
+    verl_max_assistant_turns: int | None = arg(None, "verl's `multi_turn.max_assistant_turns`: the model turns an "
+                                               "episode may take (None: no limit). The turn that reaches it ends the "
+                                               "episode, no call run nor reply asked (stop reason max_assistant_turns); "
+                                               "max_env_steps becomes one less (docs/guide.md, 'From verl').",
+                                               minimum=1)
     multi_turn_scheduler: str | None = arg(None, "An ms-swift MultiTurnScheduler: `plugin.py:Class`, `module:Class`, "
                                            "or a name in swift's `multi_turns` registry (docs/guide.md, 'From "
                                            "ms-swift').")
@@ -47,7 +53,7 @@ class AdapterArguments:
                                              "can be named by `multi_turn_scheduler` and the reward lists.")
     swift_max_turns: int | None = arg(None, "multi_turn_scheduler: swift's `--max_turns`, the model turns an episode "
                                       "may take (each continuation counts; None: no limit but the scheduler's own and "
-                                      "the token budget). Given to the scheduler as `max_turns`.")
+                                      "the token budget). Given to the scheduler as `max_turns`.", minimum=1)
     verifiers_env: str | None = arg(None, "A classic verifiers environment: the module whose `load_environment` "
                                     "returns a ToolEnv, StatefulToolEnv or MultiTurnEnv (docs/guide.md, 'From "
                                     "verifiers').")
@@ -71,6 +77,9 @@ class Adapted:
     system_prompt: str | None = None  # the framework's system prompt, when it brings one
     tools: list[Callable] = field(default_factory=list)  # stateless tools (MCP servers)
     use_tokenizer: Callable | None = None  # called with the run's tokenizer once it is loaded (after adapt)
+    # the environment draws its game from reset's `seed`: a row without one gets its own (builders.seed_rows), so
+    # the G episodes of a row, one group, play one game (OpenEnv)
+    group_seeds: bool = False
     # config fields the framework's environment fixes (verifiers' max_turns: max_env_steps, max_user_turns): set
     # where the config leaves them None; where it sets one, the smaller value holds (builders.apply_settings)
     settings: dict = field(default_factory=dict)
@@ -78,6 +87,7 @@ class Adapted:
 
 ADAPTERS = {  # recipe field -> the module whose `adapt(args)` reads it
     "verl_tool_config": "mt_grpo.adapters.verl", "verl_interaction_config": "mt_grpo.adapters.verl",
+    "verl_max_assistant_turns": "mt_grpo.adapters.verl",
     "multi_turn_scheduler": "mt_grpo.adapters.swift", "external_plugins": "mt_grpo.adapters.swift",
     "swift_max_turns": "mt_grpo.adapters.swift",
     "verifiers_env": "mt_grpo.adapters.verifiers", "openenv_env": "mt_grpo.adapters.openenv",

@@ -6,7 +6,10 @@ of a server that serves one, `openenv_env: http://127.0.0.1:8000`. OpenEnv's con
     Environment()                                one per episode instance, made once and reset for each episode
     reset(seed=, episode_id=, ...) -> Obs        reset(**row): the row's columns that reset names (seed, ...); the
                                                  observation's text is the first observation (appended to the
-                                                 prompt's last user message; with no dataset, the whole prompt)
+                                                 prompt's last user message; with no dataset, the whole prompt).
+                                                 A row without a seed (no dataset: every row) gets one drawn with
+                                                 the run's `seed`, so a group's G episodes play one game
+                                                 (run/builders.seed_rows)
     the Action pydantic model                    one tool, named after the class (GuessAction -> `guess`; a class
                                                  named just `Action` -> `step`), its JSON schema the tool's
                                                  parameters (less the framework's `metadata`), its docstring the
@@ -51,10 +54,12 @@ def adapt(args) -> Adapted:
                          "(`ws://host:port` for its sessions, `http://host:port`).")
     action = load_action(args.openenv_action) if args.openenv_action else None
     if target.startswith(("ws://", "wss://")):
-        return Adapted(environment_factory=remote_class(target.rstrip("/"), action, SessionEpisode))
-    if target.startswith(("http://", "https://")):
-        return Adapted(environment_factory=remote_class(target.rstrip("/"), action))
-    return Adapted(environment_factory=local_class(load_environment_class(target), action))
+        factory = remote_class(target.rstrip("/"), action, SessionEpisode)
+    elif target.startswith(("http://", "https://")):
+        factory = remote_class(target.rstrip("/"), action)
+    else:
+        factory = local_class(load_environment_class(target), action)
+    return Adapted(environment_factory=factory, group_seeds=True)  # a group plays one game: builders.seed_rows
 
 
 # ------------------------------------------------------------------------------------------------

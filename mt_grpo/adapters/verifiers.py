@@ -13,8 +13,9 @@ rollout loop would, with verifiers' own objects doing the environment's part:
                                                 error_formatter, stop_errors (-> state["error"], the episode ends)
     a turn without a tool call                  `respond`: the turn joins state["trajectory"]; the stop conditions
                                                 (@vf.stop, or an older is_completed(messages, state)) end the
-                                                episode; else env_response's messages are the user's reply, and a
-                                                final_env_response ends the episode after it (Reply.done)
+                                                episode; else env_response's messages are the reply, each with its
+                                                role (user, system, tool; Reply.messages), and a final_env_response
+                                                ends the episode after it (Reply.done)
     max_turns (model turns; <= 0: no limit)     max_env_steps = max_turns - 1 (the tool replies between max_turns
                                                 model turns) and max_user_turns = max_turns (respond sees the last
                                                 turn too, to record and score it, and replies nothing), unless the
@@ -180,6 +181,15 @@ def vf_messages(messages: list[dict]) -> list[Message]:
     return out
 
 
+def reply_message(message) -> dict:
+    """One of env_response's messages as the trainer's reply message (user_turns.Reply.messages): its role and text,
+    a tool message's name. An assistant message is refused there, naming the class and the fix."""
+    get = message.get if isinstance(message, dict) else lambda k, d=None: getattr(message, k, d)
+    role = get("role")
+    role = "user" if role == "text" else role  # verifiers' TextMessage: a bare string's
+    return {"role": role, "content": text(message), **({"name": get("name") or ""} if role == "tool" else {})}
+
+
 def text(message) -> str:
     """A message's text, whether verifiers made it (a pydantic model) or a dict; a content list's text parts."""
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
@@ -276,6 +286,8 @@ class VerifiersEpisode:
         out = await maybe_await(self.vf_env.env_response(conversation, self.state))
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
             out, self.state = out
+        if isinstance(out, str):  # verifiers normalises a string to one message
+            return [Message(role="user", content=out)] if out else []
         return [out] if isinstance(out, dict) else list(out or [])
 
     async def respond(self, messages: list[dict]):
@@ -291,10 +303,10 @@ class VerifiersEpisode:
         self.state["completion"] += replies
         score = step.get("reward")  # the reply's score: this turn's R_T
         final = self.state.get("final_env_response") is not None
-        if not replies and not final:
-            return None
-        return {"content": "\n\n".join(text(m) for m in replies), "done": final,
-                "score": None if score is None else float(score)}
+        score = None if score is None else float(score)
+        if not replies:  # nothing to append: the episode ends on this turn, which keeps its score
+            return None if score is None else {"end": True, "score": score}
+        return {"messages": [reply_message(m) for m in replies], "done": final, "score": score}
 
     async def _call(self, name: str, arguments: dict) -> str:
         """One tool call: env_response on the assistant message that holds it (ToolEnv's call_tool, a

@@ -2,6 +2,7 @@
 
     verl_tool_config: tool_config.yaml                  # verl's `multi_turn.tool_config_path`
     verl_interaction_config: interaction_config.yaml    # verl's `multi_turn.interaction_config_path`
+    verl_max_assistant_turns: 5                         # verl's `multi_turn.max_assistant_turns` (or not)
     dataset_name: train.parquet                         # verl's parquet: prompt, data_source, reward_model, extra_info
     outcome_reward_funcs: [verl.utils.reward_score.default_compute_score]   # or your `compute_score`
 
@@ -22,8 +23,10 @@ the older SGLangRollout loop, which created each tool once per episode, is gone)
                                                   an `execute` that blocks stalls only its episode (an object a tool
                                                   binds to a loop, an asyncio.Lock its calls share, is used from
                                                   several loops here)
-    execute's step reward -> tool_rewards         appended to `step_rewards`: the turn's reward R_T (and kept in
-                                                  `tool_rewards` for compute_score's extra_info)
+    execute's step reward -> tool_rewards         appended to `step_rewards`: the turn's reward R_T (`tool_rewards`
+                                                  is that list, for compute_score's extra_info)
+    a name no tool has -> "Error when executing   the trainer's error text; 0.0 appended (`unknown_tool_reward`) by
+        tool: 'name'", 0.0 in tool_rewards        the Toolset, once toolset.py reads it
     interaction: [{name, class_name, config}]     `cls(config={**config, "name": name})`, once per run; `name`
                                                   defaults to the class name without "Interaction", lowercased
     extra_info.interaction_kwargs (.name picks)   the same (a top-level `interaction_kwargs` column is read too)
@@ -32,6 +35,13 @@ the older SGLangRollout loop, which created each tool once per episode, is gone)
         generate_response(request_id, messages,   should_terminate, score=score); the score is the turn's R_T and
         **kwargs) -> (terminate, text, score, _)  goes to `turn_scores`
     (finalize_interaction: never called in 0.7.1) `end_episode`: always, also after an error or a timeout
+    multi_turn.max_assistant_turns: after that    `verl_max_assistant_turns`: the class's `max_assistant_turns`, and
+        many model turns, the episode ends (no    max_env_steps at most one less (user_turns.last_turn; stop reason
+        call run, no interaction reply)           max_assistant_turns); a tool turn after user turns can pass it
+                                                  (logged once)
+    no per-turn cap: a turn ends at EOS or at     a turn cut by max_tokens_per_turn is answered by the interaction
+        the response budget, and any turn that    (`replies_to_cut_turns`); a cut turn with a tool call ends the
+        leaves budget is parsed and answered      episode (turn_length), its calls not run (logged once)
     compute_score(data_source, solution_str,      any function with that signature, by name or dotted path, in
         ground_truth, extra_info)                 the reward lists (`verl_reward`); a dict return's "score"
 
@@ -74,12 +84,28 @@ TOOL_ERROR = "Error when executing tool: {}"  # 0.7.1's ToolAgentLoop._call_tool
 def adapt(args) -> Adapted:
     """verl's tool and/or interaction configs as one environment class (its methods the native tools) and the MCP
     tools the tool config names (stateless functions)."""
+    cap = max_assistant_turns(args)
     provide("verl")  # before the configs' classes import: the installed verl, else the copy in mt_grpo/compat
     timeout = float(getattr(args, "tool_timeout", 30.0) or 30.0)
     tools, served = load_tools(args.verl_tool_config, timeout) if args.verl_tool_config else ([], [])
     interactions = load_interactions(args.verl_interaction_config) if args.verl_interaction_config else {}
-    factory = environment_class(tools, interactions) if tools or interactions else None
-    return Adapted(environment_factory=factory, tools=served)
+    factory = environment_class(tools, interactions, cap) if tools or interactions else None
+    # the cap's turn holds its calls back: max_env_steps stops a tool turn (the trainer's record_model_turn), exactly
+    # where the episode had no user turn (user_turns.last_turn)
+    settings = {"max_env_steps": cap - 1} if cap is not None and (tools or served) else {}
+    return Adapted(environment_factory=factory, tools=served, settings=settings)
+
+
+def max_assistant_turns(args) -> int | None:
+    """The recipe's `verl_max_assistant_turns` (at least 1: its field's minimum), with a config whose episodes it
+    bounds."""
+    cap = getattr(args, "verl_max_assistant_turns", None)
+    if cap is None:
+        return None
+    if not (getattr(args, "verl_tool_config", None) or getattr(args, "verl_interaction_config", None)):
+        raise ValueError("`verl_max_assistant_turns` is set but neither `verl_tool_config` nor "
+                         "`verl_interaction_config` is: it bounds their episodes; name one, or drop it.")
+    return cap
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,12 +325,12 @@ def verl_messages(messages: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 # The environment class
 # ------------------------------------------------------------------------------------------------
-def environment_class(tools: list, interactions: dict) -> type:
+def environment_class(tools: list, interactions: dict, max_assistant_turns: int | None = None) -> type:
     """One environment_factory class for the configs: VerlEnvironment with a method per native tool (named after
-    it, carrying its `json_schema`), and `respond` when there are interactions."""
+    it, carrying its `json_schema`), `respond` when there are interactions, and verl's `max_assistant_turns`."""
     from mt_grpo.tools.mcp import tool_signature
 
-    namespace = {"__doc__": VerlEnvironment.__doc__, "__module__": __name__,
+    namespace = {"__doc__": VerlEnvironment.__doc__, "__module__": __name__, "max_assistant_turns": max_assistant_turns,
                  "_verl_tools": {tool_name(t): t for t in tools}, "_verl_interactions": dict(interactions)}
     for tool in tools:
         name, schema = tool_name(tool), tool_json_schema(tool)
@@ -319,14 +345,14 @@ def environment_class(tools: list, interactions: dict) -> type:
 
 # the contract's names, and the attributes a VerlEnvironment keeps
 RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "done", "tool_rewards", "turn_scores",
-            "tools_kwargs", "interaction", "interaction_kwargs", "request_id", "agent_data")
+            "tools_kwargs", "interaction", "interaction_kwargs", "request_id", "agent_data", "max_assistant_turns",
+            "replies_to_cut_turns", "unknown_tool_reward")
 
 
 def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Callable:
     async def method(self, **parameters) -> str:
         text, reward = await call_tool(self._verl_tools[name], name, parameters, self.tools_kwargs, self.agent_data)
-        if reward is not None:  # as verl appends it to tool_rewards; here also the turn's step reward
-            self.tool_rewards.append(reward)
+        if reward is not None:  # as verl appends it to tool_rewards, which is step_rewards: the turn's step reward
             self.step_rewards.append(float(reward))
         return text
 
@@ -349,15 +375,21 @@ class VerlEnvironment:
 
     _verl_tools: dict = {}
     _verl_interactions: dict = {}
+    max_assistant_turns: int | None = None  # verl's multi_turn.max_assistant_turns (user_turns.last_turn)
+    # verl's _call_tool gives a name it does not know (a KeyError) 0.0 in tool_rewards; the trainer's Toolset, which
+    # answers such a call itself, appends this to step_rewards (toolset.py)
+    unknown_tool_reward: float | None = 0.0
 
     def __init__(self):
-        self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
+        self.step_rewards = self.tool_rewards = []  # one list: verl's tool_rewards are the turns' step rewards
+        self.turn_scores = []
         self.tools_kwargs, self.interaction, self.interaction_kwargs, self.request_id = {}, None, {}, None
         self.agent_data = None
 
     async def reset(self, **row):
         """A new episode: verl's request id, the row's tools_kwargs, and the row's interaction started."""
-        self.step_rewards, self.tool_rewards, self.turn_scores = [], [], []
+        self.step_rewards = self.tool_rewards = []
+        self.turn_scores = []
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
         self.tools_kwargs = dict(extra.get("tools_kwargs") or row.get("tools_kwargs") or {})
         self.request_id, self.interaction, self.interaction_kwargs = uuid.uuid4().hex, None, {}
@@ -387,6 +419,10 @@ class VerlEnvironment:
 
 class UserTurns:
     """`respond` of a run with interactions: the user's turns come from the row's interaction."""
+
+    # verl has no per-turn cap: its loop parses and answers every turn that leaves budget, so a turn cut by
+    # max_tokens_per_turn gets the interaction's reply too (user_turns.ask_user)
+    replies_to_cut_turns = True
 
     async def respond(self, messages: list[dict]):
         """A model turn without a tool call: the interaction's generate_response, as the user's reply."""

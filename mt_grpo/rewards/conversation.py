@@ -9,9 +9,10 @@ A tool message's content is a list where the tool returned one (as TRL passes it
 has a `reward` where the tool returned (output, reward) (rollout/tool_calls.tool_output; `tool_rewards` sums them per tool turn).
 
 A tool turn is an assistant message with the tool messages that answer it (one per call: XML makes
-one call per turn, chat_template may make several), or with the user message an environment replied as the user
-(user_turns.py: a turn the environment answered, credited the same way). The trainer and the rewards count tool turns
-with the same `tool_turns`, so a per-turn reward's list lines up with the turns the trainer sees.
+one call per turn, chat_template may make several), or with the messages an environment replied as the user
+(user_turns.py: a user message, or a reply's several user, system and tool messages; a turn the environment
+answered, credited the same way). The trainer and the rewards count tool turns with the same `tool_turns`, so a
+per-turn reward's list lines up with the turns the trainer sees.
 
 Every helper tolerates any content (missing keys, None, non-dict messages, a None completion):
 a reward function must score odd text, never raise on it.
@@ -20,7 +21,7 @@ a reward function must score odd text, never raise on it.
 import ast
 from typing import Callable
 
-from mt_grpo.base.protocol import ERROR_PREFIX, THINK_CLOSE, content_text, final_answer
+from mt_grpo.base.protocol import ERROR_PREFIX, REPLY_ROLES, THINK_CLOSE, content_text, final_answer
 
 
 def per_tool_turn(fn: Callable) -> Callable:
@@ -62,18 +63,17 @@ def visible_text(message) -> str:
 
 def assistant_turns(completion) -> list[tuple[dict, list[dict]]]:
     """Every assistant message with the environment's reply right after it (possibly []): its run of tool messages,
-    or the one user message of an environment that replied as the user (user_turns.py)."""
+    or the messages of an environment that replied as the user (user_turns.py: one user message, or several user,
+    system and tool messages), up to the next assistant message. Only the model writes assistant messages and only the
+    environment the others, so the run is one reply."""
     turns: list[tuple[dict, list[dict]]] = []
-    answering = False  # do tool messages here still answer the last assistant message?
+    answering = False  # do messages here still answer the last assistant message?
     for message in completion or []:
         if role(message) == "assistant":
             turns.append((message, []))
             answering = True
-        elif role(message) == "tool" and answering:
+        elif role(message) in REPLY_ROLES and answering:
             turns[-1][1].append(message)
-        elif role(message) == "user" and answering and not turns[-1][1]:
-            turns[-1][1].append(message)
-            answering = False  # a tool message after the user's answers nothing
         else:
             answering = False
     return turns
@@ -86,8 +86,9 @@ def env_replies(completion) -> list[list[dict]]:
 
 def tool_turns(completion) -> list[tuple[dict, list[dict]]]:
     """The tool turns, in order: each assistant message the environment answered, with its tool messages. A turn
-    the environment answered as the user (user_turns.py) is one, with no tool message: it is credited as a tool
-    turn is. An answer, a truncated turn or a turn the environment did not answer is not one."""
+    the environment answered as the user (user_turns.py) is one, with no tool message (unless its Reply.messages
+    held one): it is credited as a tool turn is. An answer, a truncated turn or a turn the environment did not answer
+    is not one."""
     return [(message, [m for m in replies if role(m) == "tool"]) for message, replies in assistant_turns(completion)
             if replies]
 

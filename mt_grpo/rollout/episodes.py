@@ -50,7 +50,7 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
     stop_reason: str = ""  # answer | no_action | max_env_steps | turn_length | budget | repetition | reset_timeout |
-    # env_done | env_error (user_turns.py)
+    # env_done | env_error | max_assistant_turns (user_turns.py)
     tokenization_mismatch: bool = False
     policy_version: int = 0  # optimizer steps the sampled weights had taken
     toolset: Toolset | None = None  # what its calls run on: the env's tools, or its environment's (environments.py)

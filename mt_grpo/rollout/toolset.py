@@ -107,6 +107,8 @@ class Toolset:
         ran = thread is not None or result.main_thread
         if result.main_thread:  # a method that uses `signal`
             result = run_on_main(self.functions, call, timeout, self.loop)
+        if thread is None and not call.error and call.name not in self.functions:
+            self.unknown_tool()
         earned.extend(self.added_step_rewards(before))  # its call has ended: every reward it added is in
         if not result.ok and ran:
             method = f"{type(self.environment).__name__}.{call.name}"
@@ -116,6 +118,15 @@ class Toolset:
                 logger.warning("Environment tool failed (the first failure of %s; the model sees each): %s", method,
                                self.failures[-1])
         return result
+
+    def unknown_tool(self) -> None:
+        """A call naming no tool of the episode: the environment's `unknown_tool_reward` (a plain attribute; None or
+        absent: nothing, the call scores nothing) appended to its step_rewards, as verl's loop appends 0.0 to
+        tool_rewards for a name it has no tool for."""
+        value = getattr(self.environment, "unknown_tool_reward", None)
+        steps = self.step_rewards()
+        if value is not None and isinstance(steps, list):
+            steps.append(value)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds (None: the last call's timeout) for a timed-out call still running; False

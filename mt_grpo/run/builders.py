@@ -13,6 +13,7 @@ The trainer takes what TRL's GRPOTrainer takes, and more loosely:
 
 import logging
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,6 +51,8 @@ class Parts:
     weights: tuple[list[float], list[float]] = ([], [])
     questions: bool = True  # the rows are questions, answered in <answer> (not TRL prompts, not an environment's)
     step_rewards: bool = False  # an environment's `step_rewards` reward every turn (advantage_mode auto: per_turn)
+    group_seeds: bool = False  # the environment draws its game from reset's `seed`: seed_rows gives each row one
+    placeholder: bool = False  # no dataset: `train` is placeholder_task's rows, which reset fills
 
 
 def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
@@ -77,8 +80,9 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     turn, outcome, weights = reward_lists(args, defaults, turn_reward_funcs, outcome_reward_funcs, reward_funcs)
     needs_answer = [fn.__name__ for fn in turn + outcome  # [] when none; answer_aliases is made from `answer`
                     if {"answer", "answer_aliases"} & set(required_columns(fn))]
-    train = _task(train_dataset, args, needs_answer, "train_dataset", environment) if train_dataset is not None or \
-        args.dataset_name is not None else placeholder_task(args)
+    placeholder = train_dataset is None and args.dataset_name is None  # no dataset: reset gives every prompt
+    train = placeholder_task(args) if placeholder else _task(train_dataset, args, needs_answer, "train_dataset",
+                                                             environment)
     evaluation = eval_dataset is not None or args.eval_strategy != "no"
     if eval_dataset is None and evaluation:
         if isinstance(train_dataset, (Task, type(None))):  # a recipe's task: its held-out split
@@ -119,6 +123,7 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         else getattr(source, "examples", None),
         eval_metrics={name: resolve_reward(f) for name, f in metrics.items()},
         step_rewards=pool is not None and bool(pool.reward_funcs[1]),
+        group_seeds=adapted is not None and adapted.group_seeds, placeholder=placeholder,
     )
 
 
@@ -274,12 +279,36 @@ def no_dataset_by_default(args, train_dataset) -> None:
 
 def placeholder_task(args) -> Task:
     """No dataset: a generation batch of empty user messages, cycled, which the environment's reset fills (TRL's
-    placeholder rows)."""
+    placeholder rows). An environment that plays reset's `seed` gets them repeated to one a group, each its own seed
+    (prompt_dataset)."""
     import datasets
 
     rows = max(1, args.generation_batch_size // args.num_generations)
     return Task(datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows}), corpus=None,
                 eval_metrics={})
+
+
+def run_groups(args) -> int:
+    """The groups a run of `max_steps` plays: a generation batch of generation_batch_size / num_generations of them
+    every steps_per_generation x num_iterations micro-steps, gradient_accumulation_steps a step (TRL's
+    RepeatSampler takes a new row for each)."""
+    batches = -(-args.max_steps * args.gradient_accumulation_steps // (args.steps_per_generation * args.num_iterations))
+    return batches * (args.generation_batch_size // args.num_generations)
+
+
+def seed_rows(dataset, seed: int, split: str):
+    """The rows, each with the `seed` its environment's reset plays: the row's own, else one drawn for it with the
+    run's `seed` (distinct across the rows; `split` train | eval draws apart). The G episodes of a row are one
+    group, so a group plays one game and each row another; a row's seed is the same in every process, in a re-run
+    and on a resume."""
+    own = dataset["seed"] if "seed" in dataset.column_names else [None] * len(dataset)
+    if all(s is not None for s in own):
+        return dataset
+    drawn = random.Random(f"{split}-{seed}").sample(range(2**31), len(dataset))  # str: the same in every process
+    seeds = [d if s is None else s for s, d in zip(own, drawn)]
+    logger.info("%d of %d %s rows have no `seed`: each gets one drawn with seed=%d, so that a group plays one game.",
+                sum(s is None for s in own), len(own), split, seed)
+    return (dataset.remove_columns("seed") if "seed" in dataset.column_names else dataset).add_column("seed", seeds)
 
 
 def _revision(args) -> str | None:
@@ -319,20 +348,27 @@ def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, 
     starts at the untrained model (`eval_on_start`), unless the run resumes (it evaluated it before it stopped)."""
     parts = assemble(model, args, **given)
     env = make_env(args, parts)
-    train, held_out = (prompt_dataset(t, args, env, parts.turn_funcs + parts.outcome_funcs) for t in (parts.train,
-                                                                                                     parts.eval))
+    seeded = parts.group_seeds  # each row a seed, so that a group plays one game (seed_rows)
+    train = prompt_dataset(parts.train, args, env, parts.turn_funcs + parts.outcome_funcs, "train" if seeded else None,
+                           run_groups(args) if seeded and parts.placeholder else None)
+    held_out = prompt_dataset(parts.eval, args, env, parts.turn_funcs + parts.outcome_funcs, "eval" if seeded else None)
     args.eval_on_start = held_out is not None and args.eval_strategy != "no" and not args.resume_from_checkpoint
     return parts, env, train, held_out
 
 
-def prompt_dataset(task: Task | None, args, env, funcs: list[Callable]):
+def prompt_dataset(task: Task | None, args, env, funcs: list[Callable], seeds: str | None = None,
+                   rows: int | None = None):
     """The task's rows with the prompts the env renders (tasks.build_dataset), checked against the rewards'
-    columns, and the recipe's `answer_type` for the rewards that compare answers."""
+    columns, and the recipe's `answer_type` for the rewards that compare answers. `seeds` (train | eval): each row
+    a `seed` (seed_rows), the rows first repeated to `rows` (no dataset: run_groups)."""
     if task is None:
         return None
     from mt_grpo.run.checks import check_reward_columns
 
     dataset = build_dataset(args, env, task, tools_of=env.environments.tools if env.environments is not None else None)
+    if seeds is not None:  # after the prompts are rendered: the placeholder's few, not one per group of the run
+        dataset = seed_rows(dataset.select([i % len(dataset) for i in range(rows)]) if rows else dataset,
+                            args.seed, seeds)
     if args.answer_type != "auto" and "answer_type" not in dataset.column_names:
         dataset = dataset.add_column("answer_type", [args.answer_type] * len(dataset))
     check_reward_columns(funcs, dataset.column_names, environments=env.environments is not None)
