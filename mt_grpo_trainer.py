@@ -1190,8 +1190,7 @@ def main(argv: list[str] | None = None):
             raise SystemExit(f"--resume_from_checkpoint last: no checkpoint-* folder in "
                              f"{trainer.args.output_dir}.")
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(trainer.args.output_dir)
-    trainer.save_state()  # trainer_state.json: the log history of every step
+    trainer.save_model(trainer.args.output_dir)  # (train wrote trainer_state.json: run/reporting.stoppable)
     report_outputs(trainer)  # the output folder, the saved model, the recorded rollouts and the viewer's command
     end_processes(trainer)
 

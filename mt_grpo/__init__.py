@@ -18,3 +18,18 @@ below it:
 
 Importing the package imports none of them: `import mt_grpo.rewards` loads what it names and the floors below.
 """
+
+import logging
+
+
+def _cuda_available() -> bool:
+    import torch  # imported by then: DeepSpeed logs this while accelerate starts
+
+    return torch.cuda.is_available()
+
+
+# DeepSpeed, where installed, logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+# detect it." at the start of every CPU run (accelerate imports it): on a machine without CUDA it says nothing wrong,
+# and it opened every run's output, so it is dropped there (a machine with CUDA never logs it).
+logging.getLogger("DeepSpeed").addFilter(
+    lambda record: not (record.getMessage().startswith("Setting accelerator to CPU") and not _cuda_available()))

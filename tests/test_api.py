@@ -49,6 +49,9 @@ def test_the_readme_python_example_trains(tiny_agent_dir, tmp_path):
     # the tiny model never writes the product nor calls multiply: no signal, so no update to check here; the README
     # gives SmolLM2's run (calls in most episodes, a non-zero loss)
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    # trainer_state.json, which scripts/plot_runs.py reads, though the example saves no checkpoint (issue 78, 15)
+    with open(os.path.join(out, "trainer_state.json")) as f:
+        assert [h["step"] for h in json.load(f)["log_history"] if "loss" in h] == [1, 2]
 
 
 def write_jsonl(path, rows) -> str:

@@ -355,7 +355,7 @@ def grade(query: str) -> tuple:
 @pytest.mark.parametrize("fmt", ["xml", "chat_template"])
 def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(smollm2_tokenizer, qwen_style_tokenizer,
                                                                                 fmt):
-    """A dict is JSON, a content list stays a list for the rewards (TRL's) and is its text for the model (a control
+    """A dict is its str(), as TRL shows it, a content list stays a list for the rewards (TRL's) and is its text for the model (a control
     token in it stays text), and (text, reward) shows the text and gives the reward to that tool turn."""
     from helpers import template_call, xml_call
     from mt_grpo.base.protocol import ChatTemplateProtocol
@@ -372,7 +372,7 @@ def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(s
     assert (ep.stop_reason, ep.tool_turns, ep.tool_failures) == ("answer", 4, 0) and not ep.tokenization_mismatch
     assert [m for m in ep.messages if m["role"] == "tool"] == [
         {"role": "tool", "name": "lookup",
-         "content": '{"city": "Veltria", "population": 1200, "capital": true, "note": "Morvane, ünd"}'},
+         "content": "{'city': 'Veltria', 'population': 1200, 'capital': True, 'note': 'Morvane, ünd'}"},  # TRL's str()
         {"role": "tool", "name": "passages", "content": passages("Veltria")},  # the list itself, as TRL passes it
         {"role": "tool", "name": "grade", "content": "Correct.", "reward": 1.0},
         {"role": "tool", "name": "grade", "content": "Wrong.", "reward": -0.5}]

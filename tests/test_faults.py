@@ -31,6 +31,35 @@ def one_episode(pool, **row):
     return toolset
 
 
+class StrictReset:
+    """TRL's shape of an environment whose reset names its columns and takes nothing else."""
+
+    def reset(self, prompt, target):
+        self.prompt, self.target = prompt, target
+        return f"Reach {target}."
+
+    def add(self, amount: int) -> str:
+        """Add to the total.
+
+        Args:
+            amount: what to add.
+        """
+        return str(amount)
+
+
+def test_a_strict_reset_gets_the_keywords_it_names_as_under_trl():
+    """Issue 78, point 6: `reset(self, prompt, target)` gets the row's `prompt` and `target` (TRL passes the row as
+    is), not the columns the trainer adds (`question`, `row`), which failed it; a column it needs and the row lacks
+    still fails its episode, naming the row."""
+    pool = pool_of(StrictReset)
+    prompts, (toolset,) = pool.start([{"prompt": "Act.", "question": "Act.", "target": 7, "row": 0}],
+                                     [[{"role": "user", "content": "Act."}]])
+    assert toolset.environment.target == 7 and toolset.environment.prompt == [{"role": "user", "content": "Act."}]
+    assert prompts[0][-1]["content"].endswith("Reach 7.")
+    with pytest.raises(Exception, match="target"):
+        pool.start([{"prompt": "Act.", "question": "Act.", "row": 1}], [[{"role": "user", "content": "Act."}]])
+
+
 # -- rewards an environment reports -----------------------------------------------------------------------------
 def test_step_rewards_replaced_at_each_step_are_each_steps_reward():
     """`self.step_rewards = [r]` at every step: turns worth 2, 5, 7 (and 7 again) are read as such, not [2, 0, 0]."""

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RECIPE, ROOT, final_metrics, run
-from mt_grpo_trainer import ADVANTAGE_MODES, MTGRPOScriptArguments, MultiTurnToolEnv, main
+from mt_grpo_trainer import ADVANTAGE_MODES, MTGRPOConfig, MTGRPOScriptArguments, MultiTurnToolEnv, main
 from mt_grpo.base.protocol import XMLProtocol
 from mt_grpo.tasks import build_dataset
 
@@ -132,6 +132,22 @@ def test_a_python_config_is_checked_as_a_recipe_is():
     with pytest.raises(ValueError, match=r"`tool_max_workers` takes an integer ≥ 1 or null; the config gave 2.0"):
         MTGRPOScriptArguments(tool_max_workers=2.0)
     assert MTGRPOScriptArguments(max_user_turns=0, tool_timeout=3).tool_timeout == 3  # an int where a float goes
+
+
+def test_a_recipe_names_modules_of_the_folder_the_trainer_runs_in(tmp_path, tiny_agent_dir, monkeypatch):
+    """`python ~/mt-grpo/mt_grpo_trainer.py --config recipe.yaml` from the user's folder: a dotted path to a module
+    there resolves (Python put the repository on sys.path, not the current folder: ModuleNotFoundError)."""
+    from mt_grpo.base.fields import parse_recipe
+    from mt_grpo.rewards import get_reward_func
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "my_scores_78.py").write_text("def right(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(folder))])
+    parse_recipe(["--config", write(tmp_path, ""), "--model_name_or_path", tiny_agent_dir], MTGRPOConfig)
+    assert sys.path[-1] == str(folder)
+    assert get_reward_func("my_scores_78:right")(completions=[[], []]) == [1.0, 1.0]
 
 
 def test_missing_recipe_file_is_named():

@@ -77,9 +77,11 @@ def test_the_console_has_no_warning_of_ours(tiny_agent_dir, tmp_path):
     out, log, steps = smoke_run(tiny_agent_dir, tmp_path, "--eval_strategy", "steps", "--eval_steps", "1",
                                 "--eval_max_samples", "4", "--disable_tqdm", "false")
     check_two_steps(tiny_agent_dir, out, steps, "mt_grpo", [])
-    assert "step    1 |" in log  # StepPrinter's one line per step
+    assert "step    1 |" in log  # StepPrinter's one line per step, after the line that says what comes
+    assert log.index("Training 2 steps from step 0, ") < log.index("step    1 |")
     assert "\r" not in log and "\x1b[" not in log  # no bar of ours or of the libraries (quiet_library_bars)
     assert f"Run finished. Output folder: {out}\n  model: {out} " in log  # reporting.report_outputs
     noisy = [line for line in log.splitlines()
              if any(word in line for word in ("Warning", "warn(", "[transformers]", "DEBUG", "deprecated"))]
     assert not noisy, noisy
+    assert "Setting accelerator to CPU" not in log  # DeepSpeed's, on every CPU run (mt_grpo/__init__.py drops it)

@@ -559,16 +559,17 @@ NOT_JSON = NotJSON()
 
 @pytest.mark.parametrize("value, content, reward", [
     ("text", "text", None),
-    ({"city": "Morvane", "größe": 3}, '{"city": "Morvane", "größe": 3}', None),  # JSON, not Python's repr
-    ({"error": "no such city"}, '{"error": "no such city"}', None),  # a tool's own dict is no failed call here
-    (3, "3", None), (2.5, "2.5", None), (True, "true", None), (None, "null", None),
+    # issue 78, point 4: as TRL's tool loop shows them (`str(result)`), so a TRL script's prompts are TRL's
+    ({"city": "Morvane", "größe": 3}, "{'city': 'Morvane', 'größe': 3}", None),
+    ({"error": "no such city"}, "{'error': 'no such city'}", None),  # a tool's own dict is no failed call here
+    (3, "3", None), (2.5, "2.5", None), (True, "True", None), (None, "None", None),
     (BLOCKS, BLOCKS, None),  # TRL's content list: passed on as the list
     (["a", 1], ["a", 1], None),  # any list
     (("Correct.", 1.0), "Correct.", 1.0),  # verl's function tool: (text, reward)
-    (({"score": 2}, -1), '{"score": 2}', -1.0),
+    (({"score": 2}, -1), "{'score': 2}", -1.0),
     ((BLOCKS, 0.5), BLOCKS, 0.5),
-    ((1, 2, 3), "[1, 2, 3]", None),  # another tuple: JSON
-    (("yes", True), '["yes", true]', None),  # a bool is no reward
+    ((1, 2, 3), "(1, 2, 3)", None),  # another tuple: its str(), as TRL
+    (("yes", True), "('yes', True)", None),  # a bool is no reward
     (NOT_JSON, str(NOT_JSON), None),
     ([{"type": "text", "text": "bad \udc80 text"}], "bad \ufffd text", None),  # text a tokenizer refuses: repaired
 ])
@@ -595,7 +596,7 @@ def test_a_content_list_stays_a_list_when_it_fits_and_is_its_cut_text_when_not(s
     long = [{"type": "text", "text": " ".join(["word"] * 50)}, {"type": "text", "text": "end"}]  # 51 + 1 tokens
     cut = cut_tool_output(long, smollm2_tokenizer, 8)
     assert cut == cut_tool_output(content_text(long), smollm2_tokenizer, 8) and cut.endswith("tokens shown]")
-    assert content_text(["a", {"b": "ü"}]) == '["a", {"b": "ü"}]' and content_text(BLOCKS) == "first\nsecond"
+    assert content_text(["a", {"b": "ü"}]) == "['a', {'b': 'ü'}]" and content_text(BLOCKS) == "first\nsecond"
 # tools that use `signal` (issue 70, bug 2): Python refuses it off the main thread, where calls run
 # ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager

@@ -232,3 +232,21 @@ def test_a_run_trains_in_each_setting(tiny_agent_dir, tmp_path, mode, padding_fr
     assert steps and all(s["grad_norm"] > 0 for s in steps)
     split = [s["rollout/samples_per_episode"] > 1 for s in steps]
     assert any(split) if mode == "per_model_turn" else not any(split)
+
+
+def test_an_auto_split_is_logged_once_with_its_reason(caplog, monkeypatch):
+    """Issue 78, point 7: Qwen3's template (enable_thinking false, as TRL's examples run it) re-renders the history, so
+    `auto` splits an episode into samples where TRL keeps one: the run says so once, naming the field that keeps
+    one sequence; a reply that continues the sample splits nothing and says nothing."""
+    import logging
+
+    from mt_grpo.base import turn_samples
+
+    monkeypatch.setattr(turn_samples, "_SPLIT_LOGGED", [])
+    with caplog.at_level(logging.INFO, logger="mt_grpo"):
+        assert turn_samples.next_sample_prompt("auto", [1, 2], [3], lambda: [1, 2, 3]) is None
+        assert not caplog.records
+        for _ in range(3):
+            assert turn_samples.next_sample_prompt("auto", [1, 2], [3], lambda: [1, 9, 3]) == [1, 9, 3]
+    (record,) = caplog.records
+    assert "Qwen3" in record.getMessage() and "turn_samples: interleaved keeps one" in record.getMessage()

@@ -121,6 +121,11 @@ def parse_recipe(argv: list[str] | None, config_class) -> tuple:
     """(config, model arguments) of `--config RECIPE` and flags (TRL's parser: flags override the recipe, unknown
     keys fail), with errors that say what to fix."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A recipe names the user's modules by dotted path (`my_env:Env`, `my_rewards:score`), and a user runs the trainer
+    # from their own folder; Python puts the script's folder (the repository) on sys.path, not that one. Last, so
+    # that a module of theirs shadows no package.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     if "--config" in argv:
         path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else ""
         if not os.path.isfile(path):

@@ -99,12 +99,11 @@ def outside_calls(text: str) -> str:
 
 
 def json_text(value) -> str:
-    """A tool's non-string value as the model reads it: JSON (`ensure_ascii=False`, as Qwen's templates write
-    `tojson`), or `str()` when it is not JSON-able."""
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
+    """A tool's non-string value as the model reads it: `str()`, as TRL's tool loop makes the tool message's content
+    (`str(result)`: `{'city': 'Morvane'}`, `True`, `None`), and as a chat template renders a list it is given (Jinja's
+    `{{ content }}`: `[('counter', 1)]`), so that a TRL script's prompts are byte for byte TRL's. (It was JSON
+    here; a tool that wants JSON returns `json.dumps(...)`.)"""
+    return str(value)
 
 
 def is_text_block(part) -> bool:
@@ -114,7 +113,7 @@ def is_text_block(part) -> bool:
 def content_text(content) -> str:
     """A message's content as the text a chat template renders: a string as it is; a content list of text blocks
     (`[{"type": "text", "text": ...}]`, what TRL passes through from a tool that returns a list) their texts, one
-    a line; any other value (a list of anything else) as JSON (`json_text`)."""
+    a line; any other value (a list of anything else) as `str()` (`json_text`), as TRL's template renders it."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content and all(is_text_block(part) for part in content):
@@ -570,6 +569,8 @@ class StopStringMatcher:
 # forge a turn in the training data), in every render: the episode's prompt, its replies, each re-rendered sample.
 # ------------------------------------------------------------------------------------------------
 OUTSIDE_ROLES = ("tool", "user")  # the messages whose whole text comes from outside the model and the recipe
+REPLY_ROLES = ("user", "system", "tool")  # an environment's reply as the user (user_turns.Reply.messages): only the
+# model writes the completion's assistant messages (a reply's system message is marked outside: mark_outside)
 # In any other message (system, assistant), the [start, end) character ranges of its content that came from outside
 # (mark_outside): a dataset's system text inside our system prompt, a dataset's assistant message, a continuation's
 # text inside the model's own message. The model's sampled text and the recipe's are not marked.

@@ -29,11 +29,15 @@ earlier samples' in the trie, so the repeated history is forwarded once where it
 several samples is always forwarded packed, also with `padding_free: false`.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 TURN_SAMPLES = ("interleaved", "per_model_turn", "auto")
 RENAMED_TURN_SAMPLES = {"per_turn": "per_model_turn"}  # an old value -> its name now (`per_turn` is an advantage mode)
+
+
+_SPLIT_LOGGED: list = []  # the first split of an `auto` run was logged
 
 
 def check_turn_samples(mode: str) -> None:
@@ -56,7 +60,17 @@ def next_sample_prompt(mode: str, context_ids: list[int], reply_ids: list[int],
         return render()
     if mode == "auto":
         fresh = render()
-        return None if fresh == context_ids + reply_ids else fresh
+        if fresh == context_ids + reply_ids:
+            return None
+        if not _SPLIT_LOGGED:  # once a run: where TRL keeps one sequence an episode, this run trains several
+            _SPLIT_LOGGED.append(True)
+            logging.getLogger("mt_grpo").info(
+                "turn_samples: auto: the chat template renders the history otherwise than the tokens sampled so far "
+                "(Qwen3's drops earlier turns' <think> blocks, with enable_thinking false too), so the turn after a "
+                "reply starts a sample of its own, prompted as the template renders it (TRL keeps one sequence an "
+                "episode, which the template would never show the model). turn_samples: interleaved keeps one "
+                "(docs/guide.md, 'Per-turn samples').")
+        return fresh
     check_turn_samples(mode)  # raises: every value of TURN_SAMPLES is handled above
     raise AssertionError(f"turn_samples {mode!r} is in TURN_SAMPLES but not handled here")
 

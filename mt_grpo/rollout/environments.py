@@ -133,6 +133,21 @@ def check_method(fn: Callable, label: str) -> None:
     tool_schemas([fn])
 
 
+def accepted(method: Callable, kwargs: dict) -> dict:
+    """The keywords of `kwargs` that `method` takes: all of them where it takes **kwargs; else the ones it names. The
+    rows carry columns the trainer adds (`question`, ...) beside the dataset's, which TRL's reset never gets: a strict
+    `reset(self, prompt, target)`, which TRL takes, failed here on `question`. A keyword it needs and the row lacks
+    still fails, naming it."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return kwargs
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in named}
+
+
 class EnvironmentPool:
     """The instances of a run's environments, handed out one per episode and returned after scoring. `tools(name)`
     are the tools a prompt of that environment lists (the standalone `tools` first, as TRL orders them)."""
@@ -221,9 +236,11 @@ class EnvironmentPool:
         """(the daemon thread running the instance's reset with the row's columns, the list its outcome lands in)."""
         instance = toolset.environment
         kwargs = {k: v for k, v in row.items() if k not in ("row", "environment", "answer_aliases")}  # the row's own
+        kwargs = accepted(instance.reset, {**kwargs, "prompt": prompt})
+
         def reset():
             with signal_scope(f"{type(instance).__name__}.reset"):  # a `signal` call is skipped, never refused
-                return run_async(instance.reset(**{**kwargs, "prompt": prompt}), toolset.loop)
+                return run_async(instance.reset(**kwargs), toolset.loop)
 
         return in_thread(reset, f"reset-{type(instance).__name__}")
 

@@ -66,12 +66,12 @@ def tool_output(value, source: str) -> tuple[str | list, float | None]:
     """(the tool message's content, the step reward) of what a tool returned:
         str                   the text (clean_text)
         list                  the list, as TRL passes it on (content blocks `[{"type": "text", "text": ...}]`, or
-                              any list): the rewards see the list, the model its text (protocol.content_text)
+                              any list): the rewards see the list, the model its text (protocol.content_text:
+                              the blocks' texts; another list's `str()`, as a template renders it under TRL)
         (output, number)      verl's function-tool pair: `output` as here, and the number as the call's step
                               reward (the tool message's `reward`, which the `tool_rewards` turn reward reads)
-        dict, number, bool,   JSON (`json.dumps(..., ensure_ascii=False)`), not Python's repr
-        None, other tuples
-    A value that is not JSON-able is shown with `str()`."""
+        dict, number, bool,   `str()`, as TRL's tool loop shows it (`{'city': 'Morvane'}`, `True`, `None`), so that
+        None, other tuples    a TRL script's prompts are TRL's byte for byte"""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float)) \
             and not isinstance(value[1], bool):
         if source not in _REWARDED:

@@ -91,11 +91,12 @@ class RolloutProgress:
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
                  "tokenization_mismatch", "turns", "samples", "user_turns")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout",
-                "env_done", "env_error")
+                "env_done", "env_error", "max_assistant_turns")
 # The stop reasons that are a limit cutting the episode, and the field to raise
 LIMITS = {"max_env_steps": "`max_env_steps` (or TRL's `max_tool_calling_iterations`)",
           "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`",
-          "reset_timeout": "`reset_timeout` (or a reset that hangs: see the log)"}
+          "reset_timeout": "`reset_timeout` (or a reset that hangs: see the log)",
+          "max_assistant_turns": "`verl_max_assistant_turns`"}
 
 
 def warn_limit(trainer, metric: str, share: float) -> None:
@@ -353,7 +354,7 @@ class RunArguments:
     max_train_minutes: float | None = arg(None, "Wall-time budget: after the step that ends past it (the first "
                                           "evaluation included), evaluate, save a checkpoint and stop (None: no limit).")
     save_rollouts_steps: int = arg(0, "Record every N-th rollout and every evaluation under <output_dir>/rollouts "
-                                   "for scripts/view_rollouts.py (0: off).")
+                                   "for scripts/view_rollouts.py (0: off).", minimum=0)
     stop_timeout: float = arg(300.0, "Seconds from a SIGTERM to the end of the run: it stops at the next safe point "
                               "with a checkpoint; still running then, it exits (a second SIGTERM exits at once).")
 
@@ -429,10 +430,14 @@ def set_rng_states(states: dict) -> None:
 
 
 def stoppable(trainer, train: Callable, *args, **kwargs):
-    """`train(*args, **kwargs)`; on a StopRequested from a rollout, the checkpoint of the last finished step (its RNG
-    state as that step left it), then the end of the run."""
+    """`train(*args, **kwargs)`, then trainer_state.json in output_dir (the log history of every step, which
+    scripts/plot_runs.py reads: TRL writes it only with a checkpoint, so a Python run with `save_strategy="no"` left
+    none); on a StopRequested from a rollout, the checkpoint of the last finished step (its RNG state as that step
+    left it), then the end of the run."""
     try:
-        return train(*args, **kwargs)
+        output = train(*args, **kwargs)
+        trainer.save_state()
+        return output
     except StopRequested:
         stop = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GracefulStop))
         if stop.rng_at_step_begin is not None:
@@ -480,6 +485,17 @@ class StepPrinter(TrainerCallback):
     # every task's eval logs eval/episodes; the keys a task lacks (a game has no exact match) are left out
     EVAL_KEYS = [("eval/exact_match", "exact_match"), ("eval/won", "won"), ("eval/first_search_hit", "search_hit"),
                  ("eval/tool_success_rate", "tool_ok"), ("eval/answered_ratio", "answered")]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A line before the first step's: that step's rollout and update take minutes on CPU, silent without it."""
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            episodes = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            tqdm.write(f"Training {state.max_steps} steps from step {state.global_step}, {episodes} episodes a step "
+                       f"({args.num_generations} per question); a line per step follows, each after its rollout and "
+                       "update.")
+            sys.stdout.flush()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         from tqdm.auto import tqdm
