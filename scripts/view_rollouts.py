@@ -8,8 +8,10 @@ as one self-contained HTML page.
 
 The page needs no network (inline CSS and JS, no CDN). It shows one step at a time, its groups one
 under another and a group's episodes side by side. Every completion token is a span: model tokens
-coloured by their advantage (blue < 0 < red), environment tokens grey and italic in a dashed box;
-a thick bar marks the first <result>, where the turn advantage A_T stops applying. Hover a token for
+coloured by their advantage (blue < 0 < red), environment tokens grey and italic in a dashed box.
+In mt_grpo mode a thick bar marks the first <result> (or the environment's first reply as the user), where the turn
+advantage A_T stops applying; in per_turn mode each model turn is labelled with its own R_T and A_T, and an
+environment's reply with its score. Hover a token for
 its id, its text with visible whitespace, the sampler and trainer logprobs and the IS weight. Filters:
 step (train and eval), stop reason, and a min/max on R_T, R_O or one reward function. `#KEY` in the
 URL (e.g. `#eval-000002`; default: the last train step) picks the step, and `#KEY:E.I` also shows
@@ -159,7 +161,7 @@ PAGE = """<!DOCTYPE html>
     min <input id="min" type="number" step="any"> max <input id="max" type="number" step="any"></label>
   <span id="count"></span>
   <span id="legend">advantage <span id="lo"></span><span class="bar"></span><span id="hi"></span>
-    <span class="t e">environment</span> <span class="split-key">first &lt;result&gt;</span></span>
+    <span class="t e">environment</span> <span class="split-key">first &lt;result&gt; or reply</span></span>
 </header>
 <main id="groups"></main>
 <div id="tip"></div>
@@ -262,6 +264,19 @@ function scores(ep) {
   return box;
 }
 const isError = (call) => call.ok === false || String(call.output || "").startsWith("Error:");
+// An env turn that answers no tool call: the environment's reply as the user (mt_grpo/rollout/user_turns.py), whose
+// score is its turn's R_T. Older records without `tool_calls` on a turn read as tool turns.
+const isReply = (turn) => turn.role === "env" && Array.isArray(turn.tool_calls) && !turn.tool_calls.length;
+// How the episode's A_T reached its tokens: the record's `advantage_mode` where it has one, else what A_T shows: a
+// list is per_turn's (one value per turn, each on its own model turn), a number mt_grpo's (A_T before the first
+// environment turn only; outcome_only and merged also record a number, which only the field tells apart). An
+// evaluation record (A_T null) has none.
+function creditMode(ep) {
+  if (ep.A_T === null || ep.A_T === undefined) return null;
+  return ep.advantage_mode || (Array.isArray(ep.A_T) ? "per_turn" : "mt_grpo");
+}
+// A per-turn list's value at turn k ("–" past its end: that turn got no A_T), or the value itself.
+const atTurn = (v, k) => Array.isArray(v) ? v[k] : v;
 
 // Tool calls with their outputs, from the env turns (the top-level list has no outputs).
 function callsList(ep) {
@@ -280,10 +295,13 @@ function callsList(ep) {
 
 function fillTokens(box, ep, e, scale) {
   const tok = ep.tokens || {}, texts = tok.text || [], mask = tok.model_mask || tok.env_mask || [], adv = tok.advantage || [];
-  const n = (tok.ids || []).length;
+  const n = (tok.ids || []).length, mode = creditMode(ep);
+  // mt_grpo: A_T stops at the first environment turn (episodes.token_turn_index), a tool result or a reply
+  const splitAt = mode === "mt_grpo" ? ep.first_result : undefined;
+  const splitTurn = (ep.turns || []).find((t) => t.start === splitAt);
   // Turns tile the completion; anything they leave out is drawn as an unlabelled segment.
   const segments = [];
-  let pos = 0, modelTurn = 0;
+  let pos = 0, modelTurn = 0;  // the model turn k of R_T and A_T: the environment turns before it
   for (const t of ep.turns || []) {
     if (t.start > pos) segments.push({ start: pos, end: t.start });
     segments.push(t);
@@ -294,21 +312,31 @@ function fillTokens(box, ep, e, scale) {
     const div = el("div", "turn" + (seg.role ? " " + seg.role : ""));
     const err = seg.role === "env" && (seg.tool_calls || []).some(isError);
     if (err) div.classList.add("err");
-    if (seg.role === "model") div.append(el("span", "turn-label", `model turn ${modelTurn++}`));
+    if (seg.role === "model") {
+      // per_turn: the turn's own reward and advantage, which its tokens' colour shows (with A_O)
+      const own = mode !== "per_turn" ? "" :
+        ` · R_T ${fmt(atTurn(ep.R_T, modelTurn))} · A_T ${fmt(atTurn(ep.A_T, modelTurn))}`;
+      div.append(el("span", "turn-label", `model turn ${modelTurn}` + own));
+    }
     // a continuation (mt_grpo/rollout/user_turns.py): the environment's text inside the model's own message; the
     // turn goes on
-    if (seg.role === "insert") { div.append(el("span", "turn-label", "environment, inside the model's message")); modelTurn--; }
+    if (seg.role === "insert") div.append(el("span", "turn-label", "environment, inside the model's message"));
     if (seg.role === "env") {
-      // an environment's per-step rewards (mt_grpo/rollout/environments.py): what this turn's calls earned, R_T of
-      // the turn
-      const steps = seg.step_rewards ? ` · step reward ${seg.step_rewards.map(fmt).join(" + ") || "none (0)"}` : "";
+      // what the turn earned, R_T of the model turn it answers: a reply's score (user_turns.py), or the per-step
+      // rewards its calls appended (mt_grpo/rollout/environments.py)
+      const reply = isReply(seg), scored = seg.step_rewards ? seg.step_rewards.map(fmt).join(" + ") : null;
+      const steps = scored === null ? "" :
+        reply ? ` · reply score ${scored || "none"}` : ` · step reward ${scored || "none (0)"}`;
       // turn_samples: this turn starts a new training sample, whose prompt is the template's render of the history
       const sample = seg.sample ? ` · sample ${seg.sample}: its prompt, the template's render of the history` : "";
-      div.append(el("span", "turn-label", (err ? "environment (error)" : "environment") + steps + sample));
+      const name = err ? "environment (error)" : reply ? "environment's reply" : "environment";
+      div.append(el("span", "turn-label", name + steps + sample));
+      modelTurn++;
     }
     for (let i = seg.start; i < Math.min(seg.end, n); i++) {
-      if (i === ep.first_result) {
-        const bar = el("span", "split", `first <result> · token ${i} · A_T counts above this line only`);
+      if (i === splitAt) {
+        const what = splitTurn && isReply(splitTurn) ? "first reply" : "first <result>";
+        const bar = el("span", "split", `${what} · token ${i} · A_T counts above this line only`);
         (i === seg.start ? box : div).append(bar);
       }
       const env = mask[i] === 0, span = el("span", env ? "t e" : "t m", String(texts[i] ?? "") || "∅");
@@ -319,7 +347,8 @@ function fillTokens(box, ep, e, scale) {
     }
     box.append(div);
   }
-  if (n && !(ep.first_result < n)) box.append(el("span", "split none", "no <result>: A_T counts on every token"));
+  if (mode === "mt_grpo" && n && !(ep.first_result < n))
+    box.append(el("span", "split none", "no <result>: A_T counts on every token"));
 }
 
 // A big step (a 7B recipe: ~300k tokens) would take seconds to draw as spans, so past EAGER_TOKENS an
@@ -365,6 +394,7 @@ function render() {
   scale = scale || 1;
   $("lo").textContent = fmt(-scale);
   $("hi").textContent = "+" + fmt(scale);
+  document.querySelector("#legend .split-key").hidden = !shown.some((ep) => creditMode(ep) === "mt_grpo");
   const groups = new Map();
   shown.forEach((ep, e) => {
     if (!passes(ep)) return;
@@ -379,9 +409,13 @@ function render() {
   let count = 0;
   for (const [g, members] of groups) {
     const first = members[0][0], section = el("section", "group"), row = el("div", "episodes");
-    const mean = (k) => fmt(members.reduce((s, [ep]) => s + (typeof ep[k] === "number" ? ep[k] : 0), 0) / members.length);
+    // a mean over every value the group's episodes hold: a per-turn list gives one per turn (per_turn normalises A_T
+    // over that pool; rewards/turn/mean is its mean over the batch); none (an evaluation): "–"
+    const values = (k) => members.flatMap(([ep]) => [ep[k]].flat()).filter((v) => typeof v === "number");
+    const mean = (k) => values(k).length ? fmt(values(k).reduce((a, b) => a + b, 0) / values(k).length) : "–";
+    const turns = members.some(([ep]) => Array.isArray(ep.R_T)) ? ` (${values("R_T").length} turns)` : "";
     section.append(el("h2", "", `group ${g}: ${first.question || ""}   answer: ${fmt(first.answer_aliases || first.answer)}   ` +
-                                `mean R_T ${mean("R_T")}, R_O ${mean("R_O")}`));
+                                `mean R_T ${mean("R_T")}${turns}, R_O ${mean("R_O")}`));
     const details = el("details");
     details.append(el("summary", "", "prompt"), el("pre", "", first.prompt_text || ""));
     section.append(details, row);

@@ -8,6 +8,7 @@ import base64
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -336,6 +337,116 @@ def test_the_samples_of_a_split_episode_are_labelled(browser, tmp_path, smollm2_
         f.writelines(json.dumps(r) + "\n" for r in records)
     labels = turn_labels(browser, run_dir)
     assert "environment · sample 3: its prompt, the template's render of the history" in labels, labels
+    assert browser.errors() == []
+
+
+class HotCold:
+    """A guessing game that replies as the user (user_turns.py): a wrong guess gets "Lower." or "Higher." with score
+    0.5 when within 2 of the number, else 0.2; the right one "Correct!" with score 1, and ends the episode. Its tool,
+    `hint`, appends a step reward of 0.1."""
+
+    def reset(self, secret: str, **kwargs) -> None:
+        self.secret, self.step_rewards = int(secret), []
+
+    def hint(self, low: int) -> str:
+        """Whether the number is above a bound.
+
+        Args:
+            low: The bound.
+        """
+        self.step_rewards.append(0.1)
+        return "yes" if self.secret > low else "no"
+
+    def respond(self, messages):
+        guess = int(re.findall(r"<answer>(.*?)</answer>", messages[-1]["content"])[-1])
+        if guess == self.secret:
+            return {"content": "Correct!", "done": True, "score": 1.0}
+        return {"content": "Lower." if guess > self.secret else "Higher.",
+                "score": 0.5 if abs(guess - self.secret) <= 2 else 0.2}
+
+
+def hot_cold_run(run_dir: str, tokenizer, mode: str) -> list[dict]:
+    """A recorded step of one group of two games, scored and credited as the trainer does in `mode`: A asks the hint
+    (step reward 0.1), guesses 5 ("Lower.", 0.5), then 4 ("Correct!", 1); B guesses 9 ("Lower.", 0.2), then 4 (1).
+    R_O: 1 and 0. Writes RUN_DIR/rollouts/step-000001.jsonl; returns its records."""
+    import torch
+
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo.run.reporting import episode_records
+    from mt_grpo_trainer import ADVANTAGE_MODES, AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, \
+        turn_reward_table
+    from scripted_policy import ScriptedPolicy
+    from test_environments import answer, lock_env
+
+    env, pool = lock_env(tokenizer, factory=HotCold, max_user_turns=3)
+    hint = '<reasoning>Ask.</reasoning>\n<tool>{"name": "hint", "args": {"low": 3}}</tool>'
+    rows = [{"prompt": "Guess my number.", "secret": "4", "question": "Guess my number."}] * 2
+    script = {"Guess my number.": [[hint, answer("5"), answer("4")], [answer("9"), answer("4")]]}
+    episodes = env.rollout([env.prompt(row["prompt"]) for row in rows], ScriptedPolicy(tokenizer, script), rows=rows)
+    turns = [ep.tool_turns for ep in episodes]
+    assert turns == [3, 2] and [ep.stop_reason for ep in episodes] == ["env_done"] * 2
+    _, turn_funcs = pool.reward_funcs  # HotCold_steps: the step rewards and the replies' scores, a value per turn
+    K = max(turns) + 1 if ADVANTAGE_MODES[mode].turn_columns else 1  # as the trainer's _score
+    per_func = compute_rewards_per_func(turn_funcs, ["p"] * 2, [ep.messages for ep in episodes],
+                                        {"environments": [ep.toolset.environment for ep in episodes]}, turns, K)
+    R_T, R_O = turn_reward_table(per_func, torch.ones(1), torch.tensor(turns), [True]), torch.tensor([1.0, 0.0])
+    token_turns = pad_episodes(episodes, tokenizer.pad_token_id, False)["token_turns"]
+    adv = mt_grpo_advantages(R_T, R_O, token_turns, AdvantageSettings.of(mode, 2, turn_advantage_coef=1.0))
+    records = episode_records(tokenizer, episodes, rows, step=1, mode="train", first_index=0, group_size=2, rewards={},
+                              R_T=R_T, R_O=R_O, A_T=adv.turn, A_O=adv.outcome, token_values={"advantage": adv.tokens})
+    env.release(episodes)
+    os.makedirs(os.path.join(run_dir, "rollouts"))
+    with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return records
+
+
+def test_a_per_turn_run_with_user_turns_shows_each_turns_own_credit(browser, tmp_path, smollm2_tokenizer):
+    """per_turn with user turns (issue 78, point 9): no "first <result>" bar (A_T reaches every turn, and B has no
+    tool result), each model turn labelled with its own R_T and A_T and coloured by A_O + its A_T, a reply's score
+    labelled as one and the tool's step reward as before, and the group's mean R_T over the five per-turn values.
+    By hand: R_T pooled over (0.1, 0.5, 1, 0.2, 1): mean 0.56, std (unbiased) 0.4278, A_T = (R_T - 0.56) / 0.4278;
+    A_O = +-0.7071."""
+    run_dir = str(tmp_path / "per_turn")
+    records = hot_cold_run(run_dir, smollm2_tokenizer, "per_turn")
+    assert [r["R_T"] for r in records] == [pytest.approx([0.1, 0.5, 1.0]), pytest.approx([0.2, 1.0])]
+    assert records[1]["first_result"] < len(records[1]["tokens"]["ids"])  # its first reply: what the bar once showed
+    assert turn_labels(browser, run_dir) == [
+        "model turn 0 · R_T 0.1 · A_T -1.075", "environment · step reward 0.1",
+        "model turn 1 · R_T 0.5 · A_T -0.1403", "environment's reply · reply score 0.5",
+        "model turn 2 · R_T 1 · A_T 1.029", "environment's reply · reply score 1",
+        "model turn 0 · R_T 0.2 · A_T -0.8415", "environment's reply · reply score 0.2",
+        "model turn 1 · R_T 1 · A_T 1.029", "environment's reply · reply score 1"]
+    assert browser.js("document.querySelectorAll('.split').length") == 0
+    assert browser.js("document.querySelector('#legend .split-key').offsetParent") is None  # the bar's key hidden
+    assert "mean R_T 0.56 (5 turns), R_O 0.5" in browser.js("document.querySelector('.group h2').textContent")
+    # each model turn's tokens: one colour, the page's colour of A_O + that turn's A_T (by hand)
+    colours = browser.js("""[...document.querySelectorAll('.episode')].map((card) =>
+        [...card.querySelectorAll('.turn.model')].map((turn) =>
+            [...new Set([...turn.querySelectorAll('.t.m')].map((t) => t.style.background))]))""")
+    A_O, scale = 0.7071, 0.7071 + 1.029  # the step's largest |advantage|: A's last turn
+    expected = [[A_O - 1.0753, A_O - 0.1403, A_O + 1.0286], [-A_O - 0.8415, -A_O + 1.0286]]
+    as_css = "(a) => { const s = document.createElement('span'); s.style.background = advColor(a, %s); " \
+             "return [s.style.background]; }" % scale  # the colour as the browser writes it back
+    assert colours == browser.js(f"{expected}.map((card) => card.map({as_css}))")
+    assert len({c for card in colours for [c] in card}) == 5  # five turns, five advantages, five colours
+    assert browser.errors() == []
+
+
+def test_an_mt_grpo_run_with_user_turns_marks_where_A_T_stops(browser, tmp_path, smollm2_tokenizer):
+    """mt_grpo: A_T stops at the first environment turn, a tool result (A) or a reply (B), and the bar names which;
+    the model turns carry no per-turn values, and the header's mean R_T is over the two episodes' numbers."""
+    run_dir = str(tmp_path / "mt_grpo")
+    records = hot_cold_run(run_dir, smollm2_tokenizer, "mt_grpo")
+    assert [r["R_T"] for r in records] == [pytest.approx(0.1), pytest.approx(0.2)]
+    labels = turn_labels(browser, run_dir)
+    assert labels[:2] == ["model turn 0", "environment · step reward 0.1"] and labels[3] == \
+        "environment's reply · reply score 0.5", labels
+    bars = browser.js("[...document.querySelectorAll('.split')].map((b) => b.textContent)")
+    assert bars == [f"first <result> · token {records[0]['first_result']} · A_T counts above this line only",
+                    f"first reply · token {records[1]['first_result']} · A_T counts above this line only"]
+    assert browser.js("document.querySelector('#legend .split-key').offsetParent") is not None
+    assert "mean R_T 0.15, R_O 0.5" in browser.js("document.querySelector('.group h2').textContent")
     assert browser.errors() == []
 
 
