@@ -63,7 +63,8 @@ from mt_grpo.rollout import RolloutArguments
 from mt_grpo.rollout.async_rollout import AsyncRollouts, PromptStream, first_generation, generation_index
 from mt_grpo.rollout.dynamic_sampling import resample_groups
 from mt_grpo.rollout.environments import episode_columns, prompt_fitter
-from mt_grpo.rollout.episodes import CallRecord, Episode, check_tokenization, loss_mask, pad_episodes, run_length
+from mt_grpo.rollout.episodes import (CallRecord, Episode, check_tokenization, length_stop, loss_mask, pad_episodes,
+                                      run_length)
 from mt_grpo.rollout.scheduling import run_per_episode
 from mt_grpo.rollout.tool_calls import ToolResult, cut_tool_output
 from mt_grpo.rollout.toolset import Toolset, run_turns
@@ -752,9 +753,8 @@ class MultiTurnToolEnv:
         add_model_message(ep, text, [tool_call_message(c.name, c.arguments) for c in turn.calls if not c.error])
         if turn.kind == "answer":
             ep.stop_reason = "answer"
-        elif sample.finish_reason == "length":
-            ep.stop_reason = ("budget" if ep.context_length >= self.max_completion_length
-                              else "turn_length")
+        elif sample.finish_reason == "length":  # its calls are not run (TRL runs a budget-cut one: logged once)
+            ep.stop_reason = length_stop(ep, turn, self.max_completion_length)
         elif sample.finish_reason == "repetition":
             ep.stop_reason = "repetition"
         elif turn.kind == "none":

@@ -74,7 +74,7 @@ def main(recipe: str, flags: list[str]):
         lora_r = int(lora_r)
     except (TypeError, ValueError):
         fail(f"lora_r: {lora_r!r} is not a whole number")
-    values = {"MODEL": model, "TOOL_FORMAT": config.get("tool_format") or "xml", "LORA_R": lora_r,
+    values = {"MODEL": model, "TOOL_FORMAT": config.get("tool_format") or "auto", "LORA_R": lora_r,
               **{key.upper(): str(as_bool(key, config.get(key, False))).lower() for key in BOOL_KEYS}}
     for name, value in values.items():
         print(f"{name}={shlex.quote(str(value))}")

@@ -384,3 +384,39 @@ def test_what_a_tool_returns_reaches_the_model_the_rewards_and_the_turn_reward(s
     reply_ids = [ep.completion_ids[s.start : s.end] for s in ep.spans if s.role == "env"]
     assert reply_ids[1].count(im_end) == reply_ids[0].count(im_end)  # the tool's <|im_end|> is text, not a turn's end
     assert REWARD_FUNCS["tool_rewards"]([None], [ep.messages]) == [[None, None, 1.0, -0.5]]  # no reward: no score
+
+
+def test_a_call_the_budget_cut_is_not_run_and_the_difference_from_trl_is_logged(qwen_style_tokenizer, caplog,
+                                                                                 monkeypatch):
+    """Issue 78, point 5: a turn the completion budget cuts after a whole `<tool_call>`: the call is not run here
+    (its result could not reach the model; stop reason `budget`), where TRL runs it and drops the result. Logged once;
+    a turn cut by `max_tokens_per_turn` with room left is `turn_length` and logs nothing."""
+    import logging
+
+    from helpers import template_call
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+    from mt_grpo.rollout import episodes as episode_module
+
+    ran = []
+
+    def search(query: str) -> str:
+        """Search.
+
+        Args:
+            query: what to look for.
+        """
+        ran.append(query)
+        return "found"
+
+    monkeypatch.setattr(episode_module, "_BUDGET_CALL_LOGGED", [])
+    call = template_call("Veltria")
+    budget = len(qwen_style_tokenizer.encode(call, add_special_tokens=False)) + 4
+    script = {"Q-cut": [call + " and then a long tail of words that the budget cuts off" * 4]}
+    for limit, stop in ((budget, "budget"), (budget * 4, "turn_length")):
+        env = make_env(qwen_style_tokenizer, [search], protocol=ChatTemplateProtocol(), max_completion_length=limit,
+                       max_tokens_per_turn=min(limit, budget))
+        with caplog.at_level(logging.INFO, logger="mt_grpo"):
+            (ep,) = env.rollout([env.prompt("Q-cut")], ScriptedPolicy(qwen_style_tokenizer, script))
+        assert ep.stop_reason == stop and ep.calls == [] and ran == []
+    logged = [r for r in caplog.records if "TRL runs it and drops the result" in r.getMessage()]
+    assert len(logged) == 1

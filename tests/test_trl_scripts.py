@@ -124,7 +124,8 @@ def dataset(game, rows: int = 2):
 
 def test_both_trainers_allow_the_same_calls_and_show_the_tool_the_same_description(game, model_dir, tmp_path):
     """TRL's default allows tool calls until the completion budget; so do ours (no max_env_steps, no per-turn cap,
-    no cut of a tool's reply but the budget). The docstring's argument description reaches the model in both."""
+    no cut of a tool's reply but the budget). The docstring's argument description reaches the model in both. By
+    default (`tool_format: auto`) the model's own calls run, as under TRL: Qwen's template writes tools."""
     from transformers.utils import get_json_schema
     from trl import GRPOTrainer
 
@@ -136,16 +137,16 @@ def test_both_trainers_allow_the_same_calls_and_show_the_tool_the_same_descripti
                             train_dataset=dataset(game), environment_factory=game.GridWalkEnv)
     assert theirs.max_tool_calling_iterations == sys.maxsize and ours.env.max_env_steps == math.inf
     assert ours.env.max_tokens_per_turn == ours.env.max_tool_response_tokens == 2048
+    # by default, the model's own tool calls: the template gets the very schema TRL gives it
+    assert ours.args.tool_format == ours.env.protocol.name == "chat_template"
+    assert ours.env.environments.template_tools[None] == [get_json_schema(t) for t in theirs.tools]
     schema = get_json_schema(theirs.tools[0])["function"]
     assert schema["parameters"]["properties"]["direction"]["description"] == 'One of "up", "down", "left", "right".'
-    system = ours.env.prompt(dataset(game)[0]["prompt"], ours.env.environments.tools())[0]["content"]
+    xml = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, train_dataset=dataset(game),
+                           args=our_config(tmp_path, tool_format="xml"), environment_factory=game.GridWalkEnv)
+    system = xml.env.prompt(dataset(game)[0]["prompt"], xml.env.environments.tools())[0]["content"]
     assert f"step(direction: str) -> str: {schema['description']}" in system
     assert f"    direction: {schema['parameters']['properties']['direction']['description']}" in system
-    # with the model's own tool calls, the template gets the very schema TRL gives it
-    native = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, train_dataset=dataset(game),
-                              args=our_config(tmp_path, tool_format="chat_template"),
-                              environment_factory=game.GridWalkEnv)
-    assert native.env.environments.template_tools[None] == [get_json_schema(t) for t in theirs.tools]
 
 
 def test_a_scripted_player_makes_all_8_moves_under_both_trainers_defaults(game, model_dir, tmp_path):
@@ -175,13 +176,20 @@ def test_a_scripted_player_makes_all_8_moves_under_both_trainers_defaults(game, 
                          train_dataset=dataset(game), environment_factory=Counted)
     theirs.train()
     assert [env.moves for env in theirs._environment_pool[None]] == [8, 8]
-    ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, args=our_config(tmp_path),
-                            train_dataset=dataset(game), environment_factory=Counted,
-                            backend=ScriptedPolicy(tokenizer, {game.PROMPT: xml + [done]}))
-    ours.train()
-    assert [env.moves for env in ours.env.environments.free[None]] == [8, 8]
-    stops = [h for h in ours.state.log_history if "loss" in h][0]
-    assert stops["rollout/tool_calls_per_episode"] == 8 and stops["rollout/stop/no_action"] == 1.0
+    trl_step = [h for h in theirs.state.log_history if "loss" in h][0]
+    # the same player, the same template calls: ours runs them by default, as TRL does (issue 78, point 1: with the
+    # import alone they ran none); the xml protocol where a recipe chooses it
+    for tool_format, turns in (("auto", hermes), ("xml", xml)):
+        ours = MTGRPOEnvTrainer(model=model_dir, reward_funcs=game.reward_walk, train_dataset=dataset(game),
+                                args=our_config(tmp_path, tool_format=tool_format), environment_factory=Counted,
+                                backend=ScriptedPolicy(tokenizer, {game.PROMPT: turns + [done]}))
+        ours.train()
+        assert [env.moves for env in ours.env.environments.free[None]] == [8, 8], tool_format
+        stops = [h for h in ours.state.log_history if "loss" in h][0]
+        assert stops["rollout/tool_calls_per_episode"] == 8 and stops["rollout/stop/no_action"] == 1.0
+        assert stops["tools/call_frequency"] == 8.0
+        if tool_format == "auto":  # the same text as TRL's: TRL's num_tokens (prompts and sampled tokens) agrees
+            assert stops["num_tokens"] == trl_step["num_tokens"] and trl_step["tools/call_frequency"] == 8.0
 
 
 def test_no_default_of_the_knowledge_base_reaches_another_task(game, model_dir, tmp_path):
@@ -354,7 +362,8 @@ def test_trls_multi_environment_dataset_trains_and_logs_trls_metric_names(model_
                                          call.format("press", '{"digit": 2}'), done],
               "Count to 4.": [call.format("add", '{"amount": 4}'), done]}
     factories = {"lock": Lock, "counter": Counting}
-    config = our_config(tmp_path, per_device_train_batch_size=4, save_rollouts_steps=1, max_completion_length=512)
+    config = our_config(tmp_path, per_device_train_batch_size=4, save_rollouts_steps=1, max_completion_length=512,
+                        tool_format="xml")  # the player writes xml calls (the default, auto, would take Qwen's own)
     trainer = MTGRPOEnvTrainer(model=model_dir, reward_funcs=counter_value, args=config, environment_factory=factories,
                                train_dataset=Dataset.from_dict({"environment": ["lock", "counter"]}),
                                backend=ScriptedPolicy(AutoTokenizer.from_pretrained(model_dir), script))

@@ -35,9 +35,11 @@ examples live in mt_grpo/tasks/fictional_kb.py.
 To add a protocol: subclass Protocol, fill in its methods, and add it to PROTOCOLS.
 """
 
+import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
 import re
 import types
@@ -190,18 +192,24 @@ class Protocol:
         """The task's part (`task_prompt`; for `questions` without one, DEFAULT_TASK_PROMPT), then the protocol's
         tool part, which asks for an <answer> only for `questions` (a TRL prompt or an environment's episode ends
         at a turn without a call, as in TRL). `with_example`: show one call (and its answer) in text, from
-        `example` (a worked example, see `check_examples`; its first step) or else a neutral call of the first
+        `example` (a worked example, see `check_examples`; its first tool step) or else a neutral call of the first
         tool. False when worked examples are shown as real turns: the prompt need not describe one (about 100
         tokens less in every episode). "" means no system message."""
         raise NotImplementedError
 
     def few_shot(self, tools: list[Callable], examples: list[dict]) -> list[dict]:
         """Worked examples (`check_examples`) as canonical messages, to follow the system prompt: per example
-        the question, an assistant turn and a tool message per step, then the answer turn."""
+        the question, per step an assistant turn and a tool message (a tool step), or an answer turn and the
+        environment's reply as a user message (a reply step: what an episode appends after `respond`), then the
+        answer turn. A reply is a user message, so its text is from outside in every render (OUTSIDE_ROLES)."""
         messages = []
         for example in examples:
             messages.append({"role": "user", "content": example["question"]})
             for step in example.get("steps", []):
+                if "reply" in step:
+                    messages += [{"role": "assistant", "content": self.answer_text(step), "tool_calls": []},
+                                 {"role": "user", "content": step["reply"]}]
+                    continue
                 args = step.get("args", {})
                 messages += [{"role": "assistant", "content": self.call_text(step),
                               "tool_calls": [tool_call_message(step["tool"], args)]},
@@ -214,7 +222,7 @@ class Protocol:
         raise NotImplementedError
 
     def answer_text(self, example: dict) -> str:
-        """The text of a worked example's answer turn (its `thought`, then <answer>)."""
+        """The text of a worked example's answer turn, or of a reply step's (its `thought`, then <answer>)."""
         raise NotImplementedError
 
     def template_tools(self, tools: list[Callable]) -> list[dict] | None:
@@ -266,10 +274,10 @@ class XMLProtocol(Protocol):
             return "\n\n".join(p for p in [task_text(task_prompt, questions), XML_NO_TOOLS[questions]] if p)
         parts = [task_text(task_prompt, questions), XML_TOOL_PROMPT.format(tools=describe_tools(tools),
                                                                            end=XML_END[questions])]
-        example = example if example and example.get("steps") else neutral_example(tools)
+        example = example if example and tool_steps(example) else neutral_example(tools)
         if with_example and example is not None:  # no tools: nothing to show a call of
             answer = XML_EXAMPLE_ANSWER.format(answer=self.answer_text(example)) if questions else ""
-            parts.append(XML_EXAMPLE.format(call=self.call_text(example["steps"][0])) + answer)
+            parts.append(XML_EXAMPLE.format(call=self.call_text(tool_steps(example)[0])) + answer)
         return "\n\n".join(p for p in parts if p)
 
     def call_text(self, step: dict) -> str:
@@ -314,6 +322,7 @@ class XMLProtocol(Protocol):
         if any(tag in text for tag in (self.TOOL_OPEN, self.TOOL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)):
             return Turn(calls=[ToolCall(
                 "", error="a tool call or answer was opened but not closed, or closed but not opened.")])
+        unparsed_markup(text, self.name)
         return Turn()
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
@@ -457,8 +466,16 @@ class ChatTemplateProtocol(Protocol):
     stop_strings = []
 
     def __init__(self, tokenizer=None):
-        # Kept only if it defines transformers' response parsing; the Hub's Qwen2.5 and Qwen3 tokenizers
-        # do not.
+        # Kept only if it defines transformers' response parsing. The Hub's Qwen2.5 and Qwen3 tokenizers do not, and
+        # their <tool_call> blocks are parsed here (parse_hermes_calls); another template TRL knows (Llama 3.1's
+        # and 3.2's JSON calls, gpt-oss, GLM-4, Gemma 4, LFM2, DeepSeek-R1) gets TRL's parser, as GRPOTrainer sets it
+        # (trl.chat_template_utils.add_response_schema), so that its calls parse as they do under TRL.
+        if tokenizer is not None and not getattr(tokenizer, "response_template", None) \
+                and TOOL_CALL_OPEN not in str(getattr(tokenizer, "chat_template", None) or ""):
+            with contextlib.suppress(Exception):  # a template TRL does not know: <tool_call> blocks, as Qwen's
+                from trl.chat_template_utils import add_response_schema
+
+                add_response_schema(tokenizer)
         self.response_parser = tokenizer if getattr(tokenizer, "response_template", None) else None
 
     def format_call(self, name: str, arguments: dict) -> str:
@@ -509,6 +526,8 @@ class ChatTemplateProtocol(Protocol):
         if not calls and (ANSWER_OPEN in content or ANSWER_CLOSE in content):
             return Turn(calls=[ToolCall(
                 "", error="an answer was opened but not closed, or closed but not opened.")])
+        if not calls:
+            unparsed_markup(content, self.name)
         return Turn(calls=calls)
 
     def parse_with_tokenizer(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -539,9 +558,48 @@ PROTOCOLS: dict[str, type[Protocol]] = {"xml": XMLProtocol, "chat_template": Cha
 
 
 def get_protocol(name: str, tokenizer=None) -> Protocol:
+    name = auto_tool_format(tokenizer) if name == "auto" else name
     if name not in PROTOCOLS:
-        raise ValueError(f"Unknown tool_format {name!r}; choose one of {sorted(PROTOCOLS)}.")
+        raise ValueError(f"Unknown tool_format {name!r}; choose one of {['auto', *sorted(PROTOCOLS)]}.")
     return PROTOCOLS[name](tokenizer)
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "mt_grpo_probe_tool", "description": "A probe.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def auto_tool_format(tokenizer) -> str:
+    """`tool_format: auto` (the default): chat_template where the tokenizer's chat template writes the tools it is
+    given (a probe tool's name in its render), as TRL's GRPOTrainer runs a model's own tool calls; xml otherwise
+    (SmolLM2's template has no tool section) and without a tokenizer."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return "xml"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}], tools=[PROBE_TOOL], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that fails on tools takes none
+        return "xml"
+    return "chat_template" if PROBE_TOOL["function"]["name"] in str(text) else "xml"
+
+
+# Tool-call markup of the other format: a model writing it gets no call run, which looked like a model that never
+# calls (an episode `no_action`, `tools/call_frequency` 0); the run says so once, naming the field.
+OTHER_MARKUP = {"xml": ("<tool_call>", "<|python_tag|>", '{"name"'), "chat_template": ("<tool>",)}
+_MARKUP_LOGGED: set[str] = set()
+
+
+def unparsed_markup(text: str, name: str) -> None:
+    """Log once a run that the model wrote the other format's tool-call markup, which `tool_format: name` does not
+    parse."""
+    seen = next((m for m in OTHER_MARKUP[name] if m in text), None)
+    if seen is None or name in _MARKUP_LOGGED:
+        return
+    _MARKUP_LOGGED.add(name)
+    other = "chat_template" if name == "xml" else "xml"
+    logging.getLogger("mt_grpo").warning(
+        "The model wrote %r, tool-call markup that tool_format: %s does not parse, so no call of it runs (the "
+        "episode ends as an answer). If that is how this model calls tools, set tool_format: %s (auto picks "
+        "chat_template where the chat template writes tools).", seen, name, other)
 
 
 class StopStringMatcher:
@@ -693,9 +751,11 @@ def end_of_turn_ids(model_name_or_path: str, tokenizer, revision: str | None = N
 # Prompts: the system prompt's parts, worked examples, and the user's prompt (TRL's formats)
 # ------------------------------------------------------------------------------------------------
 EXAMPLE_FIELDS = {"question", "steps", "thought", "answer", "tool_formats"}
-STEP_FIELDS = {"thought", "tool", "args", "result"}
+STEP_FIELDS = {"thought", "tool", "args", "result"}  # a tool step: the model's call and the tool's output
+REPLY_STEP_FIELDS = {"thought", "answer", "reply"}  # a reply step: the model's answer and the environment's reply
 EXAMPLE_SHAPE = ('{"question": str, "steps": [{"thought": str (optional), "tool": str, "args": {...}, "result": str}'
-                 ', ...], "thought": str (optional), "answer": str}')
+                 ' or {"thought": str (optional), "answer": str, "reply": str}, ...], "thought": str (optional), '
+                 '"answer": str}')
 EXAMPLE_FILES = (".json", ".jsonl", ".yaml", ".yml")
 TEXT_FILES = (".txt", ".md")
 PROMPT_ROLES = ("system", "user", "assistant")
@@ -757,8 +817,15 @@ def check_examples(examples, tools: list[Callable] | None = None, source: str = 
          "thought": "The result is 391.", "answer": "391"}
 
     `steps` may be empty (an answer without a call); the thoughts are optional (the xml protocol shows them as
-    <reasoning>, chat_template only the answer's). `tool_formats` (optional, a list of protocol names) shows the
-    example only with those protocols."""
+    <reasoning>, chat_template only the answer's). A step is a tool call, as above, or a reply step: an answer and
+    the environment's reply to it as the user (what `respond` gives, rollout/user_turns.py), for a game with
+    feedback; the model's turn renders as the example's answer turn does, the reply as a user message:
+
+        {"question": "Guess my number, from 1 to 10.",
+         "steps": [{"thought": "The middle.", "answer": "5", "reply": "Higher."}],
+         "thought": "Above 5: I try 7.", "answer": "7"}
+
+    `tool_formats` (optional, a list of protocol names) shows the example only with those protocols."""
     if not isinstance(examples, list):
         raise ValueError(f"{source} must be a list of worked examples, each {EXAMPLE_SHAPE}; got a "
                          f"{type(examples).__name__}.")
@@ -778,8 +845,8 @@ def check_examples(examples, tools: list[Callable] | None = None, source: str = 
                              "out to show the example with every tool format.")
         steps = example.get("steps", [])
         if not isinstance(steps, list):
-            raise ValueError(f"{where}.steps must be a list of tool calls {{tool, args, result}}; got a "
-                             f"{type(steps).__name__}.")
+            raise ValueError(f"{where}.steps must be a list of tool calls {{tool, args, result}} and replies "
+                             f"{{answer, reply}}; got a {type(steps).__name__}.")
         for j, step in enumerate(steps):
             _check_step(step, f"{where}.steps[{j}]", dict(zip(names, tools)) if names is not None else None)
     return examples
@@ -798,13 +865,19 @@ def _check_text(value, where: str) -> None:
 
 def _check_step(step, where: str, tools: dict[str, Callable] | None) -> None:
     if not isinstance(step, dict):
-        raise ValueError(f"{where} is a {type(step).__name__}; write each step as "
-                         '{"thought": ..., "tool": ..., "args": {...}, "result": ...}.')
-    _check_fields(step, STEP_FIELDS, where)
-    for key in ("tool", "result"):
-        _check_text(step.get(key), f"{where}.{key}")
+        raise ValueError(f"{where} is a {type(step).__name__}; write each step as a tool call "
+                         '{"thought": ..., "tool": ..., "args": {...}, "result": ...} or a reply '
+                         '{"thought": ..., "answer": ..., "reply": ...}.')
     if "thought" in step:
         _check_text(step["thought"], f"{where}.thought")
+    if set(step) & {"answer", "reply"}:
+        _check_reply_step(step, where)
+        return
+    if unknown := sorted(set(step) - STEP_FIELDS):
+        raise ValueError(f"{where} has the unknown field(s) {unknown}; a tool step's fields are {sorted(STEP_FIELDS)}"
+                         f", a reply step's {sorted(REPLY_STEP_FIELDS)}.")
+    for key in ("tool", "result"):
+        _check_text(step.get(key), f"{where}.{key}")
     args = step.get("args", {})
     if not isinstance(args, dict):
         raise ValueError(f"{where}.args must be an object of keyword arguments; got {args!r}.")
@@ -822,6 +895,30 @@ def _check_step(step, where: str, tools: dict[str, Callable] | None) -> None:
         raise ValueError(f"{where}.args {args} do not fit {step['tool']}{inspect.signature(tools[step['tool']])}: "
                          + "; ".join([f"no argument {a!r}" for a in unknown] + [f"{m!r} is required" for m in missing])
                          + ". Use the tool's argument names.")
+
+
+def _check_reply_step(step: dict, where: str) -> None:
+    """A reply step: the model's answer turn and the environment's reply to it as the user (respond's), one of each."""
+    if mixed := sorted(set(step) & (STEP_FIELDS - {"thought"})):
+        raise ValueError(f"{where} mixes a reply step (answer, reply) and a tool step ({', '.join(mixed)}); a step is "
+                         "one model turn, a tool call {tool, args, result} or an answer the environment replies to "
+                         "{answer, reply}: split it into two steps.")
+    if unknown := sorted(set(step) - REPLY_STEP_FIELDS):
+        raise ValueError(f"{where} has the unknown field(s) {unknown}; a reply step's fields are "
+                         f"{sorted(REPLY_STEP_FIELDS)}.")
+    if "answer" not in step:
+        raise ValueError(f"{where} has a reply but no answer; a reply answers the model's answer turn: give the "
+                         "step's `answer` (what the model wrote before the reply).")
+    if "reply" not in step:
+        raise ValueError(f"{where} has an answer but no reply; give `reply` (the environment's message to that "
+                         "answer), or, if the example ends on this answer, make it the example's own `answer`.")
+    for key in ("answer", "reply"):
+        _check_text(step[key], f"{where}.{key}")
+
+
+def tool_steps(example: dict) -> list[dict]:
+    """A worked example's tool steps, without its reply steps (check_examples)."""
+    return [step for step in example.get("steps", []) if "reply" not in step]
 
 
 def load_examples(value, source: str = "few_shot_examples") -> list[dict] | None:
@@ -936,7 +1033,7 @@ def build_prompt(protocol: Protocol, tools: list[Callable], prompt: str | list[d
         outside = task_prompt.strip()  # the prompt's own system text: from outside, as its other messages are
     examples = run_examples(protocol, tools, examples)
     shots = protocol.few_shot(tools, examples) if few_shot else []
-    example = next((e for e in examples if e.get("steps")), None)
+    example = next((e for e in examples if tool_steps(e)), None)  # the first with a call, for the text example
     system = protocol.system_prompt(tools, task_prompt, with_example=not shots, example=example, questions=questions)
     system = [{"role": "system", "content": system}] if system else []
     if system and outside:  # where the protocol wrote it; the whole message if it rewrote it

@@ -27,8 +27,9 @@ class RolloutArguments:
     few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
                          "task's (fictional_kb, triviaqa: two searches); small models need them.")
     few_shot_examples: list | str | None = arg(None, "Worked examples, inline or a .json/.jsonl/.yaml file: "
-                                               "[{question, steps: [{thought, tool, args, result}], thought, answer}] "
-                                               "(None: the task's).")
+                                               "[{question, steps: [{thought, tool, args, result} or {thought, "
+                                               "answer, reply}], thought, answer}]; a reply step shows the "
+                                               "environment's reply to an answer (None: the task's).")
     system_prompt: str | None = arg(None, "The system prompt's task part, inline or a text file; the tool format "
                                     "follows it (None: the task's, else a neutral one).")
     tokenization_check: str = arg("ignore_whitespace", "Compare rollout ids with a full re-render: strict (ids) | "

@@ -113,6 +113,25 @@ class Episode:
 TRUNCATED_STOP_REASONS = ("turn_length", "budget", "repetition")
 
 
+_BUDGET_CALL_LOGGED: list = []  # the difference below was logged
+
+
+def length_stop(ep: Episode, turn, max_completion_length: int) -> str:
+    """The stop reason of a model turn cut by a token limit: `budget` when the episode's completion is full, else
+    `turn_length`. Its calls are not run: a call the budget cut is never answered, so its result could not reach
+    the model. TRL's tool loop runs such a call all the same and drops its result, so an environment's state (a game
+    board) differs from TRL's after it: logged once."""
+    if ep.context_length < max_completion_length:
+        return "turn_length"
+    if not _BUDGET_CALL_LOGGED and any(not c.error for c in turn.calls):
+        _BUDGET_CALL_LOGGED.append(True)
+        logger.info("A turn that the completion budget (max_completion_length) cut holds a whole tool call, which is "
+                    "not run: its result could not reach the model. TRL runs it and drops the result, so an "
+                    "environment's state differs from TRL's after such a turn (raise max_completion_length to let "
+                    "the call be answered).")
+    return "budget"
+
+
 def result_start(spans: list[Span], length: int) -> int:
     """Offset of the first environment (<result>) turn in the completion; `length` when there is none."""
     return next((s.start for s in spans if s.role == "env"), length)

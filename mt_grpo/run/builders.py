@@ -94,6 +94,14 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
     source = train or held_out
     tokenizer, eos_ids = load_tokenizer(model, processing_class, revision=_revision(args),
                                         trust_remote_code=args.trust_remote_code)
+    if args.tool_format == "auto":  # the format this run uses, from here on (the trainer's copy of the config)
+        from mt_grpo.base.protocol import auto_tool_format
+
+        # an ms-swift scheduler reads the model's tool text itself (ReAct `Action:`, `<tool_call>`): xml leaves it so
+        args.tool_format = "xml" if args.multi_turn_scheduler else auto_tool_format(tokenizer)
+        logger.info("tool_format: auto: %s (%s).", args.tool_format, "an ms-swift scheduler reads the tool text" if
+                    args.multi_turn_scheduler else "the chat template writes tools: the model's own calls, as TRL runs "
+                    "them" if args.tool_format == "chat_template" else "the chat template writes no tools")
     if adapted is not None and adapted.use_tokenizer is not None:  # the adapter counts tokens with the run's own
         adapted.use_tokenizer(tokenizer)
     # the task's eval metrics whose columns the data has (a question without answers gets no exact match)

@@ -89,7 +89,7 @@ class RolloutProgress:
             self.bar.close()
 
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
-                 "tokenization_mismatch", "turns", "samples", "user_turns")
+                 "tokenization_mismatch", "turns", "samples", "user_turns", "prompt_tokens")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout",
                 "env_done", "env_error", "max_assistant_turns")
 # The stop reasons that are a limit cutting the episode, and the field to raise
@@ -121,7 +121,7 @@ def episode_stats(episodes: list) -> torch.Tensor:
         model_tokens = sum(ep.model_mask)
         rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                     model_turns(ep.spans), 1 + len(ep.sample_starts), ep.user_turns]
+                     model_turns(ep.spans), 1 + len(ep.sample_starts), ep.user_turns, len(ep.prompt_ids)]
                     + [ep.stop_reason == r for r in STOP_REASONS])
     return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
 
@@ -251,7 +251,7 @@ def rolled_out_rows(passes: list, group_size: int) -> tuple:
 def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int, mode: str,
                     first_index: int, group_size: int, rewards: dict[str, dict[str, list]],
                     token_values: dict[str, torch.Tensor | None], R_T=None, R_O=None, A_T=None,
-                    A_O=None) -> list[dict]:
+                    A_O=None, advantage_mode: str | None = None) -> list[dict]:
     """One JSON-ready record per episode, as scripts/view_rollouts.py reads them (docs/guide.md: "Looking
     at rollouts and runs" lists every field): the turns (an env turn with the calls it answers and their
     outputs), every completion token with its mask and per-token values, rewards, advantages and the
@@ -281,7 +281,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             tokens[name] = None if values is None else values[i, :n].tolist()
         k = first_index + i
         records.append({
-            "step": step, "mode": mode, "group": k // group_size, "sample": k % group_size,
+            "step": step, "mode": mode, "advantage_mode": advantage_mode,  # the viewer labels the credit by it
+            "group": k // group_size, "sample": k % group_size,
             "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
             "answer_aliases": row.get("answer_aliases"),
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
@@ -574,10 +575,14 @@ class TrainerReports:
                                        self.outcome_weights]), self.reward_func_names, G, self.args.scale_rewards,
                                        tools).items():  # TRL's names, beside ours
             m[name].append(value)
-        if mode == "train":
-            self.state.num_input_tokens_seen += int(stats[:, EPISODE_STATS.index("model_tokens")].sum()
-                                                    + stats[:, EPISODE_STATS.index("env_tokens")].sum())
+        if mode == "train":  # TRL's num_tokens: prompt tokens and model-sampled ones (tool_mask 1), since the start
+            column = lambda name: int(stats[:, EPISODE_STATS.index(name)].sum())  # noqa: E731
+            self.state.num_input_tokens_seen += column("prompt_tokens") + column("model_tokens")
+            # ours: every completion token the trainer forwards (the model's, the environment's, re-rendered prompts)
+            self._completion_tokens_seen = getattr(self, "_completion_tokens_seen", 0) + column("model_tokens") \
+                + column("env_tokens")
         m["num_tokens"] = [self.state.num_input_tokens_seen]
+        m["rollout/completion_tokens_seen"] = [float(getattr(self, "_completion_tokens_seen", 0))]
 
     def _log_sampler_gap(self, mode: str, weights: torch.Tensor, mask: torch.Tensor, trainer_logps: torch.Tensor,
                          sampler_logps: torch.Tensor, listed: torch.Tensor | None, token_turns: torch.Tensor) -> None:
@@ -671,7 +676,7 @@ class TrainerReports:
             first_index=rank * B, group_size=self.num_generations,
             rewards=rewards_by_name(scores, local, episodes, self.turn_reward_funcs, self.outcome_reward_funcs),
             R_T=scores.R_T[local], R_O=scores.R_O[local],
-            A_T=adv.turn[local], A_O=adv.outcome[local],
+            A_T=adv.turn[local], A_O=adv.outcome[local], advantage_mode=self.advantage_mode,
             token_values={"advantage": adv.tokens,  # before the importance weight (is_weight)
                           "trainer_logprob": batch.get("old_per_token_logps"),
                           "is_weight": weights},

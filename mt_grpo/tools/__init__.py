@@ -66,8 +66,9 @@ class ToolArguments:
     tools: list[str] | None = arg(None, "Tool names of TOOLS in mt_grpo/tools/ (search, wiki_search) or dotted "
                                   "paths `module:fn` (None: the task's: search for fictional_kb; none for your own "
                                   "data).")
-    tool_format: str = arg("xml", "xml (<tool>{json}</tool>) | chat_template (the model's native tool calls).",
-                           choices=Choices(lambda: sorted(PROTOCOLS)))
+    tool_format: str = arg("auto", "auto (chat_template where the chat template writes tools, as TRL runs a model's "
+                           "own calls; else xml) | xml (<tool>{json}</tool>) | chat_template (the model's native tool "
+                           "calls).", choices=Choices(lambda: ["auto", *sorted(PROTOCOLS)]))
     environment_factory: dict | str | None = arg(None, "TRL's environment_factory: `module:Class`, an instance per "
                                                  "episode whose public methods are tools (docs/guide.md, 'Bring your "
                                                  "own environment'); or {name: module:Class} by `environment` column.")
