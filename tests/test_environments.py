@@ -611,7 +611,9 @@ def test_the_guides_environment_trains_as_written(tiny_agent_dir, tmp_path, monk
 
     text = open(os.path.join(ROOT, "docs", "guide.md")).read()
     files = dict(re.findall(r"```(?:python|yaml)\n# (my_env/[\w.]+)[^\n]*\n(.*?)```", text, re.S))
-    assert sorted(files) == ["my_env/lock.py", "my_env/quiz.py", "my_env/recipe.yaml"]  # quiz: test_user_turns
+    # quiz: test_user_turns; hotcold (a worked game): test_protocol
+    assert sorted(files) == ["my_env/hotcold.py", "my_env/hotcold.yaml", "my_env/lock.py", "my_env/quiz.py",
+                             "my_env/recipe.yaml"]
     (tmp_path / "my_env").mkdir()
     (tmp_path / "my_env" / "lock.py").write_text(files["my_env/lock.py"])
     assert len(files["my_env/lock.py"].strip().splitlines()) <= 30

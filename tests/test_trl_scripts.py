@@ -3,7 +3,10 @@ script in the shape of TRL's environment_factory examples (tests/trl_scripts/gri
 moves in `environment_factory`, a `prompt`-only dataset, one `reward_funcs` callable that requires `environments`,
 `peft_config`) runs under TRL itself and under this trainer; both allow the same calls and describe the tool
 alike; a scripted player's 8 moves all run under both trainers' defaults; no default of the knowledge base reaches
-another task; and TRL's reward keywords reach every reward."""
+another task; and TRL's reward keywords reach every reward. TRL's own scripts (issue 78: examples/scripts/grpo_agent.py
+and grpo_2048.py, the docs' external-dataset environment with tools beside it, in tests/trl_scripts/) under TRL's
+GRPOTrainer and ours with one scripted player: the same calls run, the model sees byte-identical text at every turn,
+and TRL's tool, reward and token metrics are equal; the differences that remain are strict xfails."""
 
 import importlib.util
 import json
@@ -477,3 +480,241 @@ def test_a_trl_script_with_the_three_class_parser_trains_here_on_string_answers(
         {("What is the capital of Veltria?", "Morvane", ("Morvane",))},
         {("Who built the sky loom?", "Pella Rusk", ("Pella Rusk",))})
     assert all(r["rewards"]["outcome"]["accuracy_reward"] in (0.0, 1.0) for r in records)
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's own scripts (issue 78's "done when"): the same scripted player under TRL's GRPOTrainer and ours runs the same
+# calls, the model sees byte-identical text at every turn, and TRL's metrics agree
+# ------------------------------------------------------------------------------------------------
+def load_script(name: str):
+    """A script of tests/trl_scripts, imported without running its main block."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tests", "trl_scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hermes(*calls) -> str:
+    """A model turn of Qwen's template with these (name, arguments) calls."""
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls) + \
+        "<|im_end|>"
+
+
+def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dict | None = None, **trainer_kwargs):
+    """One step of TRL's GRPOTrainer and of ours, built with the same keywords and the same config values, with the
+    same scripted player writing `script`'s turns. Returns, for each trainer, what the model saw and wrote at each
+    turn (decoded, sorted), each sample's (prompt, completion, sampled-token count) as the trainer holds them, and
+    the step's log row."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+    from scripted_policy import ScriptedPolicy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = dict(max_completion_length=512, per_device_train_batch_size=4, num_generations=2, max_steps=1, bf16=False,
+                report_to="none", logging_steps=1, save_strategy="no", chat_template_kwargs={"enable_thinking": False})
+    seen = {"trl": [], "mt_grpo": []}
+    finals = {"trl": [], "mt_grpo": []}
+
+    class Player(ScriptedPolicy):
+        """The scripted player, noting what the model sees and writes at each turn."""
+
+        def __init__(self, name):
+            super().__init__(tokenizer, script)
+            self.name = name
+
+        def turn_text(self, ids, sample=0):
+            text = super().turn_text(ids, sample)
+            seen[self.name].append(tokenizer.decode(ids) + text)
+            return text
+
+    class ScriptedTRL(GRPOTrainer):
+        """TRL's own tool loop, with the scripted player in place of model.generate."""
+
+        player = Player("trl")
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            return [tokenizer.encode(self.player.turn_text(ids), add_special_tokens=False) for ids in prompt_ids], None
+
+        def _generate(self, prompts):
+            out = super()._generate(prompts)
+            finals["trl"] += [(tokenizer.decode(p), tokenizer.decode(c), sum(m)) for p, c, m in zip(*out[:3])]
+            return out
+
+    theirs = ScriptedTRL(args=GRPOConfig(output_dir=str(tmp_path / "trl"), **{**base, **config}), **trainer_kwargs)
+    theirs.train()
+    ours_config = {**base, **config, **(ours_only or {})}
+    ours = MTGRPOEnvTrainer(args=MTGRPOConfig(output_dir=str(tmp_path / "ours"), **ours_config),
+                            backend=Player("mt_grpo"), **trainer_kwargs)
+    rollout = ours.env.rollout
+
+    def recorded(*args, **kwargs):
+        episodes = rollout(*args, **kwargs)
+        finals["mt_grpo"] += [(tokenizer.decode(ep.prompt_ids), tokenizer.decode(ep.completion_ids), sum(ep.model_mask))
+                              for ep in episodes]
+        return episodes
+
+    ours.env.rollout = recorded
+    ours.train()
+    steps = {name: [h for h in t.state.log_history if "loss" in h][0]
+             for name, t in (("trl", theirs), ("mt_grpo", ours))}
+    return ({k: sorted(v) for k, v in seen.items()}, {k: sorted(v) for k, v in finals.items()}, steps)
+
+
+def first_difference(ours: list, theirs: list) -> str:
+    """Where two lists of texts first differ, with a little context, for the assertion's message."""
+    if len(ours) != len(theirs):
+        return f"{len(ours)} texts here against {len(theirs)} under TRL"
+    a, b = next((str(x), str(y)) for x, y in zip(ours, theirs) if x != y)
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"at character {at}: here {a[max(0, at - 120):at + 160]!r}\nunder TRL {b[max(0, at - 120):at + 160]!r}"
+
+
+def assert_as_under_trl(seen, finals, steps, calls_per_episode: float):
+    # byte-identical text at every turn; each sample's prompt, completion (tool results in it) and sampled tokens
+    assert seen["mt_grpo"] == seen["trl"], first_difference(seen["mt_grpo"], seen["trl"])
+    assert finals["mt_grpo"] == finals["trl"], first_difference(finals["mt_grpo"], finals["trl"])
+    trl, ours = steps["trl"], steps["mt_grpo"]
+    assert trl["tools/call_frequency"] == calls_per_episode
+    names = ["tools/call_frequency", "tools/failure_frequency", "reward", "reward_std", "num_tokens",
+             "completions/mean_length", "completions/max_length"] + [k for k in trl if k.startswith("rewards/")]
+    assert {k: ours.get(k) for k in names} == pytest.approx({k: trl[k] for k in names})
+
+
+@pytest.mark.parametrize("failing", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+    "a raising tool's message: TRL shows str({'error': str(e)}), `{'error': 'no such table: nope'}`; ours "
+    "`Error: tool 'query_biogrid' raised OperationalError: no such table: nope` (rollout/tool_calls.py _call)")))])
+def test_trls_grpo_agent_script_runs_the_same_sql_and_shows_the_same_text(failing, model_dir, tmp_path, monkeypatch):
+    """examples/scripts/grpo_agent.py: `tools=[query_biogrid]` (list[tuple] returns, a `signal` timeout), three
+    rewards reading tool_calls and tool messages, an `answer` column; a turn with two calls (`failing`: one raises)."""
+    import functools
+
+    agent = load_script("grpo_agent")
+    monkeypatch.chdir(tmp_path)  # the tool opens biogrid.db in the folder it runs in
+    agent.create_db()
+    sql = []
+
+    @functools.wraps(agent.query_biogrid)
+    def query_biogrid(sql_command: str) -> list[tuple]:
+        sql.append(sql_command)
+        return agent.query_biogrid(sql_command)
+
+    yes = "SELECT Aliases_Interactor_B FROM interactions WHERE Aliases_Interactor_A LIKE '%JNKK%'"
+    no = "SELECT * FROM interactions WHERE Aliases_Interactor_A LIKE '%TP53%' AND Alt_IDs_Interactor_B LIKE '%BARD1%'"
+    other = "SELECT * FROM nope" if failing else \
+        "SELECT Taxid_Interactor_A FROM interactions WHERE Aliases_Interactor_B = 'HDM2'"
+    script = {"Does the gene JNKK": [hermes(("query_biogrid", {"sql_command": yes})), "It does: *Yes*<|im_end|>"],
+              "Does the gene TP53": [hermes(("query_biogrid", {"sql_command": other}),
+                                            ("query_biogrid", {"sql_command": no})), "*No*<|im_end|>"]}
+    # the prompt (the preamble and the tool's schema) is over 1,024 tokens: no cap by default, as TRL 1.16 has none
+    seen, finals, steps = side_by_side(
+        model_dir, tmp_path, script, {"max_completion_length": 1024},
+        model=model_dir, train_dataset=agent.train_dataset(), tools=[query_biogrid],
+        reward_funcs=[agent.correctness_reward, agent.structure_reward, agent.query_reward])
+    assert sorted(sql[:6]) == sorted(sql[6:]) == sorted([yes] * 2 + [other, no] * 2)
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=1.5)
+    assert steps["trl"]["tools/failure_frequency"] == pytest.approx(2 / 6 if failing else 0.0)
+
+
+def test_a_trl_script_with_a_long_prompt_builds_with_only_its_import_changed(model_dir, tmp_path, monkeypatch):
+    """TRL 1.16 has no max_prompt_length, and neither has ours by default: a prompt of 1,134 tokens is kept (with the
+    old default of 1,024 every row was dropped and the build refused)."""
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    agent = load_script("grpo_agent")
+    monkeypatch.chdir(tmp_path)
+    agent.create_db()
+    rows = agent.train_dataset()
+    trainer = MTGRPOEnvTrainer(model=model_dir, train_dataset=rows, tools=[agent.query_biogrid],
+                               reward_funcs=[agent.correctness_reward, agent.structure_reward, agent.query_reward],
+                               args=MTGRPOConfig(output_dir=str(tmp_path / "ours"), max_completion_length=1024,
+                                                 per_device_train_batch_size=4, num_generations=2, bf16=False,
+                                                 report_to="none", chat_template_kwargs={"enable_thinking": False}))
+    assert trainer.args.max_prompt_length is None and len(trainer.train_dataset) == len(rows)
+
+
+@pytest.mark.parametrize("budget", [2048, 512])  # 512: the fourth move's board passes the completion budget
+def test_trls_grpo_2048_script_plays_the_same_moves_on_the_same_boards(budget, model_dir, tmp_path):
+    """examples/scripts/grpo_2048.py: `environment_factory=Game2048Env`, a reward over `environments`, LoRA. The
+    game spawns tiles from the module's `random`; each episode here draws from its own generator (seeded alike), so
+    that the order in which the trainers reset and step their instances does not change the boards."""
+    import random
+
+    from peft import LoraConfig
+
+    game = load_script("grpo_2048")
+    played = []
+
+    class Seeded(game.Game2048Env):
+        def reset(self, **kwargs):
+            self.rng = random.Random(0)
+            return super().reset(**kwargs)
+
+        def move(self, direction: str) -> str:
+            """
+            Play one move in 2048.
+
+            Args:
+                direction: One of "up", "down", "left", "right".
+
+            Returns:
+                Environment feedback after the move.
+            """
+            played.append(direction)
+            return super().move(direction)
+
+        def _spawn(self) -> None:  # the script's, drawing from the episode's generator
+            empty = [(r, c) for r in range(4) for c in range(4) if self.board[r][c] == 0]
+            if not empty:
+                return
+            r, c = self.rng.choice(empty)
+            self.board[r][c] = 4 if self.rng.random() < 0.1 else 2
+
+    moves = ["left", "up", "right", "down"]
+    script = {game.PROMPT: [hermes(("move", {"direction": d})) for d in moves] + ["I am done.<|im_end|>"]}
+    seen, finals, steps = side_by_side(model_dir, tmp_path, script, {"max_completion_length": budget}, model=model_dir,
+                                       reward_funcs=game.reward_score,
+                                       train_dataset=prompt_dataset(game.PROMPT, 4), environment_factory=Seeded,
+                                       peft_config=LoraConfig())
+    calls = 4 if budget == 2048 else 3  # TRL runs the call whose result passes the budget, and drops the result
+    assert len(played) == 2 * 4 * calls and sorted(played[:4 * calls]) == sorted(played[4 * calls:])
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=float(calls))
+
+
+def prompt_dataset(prompt: str, rows: int):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for _ in range(rows)]})
+
+
+def test_trls_docs_environment_with_a_dataset_and_tools_beside_it(model_dir, tmp_path):
+    """The docs' "Providing an external dataset" IncrementEnv (reset(target, **kwargs) -> None, get_reward, no
+    reward_funcs) with the "Tools" example's multiply and async async_add beside it: int returns shown as str()."""
+    docs = load_script("docs_increment")
+    counted = []
+
+    class Counted(docs.IncrementEnv):
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            counted.append(step)
+            return super().increment(step)
+
+    script = {f"Increment the counter to {i}.": [
+        hermes(("increment", {"step": min(i, 3)}), ("multiply", {"a": i, "b": 2})),  # targets over 3 are missed
+        hermes(("async_add", {"a": i, "b": 1})), "Done.<|im_end|>"] for i in range(1, 7)}
+    # the tiny tokenizer (406 tokens, about a character each) makes the three tools' schemas 1,134 tokens long: no cap
+    # by default, as TRL has none (test above)
+    seen, finals, steps = side_by_side(model_dir, tmp_path, script, {},
+                                       model=model_dir, train_dataset=docs.dataset,
+                                       environment_factory=Counted, tools=[docs.multiply, docs.async_add])
+    assert len(counted) == 8 and sorted(counted[:4]) == sorted(counted[4:])
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=3.0)

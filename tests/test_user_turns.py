@@ -266,6 +266,7 @@ def test_a_respond_that_uses_signal_runs_once_then_on_the_main_thread(smollm2_to
     from scripted_policy import ScriptedServer
 
     script = {"Guess the number.": [answer("3"), answer("7")]}
+    handler = signal.getsignal(signal.SIGALRM)  # pytest-timeout's, under the suite's --timeout
     for scheduler, policy in (("rounds", None), ("per_episode", ScriptedServer(smollm2_tokenizer, script))):
         on_main = []
 
@@ -284,7 +285,7 @@ def test_a_respond_that_uses_signal_runs_once_then_on_the_main_thread(smollm2_to
         (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], script, policy)
         assert ep.stop_reason == "env_done" and ep.user_turns == 2, scheduler
         assert on_main == [False, True], scheduler  # each turn answered once: the second on the main thread
-    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.alarm(0) == 0
+    assert signal.getsignal(signal.SIGALRM) is handler  # restored by respond on the main thread, skipped off it
 
 
 def test_a_user_turn_starts_a_new_sample_where_the_template_rewrites_the_history(smollm2_tokenizer):

@@ -22,8 +22,9 @@ class RolloutArguments:
     max_tool_response_tokens: int | None = arg(None, "Each tool output is cut to this many tokens, with a visible "
                                                "marker (None: to what the max_completion_length budget leaves).",
                                                minimum=1)
-    max_prompt_length: int = arg(1024, "Prompts longer than this (tokens) are dropped at start-up, with a count.",
-                                 minimum=1)
+    max_prompt_length: int | None = arg(None, "Prompts longer than this (tokens) are dropped at start-up, with a "
+                                        "count, and an environment's reset observation is cut to fit (None: no cap, "
+                                        "as TRL 1.16, which has no such field).", minimum=1)
     few_shot: bool = arg(True, "Show worked examples (turns) before each question: `few_shot_examples`, else the "
                          "task's (fictional_kb, triviaqa: two searches); small models need them.")
     few_shot_examples: list | str | None = arg(None, "Worked examples, inline or a .json/.jsonl/.yaml file: "

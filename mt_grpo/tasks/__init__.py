@@ -514,6 +514,8 @@ def build_dataset(args, env, task, tools_of: Callable | None = None):
                for p, name in zip(sources, names)]
     # a table without columns has no rows: the placeholder rows of an environment's run are prompts only
     dataset = rest.add_column("prompt", prompts) if rest.column_names else datasets.Dataset.from_dict({"prompt": prompts})
+    if args.max_prompt_length is None:  # no cap, as TRL's
+        return dataset
     lengths = [len(env.render_ids(p, add_generation_prompt=True)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= args.max_prompt_length]
     if len(keep) < len(dataset):
