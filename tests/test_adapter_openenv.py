@@ -274,6 +274,8 @@ def test_a_rows_own_seed_is_kept_and_the_drawn_ones_follow_the_runs_seed():
     args = SimpleNamespace(max_steps=10, gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=1,
                            generation_batch_size=32, num_generations=8)
     assert run_groups(args) == 20 * 4
+    args.max_steps = -1  # TRL's default: a run of epochs, which replays the placeholder rows (no count to repeat to)
+    assert run_groups(args) is None
 
 
 def test_mistakes_fail_naming_the_fix():

@@ -296,10 +296,13 @@ def placeholder_task(args) -> Task:
                 eval_metrics={})
 
 
-def run_groups(args) -> int:
+def run_groups(args) -> int | None:
     """The groups a run of `max_steps` plays: a generation batch of generation_batch_size / num_generations of them
     every steps_per_generation x num_iterations micro-steps, gradient_accumulation_steps a step (TRL's
-    RepeatSampler takes a new row for each)."""
+    RepeatSampler takes a new row for each); None for a run of epochs (`max_steps` unset, -1: TRL's default), whose
+    epochs replay the placeholder rows' seeds."""
+    if args.max_steps <= 0:
+        return None
     batches = -(-args.max_steps * args.gradient_accumulation_steps // (args.steps_per_generation * args.num_iterations))
     return batches * (args.generation_batch_size // args.num_generations)
 
