@@ -189,7 +189,8 @@ def test_threads_and_fds_stay_flat_over_steps_with_a_stuck_instance(factory):
     their grace (stuck: their instances leave the pool) until the step is over, then return, and half the others call
     a slow tool (0.2 s). After each step the threads and file descriptors come back to what the first left (a stuck
     instance's loop is stopped once its call returns: +1 thread, +3 fds a step before); a sync-only class gets no
-    event loop at all."""
+    event loop at all. On a loaded machine a healthy call may pass its 1 s timeout too (seen under CI's two workers
+    with 0.5 s): what a call did is checked for the calls that returned, and the pool against the instances left."""
     import env_faults
     from mt_grpo.rollout.toolset import run_turns
 
@@ -203,12 +204,13 @@ def test_threads_and_fds_stay_flat_over_steps_with_a_stuck_instance(factory):
         cls.release = threading.Event()
         _, toolsets = pool.start(rows, [[{"role": "user", "content": "Act."}]] * n)
         turns = [(t, [call(method(i))]) for i, t in enumerate(toolsets)]
-        results = run_turns(turns, timeout=0.5, max_workers=None)
-        assert [r[0].ok for r in results] == [False] * stuck + [True] * (n - stuck)
-        assert [t.turn_rewards for t in toolsets[stuck:]] == [[[0.5 if i % 2 else 1.0]] for i in range(stuck, n)]
+        results = run_turns(turns, timeout=1.0, max_workers=None)
+        assert not any(r[0].ok for r in results[:stuck])
+        returned = [i for i in range(stuck, n) if results[i][0].ok]
+        assert [toolsets[i].turn_rewards for i in returned] == [[[0.5 if i % 2 else 1.0]] for i in returned]
         pool.release(toolsets)
         assert all(t.stuck and t.environment not in pool.free[None] for t in toolsets[:stuck])
-        assert len(pool.free[None]) == n - stuck
+        assert len(pool.free[None]) == n - sum(t.stuck for t in toolsets)
         cls.release.set()  # the stuck calls return: what they held is given back
         now = lambda: (threading.active_count(), len(os.listdir("/proc/self/fd")))  # noqa: E731
         for _ in range(240):  # a generous bound that only a leak reaches
@@ -217,7 +219,7 @@ def test_threads_and_fds_stay_flat_over_steps_with_a_stuck_instance(factory):
             waited.wait(0.25)
         counts.append(now())
     assert all(c[0] <= counts[0][0] and c[1] <= counts[0][1] for c in counts), counts
-    assert len(pool.loops) == (n - stuck if factory == "Stalling" else 0)  # a loop per pooled async instance; none sync
+    assert len(pool.loops) == (len(pool.free[None]) if factory == "Stalling" else 0)  # one a pooled async instance
 
 
 def test_by_default_every_episode_s_tool_turn_runs_at_once():
