@@ -675,17 +675,11 @@ def test_trls_grpo_2048_script_plays_the_same_moves_on_the_same_boards(budget, m
     script = {game.PROMPT: [hermes(("move", {"direction": d})) for d in moves] + ["I am done.<|im_end|>"]}
     seen, finals, steps = side_by_side(model_dir, tmp_path, script, {"max_completion_length": budget}, model=model_dir,
                                        reward_funcs=game.reward_score,
-                                       train_dataset=prompt_dataset(game.PROMPT, 4), environment_factory=Seeded,
+                                       train_dataset=dataset(game, 4), environment_factory=Seeded,
                                        peft_config=LoraConfig())
     calls = 4 if budget == 2048 else 3  # TRL runs the call whose result passes the budget, and drops the result
     assert len(played) == 2 * 4 * calls and sorted(played[:4 * calls]) == sorted(played[4 * calls:])
     assert_as_under_trl(seen, finals, steps, calls_per_episode=float(calls))
-
-
-def prompt_dataset(prompt: str, rows: int):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for _ in range(rows)]})
 
 
 def test_trls_docs_environment_with_a_dataset_and_tools_beside_it(model_dir, tmp_path):

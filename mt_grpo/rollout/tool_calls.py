@@ -124,7 +124,7 @@ def start_call(tools: dict[str, Callable], call: ToolCall,
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
         return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False)]
-    if _function(tools[call.name]) in SIGNAL_TOOLS:
+    if function_of(tools[call.name]) in SIGNAL_TOOLS:
         return None, [ToolResult("", False, main_thread=True)]
     return _threaded(tools[call.name], call, loop)
 
@@ -145,16 +145,16 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
     except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
         return ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False, time.monotonic() - begun)
     try:
-        with signal_scope(f"tool '{call.name}'", _function(fn)):  # an async tool: its environment's loop, or the shared one
-            output = run_async(fn(**call.arguments), loop)
+        with signal_scope(f"tool '{call.name}'", function_of(fn)):
+            output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
         content, reward = tool_output(output, f"tool '{call.name}'")
         return ToolResult(content, True, time.monotonic() - begun, reward)
     except Exception as e:  # the model sees the error and the turn reward counts a failure
         if signal_refused(e) and threading.current_thread() is not threading.main_thread():
-            if inspect.iscoroutinefunction(_function(fn)):  # its loop's thread is never the main one
+            if inspect.iscoroutinefunction(function_of(fn)):  # its loop's thread is never the main one
                 return ToolResult(error_text(f"tool '{call.name}' uses `signal`, which works only on the main "
                                              f"thread, and async tools run on an event loop's: {SIGNAL_FIX}"), False)
-            SIGNAL_TOOLS.add(_function(fn))  # `signal` bound by name before guard_signals: this call runs again
+            SIGNAL_TOOLS.add(function_of(fn))  # `signal` bound by name before guard_signals: this call runs again
             logger.warning("Tool '%s' uses `signal` (%s), which works only on the main thread, through a name bound "
                            "before mt-grpo guarded `signal` (`from signal import ...` at import): this call is run "
                            "again there, and so are its calls from now on, one at a time, after the concurrent ones, "
@@ -295,8 +295,9 @@ def _note_signal_use(scope: SignalUse) -> None:
     _SKIPPED_LOGGED.add(scope.source)
     where = ("from now on its calls run on the main thread, where its alarm works, one at a time, after the "
              "concurrent ones, each bounded by tool_timeout" if to_main else
-             "it runs off the main thread (an event loop's, or a rollout beside training), so its alarms are skipped "
-             "at every call, each bounded by tool_timeout")
+             "its calls keep running off the main thread (an event loop's, a worker's for a method that is no tool "
+             "nor respond, or a rollout beside training), so its alarms are skipped at every call, each bounded by "
+             "tool_timeout")
     logger.warning("%s uses `signal`, which works only on the main thread: its first call ran once, here, with its "
                    "alarm skipped (bounded by tool_timeout); %s (docs/guide.md, 'Adding a tool'). To keep it "
                    "concurrent with its own timeout gone: %s", scope.source, where, SIGNAL_FIX)
@@ -307,7 +308,7 @@ class _Overtime(BaseException):
     not take it for its own error and carry on."""
 
 
-def _function(fn: Callable) -> Callable:
+def function_of(fn: Callable) -> Callable:
     """The function behind `fn` (an environment's bound method: its class's function, the same for every instance)."""
     return getattr(fn, "__func__", fn)
 

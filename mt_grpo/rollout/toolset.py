@@ -13,8 +13,8 @@ from typing import Callable
 
 from mt_grpo.base.protocol import ToolCall, error_text
 from mt_grpo.base.runtime import ContractBroken, in_thread, join, run_async
-from mt_grpo.rollout.tool_calls import (MAIN, SIGNAL_TOOLS, ToolResult, run_on_main, run_tool_calls, signal_refused,
-                                        signal_scope, start_call, timed_out)
+from mt_grpo.rollout.tool_calls import (MAIN, SIGNAL_TOOLS, ToolResult, function_of, run_on_main, run_tool_calls,
+                                        signal_refused, signal_scope, start_call, timed_out)
 from mt_grpo.rollout.user_turns import UserTurn, as_reply
 
 logger = logging.getLogger("mt_grpo")
@@ -72,7 +72,7 @@ class Toolset:
         if not self.settle(timeout):
             return ToolResult(f"not run: an earlier call of this episode is still running ({self.label})", False)
         respond = self.environment.respond
-        if getattr(respond, "__func__", respond) in SIGNAL_TOOLS:  # a sync respond that uses `signal`: on the main thread
+        if function_of(respond) in SIGNAL_TOOLS:  # a sync respond that uses `signal`: on the main thread
             ok, value = self._respond_on_main(messages, timeout)
         else:
             outcome = self.bounded("respond", lambda: respond(messages), timeout, to_main=respond)
@@ -80,7 +80,7 @@ class Toolset:
                 return ToolResult(f"timed out after {timeout:g}s ({self.label})", False, timeout)
             ok, value = outcome
             if not ok and signal_refused(value) and not inspect.iscoroutinefunction(respond):
-                SIGNAL_TOOLS.add(getattr(respond, "__func__", respond))  # `signal` bound by name before the guards:
+                SIGNAL_TOOLS.add(function_of(respond))  # `signal` bound by name before the guards:
                 ok, value = self._respond_on_main(messages, timeout)  # this call runs again, here
         if not ok and isinstance(value, ContractBroken):  # a bug in the class (a swift step's wrong type): the run stops
             raise ContractBroken(f"{value} ({self.label})") from value
@@ -143,7 +143,7 @@ class Toolset:
         name = type(self.environment).__name__
 
         def scoped():
-            with signal_scope(f"{name}.{method}", getattr(to_main, "__func__", to_main)):
+            with signal_scope(f"{name}.{method}", function_of(to_main)):
                 return run_async(call(), self.loop)
 
         thread, out = in_thread(scoped, f"{method}-{name}")
