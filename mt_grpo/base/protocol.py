@@ -112,15 +112,47 @@ def is_text_block(part) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
+def is_image_block(part) -> bool:  # {"type": "image", "image": PIL.Image} (engine/vision.py)
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def holds_images(content) -> bool:
+    """A content list of text and image blocks with at least one image (engine/vision.py's representation)."""
+    return isinstance(content, list) and any(is_image_block(p) for p in content) and \
+        all(is_text_block(p) or is_image_block(p) for p in content)
+
+
 def content_text(content) -> str:
     """A message's content as the text a chat template renders: a string as it is; a content list of text blocks
     (`[{"type": "text", "text": ...}]`, what TRL passes through from a tool that returns a list) their texts, one
-    a line; any other value (a list of anything else) as `str()` (`json_text`), as TRL's template renders it."""
+    a line (and of text and image blocks, the texts: template_content keeps the images); any other value (a list of
+    anything else) as `str()` (`json_text`), as TRL's template renders it."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(is_text_block(part) for part in content):
-        return "\n".join(part["text"] for part in content)
+    if isinstance(content, list) and content and (all(is_text_block(part) for part in content) or holds_images(content)):
+        return "\n".join(part["text"] for part in content if is_text_block(part))
     return json_text(content)
+
+
+def template_content(content):
+    """What a chat template is given for a message's content: its text (content_text), or, where it holds images, its
+    text and image blocks, each image where it entered (the template renders its placeholder)."""
+    return list(content) if holds_images(content) else content_text(content)
+
+
+def joined_blocks(parts: list, sep: str, before: str = "", after: str = ""):
+    """`before + sep.join(parts) + after` for parts that are text or block lists: a string where no part holds an
+    image, else one block list (adjacent texts merged)."""
+    if all(isinstance(p, str) for p in parts):
+        return before + sep.join(parts) + after
+    blocks: list[dict] = []
+    for piece in [before, *[q for k, p in enumerate(parts) for q in ([sep] if k else []) + (
+            [p] if isinstance(p, str) else [b["text"] if is_text_block(b) else b for b in p])], after]:
+        if isinstance(piece, str) and blocks and is_text_block(blocks[-1]):
+            blocks[-1] = {"type": "text", "text": blocks[-1]["text"] + piece}
+        elif not isinstance(piece, str) or piece:
+            blocks.append({"type": "text", "text": piece} if isinstance(piece, str) else piece)
+    return blocks
 
 
 def error_text(message: str) -> str:
@@ -332,15 +364,14 @@ class XMLProtocol(Protocol):
         for m in messages:
             if m["role"] == "tool":
                 if out and out[-1].get("_results"):
-                    out[-1]["_results"].append(content_text(m["content"]))
+                    out[-1]["_results"].append(template_content(m["content"]))
                 else:
-                    out.append({"role": "user", "_results": [content_text(m["content"])]})
+                    out.append({"role": "user", "_results": [template_content(m["content"])]})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         for m in out:
-            if "_results" in m:
-                m["content"] = (f"{self.RESULT_OPEN}\n" + "\n\n".join(m.pop("_results"))
-                                + f"\n{self.RESULT_CLOSE}")
+            if "_results" in m:  # a tool's images stay where they entered, inside the <result> text
+                m["content"] = joined_blocks(m.pop("_results"), "\n\n", f"{self.RESULT_OPEN}\n", f"\n{self.RESULT_CLOSE}")
         return out
 
 
@@ -548,7 +579,7 @@ class ChatTemplateProtocol(Protocol):
         out = []
         for m in messages:
             if m["role"] == "tool":
-                out.append({"role": "tool", "name": m["name"], "content": content_text(m["content"])})
+                out.append({"role": "tool", "name": m["name"], "content": template_content(m["content"])})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
@@ -654,6 +685,10 @@ def with_outside_text(message, replace: Callable[[str], str]):
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, (str, list)):
         return message
+    if holds_images(content):  # text and image blocks: each text block's text (an image is no text)
+        new = [dict(p, text=replace(p["text"])) if is_text_block(p) else p for p in content]
+        same = all(not is_text_block(p) or p["text"] == q["text"] for p, q in zip(content, new))
+        return message if same else dict(message, content=new)
     if message.get("role") in OUTSIDE_ROLES:  # a tool's content list renders as its text (content_text)
         text = content_text(content)
         return message if (new := replace(text)) == text else dict(message, content=new)

@@ -433,20 +433,24 @@ class PackedForward:
         self.args, self.autocast, self.metrics = args, autocast, metrics
         self._sample_starts: torch.Tensor | None = None
         self._row_signal: torch.Tensor | None = None
+        self._images: list | None = None
 
     @contextmanager
-    def row_samples(self, sample_starts: torch.Tensor | None, advantages: torch.Tensor | None = None):
+    def row_samples(self, sample_starts: torch.Tensor | None, advantages: torch.Tensor | None = None,
+                    images: list | None = None):
         """The forwards inside score rows whose samples start where `sample_starts` (B, T) is 1. TRL's loss calls
         the forward with ids and masks only, so the layout reaches it here; so do the rows' `advantages` (B, ...),
-        for the entropy quantile (signal_mask). Packed on every rank if any rank's rows are split
-        (rank_max): a rank on the padded path would make other forwards, and other collectives."""
+        for the entropy quantile (signal_mask), and their `images` (engine/vision.RowImages: each row's). Packed on
+        every rank if any rank's rows are split (rank_max): a rank on the padded path would make other forwards, and
+        other collectives."""
         split = sample_starts is not None and rank_max(int(sample_starts.any()), sample_starts.device)
         self._sample_starts = sample_starts if split else None
         self._row_signal = None if advantages is None else advantages.reshape(len(advantages), -1).ne(0).any(1)
+        self._images = images if images is not None and any(images) else None
         try:
             yield
         finally:
-            self._sample_starts = self._row_signal = None
+            self._sample_starts = self._row_signal = self._images = None
 
     def signal_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """TRL's `top_entropy_quantile` mask taken over the tokens of rows with signal (an advantage other than 0)
@@ -462,6 +466,14 @@ class PackedForward:
         if starts is not None and tuple(starts.shape) != (input_ids.shape[0], logits_to_keep):
             raise RuntimeError(f"sample_starts of shape {tuple(starts.shape)} for a forward of "
                                f"{(input_ids.shape[0], logits_to_keep)} completion tokens")
+        if self._images is not None:  # each sample alone, with its images and the model's 3-D positions
+            from mt_grpo.engine.vision import sample_logps_and_entropies
+
+            if len(self._images) != input_ids.shape[0]:
+                raise RuntimeError(f"images of {len(self._images)} rows for a forward of {input_ids.shape[0]}")
+            logps, entropies = sample_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, starts,
+                                                          self._images, compute_entropy, self.autocast)
+            return logps, entropies, None
         padded = compute_aux_loss or any(v is not None for v in extra.values())
         if starts is not None and padded:
             raise ValueError("Rows split into per-turn samples (`turn_samples`) are forwarded packed, which takes no "

@@ -14,6 +14,7 @@ from trl.models import unwrap_model_for_generation
 
 from mt_grpo.base.completions import Sample, kept_set_logprobs, listed_kept_sets
 from mt_grpo.engine.packing import matched_forwards, prefilled_inputs, rank_max
+from mt_grpo.engine.vision import model_inputs, vision_token_ids
 from mt_grpo.base.protocol import StopStringMatcher
 from mt_grpo.base.turn_samples import scored_parts
 from mt_grpo.engine.weight_sync import policy_prompt_logprobs
@@ -174,13 +175,15 @@ class TransformersBackend:
         flag = torch.tensor([float(has_work)], device=self.accelerator.device)
         return self.accelerator.reduce(flag, reduction="max").item() > 0
 
-    def generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
+    def generation_config(self, params: SamplingParams, max_new_tokens: int, suppress: list[int] | None = None
+                          ) -> GenerationConfig:
         # No sampling field of transformers' own: SamplerProcessing applies them all, in vLLM's order
         # (transformers applies min_p after top-k / top-p, vLLM before), as the trainer recomputes them.
+        # `suppress`: a vision model's image tokens (vision.vision_token_ids), which only an image may hold.
         sample = params.temperature != 0
         return GenerationConfig(  # top_k unset when greedy: transformers warns that greedy ignores it
             do_sample=sample, temperature=1.0, top_p=1.0, top_k=0 if sample else None, repetition_penalty=1.0,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens, suppress_tokens=suppress or None,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
             return_dict_in_generate=True, cache_implementation=self.cache_implementation,
         )
@@ -197,7 +200,9 @@ class TransformersBackend:
         return bool(dist.is_zero3 or dist.fsdp_version)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]:
+                 params: SamplingParams | None = None, images: list[list] | None = None) -> list[Sample]:
+        """`images`: per prompt, the vision.ImageFeatures of the images its tokens hold, in order (engine/vision.py):
+        such a batch is left-padded without a shared prefix, and the model gets every row's images."""
         from trl.distributed import DistributedBackend
 
         tok, device, synced = self.tokenizer, self.accelerator.device, self.synced()
@@ -214,8 +219,10 @@ class TransformersBackend:
             batch = rows or [[tok.pad_token_id]]
             most = rank_max(max(limits, default=1), device) if synced else max(limits)
             # a group's prompt (and a task's system prompt) prefilled once: packing.prefilled_inputs
-            input_ids, attention_mask, cache = prefilled_inputs(model, batch, tok.pad_token_id, device,
-                                                                share=self.cache_implementation is None, matched=synced)
+            input_ids, attention_mask, cache = prefilled_inputs(model, batch, tok.pad_token_id, device, matched=synced,
+                                                                share=self.cache_implementation is None and not images)
+            seen = model_inputs(input_ids, [f for row in images for _ in range(n) for f in row],  # rows' order
+                                model.config.image_token_id) if images else {}
             # The model's own generation_config would fill every field we leave unset (transformers merges
             # it in); an empty one means only what we pass here applies.
             saved, model.generation_config = model.generation_config, GenerationConfig()
@@ -223,8 +230,9 @@ class TransformersBackend:
                 p = params or self.params
                 processing = SamplerProcessing(p, attention_mask, self.list_kept_sets)
                 stops = [StopAtStrings(self.stop, input_ids.shape[1])] if rows else [StopAtOnce()]
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                     generation_config=self.generation_config(p, most), synced_gpus=synced,
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **seen,
+                                     generation_config=self.generation_config(p, most, vision_token_ids(model.config)),
+                                     synced_gpus=synced,
                                      logits_processor=[processing], stopping_criteria=stops)
             finally:
                 model.generation_config = saved

@@ -12,6 +12,7 @@ from trl.trainer.utils import pad
 
 from mt_grpo.base.protocol import control_strings, outside_emptied, outside_pieces
 from mt_grpo.base.turn_samples import episode_samples
+from mt_grpo.engine.vision import row_images
 from mt_grpo.rewards.conversation import env_replies
 from mt_grpo.rollout.toolset import Toolset
 
@@ -198,6 +199,8 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
         for row, ep in enumerate(episodes):
             for start, kept in ep.sampler_kept:
                 batch["sampler_kept"][row, start : start + len(kept), : kept.shape[1]] = kept
+    if (images := row_images(episodes)) is not None:  # each row's images, for its forwards (engine/vision.py)
+        batch["images"] = images
     if mask_truncated:
         keep = torch.tensor([not ep.truncated for ep in episodes], dtype=torch.long)
         batch["tool_mask"] = batch["tool_mask"] * keep[:, None]

@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from mt_grpo.base.protocol import ToolCall, content_text, error_text, json_text
+from mt_grpo.base.protocol import (ToolCall, content_text, error_text, holds_images, is_image_block, is_text_block,
+                                   json_text)
 from mt_grpo.base.runtime import join, run_async, stop_point
+from mt_grpo.engine.vision import image_content
 
 logger = logging.getLogger("mt_grpo")
 
@@ -37,8 +39,9 @@ def cut_tool_output(text: str | list, tokenizer, max_tokens: int) -> str | list:
     fits, and becomes that text, cut, when it does not."""
     if isinstance(text, list):
         shown = content_text(text)
-        cut = cut_tool_output(shown, tokenizer, max_tokens)
-        return text if cut is shown else cut
+        cut = cut_tool_output(shown, tokenizer, max_tokens)  # a list with images keeps them, its text cut
+        return text if cut is shown else [*(p for p in text if is_image_block(p)), {"type": "text", "text": cut}] \
+            if holds_images(text) else cut
     window = max(max_tokens * CHARS_PER_TOKEN + CHARS_PER_TOKEN, MIN_WINDOW)
     while True:
         ids = tokenizer.encode(text[:window], add_special_tokens=False)
@@ -65,6 +68,8 @@ class ToolResult:
 def tool_output(value, source: str) -> tuple[str | list, float | None]:
     """(the tool message's content, the step reward) of what a tool returned:
         str                   the text (clean_text)
+        PIL image             an image block `[{"type": "image", "image": ...}]` (engine/vision.py); a list of blocks
+                              with images keeps them where they are, each text block cleaned
         list                  the list, as TRL passes it on (content blocks `[{"type": "text", "text": ...}]`, or
                               any list): the rewards see the list, the model its text (protocol.content_text:
                               the blocks' texts; another list's `str()`, as a template renders it under TRL)
@@ -79,6 +84,9 @@ def tool_output(value, source: str) -> tuple[str | list, float | None]:
             logger.info("%s returns (output, reward): the reward is its tool turn's step reward, which the `tool_rewards`"
                         " turn reward reads (list it in turn_reward_funcs).", source)
         return tool_output(value[0], source)[0], float(value[1])
+    value = image_content(value, source)  # a PIL image, or blocks with images: kept where they are (engine/vision.py)
+    if holds_images(value):  # each text block cleaned, the images kept
+        return [dict(p, text=clean_text(p["text"], source)) if is_text_block(p) else p for p in value], None
     if isinstance(value, list):
         text = content_text(value)
         cleaned = clean_text(text, source)

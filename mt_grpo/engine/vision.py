@@ -1,0 +1,319 @@
+"""Images in the conversation: a vision-language policy (Qwen2-VL, Qwen2.5-VL) sees images that a dataset's prompt, a
+tool, or an environment's reply or reset brings, and is trained on exactly the tokens and images it saw.
+
+The representation (the contract the in-process backend, the vLLM server path and the adapters share):
+
+  - An image is a content block `{"type": "image", "image": PIL.Image}` inside a message's content list, where it
+    entered the conversation: the prompt's messages (`Episode.prompt_messages`: TRL's `image`/`images` columns become
+    blocks at the start of the first user message), a tool message (a tool returning a PIL image, or TRL's content
+    blocks), a user reply (`respond`/`Reply`), or a reset observation. Nothing else holds images: the episode's images
+    are `conversation_images(ep.prompt_messages + ep.messages)`, in the order the chat template renders them.
+  - Tokens: the chat template renders one `<|image_pad|>` per image block; `Vision.expand` widens the k-th to the k-th
+    image's placeholder count (its grid's patches / merge_size^2), as the processor does. Every placeholder, and the
+    template's <|vision_start|>/<|vision_end|>, is an environment token (mask 0, never scored). A template that renders
+    fewer placeholders than the images given fails with the template named and the fix (`Vision.expand`).
+  - Which images a token sequence refers to: the first k of the conversation's images, where k is the count of
+    <|vision_start|> in it (`images_of`). A sample (an episode, or one of its per-turn samples) holds the placeholders
+    of every image before its end, in order: a re-rendered history repeats them all.
+  - A backend gets, per prompt, `images=[[ImageFeatures, ...], ...]` (`Vision.generation_images`: the images of that
+    prompt's tokens) and passes the processor's `pixel_values` and `image_grid_thw` of each, in order
+    (`model_inputs`); the in-process backend left-pads such rows without a shared prefix.
+  - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
+    forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
+    (`sample_logps_and_entropies`): its ids unpadded, its own images, and the positions the model computes itself
+    (Qwen2-VL's 3-D rotary `get_rope_index` from the ids, `mm_token_type_ids` and the grids), so its log-probs are
+    those of the sample alone. padding_free's trie gives each token one position and one row, so packing is off for
+    such batches (logged once).
+
+Videos are refused (`image_content`): a video's frames need the video processor (torchvision) and per-frame grids that
+no backend here passes."""
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from mt_grpo.base.protocol import is_image_block
+
+logger = logging.getLogger("mt_grpo")
+
+VISION_START, IMAGE_PAD = "<|vision_start|>", "<|image_pad|>"  # Qwen2-VL's and Qwen2.5-VL's
+
+
+def is_image(value) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:
+        return False
+    return isinstance(value, Image.Image)
+
+
+def is_video_block(part) -> bool:
+    return isinstance(part, dict) and (part.get("type") == "video" or "video" in part and part.get("type") is None)
+
+
+def content_images(content) -> list:
+    """The images of a message's content (a list of blocks), in order."""
+    return [part["image"] for part in content if is_image_block(part)] if isinstance(content, list) else []
+
+
+def conversation_images(messages: list[dict]) -> list:
+    """Every image of `messages`, in the order a chat template renders them."""
+    return [image for m in messages if isinstance(m, dict) for image in content_images(m.get("content"))]
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(content_images(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+def image_content(value, source: str):
+    """A tool's or an environment's return as message content: a PIL image -> `[{"type": "image", "image": img}]`; a
+    list of blocks with images checked (each image block holds a PIL image; a video block refused); anything else as
+    it is."""
+    if is_image(value):
+        return [{"type": "image", "image": value}]
+    if isinstance(value, list):
+        for part in value:
+            if is_video_block(part):
+                raise ValueError(f"{source} returned a video block: videos are not supported (their frames need the "
+                                 "video processor and per-frame grids that no backend here passes); return frames as "
+                                 "images ({'type': 'image', 'image': PIL.Image}).")
+            if is_image_block(part) and not is_image(part.get("image")):
+                raise ValueError(f"{source} returned an image block whose 'image' is a {type(part.get('image')).__name__}"
+                                 "; give a PIL.Image.Image (PIL.Image.open(path) for a file).")
+        if any(is_image(part) for part in value):
+            return [{"type": "image", "image": part} if is_image(part) else part for part in value]
+    return value
+
+
+def prompt_with_images(prompt: list[dict], images) -> list[dict]:
+    """A row's prompt with TRL's `image`/`images` column (a PIL image or a list): as TRL's
+    prepare_multimodal_messages, each `{"type": "image"}` block without an image takes the next one, in order; where
+    the prompt has no such block, the images go first in its first user message."""
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    if bad := next((im for im in images if not is_image(im)), None):
+        raise ValueError(f"A row's image is a {type(bad).__name__}; the `image`/`images` columns take PIL images "
+                         "(datasets' Image feature decodes to them).")
+    if not images:
+        return prompt
+    slots = [(k, j) for k, m in enumerate(prompt) if isinstance(m.get("content"), list)
+             for j, part in enumerate(m["content"]) if is_image_block(part) and not is_image(part.get("image"))]
+    messages = [dict(m, content=list(m["content"])) if isinstance(m.get("content"), list) else dict(m) for m in prompt]
+    if slots:
+        if len(slots) != len(images):
+            raise ValueError(f"A row's prompt has {len(slots)} image blocks but its image column {len(images)} images; "
+                             "give one image per {'type': 'image'} block.")
+        for (k, j), image in zip(slots, images):
+            messages[k]["content"][j] = {"type": "image", "image": image}
+        return messages
+    k = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if k is None:
+        raise ValueError("A row has images (`image`/`images` column) but its prompt has no user message to put them in.")
+    content = messages[k]["content"]
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    messages[k]["content"] = [{"type": "image", "image": image} for image in images] + text
+    return messages
+
+
+def row_image_column(row: dict):
+    return row.get("images", row.get("image")) if isinstance(row, dict) else None
+
+
+@dataclass
+class ImageFeatures:
+    """One image as the model takes it: the processor's patches (P, D) and grid (3,) (t, h, w in patches), and how
+    many placeholder tokens stand for it in the ids."""
+
+    pixel_values: torch.Tensor
+    grid: torch.Tensor
+    tokens: int
+
+
+_FEATURES: dict[int, ImageFeatures] = {}  # id(image) -> its features, from its first render (Vision.features)
+
+
+def image_features(image) -> ImageFeatures:
+    """The features a Vision computed when it rendered `image` (every image of an episode was rendered)."""
+    if id(image) not in _FEATURES:
+        raise RuntimeError("An episode's image was never rendered by a vision tokenizer (engine/vision.Vision): it was "
+                           "copied after it entered the conversation, or added outside the episode loop.")
+    return _FEATURES[id(image)]
+
+
+def row_images(episodes) -> "RowImages | None":
+    """pad_episodes' `images`: each episode's ImageFeatures, in order; None where no episode has an image."""
+    rows = [[image_features(im) for im in conversation_images(ep.prompt_messages + ep.messages)] for ep in episodes]
+    return RowImages(rows) if any(rows) else None
+
+
+class RowImages(list):
+    """The batch's `images`: per row, its episode's ImageFeatures (pad_episodes). A list TRL's shuffle and split
+    index like its tensors; `to` keeps it (the features move with each forward)."""
+
+    def to(self, device):
+        return self
+
+
+class Images:
+    """What TextOnly and Vision share: the rows' image columns put in their prompts."""
+
+    def with_row_images(self, prompts: list[list[dict]], rows: list[dict] | None) -> list[list[dict]]:
+        """Each prompt with its row's `image`/`images` column (prompt_with_images); the prompts where none has one."""
+        if not rows or all(row_image_column(row) is None for row in rows):
+            return prompts
+        return [prompt_with_images(p, row_image_column(row)) for p, row in zip(prompts, rows)]
+
+
+class TextOnly(Images):
+    """A tokenizer without an image token: any image is refused, naming the fix."""
+
+    name = None
+
+    def __init__(self, tokenizer):
+        self.model = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
+        if has_images(messages):
+            raise ValueError(f"An image reached the conversation, but {self.model} is a text-only model (no image token "
+                             "or no preprocessor_config.json beside its tokenizer): train a vision-language model "
+                             "(Qwen2-VL, Qwen2.5-VL), or have the tool or environment return text.")
+        return ids
+
+    def generation_images(self, episodes) -> dict:
+        return {}
+
+
+class Vision(Images):
+    """A vision-language tokenizer and its image processor: the placeholders of each image (`expand`) and its
+    features, computed once per image (kept while the image lives)."""
+
+    def __init__(self, tokenizer, image_processor, template_name: str = "the chat template"):
+        self.tokenizer, self.image_processor, self.template_name = tokenizer, image_processor, template_name
+        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        self.start_token_id = tokenizer.convert_tokens_to_ids(VISION_START)
+        self.merge = getattr(image_processor, "merge_size", 2) ** 2
+
+    @classmethod
+    def of(cls, tokenizer) -> "Vision | TextOnly":
+        """The tokenizer's Vision, where it has an image token and its folder an image processor
+        (preprocessor_config.json); else TextOnly (Qwen2.5's text tokenizers have the image token, and no processor)."""
+        import os
+
+        path = getattr(tokenizer, "name_or_path", None) or ""
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        if IMAGE_PAD not in vocab or not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            return TextOnly(tokenizer)
+        from transformers import AutoImageProcessor
+
+        return cls(tokenizer, AutoImageProcessor.from_pretrained(path))
+
+    def features(self, image) -> ImageFeatures:
+        """The image's features, processed on its first render and kept while it lives (image_features reads them)."""
+        key = id(image)
+        if key not in _FEATURES:
+            out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt")
+            grid = out["image_grid_thw"][0]
+            _FEATURES[key] = ImageFeatures(out["pixel_values"], grid, int(grid.prod()) // self.merge)
+            weakref.finalize(image, _FEATURES.pop, key, None)
+        return _FEATURES[key]
+
+    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
+        """`ids` (a render of `messages`) with the k-th image placeholder widened to the k-th image's tokens. Fewer
+        placeholders than images: the template dropped some (an error naming it and the fix)."""
+        images = conversation_images(messages)
+        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(found) != len(images):
+            raise ValueError(
+                f"{self.template_name} rendered {len(found)} image placeholders for the {len(images)} images of the "
+                f"conversation (roles {sorted({m['role'] for m in messages if content_images(m.get('content'))})}): it "
+                "drops images there (Qwen2-VL's and Qwen2.5-VL's tool-calling templates render a tool message's "
+                "content as text). Set `tool_images_as_user: true` to move a tool's images into a user message after "
+                "its reply, or give a chat template that renders image blocks in every role.")
+        out, last = [], 0
+        for i, image in zip(found, images):
+            out += ids[last:i] + [self.image_token_id] * self.features(image).tokens
+            last = i + 1
+        return out + ids[last:]
+
+    def images_of(self, ids: list[int], images: list) -> list[ImageFeatures]:
+        """The features of the images `ids` refers to: the first k of the conversation's `images`, k its
+        <|vision_start|> count."""
+        k = sum(t == self.start_token_id for t in ids)
+        if k > len(images):
+            raise RuntimeError(f"{k} images in a sample's tokens but {len(images)} in its conversation")
+        return [self.features(image) for image in images[:k]]
+
+    def episode_images(self, ep) -> list[ImageFeatures]:
+        return [self.features(image) for image in conversation_images(ep.prompt_messages + ep.messages)]
+
+    def generation_images(self, episodes) -> dict:
+        """The backend's `images` keyword for the episodes' next turns (none where no episode has an image)."""
+        per = [self.images_of(ep.context_ids, conversation_images(ep.prompt_messages + ep.messages))
+               for ep in episodes]
+        return {"images": per} if any(per) else {}
+
+
+def vision_token_ids(config) -> list[int]:
+    """A vision model's image and video placeholders and their brackets: tokens only an image may hold, so the
+    in-process sampler never draws them (a sampled placeholder would have no image: the forward would fail, as it
+    does where vLLM draws one). Its logprobs are those of the distribution without them; [] for a text model."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [i for i in (getattr(config, n, None) for n in names) if isinstance(i, int)] if hasattr(
+        config, "vision_config") else []
+
+
+def model_inputs(input_ids: torch.Tensor, images: list[ImageFeatures], image_token_id: int) -> dict:
+    """The keywords a Qwen2-VL-style model takes beside `input_ids` (R, L) whose rows hold `images` in order:
+    `pixel_values` (patches of every image, concatenated), `image_grid_thw` (one row per image), `mm_token_type_ids`
+    (1 at image placeholders), from which the model computes its 3-D rotary positions."""
+    if not images:
+        return {}
+    device = input_ids.device
+    return {"pixel_values": torch.cat([f.pixel_values for f in images]).to(device),
+            "image_grid_thw": torch.stack([f.grid for f in images]).to(device),
+            "mm_token_type_ids": (input_ids == image_token_id).int()}
+
+
+_UNPACKED_LOGGED: list = []
+
+
+def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               sample_starts: torch.Tensor | None, images: list, compute_entropy: bool = False,
+                               autocast=None):
+    """(B, T) log-probs (and entropies) of the completion tokens, each sample forwarded alone: its tokens unpadded,
+    the images its tokens refer to (the first k of its row's `images`), the model's own positions (no position_ids:
+    Qwen2-VL computes its 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may be wrapped."""
+    from contextlib import nullcontext
+
+    from mt_grpo.engine.packing import episode_tokens, unwrapped
+
+    if not _UNPACKED_LOGGED:
+        _UNPACKED_LOGGED.append(True)
+        logger.info("A batch holds images: each sample is forwarded alone with its images and the positions the model "
+                    "computes (Qwen2-VL's 3-D rotary ones), without padding_free's shared-prefix packing, whose trie "
+                    "gives each token one position and one row.")
+    image_token_id = unwrapped(model).config.image_token_id
+    B, T = input_ids.shape[0], logits_to_keep
+    logps = torch.zeros(B, T, device=input_ids.device)
+    entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
+    for row, tokens, lead, cols in episode_tokens(input_ids, attention_mask, logits_to_keep, sample_starts):
+        ids = torch.tensor([tokens], device=input_ids.device)
+        k = sum(t == unwrapped_start(model) for t in tokens)
+        labels = ids.clone()
+        labels[:, :lead] = -100
+        with autocast() if autocast is not None else nullcontext():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True,
+                        **model_inputs(ids, images[row][:k], image_token_id))
+        # log_probs[t] is the logprob of token t + 1 (the fused head scores each position's next token)
+        where = (torch.full((len(cols),), row, device=ids.device), torch.tensor(cols, device=ids.device))
+        logps = logps.index_put(where, out.log_probs[0, lead - 1:].float())
+        if compute_entropy:
+            entropies = entropies.index_put(where, out.entropy[0, lead - 1:].float())
+    return logps, entropies
+
+
+def unwrapped_start(model) -> int:
+    from mt_grpo.engine.packing import unwrapped
+
+    return unwrapped(model).config.vision_start_token_id
