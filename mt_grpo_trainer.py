@@ -52,6 +52,7 @@ from mt_grpo.base.turn_samples import check_turn_samples, next_sample_prompt
 from mt_grpo.engine.packing import PackedForward, PackingArguments, score_labelled_tokens_only
 from mt_grpo.engine.sampling import (SamplingParams, TransformersBackend, policy_sampler_logprobs,
                                      sampled_distribution_logps)
+from mt_grpo.engine.server_images import ServerImages
 from mt_grpo.engine.server_pool import ServerPool, ServerPoolArguments
 from mt_grpo.engine.vision import Vision
 from mt_grpo.engine.weight_sync import (Probes, ServerEndpoints, WeightSync, WeightSyncArguments, WeightSyncConfig,
@@ -506,13 +507,12 @@ def zero_signal_scale(loss_type: str, items: torch.Tensor, informative_items: to
 # 5. The vLLM server client: token ids in; sampled ids, their logprobs and a finish reason out.
 # The in-process backend, TransformersBackend, is in engine/sampling.py; make_backend (section 8) picks one by name.
 # ------------------------------------------------------------------------------------------------
-class VLLMServerClient(ServerEndpoints):
-    """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m
-    vllm.entrypoints.openai.api_server`). Each env round sends all live conversations as a few
-    batched `/v1/completions` requests, `vllm_max_concurrent_requests` at a time; every request has
-    a timeout, and connection errors, 5xx and aborted completions are retried with backoff, then
-    raised: the client never returns a made-up completion. It also keeps the server's weights equal
-    to the policy's (`sync_weights`), and checks that they are."""
+class VLLMServerClient(ServerImages, ServerEndpoints):
+    """Token-in/token-out client of vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`).
+    Each env round sends all live conversations as a few batched `/v1/completions` requests (a prompt with images: one
+    `/inference/v1/generate` request, engine/server_images.py), `vllm_max_concurrent_requests` at a time; each has a
+    timeout, and connection errors, 5xx and aborted completions are retried with backoff, then raised: the client never
+    returns a made-up completion. It keeps the server's weights equal to the policy's (`sync_weights`), and checks."""
 
     external = True  # another engine samples: the trainer corrects for the mismatch
     can_submit = True
@@ -521,14 +521,12 @@ class VLLMServerClient(ServerEndpoints):
                  stop_strings: list[str] | None = None, startup_timeout: float = 240.0,
                  request_timeout: float = 600.0, max_concurrent_requests: int = 16, max_retries: int = 3,
                  prompts_per_request: int = 64, weight_sync: WeightSyncConfig | None = None,
-                 probes: Probes | None = None, tie_rule: str = "auto"):
+                 probes: Probes | None = None, tie_rule: str = "auto", vision=None):
         self.base_url = base_url.rstrip("/")
         self.eos_token_ids = list(eos_token_ids or [])
         self.stop_strings = list(stop_strings or [])
-        self.request_timeout = request_timeout
-        self.max_retries = max_retries
-        self.max_concurrent_requests = max_concurrent_requests
-        self.prompts_per_request = prompts_per_request
+        self.request_timeout, self.max_retries = request_timeout, max_retries
+        self.max_concurrent_requests, self.prompts_per_request = max_concurrent_requests, prompts_per_request
         self.aborted_requests = 0  # completions the server aborted, then retried (a metric)
         self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(request_timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=max_concurrent_requests))
@@ -544,6 +542,7 @@ class VLLMServerClient(ServerEndpoints):
         score = lambda model, *ids, processed, kept=None: policy_sampler_logprobs(  # noqa: E731
             model, *ids, self.params if processed else SamplingParams(), None, kept)
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
+        self.check_images(vision)  # a vision-language policy: the server must take images with token ids
 
     # -- HTTP: bounded waits and retries (base/completions.py) ----------------------------------------
     def post(self, path: str, body: dict, parse: Callable[[dict], object] | None = lambda r: r):
@@ -555,16 +554,20 @@ class VLLMServerClient(ServerEndpoints):
         return has_work  # the server batches on its own; ranks need not wait for each other
 
     def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1,
-               params: SamplingParams | None = None) -> concurrent.futures.Future:
+               params: SamplingParams | None = None, images: list[list] | None = None) -> concurrent.futures.Future:
         """One /v1/completions request, in the background: a Future of len(prompts) * n samples,
         prompt-major. The per-episode scheduler keeps `max_concurrent_requests` of these in flight."""
         check_length(self.max_model_len, prompts, [max_tokens] * len(prompts))  # vLLM would shorten it
+        if images:  # one request per prompt, its images beside it (engine/server_images.py)
+            return self.submit_images(prompts, images, [max_tokens] * len(prompts), n, params or self.params)
         return self.pool.submit(
             lambda: [s for row in self._complete(prompts, max_tokens, n, params or self.params) for s in row])
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]:
+                 params: SamplingParams | None = None, images: list[list] | None = None) -> list[Sample]:
         check_length(self.max_model_len, prompts, max_tokens)
+        if images:
+            return self.submit_images(prompts, images, max_tokens, n, params or self.params).result()
         # Requests carry one max_tokens each, so group prompts by their limit, then chunk.
         by_limit: dict[int, list[int]] = {}
         for i, m in enumerate(max_tokens):
@@ -580,15 +583,12 @@ class VLLMServerClient(ServerEndpoints):
         return out
 
     def completion_body(self, prompts: list[list[int]], max_tokens: int, n: int, p: SamplingParams) -> dict:
-        body = {
-            "model": self.model_name, "prompt": prompts, "max_tokens": max_tokens, "n": n,
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # top_k 0 = off in both
-            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids,
-            "include_stop_str_in_output": True,
-            "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
-        }
+        body = {"model": self.model_name, "prompt": prompts, "max_tokens": max_tokens, "n": n,
+                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,  # top_k 0 = off in both
+                "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids,
+                "include_stop_str_in_output": True, "skip_special_tokens": False, "return_token_ids": True,
+                "logprobs": 0}
         if asked := kept_set_logprobs(p.top_p, p.top_k, p.min_p):  # the sampler's kept sets (base/completions.py)
             body.update(logprobs=asked, return_tokens_as_token_ids=True)
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
@@ -1149,7 +1149,7 @@ def make_backend(args: "MTGRPOConfig", env: MultiTurnToolEnv):
         max_concurrent_requests=args.vllm_max_concurrent_requests,
         max_retries=args.vllm_max_retries, prompts_per_request=args.vllm_prompts_per_request,
         weight_sync=WeightSyncConfig.from_args(args), probes=Probes.render(env.render_ids),
-        tie_rule=args.vllm_tie_rule)
+        tie_rule=args.vllm_tie_rule, vision=env.vision)
     return ServerPool.connect(args, client)  # one server: its client; several: a pool that routes
 
 

@@ -4,12 +4,15 @@
 import json
 import os
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from mt_grpo_trainer import VLLMServerClient, parse_completions_response
 from mt_grpo.engine.sampling import SamplingParams
+from mt_grpo.engine.server_images import GENERATE
+from mt_grpo.engine.vision import Vision
 from mt_grpo.base.protocol import XMLProtocol
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "vllm")
@@ -174,6 +177,26 @@ def test_repetition_is_its_own_finish_reason_and_unknown_ones_are_refused(server
 def test_server_down_at_start_is_a_clear_error_within_the_timeout():
     with pytest.raises(ConnectionError, match=r"No vLLM server became healthy at http://127.0.0.1:9 within 2s"):
         client(9, startup_timeout=2.0)  # port 9 (discard): nothing listens
+
+
+@pytest.mark.parametrize("status", [403, 404])
+def test_a_vision_policy_is_refused_at_start_by_a_server_that_takes_no_images_with_ids(server, status):
+    """vLLM answers 403 at /inference/v1/generate without --enable-scale-out, and an older one 404: a vision-language
+    policy (a tokenizer with an image token) stops at start, naming the flag; a text policy asks nothing."""
+    server.fault = lambda k: status if server.requests[k - 1][0] == GENERATE else None
+    assert not client(server.port, vision=Vision.of(tokenizer_without_images())).serves_images
+    assert GENERATE not in [path for path, _ in server.requests]
+    vision = types.SimpleNamespace(image_token_id=7)  # what the check reads of engine/vision.Vision
+    with pytest.raises(RuntimeError, match=f"takes no images with token ids .*answered {status}.*--enable-scale-out"):
+        client(server.port, vision=vision)
+    server.fault = lambda k: None
+    assert client(server.port, vision=vision).serves_images
+
+
+def tokenizer_without_images():
+    from prepare_models import make_tiny_tokenizer
+
+    return make_tiny_tokenizer()
 
 
 def test_5xx_is_retried_then_raised(server):

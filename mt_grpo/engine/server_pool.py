@@ -222,13 +222,16 @@ class ServerPool:
         return has_work
 
     # -- generation --------------------------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1, params=None) -> concurrent.futures.Future:
+    def submit(self, prompts: list[list[int]], max_tokens: int, n: int = 1, params=None,
+               images: list[list] | None = None) -> concurrent.futures.Future:
         """One request of the env, in the background: a Future of len(prompts) * n samples, prompt-major."""
-        return self.requests.submit(self.generate, prompts, [max_tokens] * len(prompts), n, params)
+        return self.requests.submit(self.generate, prompts, [max_tokens] * len(prompts), n, params, images)
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, params=None) -> list:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, params=None,
+                 images: list[list] | None = None) -> list:
         """Samples of `prompts` (n each, prompt-major), each prompt on its group's server; the conversations of a lost
-        server go again to the others (`retry`), or the run stops (`stop`)."""
+        server go again to the others (`retry`), or the run stops (`stop`). `images`: per prompt, the images its tokens
+        hold (engine/server_images.py)."""
         out: list = [None] * len(prompts)
         todo = list(range(len(prompts)))
         while todo:
@@ -237,7 +240,8 @@ class ServerPool:
                 tokens = request_tokens([prompts[i]], [max_tokens[i]], n)
                 by_server.setdefault(self.router.route(prompts[i], tokens), []).append(i)
             jobs = {self.parts.submit(self._on_server, s, [prompts[i] for i in idx], [max_tokens[i] for i in idx],
-                                      n, params): (s, idx) for s, idx in by_server.items()}
+                                      n, params, images and [images[i] for i in idx]): (s, idx)
+                    for s, idx in by_server.items()}
             todo = []
             for future, (server, idx) in jobs.items():
                 try:
@@ -250,11 +254,13 @@ class ServerPool:
                         self.retried_requests += 1
         return [s for samples in out for s in samples]
 
-    def _on_server(self, server: int, prompts: list[list[int]], max_tokens: list[int], n: int, params) -> list:
+    def _on_server(self, server: int, prompts: list[list[int]], max_tokens: list[int], n: int, params,
+                   images: list[list] | None = None) -> list:
         """The client's samples of `prompts`, grouped back by prompt (n each); their tokens leave the server's load
         when it answers or fails."""
         try:
-            samples = self._call(server, lambda c: c.generate(prompts, max_tokens, n, params))
+            seen = {"images": images} if images else {}  # a text-only client takes no such keyword
+            samples = self._call(server, lambda c: c.generate(prompts, max_tokens, n, params, **seen))
         finally:
             self.router.finish(server, request_tokens(prompts, max_tokens, n))
         return [samples[j * n : (j + 1) * n] for j in range(len(prompts))]

@@ -123,11 +123,14 @@ def row_image_column(row: dict):
 @dataclass
 class ImageFeatures:
     """One image as the model takes it: the processor's patches (P, D) and grid (3,) (t, h, w in patches), and how
-    many placeholder tokens stand for it in the ids."""
+    many placeholder tokens stand for it in the ids; for the vLLM server (engine/server_images.py), the placeholder
+    token and a weak reference to the image (the server processes the image itself)."""
 
     pixel_values: torch.Tensor
     grid: torch.Tensor
     tokens: int
+    image_token_id: int | None = None
+    source: "weakref.ref | None" = None
 
 
 _FEATURES: dict[int, ImageFeatures] = {}  # id(image) -> its features, from its first render (Vision.features)
@@ -214,7 +217,8 @@ class Vision(Images):
         if key not in _FEATURES:
             out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt")
             grid = out["image_grid_thw"][0]
-            _FEATURES[key] = ImageFeatures(out["pixel_values"], grid, int(grid.prod()) // self.merge)
+            _FEATURES[key] = ImageFeatures(out["pixel_values"], grid, int(grid.prod()) // self.merge,
+                                           self.image_token_id, weakref.ref(image))
             weakref.finalize(image, _FEATURES.pop, key, None)
         return _FEATURES[key]
 

@@ -54,7 +54,10 @@ class ServerEndpoints:
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
-        # Cached KV blocks were computed with the old weights; a reload does not drop them.
+        # Cached KV blocks were computed with the old weights; a reload does not drop them. Nor the image features of
+        # the old vision tower, which a server that takes images keeps apart (engine/server_images.py): first those.
+        if getattr(self, "serves_images", False):
+            self.post("/reset_encoder_cache", {}, parse=None)  # it answers an empty body
         self.post("/reset_prefix_cache", {})
 
     def load_lora_adapter(self, name: str, folder: str) -> None:
