@@ -112,6 +112,58 @@ def test_a_react_tool_scheduler_appends_its_observation_and_the_gym_rewards_are_
     assert env.rollout_infos == {"tool_results": "Observation: 6\n", "step_rewards": [0.5, 0.5], "num_turns": 3}
 
 
+def test_a_step_that_adds_an_image_replies_with_it_where_its_tag_is(tmp_path):
+    """swift's DeepEyes form: step crops the request's image, appends a user message with an `<image>` tag and the
+    crop to `infer_request.images`. The reply holds the crop where its tag was (engine/vision.py's blocks); on the next
+    turn the request holds the conversation's images in order, each message's images as `<image>` tags; a crop in a
+    file comes in by its path; tags that do not match the images added, or images with a continuation, are refused."""
+    from PIL import Image
+
+    picture = Image.new("RGB", (64, 64), (200, 30, 30))
+    picture.save(tmp_path / "crop.png")
+    path = write_plugin(tmp_path, f"""
+        class Zoom(MultiTurnScheduler):
+            seen = []
+
+            def step(self, infer_request, response_choice, current_turn):
+                Zoom.seen.append((infer_request.messages[0]['content'], list(infer_request.images)))
+                crop = infer_request.images[-1].crop((0, 0, 32, 32))
+                infer_request.messages.append({{'role': 'user', 'content': f'Zoomed <image> turn {{current_turn}}.'}})
+                infer_request.images.append(crop if current_turn == 1 else {str(tmp_path / "crop.png")!r})
+                return {{'infer_request': infer_request}}
+
+        class Untagged(MultiTurnScheduler):
+            def step(self, infer_request, response_choice, current_turn):
+                infer_request.messages.append({{'role': 'user', 'content': 'Zoomed.'}})
+                infer_request.images.append(infer_request.images[0])
+                return {{'infer_request': infer_request}}
+
+        class Continued(MultiTurnScheduler):
+            def step(self, infer_request, response_choice, current_turn):
+                infer_request.messages[-1]['content'] += ' <image>'
+                infer_request.images.append(infer_request.images[0])
+                return {{'infer_request': infer_request}}
+        """)
+    question = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Zoom?"}]}]
+    env = episode(f"{path}:Zoom", row={"prompt": question})
+    first = question + [{"role": "assistant", "content": "zoom in"}]
+    reply = respond(env, first)
+    text_before, crop, text_after = reply.content
+    assert (text_before, text_after) == ({"type": "text", "text": "Zoomed "}, {"type": "text", "text": " turn 1."})
+    assert crop["type"] == "image" and crop["image"].size == (32, 32)
+    assert crop["image"].getpixel((0, 0)) == picture.getpixel((0, 0))
+    second = first + [{"role": "user", "content": reply.content}, {"role": "assistant", "content": "again"}]
+    reply = respond(env, second)
+    assert reply.content[1]["image"].size == (64, 64)  # the file, opened
+    scheduler = env.scheduler
+    assert [(text, [im.size for im in images]) for text, images in type(scheduler).seen] == [
+        ("<image>Zoom?", [(64, 64)]), ("<image>Zoom?", [(64, 64), (32, 32)])]
+    for name, message in (("Untagged", "added 1 images to the request and 0 `<image>` tags"),
+                          ("Continued", "added images and continued the model's message")):
+        with pytest.raises(ValueError, match=message):
+            respond(episode(f"{path}:{name}", row={"prompt": question}), first)
+
+
 # -- rewards: swift's keywords ----------------------------------------------------------------------------------------
 def test_orm_rewards_get_swift_keywords_and_text_completions():
     from mt_grpo.adapters.swift import adapt
@@ -242,7 +294,7 @@ def test_a_step_that_appends_a_tool_message_or_rewrites_history_fails_naming_the
         """)
     with pytest.raises(ValueError, match="Tool calls are run by the recipe's `tools`"):
         respond(episode(f"{path}:ToolStep"), QUESTION + [{"role": "assistant", "content": "x"}])
-    with pytest.raises(ValueError, match="added images to the request; mt-grpo's episodes are text"):
+    with pytest.raises(ValueError, match=r"added an image of type str \('crop.png'\); give a PIL image or a local"):
         respond(episode(f"{path}:Zoom"), QUESTION + [{"role": "assistant", "content": "x"}])
     with pytest.raises(ValueError, match="rewrote the conversation"):
         respond(episode(f"{path}:Rewrite"), QUESTION + [{"role": "assistant", "content": "x"}])

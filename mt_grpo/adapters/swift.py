@@ -16,7 +16,10 @@ conversation, the row's other columns as `data_dict`) and a ChatCompletionRespon
     on_turn_end -> {'done', 'rollout_infos'}   'done' decides, else check_finished; past swift_max_turns: stop
     stop                                       no reply: the episode ends as it would without respond (the last
                                                turn's step_rewards stay its R_T: Reply(end=True, score=...))
-    step appended a user message               Reply(content): a new round (MathTipsMultiTurnScheduler)
+    step appended a user message               Reply(content): a new round (MathTipsMultiTurnScheduler); the images
+                                               it added to `infer_request.images` where its `<image>` tags are (text
+                                               and image blocks, engine/vision.py: DeepEyes' form); the request holds
+                                               the conversation's images, each message's as `<image>` tags
     step rewrote the model's own message       Reply(content=<the text it inserted>, continuation=True,
                                                keep_chars=<the model's characters that stay>): the text sits
                                                inside the model's message with mask 0 and sampling continues in it
@@ -54,7 +57,9 @@ from copy import deepcopy
 from typing import Callable
 
 from mt_grpo.adapters import Adapted
+from mt_grpo.base.protocol import holds_images, is_image_block
 from mt_grpo.base.registry import load_file
+from mt_grpo.engine.vision import conversation_images
 from mt_grpo.base.runtime import ContractBroken, PatientLock
 
 logger = logging.getLogger("mt_grpo")
@@ -203,13 +208,49 @@ def make_scheduler(cls, max_turns, tokenizer):
 # ----------------------------------------------------------------------------------------------------------------------
 # the environment: swift's loop body, once per model turn without a tool call
 # ----------------------------------------------------------------------------------------------------------------------
+IMAGE_TAG = "<image>"  # where an image sits in a swift message's text; the request's `images` hold them, in order
+
+
 def swift_message(m: dict) -> dict:
-    """A canonical message as swift's requests hold it: role and text content (tool calls, names kept when present)."""
-    out = {"role": m["role"], "content": m.get("content") or ""}
+    """A canonical message as swift's requests hold it: role and text content (tool calls, names kept when present);
+    a content of text and image blocks (engine/vision.py) as its text with an `<image>` tag where each image is."""
+    content = m.get("content") or ""
+    if holds_images(content):
+        content = "".join(IMAGE_TAG if is_image_block(p) else p["text"] for p in content)
+    out = {"role": m["role"], "content": content}
     for key in ("tool_calls", "name", "tool_call_id"):
         if m.get(key):
             out[key] = deepcopy(m[key])
     return out
+
+
+def tagged_blocks(text: str, images: list, label: str):
+    """The text of a message `step` appended, with the images it added to the request: each `<image>` tag the next
+    image, as swift's templates place them (text blocks and image blocks, engine/vision.py); no image: the text."""
+    if not images:
+        return text
+    pieces = text.split(IMAGE_TAG)
+    if len(pieces) - 1 != len(images):
+        raise ValueError(f"{label}.step added {len(images)} images to the request and {len(pieces) - 1} `<image>` tags "
+                         "to the message it appended: put one `<image>` in the message where each image goes, as "
+                         "swift's DeepEyes scheduler writes it.")
+    blocks = []
+    for k, piece in enumerate(pieces):
+        blocks += ([{"type": "image", "image": swift_image(images[k - 1], label)}] if k else []) + (
+            [{"type": "text", "text": piece}] if piece else [])
+    return blocks
+
+
+def swift_image(image, label: str):
+    """A PIL image of what a swift request's `images` hold: a PIL image, or a local file's path."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, str) and os.path.isfile(image):
+        return Image.open(image)
+    raise ValueError(f"{label}.step added an image of type {type(image).__name__} ({str(image)[:60]!r}); give a PIL "
+                     "image or a local file's path.")
 
 
 def step_result(ret, label: str) -> tuple:
@@ -286,7 +327,7 @@ class SwiftEpisode:
         from swift.infer_engine.protocol import RolloutInferRequest
 
         return RolloutInferRequest(messages=[swift_message(m) for m in messages], data_dict=deepcopy(self._row),
-                                   uuid=self._uuid)
+                                   uuid=self._uuid, images=conversation_images(messages))
 
     def _sample(self, content: str, at: int) -> str:
         """This turn's sampled text: the model's message after what the last continuation left in it."""
@@ -335,16 +376,16 @@ class SwiftEpisode:
         before, images = deepcopy(request.messages), len(request.images or [])
         with self._lock.held():
             request, extras = step_result(scheduler.step(request, choice, turn), label)
-        if len(getattr(request, "images", None) or []) > images:
-            raise ValueError(f"{label}.step added images to the request; mt-grpo's episodes are text: a multimodal "
-                             "scheduler (swift's DeepEyes example) does not run here.")
+        added = list(getattr(request, "images", None) or [])[images:]  # images step added: its new message's
         gained = self._infos(extras.get("rollout_infos"))
         score = gained if score is None else score + (gained or 0.0)
         self.rollout_infos["num_turns"] = turn
-        return self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1)
+        return self._reply(before, request.messages, sample, score, label, Reply, len(messages) - 1, added)
 
-    def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply, at: int):
-        """What step did to the conversation, as a Reply: a new user message, or text inserted in the model's."""
+    def _reply(self, before: list[dict], after: list[dict], sample: str, score, label: str, Reply, at: int,
+               images: list):
+        """What step did to the conversation, as a Reply: a new user message (with the images step added), or text
+        inserted in the model's."""
         n = len(before)
         if len(after) < n or [swift_message(m) for m in after[:n - 1]] != before[:n - 1] \
                 or after[n - 1].get("role") != "assistant":
@@ -362,7 +403,10 @@ class SwiftEpisode:
                                  "run by the recipe's `tools` (or an environment_factory class), before the scheduler "
                                  "sees the turn: give the tools there, and let step append only the user's reply.")
             self._message = None
-            return Reply(content=added[0].get("content") or "", score=score)
+            return Reply(content=tagged_blocks(added[0].get("content") or "", images, label), score=score)
+        if images:
+            raise ValueError(f"{label}.step added images and continued the model's message; here an image enters in a "
+                             "new round: append a user message with an `<image>` tag where each goes.")
         prefix = old[:len(old) - len(sample)]  # the message before this turn's sample
         if not new.startswith(prefix):
             raise ValueError(f"{label}.step changed text of the model's message before its last sample; a "

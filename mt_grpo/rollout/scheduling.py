@@ -30,8 +30,8 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
                     batch, ready = next_request(ready, backend.prompts_per_request, env.budget)
                     n = batch[0][1]
                     eps = [ep for group, _ in batch for ep in group[:1 if n > 1 else None]]
-                    future = backend.submit([ep.context_ids for ep in eps],
-                                            env.budget(eps[0]), n, params)
+                    future = backend.submit([ep.context_ids for ep in eps], env.budget(eps[0]), n, params,
+                                            **env.vision.generation_images(eps))  # their images (engine/vision.py)
                     in_flight[future] = ("generate", [ep for group, _ in batch for ep in group])
                     requests += 1
                 finished = MAIN.wait(in_flight, 1.0)  # 1 s: a SIGTERM is seen within it

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from mt_grpo.base.protocol import OUTSIDE_ROLES, REPLY_ROLES, encode_text, mark_outside
+from mt_grpo.base.protocol import OUTSIDE_ROLES, REPLY_ROLES, encode_text, holds_images, is_text_block, mark_outside
 from mt_grpo.rollout.tool_calls import clean_text
 
 logger = logging.getLogger("mt_grpo")
@@ -176,8 +176,9 @@ def checked(reply: Reply, label: str) -> Reply:
         raise ValueError(f"{label}.respond gave Reply.{name} = {str(value)[:80]!r} ({type(value).__name__}); "
                          f"give {want}.")
 
-    if not isinstance(reply.content, str):
-        fail("content", "a string (the user message, or the text a continuation inserts; \"\" for none)")
+    if not isinstance(reply.content, str) and not (holds_images(reply.content) and not reply.continuation):
+        fail("content", "a string (the user message, or the text a continuation inserts; \"\" for none), or a user "
+                        "message's text and image blocks [{'type': 'image', 'image': PIL.Image}, ...]")
     for name in ("done", "continuation", "end"):
         if not isinstance(getattr(reply, name, False), bool):
             fail(name, "True or False")
@@ -230,7 +231,8 @@ def reply_text(env, content: str, label: str) -> str:
     (tool_calls.clean_text: lone surrogates, NUL and other C0 controls as U+FFFD, warned once per class) and cut to
     `max_tool_response_tokens` (cut_tool_output: by characters before it is tokenized, so that 10 MB cost what
     16 KB do), with a warning once per class."""
-    text = clean_text(content, f"{label}.respond")
+    text = [dict(p, text=clean_text(p["text"], f"{label}.respond")) if is_text_block(p) else p for p in content] \
+        if holds_images(content) else clean_text(content, f"{label}.respond")  # images kept where they are (vision.py)
     cut = env.truncate_tool_output(text)
     if cut != text and label not in _CUT:
         _CUT.add(label)
