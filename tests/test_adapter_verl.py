@@ -382,6 +382,41 @@ def test_an_execute_that_blocks_its_loop_stalls_only_its_own_episode(tmp_path):
     assert a.environment.tool_rewards == [] and c.environment.tool_rewards == [1.0]
 
 
+ZOOM_CONFIG = """tools:
+  - class_name: user_verl.ZoomTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: zoom
+        description: Zoom into the picture.
+        parameters: {type: object, properties: {x: {type: integer, description: where}}, required: [x]}
+"""
+
+
+def test_a_tool_response_with_an_image_reaches_the_model_as_its_tool_message(tmp_path):
+    """verl 0.7.1's multimodal tool message: ToolResponse(image=[crop], text=...) is the tool message's image, then
+    its text (engine/vision.py's blocks), with the step reward verl appends to tool_rewards; a video is refused."""
+    from PIL import Image
+
+    from mt_grpo.base.protocol import ToolCall, XMLProtocol
+    from mt_grpo.rollout.environments import EnvironmentPool
+    from mt_grpo.rollout.toolset import run_turns
+
+    config = tmp_path / "tool_config.yaml"
+    config.write_text(ZOOM_CONFIG)
+    pool = EnvironmentPool(adapted(tool_config=str(config)).environment_factory, [], XMLProtocol())
+    toolset = pool.start([{"prompt": "Zoom.", "row": 0}], [[{"role": "user", "content": "Zoom."}]])[1][0]
+    (result,), = run_turns([(toolset, [ToolCall(name="zoom", arguments={"x": 2})])], timeout=10.0, max_workers=2)
+    assert result.ok
+    image, text = result.output
+    assert isinstance(image["image"], Image.Image) and image["image"].size == (56, 84) and image["type"] == "image"
+    assert text == {"type": "text", "text": "Zoomed in at 2."}
+    assert toolset.turn_rewards == [[0.5]] and toolset.environment.tool_rewards == [0.5]
+    (video,), = run_turns([(toolset, [ToolCall(name="zoom", arguments={"x": -1})])], timeout=10.0, max_workers=2)
+    assert not video.ok and "returned a ToolResponse with a video: videos are not supported" in video.output
+
+
 # -- training, from the constructor field ----------------------------------------------------------------------
 TRAIN = """
 import sys

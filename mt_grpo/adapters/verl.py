@@ -51,7 +51,8 @@ Left out, and why:
                         here every call of a turn runs, in order (max_env_steps bounds the turns).
     tool response length  verl cuts a response to max_tool_response_length characters (256); here the trainer's
                         max_tool_response_tokens cuts it, with a marker.
-    images, videos      a ToolResponse's image/video needs a vision model: its text is shown, and a warning logged.
+    videos              a ToolResponse's video is refused (return its frames as images); its images reach the model
+                        (a vision-language policy: engine/vision.py), one block each, then its text.
     OmegaConf           the YAML is read with yaml.safe_load: `${...}` interpolations are refused, naming the key.
     AgentData           a tool that reads `agent_data` gets its request_id, tools_kwargs, interaction_kwargs,
                         tool_rewards, turn_scores, extra_fields and metrics, and `messages`: the prompt and what the
@@ -257,19 +258,24 @@ async def call_tool(tool, name: str, parameters: dict, tools_kwargs: dict, agent
     finally:
         if instance_id:
             await _awaited(tool.release(instance_id))
-    return response_text(response, name), reward
+    return response_content(response, name), reward
 
 
-def response_text(response, name: str) -> str:
-    """The text of what execute returned: a ToolResponse (its `text`), or a string or dict as verl before 0.5."""
+def response_content(response, name: str):
+    """What the model sees of what execute returned: a ToolResponse's `text`, or, where it has images, 0.7.1's
+    multimodal tool message: its images, then its text, as blocks (engine/vision.py: each image a block, where verl
+    writes one placeholder for the list); a string or dict as verl before 0.5. A video is refused, naming the fix."""
     if isinstance(response, str):
         return response
     if isinstance(response, dict):
         return str(response.get("text") or "")
-    if getattr(response, "image", None) or getattr(response, "video", None):
-        _log_once(f"media:{name}", "Tool %r returned images or videos: they need a vision model; the model sees the "
-                  "text only (first time only).", name)
-    return getattr(response, "text", None) or ""
+    text = getattr(response, "text", None) or ""
+    if getattr(response, "video", None):
+        raise ValueError(f"Tool {name!r} returned a ToolResponse with a video: videos are not supported (their frames "
+                         "need the video processor and per-frame grids); return the frames as ToolResponse(image=[...]).")
+    images = getattr(response, "image", None) or []
+    return [*({"type": "image", "image": image} for image in images), *([{"type": "text", "text": text}] if text else [])
+            ] if images else text
 
 
 # ------------------------------------------------------------------------------------------------
