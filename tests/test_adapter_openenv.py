@@ -96,6 +96,35 @@ def test_the_action_model_is_one_tool_and_the_observation_its_text():
         asyncio.run(episode.echo(message=3))
 
 
+def test_an_observation_that_carries_a_screenshot_is_an_image_before_its_text():
+    """BrowserGym's form: the screenshot an (H, W, 3) list of pixels beside a caption. A step's observation is the
+    screenshot as an image block (engine/vision.py), then the caption, with its reward; a PIL image or a data URL is
+    an image too, a list of numbers that is no picture stays text."""
+    import asyncio
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mt_grpo.adapters.openenv import observation_content
+
+    episode = adapted("screen_env:ScreenEnvironment").environment_factory()
+    asyncio.run(episode.reset(prompt=[{"role": "user", "content": "Paint."}]))
+    image, caption = asyncio.run(episode.paint(shade=200))
+    assert image["type"] == "image" and image["image"].size == (4, 2) and image["image"].getpixel((3, 1)) == (200,) * 3
+    assert caption == {"type": "text", "text": "Painted 200."}
+    assert episode.step_rewards == [1.0] and episode.done
+    picture = Image.new("RGB", (3, 5), (1, 2, 3))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    for value in (picture, url):
+        (block,) = observation_content({"frame": value, "done": False, "reward": 0.0})
+        assert block["image"].size == (3, 5) and block["image"].convert("RGB").getpixel((0, 0)) == (1, 2, 3)
+    assert observation_content({"board": [[1, 2], [3, 4]], "score": 7}) == "board: [[1, 2], [3, 4]]\nscore: 7"
+    assert observation_content({"grid": [[[300, 0, 0]]]}) == "[[[300, 0, 0]]]"  # out of 0-255: not pixels
+
+
 # -- a game: step rewards as turn credit, done ends it ------------------------------------------------------------
 def test_number_guess_rewards_each_turn_and_done_ends_the_episode(tokenizer):
     """Seed 1: the secret is 3. A guesses 5 (-0.1, "Lower."), then 3 (+1, done: the episode ends, its next scripted

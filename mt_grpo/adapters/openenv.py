@@ -15,7 +15,9 @@ of a server that serves one, `openenv_env: http://127.0.0.1:8000`. OpenEnv's con
                                                  parameters (less the framework's `metadata`), its docstring the
                                                  tool's description; a call that does not validate is an error the
                                                  model reads (pydantic's message)
-    step(action) -> Observation                  the tool's result: the observation's text
+    step(action) -> Observation                  the tool's result: the observation's text; a field that holds an
+                                                 image (a PIL image, a data URL, (H, W, 3) pixels) is an image block
+                                                 before the text, for a vision-language policy (engine/vision.py)
     Observation.reward                           step_rewards: that tool turn's R_T (`<Class>_steps`)
     Observation.done                             done: the episode ends after that turn
     an Observation as text                       its own fields (not done, reward, metadata): one field's value as
@@ -137,6 +139,45 @@ def observation_text(observation) -> str:
     return "\n".join(f"{k}: {v}" for k, v in as_text.items())
 
 
+def observation_image(value):
+    """The image an observation's field holds, or None: a PIL image (a local environment's), a `data:image/...;base64`
+    URL, or pixels as OpenEnv's environments send them over JSON, an (H, W, 3 or 4) array or nested list of 0-255
+    integers (BrowserGym's `screenshot`)."""
+    import base64
+    import io
+
+    from mt_grpo.engine.vision import is_image
+
+    if is_image(value):
+        return value
+    if isinstance(value, str) and value.startswith("data:image/") and ";base64," in value:
+        from PIL import Image
+
+        return Image.open(io.BytesIO(base64.b64decode(value.split(",", 1)[1])))
+    if isinstance(value, list) and value and isinstance(value[0], list) and value[0] and isinstance(value[0][0], list) \
+            or type(value).__name__ == "ndarray":
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.asarray(value)
+        if pixels.ndim == 3 and pixels.shape[-1] in (3, 4) and pixels.dtype.kind in "iu" and pixels.size and \
+                pixels.min() >= 0 and pixels.max() <= 255:
+            return Image.fromarray(pixels.astype(np.uint8))
+    return None
+
+
+def observation_content(observation):
+    """What the model reads of an observation: its text (observation_text), or, where fields hold images
+    (observation_image), the images, then the other fields' text, as engine/vision.py's blocks."""
+    fields = observation_fields(observation)
+    images = {k: image for k, v in fields.items() if (image := observation_image(v)) is not None}
+    if not images:
+        return observation_text(observation)
+    text = observation_text({k: v for k, v in fields.items() if k not in images}) if len(images) < len(fields) else ""
+    return [*({"type": "image", "image": image} for image in images.values()),
+            *([{"type": "text", "text": text}] if text else [])]
+
+
 def first_observation(prompt: list[dict] | None, observation) -> str:
     """The reset observation, after the prompt's last user message (a blank line between them when it has text)."""
     text = observation_text(observation)
@@ -188,7 +229,7 @@ class OpenEnvEpisode:
         if reward is not None:
             self.step_rewards.append(float(reward))
         self.done = bool(done)
-        return observation_text(observation)
+        return observation_content(observation)
 
 
 def _base_method(env, name: str):
@@ -289,7 +330,7 @@ class RemoteEpisode:
         if reply.get("reward") is not None:
             self.step_rewards.append(float(reply["reward"]))
         self.done = bool(reply.get("done"))
-        return observation_text(reply.get("observation") or {})
+        return observation_content(reply.get("observation") or {})
 
 
 def _json_object(reply) -> dict:
