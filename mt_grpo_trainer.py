@@ -673,8 +673,8 @@ class MultiTurnToolEnv:
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
         """Token ids of a render, text from outside (protocol.OUTSIDE_TEXT) as plain text (protocol.template_ids)."""
-        return self.vision.expand(template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt, toolset),
-                                               messages), messages)  # an image's placeholders: engine/vision.py
+        return self.vision.expand(lambda: template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt,
+                                  toolset), messages), messages)  # an image's placeholders: engine/vision.py
 
     def env_reply_ids(self, tool_messages: list[dict], last: bool = False) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
@@ -683,7 +683,7 @@ class MultiTurnToolEnv:
         base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": _SENTINEL, "tool_calls": []}]
         after = lambda m: (t := self.render(m, not last))[t.rindex(_SENTINEL) + len(_SENTINEL):]  # noqa
-        return self.vision.expand(template_ids(self.tokenizer, after, base + tool_messages), tool_messages)
+        return self.vision.expand(lambda: template_ids(self.tokenizer, after, base + tool_messages), tool_messages)
 
     def truncate_tool_output(self, text: str) -> str:  # cut by characters first: a 10 MB output is not tokenized whole
         return cut_tool_output(text, self.tokenizer, self.max_tool_response_tokens)

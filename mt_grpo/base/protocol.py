@@ -1023,8 +1023,9 @@ def prompt_problem(prompt) -> str:
             return f"prompt message {k} is a {type(m).__name__}, not a {{\"role\", \"content\"}} object"
         if m.get("role") not in PROMPT_ROLES:
             return f"prompt message {k} has the role {m.get('role')!r}, not one of {', '.join(PROMPT_ROLES)}"
-        if not isinstance(m.get("content"), str):
-            return f"prompt message {k} has no text `content` (a {type(m.get('content')).__name__})"
+        if not isinstance(m.get("content"), str) and not (m["role"] == "user" and holds_images(m.get("content"))):
+            return f"prompt message {k} has no text `content` (a {type(m.get('content')).__name__})" + (
+                ", nor text and image blocks" if isinstance(m.get("content"), list) else "")
         if m["role"] == "system" and k > 0:
             return f"prompt message {k} is a system message; only the first may be"
     if prompt[-1]["role"] != "user":

@@ -31,6 +31,7 @@ no backend here passes."""
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -172,16 +173,18 @@ class TextOnly(Images):
     """A tokenizer without an image token: any image is refused, naming the fix."""
 
     name = None
+    placeholder_ids = ()
 
     def __init__(self, tokenizer):
         self.model = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
-    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
+    def expand(self, render: Callable[[], list[int]], messages: list[dict]) -> list[int]:
+        """`render()`, the ids of `messages`; an image among them is refused before the template sees it."""
         if has_images(messages):
             raise ValueError(f"An image reached the conversation, but {self.model} is a text-only model (no image token "
                              "or no preprocessor_config.json beside its tokenizer): train a vision-language model "
                              "(Qwen2-VL, Qwen2.5-VL), or have the tool or environment return text.")
-        return ids
+        return render()
 
     def generation_images(self, episodes) -> dict:
         return {}
@@ -196,6 +199,9 @@ class Vision(Images):
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.start_token_id = tokenizer.convert_tokens_to_ids(VISION_START)
         self.merge = getattr(image_processor, "merge_size", 2) ** 2
+        vocab = tokenizer.get_vocab()  # the tokens only the template writes around an image: never text
+        self.placeholder_ids = tuple(vocab[t] for t in ("<|vision_start|>", "<|vision_end|>", IMAGE_PAD, "<|video_pad|>")
+                                     if t in vocab)
 
     @classmethod
     def of(cls, tokenizer) -> "Vision | TextOnly":
@@ -222,10 +228,10 @@ class Vision(Images):
             weakref.finalize(image, _FEATURES.pop, key, None)
         return _FEATURES[key]
 
-    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
-        """`ids` (a render of `messages`) with the k-th image placeholder widened to the k-th image's tokens. Fewer
-        placeholders than images: the template dropped some (an error naming it and the fix)."""
-        images = conversation_images(messages)
+    def expand(self, render: Callable[[], list[int]], messages: list[dict]) -> list[int]:
+        """`render()` (the ids of `messages`) with the k-th image placeholder widened to the k-th image's tokens.
+        Fewer placeholders than images: the template dropped some (an error naming it and the fix)."""
+        ids, images = render(), conversation_images(messages)
         found = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(found) != len(images):
             raise ValueError(
@@ -256,6 +262,30 @@ class Vision(Images):
         per = [self.images_of(ep.context_ids, conversation_images(ep.prompt_messages + ep.messages))
                for ep in episodes]
         return {"images": per} if any(per) else {}
+
+
+THUMBNAIL_PIXELS = 96  # the longest side of a recorded image (rollout records, the viewer)
+
+
+def thumbnail(image) -> dict:
+    """A recorded image: its size and a PNG thumbnail of at most THUMBNAIL_PIXELS a side, as a data URL that the
+    viewer's <img> shows."""
+    import base64
+    import io
+
+    small = image.convert("RGB")
+    small.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    return {"type": "image", "size": list(image.size),
+            "thumbnail": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}
+
+
+def json_image(value):
+    """json.dumps' `default` for records: an image as its thumbnail; anything else is refused as json refuses it."""
+    if is_image(value):
+        return thumbnail(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def vision_token_ids(config) -> list[int]:

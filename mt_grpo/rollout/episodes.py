@@ -237,7 +237,9 @@ def forged_controls(env, ep, cache: dict | None = None) -> str:
     span: none at all), and every rendered prompt, the episode's and each re-rendered sample's (turn_samples.py:
     against the render of the same history without its text from outside, protocol.outside_emptied). "" when none
     did (protocol.template_ids keeps such text plain)."""
-    control, cache = set(env.tokenizer.added_tokens_decoder), ({} if cache is None else cache)
+    # an image's placeholders are the template's, from the image, not text (engine/vision.py)
+    control = set(env.tokenizer.added_tokens_decoder) - set(getattr(getattr(env, "vision", None), "placeholder_ids", ()))
+    cache = {} if cache is None else cache
     count = lambda ids: sum(t in control for t in ids)  # noqa: E731
     text = lambda ids: env.tokenizer.decode(ids)[:200]  # noqa: E731
     groups = env_replies(ep.messages)  # the messages of each environment reply, in order

@@ -23,6 +23,8 @@ from transformers.trainer_callback import ProgressCallback
 
 from mt_grpo.base.fields import arg
 from mt_grpo.base.runtime import STOP, StopRequested
+from mt_grpo.engine.vision import content_images, conversation_images, json_image, thumbnail
+from mt_grpo.rewards.conversation import env_replies
 from mt_grpo.rollout.user_turns import continued
 from mt_grpo.rewards import is_per_tool_turn
 from mt_grpo.rewards.judge import judge_metrics
@@ -89,7 +91,7 @@ class RolloutProgress:
             self.bar.close()
 
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
-                 "tokenization_mismatch", "turns", "samples", "user_turns", "prompt_tokens")
+                 "tokenization_mismatch", "turns", "samples", "user_turns", "prompt_tokens", "images")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout",
                 "env_done", "env_error", "max_assistant_turns")
 # The stop reasons that are a limit cutting the episode, and the field to raise
@@ -121,7 +123,8 @@ def episode_stats(episodes: list) -> torch.Tensor:
         model_tokens = sum(ep.model_mask)
         rows.append([len(ep.calls), ep.tool_failures, model_tokens, len(ep.completion_ids) - model_tokens,
                      ep.truncated, ep.stop_reason == "answer", ep.tokenization_mismatch,
-                     model_turns(ep.spans), 1 + len(ep.sample_starts), ep.user_turns, len(ep.prompt_ids)]
+                     model_turns(ep.spans), 1 + len(ep.sample_starts), ep.user_turns, len(ep.prompt_ids),
+                     len(conversation_images(getattr(ep, "prompt_messages", []) + ep.messages))]
                     + [ep.stop_reason == r for r in STOP_REASONS])
     return torch.tensor(rows, dtype=torch.float32).view(-1, len(EPISODE_STATS) + len(STOP_REASONS))
 
@@ -143,6 +146,8 @@ def rollout_metrics(stats: torch.Tensor) -> dict[str, float]:
         "rollout/samples_per_episode": s["samples"].mean().item(),  # turn_samples.py; 1: none split
         "rollout/user_turns_per_episode": s["user_turns"].mean().item(),  # an environment's replies (user_turns.py)
     }
+    if s["images"].sum() > 0:  # a run with images (engine/vision.py): the prompt's and the replies'
+        out["rollout/images_per_episode"] = s["images"].mean().item()
     for i, reason in enumerate(STOP_REASONS):
         out[f"rollout/stop/{reason}"] = stats[:, len(EPISODE_STATS) + i].mean().item()
     return out
@@ -262,6 +267,7 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
         turns, model_turn, env_turn = [], -1, -1
         starts = [start for start, _ in getattr(ep, "sample_starts", [])]  # turn_samples.py
         environment = getattr(getattr(ep, "toolset", None), "environment", None)  # environments.py
+        replies = env_replies(ep.messages)  # each env turn's messages, in order
         for k, span in enumerate(ep.spans):
             turn = {"role": span.role, "start": span.start, "end": span.end,
                     "text": tokenizer.decode(ep.completion_ids[span.start : span.end])}
@@ -270,6 +276,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             elif span.role == "env":
                 env_turn += 1
                 turn["tool_calls"] = [dataclasses.asdict(c) for c in ep.calls if c.turn == model_turn]
+                if images := [thumbnail(im) for m in replies[env_turn] for im in content_images(m.get("content"))]:
+                    turn["images"] = images  # the images this reply brought, where they entered
                 if environment is not None and env_turn < len(ep.toolset.turn_rewards):
                     turn["step_rewards"] = [_number(x) for x in ep.toolset.turn_rewards[env_turn]]
                 if span.start in starts:  # the prompt of a new sample: the template's render of the history
@@ -286,6 +294,8 @@ def episode_records(tokenizer, episodes: list, inputs: list[dict], *, step: int,
             "policy_version": ep.policy_version, "question": row.get("question"), "answer": row.get("answer"),
             "answer_aliases": row.get("answer_aliases"),
             "prompt_text": tokenizer.decode(ep.prompt_ids), "turns": turns, "tokens": tokens,
+            **({"prompt_images": images} if (images := [thumbnail(im) for im in conversation_images(
+                getattr(ep, "prompt_messages", []))]) else {}),
             "rewards": {kind: {name: [_number(x) for x in v[i]] if isinstance(v[i], list) else _number(v[i])
                                for name, v in funcs.items()} for kind, funcs in rewards.items()},
             "R_T": episode_value(R_T, i, scored := turns_scored(R_T, i, ep.tool_turns)),
@@ -481,6 +491,7 @@ class StepPrinter(TrainerCallback):
 
     KEYS = [("loss", "loss"), ("rewards/turn/mean", "R_turn"), ("rewards/outcome/mean", "R_out"),
             ("rollout/tool_calls_per_episode", "calls/ep"), ("rollout/tool_success_rate", "tool_ok"),
+            ("rollout/images_per_episode", "img/ep"),
             ("clip_ratio/region_mean", "clip"), ("completions/mean_length", "len"),
             ("rollout/seconds", "rollout_s")]
     # every task's eval logs eval/episodes; the keys a task lacks (a game has no exact match) are left out
@@ -692,7 +703,7 @@ class TrainerReports:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 for record in records:
-                    f.write(json.dumps(record) + "\n")
+                    f.write(json.dumps(record, default=json_image) + "\n")  # a tool output's image: a thumbnail
         return path
 
 

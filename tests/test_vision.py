@@ -1,0 +1,224 @@
+"""Images in the conversation (engine/vision.py): tiny random Qwen2-VL and Qwen2.5-VL made at test time, a prompt's
+image (TRL's `images` column) and a tool that returns one, generation in process with each conversation's images,
+every sample's forward with exactly its images and the model's 3-D positions, packed or not, placeholders mask 0, and
+what is refused (a video, an image for a text-only model, a template that drops images)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from conftest import shared_folder
+from helpers import make_env
+from mt_grpo.base.turn_samples import episode_samples
+from mt_grpo.engine.vision import TextOnly, Vision, conversation_images, image_content, model_inputs
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def vlm_agent_dir(request, tmp_path_factory):
+    """make_tiny_vlm_agent's model of each family: it calls zoom after a question with a picture, then answers."""
+    from prepare_models import make_tiny_vlm_agent
+
+    return shared_folder(tmp_path_factory, f"tiny-vl-agent-{request.param}",
+                         lambda out: make_tiny_vlm_agent(out, request.param))
+
+
+def digit(n: int) -> Image.Image:
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).text((22, 20), str(n), fill="black")
+    return image
+
+
+def zoom(x: int) -> Image.Image:
+    """Zoom into the picture.
+
+    Args:
+        x: Where to zoom, from 1 to 9.
+    """
+    return digit(x)
+
+
+def loaded(path):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def rolled_out(path, turn_samples="interleaved", n=2):
+    """Episodes of the tiny VLM agent with a picture in the prompt and the zoom tool, sampled in process."""
+    from mt_grpo.engine.sampling import SamplingParams, TransformersBackend
+
+    model, tokenizer = loaded(path)
+    env = make_env(tokenizer, [zoom], max_completion_length=200, max_tokens_per_turn=48, turn_samples=turn_samples,
+                   tokenization_check="strict", task_prompt=None, examples=None, questions=False)  # a TRL prompt's
+    backend = TransformersBackend(tokenizer=tokenizer, params=SamplingParams(temperature=1.0),
+                                  eos_token_ids=env.eos_token_ids, stop_strings=env.protocol.stop_strings)
+
+    from accelerate import Accelerator
+
+    backend.sync_weights(model, Accelerator(cpu=True))
+    rows = [{"images": [digit(3)]}] * n + [{"images": [digit(5)]}] * n
+    prompts = [env.prompt([{"role": "user", "content": "Which number is drawn?"}]) for _ in rows]
+    torch.manual_seed(0)
+    return model, tokenizer, env, env.rollout(prompts, backend, rows=rows)
+
+
+def alone_logps(model, vision, ids: list[int], images: list, lead: int) -> torch.Tensor:
+    """The log-probs of ids[lead:] with the sample forwarded alone through the plain logits (not the fused head)."""
+    x = torch.tensor([ids])
+    logits = model(input_ids=x, **model_inputs(x, images, vision.image_token_id)).logits[0].float()
+    return logits.log_softmax(-1)[lead - 1 : -1].gather(1, x[0, lead:, None]).squeeze(1)
+
+
+def test_the_tiny_vlms_render_each_image_as_its_placeholder_tokens(tmp_path):
+    from prepare_models import make_tiny_vlm
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    for family in FAMILIES:
+        path = make_tiny_vlm(str(tmp_path / family), family)
+        model, tokenizer = AutoModelForImageTextToText.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        assert model.config.text_config.head_dim == 64 and model.config.model_type == family
+        vision = Vision.of(tokenizer)
+        assert isinstance(vision, Vision)
+        big, small = Image.new("RGB", (200, 200)), Image.new("RGB", (20, 20))
+        messages = [{"role": "user", "content": [{"type": "image", "image": big}, {"type": "text", "text": "and"},
+                                                 {"type": "image", "image": small}]}]
+        ids = vision.expand(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"],
+                            messages)
+        # resized to 56 x 56 px at most (16 patches of 14 px, 2 x 2 merged: 4 tokens), 28 x 28 at least (1 token)
+        assert (vision.features(big).tokens, vision.features(small).tokens) == (4, 1)
+        assert ids.count(vision.image_token_id) == 5
+        x = torch.tensor([ids])
+        inputs = model_inputs(x, [vision.features(big), vision.features(small)], vision.image_token_id)
+        assert model(input_ids=x, **inputs).logits.shape == (1, len(ids), len(tokenizer))
+        positions, _ = model.model.get_rope_index(x, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+        assert not torch.equal(positions[0, 0], torch.arange(len(ids)))  # 3-D rotary: not a plain arange
+
+
+def test_generation_sees_each_conversations_images_and_every_sample_scores_alone(vlm_agent_dir):
+    """The in-process sampler's log-probs are the trainer's (it generated with the same images and positions: importance
+    weights 1), and the trainer's per-token log-probs of every sample equal that sample forwarded alone with its images,
+    padding_free on or off; image placeholders are environment tokens."""
+    from mt_grpo.engine.packing import PackedForward
+    from mt_grpo.rollout.episodes import pad_episodes
+
+    model, tokenizer, env, episodes = rolled_out(vlm_agent_dir, "per_model_turn")  # a row split into samples
+    vision = env.vision
+    assert any(ep.calls and any(c.ok for c in ep.calls) for ep in episodes), [ep.messages for ep in episodes]
+    for ep in episodes:  # placeholders: never model tokens
+        assert all(m == 0 for t, m in zip(ep.completion_ids, ep.model_mask) if t in vision.placeholder_ids)
+        assert ep.prompt_ids.count(vision.start_token_id) == 1
+    batch = pad_episodes(episodes, tokenizer.pad_token_id, mask_truncated=False)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    T, mask = batch["completion_ids"].shape[1], batch["completion_mask"] * batch["tool_mask"]
+    starts = batch["sample_starts"] if batch["sample_starts"].any() else None
+    for padding_free in (False, True):
+        args = type("Args", (), {"padding_free": padding_free, "max_tokens_per_microbatch": None})()
+        packing = PackedForward(args, None, {"train": {}, "eval": {}})
+        with torch.no_grad(), packing.row_samples(starts, images=batch["images"]):
+            logps, _, _ = packing.logps_and_entropies(None, model, ids, attention, T)
+        # the sampler's distribution lacks the vision tokens (vision_token_ids), a mass below 1e-3 here
+        ratio = torch.exp(logps - batch["sampler_logps"])[mask.bool()]
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2e-3, rtol=0)
+        for row, ep in enumerate(episodes):
+            images = conversation_images(ep.prompt_messages + ep.messages)
+            col = 0
+            for k, sample in enumerate(episode_samples(ep)):
+                seq = sample.prompt_ids + sample.completion_ids
+                own = vision.images_of(seq, images)
+                assert len(own) == seq.count(vision.start_token_id) >= 1
+                expected = alone_logps(model, vision, seq, own, len(sample.prompt_ids))
+                col = col if k == 0 else col + len(sample.prompt_ids)
+                got = logps[row, col : col + len(sample.completion_ids)]
+                keep = torch.tensor(sample.model_mask, dtype=torch.bool)
+                torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
+                other = [vision.features(Image.new("RGB", (56, 56)))] * len(own)  # other images: other log-probs
+                assert (alone_logps(model, vision, seq, other, len(sample.prompt_ids)) - expected).abs().max() > 1e-3
+                col += len(sample.completion_ids)
+    assert any(len(episode_samples(ep)) > 1 for ep in episodes)  # a later sample re-renders the history's images
+
+
+def test_a_tool_returning_an_image_trains_two_steps(vlm_agent_dir, tmp_path):
+    """TRL's shape with only the import changed: an `images` column and a tool returning a PIL image; both tiny VLMs
+    train 2 steps; the records keep each image where it entered, and the console counts them."""
+    out = str(tmp_path / "out")
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from datasets import Dataset
+from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer
+from test_vision import digit, zoom
+
+def correct(completions, answer, **kwargs):
+    return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
+
+dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": "Which number is drawn?"}}],
+                               "images": [digit(i)], "answer": str(i)}} for i in range(8)])
+args = GRPOConfig(output_dir={out!r}, max_steps=2, num_generations=2, per_device_train_batch_size=4,
+                  max_completion_length=160, learning_rate=1e-3, bf16=False, logging_steps=1, report_to="none",
+                  save_strategy="no", save_rollouts_steps=1, tool_format="xml", padding_free=True)
+trainer = GRPOTrainer(model={vlm_agent_dir!r}, args=args, train_dataset=dataset, tools=[zoom], reward_funcs=correct,
+                      turn_reward_funcs=["tool_execution_reward_func"])
+trainer.train()
+"""
+    from helpers import final_metrics, rollout_records, run
+
+    console = run([sys.executable, "-c", code], tmp_path)
+    logs = [h for h in final_metrics(out) if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert "img/ep=" in console
+    records = rollout_records(out)
+    assert all(len(r["prompt_images"]) == 1 and r["prompt_images"][0]["size"] == [56, 56] for r in records)
+    tool_images = [t["images"] for r in records for t in r["turns"] if t["role"] == "env" and "images" in t]
+    assert tool_images and all(im[0]["thumbnail"].startswith("data:image/png;base64,") for im in tool_images)
+    for r in records:  # every placeholder token is an environment token
+        pads = [m for t, m in zip(r["tokens"]["text"], r["tokens"]["model_mask"]) if t == "<|image_pad|>"]
+        assert all(m == 0 for m in pads)
+
+
+def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
+    from transformers import AutoTokenizer
+
+    text_env = make_env(AutoTokenizer.from_pretrained(tiny_model_dir), [zoom])
+    assert isinstance(text_env.vision, TextOnly)
+    prompt = text_env.prompt([{"role": "user", "content": [{"type": "image", "image": digit(1)},
+                                                           {"type": "text", "text": "Which?"}]}])
+    with pytest.raises(ValueError, match="text-only model .* train a vision-language model"):
+        text_env.render_ids(prompt, True)
+    with pytest.raises(ValueError, match="videos are not supported"):
+        image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
+    with pytest.raises(ValueError, match="give a PIL.Image.Image"):
+        image_content([{"type": "image", "image": "x.png"}], "tool 'zoom'")
+    # a template that renders a tool message's content as text drops its image: named, with the fix
+    tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
+    tokenizer.chat_template = DROPPING_TEMPLATE
+    env = make_env(tokenizer, [zoom], protocol=None)
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+
+    env = make_env(tokenizer, [zoom], protocol=ChatTemplateProtocol(tokenizer))
+    with pytest.raises(ValueError, match="rendered 0 image placeholders for the 1 images.*tool_images_as_user"):
+        env.env_reply_ids([{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'")}])
+
+
+# Qwen2.5-VL's tool-calling layout: a tool message's content rendered as text (`message.content`), as Qwen2-VL's and
+# Qwen2.5-VL's own templates do; an image in it leaves no placeholder.
+DROPPING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{{ '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
