@@ -390,7 +390,7 @@ ZOOM_CONFIG = """tools:
       function:
         name: zoom
         description: Zoom into the picture.
-        parameters: {type: object, properties: {x: {type: integer, description: where}}, required: [x]}
+        parameters: {type: object, properties: {x: {type: integer, description: "Where to zoom, from 1 to 9."}}, required: [x]}
 """
 
 
@@ -415,6 +415,78 @@ def test_a_tool_response_with_an_image_reaches_the_model_as_its_tool_message(tmp
     assert toolset.turn_rewards == [[0.5]] and toolset.environment.tool_rewards == [0.5]
     (video,), = run_turns([(toolset, [ToolCall(name="zoom", arguments={"x": -1})])], timeout=10.0, max_workers=2)
     assert not video.ok and "returned a ToolResponse with a video: videos are not supported" in video.output
+
+
+def digit_rows(count: int) -> list[dict]:
+    """verl's multimodal rows (geo3k's preprocessing form): the picture in `images`, `<image>` where it sits."""
+    from PIL import Image, ImageDraw
+
+    def digit(n):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).text((22, 20), str(n), fill="black")
+        return image
+
+    return [{"data_source": "digits", "prompt": [{"role": "user", "content": "<image>Which number is drawn?"}],
+             "images": [digit(i)], "ability": "vision", "reward_model": {"style": "rule", "ground_truth": str(i)},
+             "extra_info": {"index": i}} for i in range(count)]
+
+
+def test_a_verl_dataset_with_images_becomes_prompts_with_the_images_where_their_tags_were(tmp_path):
+    """geo3k's form: the `<image>` tags that open the first user message leave its text, and the row's `images` go
+    there (TRL's `images` column); a parquet without `images` is read as usual; a tag elsewhere, a count of tags
+    other than the images, or a `<video>` is refused naming the row."""
+    from mt_grpo.adapters.verl import verl_image_dataset
+    from mt_grpo.engine.vision import prompt_with_images, row_image_column
+
+    data = verl_image_dataset(write_parquet(tmp_path / "digits.parquet", digit_rows(2)))
+    row = data[1]
+    assert row["prompt"] == [{"role": "user", "content": "Which number is drawn?"}]
+    (message,) = prompt_with_images(row["prompt"], row_image_column(row))
+    image, text = message["content"]
+    assert image["image"].size == (56, 56) and text == {"type": "text", "text": "Which number is drawn?"}
+    assert verl_image_dataset(write_parquet(tmp_path / "text.parquet", [verl_row("72", 0)])) is None
+    for content, message in (("Which <image> number?", "0 `<image>` tags at the start .* for its 1 images, and more "
+                              "elsewhere"), ("<image><image>Which?", "2 `<image>` tags"),
+                             ("<image><video>Which?", "1 `<image>` tags .* and a <video> \\(videos are not supported\\)")):
+        rows = digit_rows(1)
+        rows[0]["prompt"][0]["content"] = content
+        with pytest.raises(ValueError, match=f"Row 0 of .*: its prompt has {message}"):
+            verl_image_dataset(write_parquet(tmp_path / "bad.parquet", rows))
+
+
+def test_a_zoom_tool_and_a_dataset_with_images_train_a_vision_model_two_steps(tmp_path, tmp_path_factory):
+    """verl's parquet of pictures and a tool config whose ToolResponse holds a crop, from the recipe fields, on the
+    tiny Qwen2-VL taught to call zoom (sampled in process): two steps; the records hold the row's picture in the
+    prompt and the crops in the tool turns, and the tool's 0.5 as each call's R_T."""
+    from conftest import shared_folder
+    from prepare_models import make_tiny_vlm_agent
+
+    model = shared_folder(tmp_path_factory, "tiny-vl-agent-qwen2_vl", lambda out: make_tiny_vlm_agent(out, "qwen2_vl"))
+    config = tmp_path / "zoom_config.yaml"
+    config.write_text(ZOOM_CONFIG)
+    out = str(tmp_path / "out")
+    data = write_parquet(tmp_path / "digits.parquet", digit_rows(8))
+    code = f"""
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+def correct(completions, reward_model, **kwargs):
+    return [1.0 if r["ground_truth"] in str(c[-1]["content"]) else 0.0 for c, r in zip(completions, reward_model)]
+
+args = MTGRPOConfig(output_dir={out!r}, dataset_name={data!r}, verl_tool_config={str(config)!r}, tool_format="xml",
+                    max_steps=2, num_generations=2, per_device_train_batch_size=4, max_completion_length=160,
+                    learning_rate=1e-3, use_cpu=True, bf16=False, logging_steps=1, report_to="none",
+                    save_strategy="no", save_rollouts_steps=1, disable_tqdm=True)
+MTGRPOEnvTrainer({model!r}, args=args, reward_funcs=correct).train()
+"""
+    run([sys.executable, "-c", code], tmp_path)
+    steps = [h for h in final_metrics(out) if "loss" in h]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in steps)
+    assert "rewards/turn/VerlEnvironment_steps" in steps[0]
+    records = rollout_records(out)
+    assert all(len(r["prompt_images"]) == 1 and r["prompt_images"][0]["size"] == [56, 56] for r in records)
+    called = [r for r in records if any(t["role"] == "env" and t.get("images") for t in r["turns"])]
+    assert called, "the tiny VLM agent should call zoom"
+    assert all(r["R_T"][0] == 0.5 for r in called)
 
 
 # -- training, from the constructor field ----------------------------------------------------------------------

@@ -94,7 +94,49 @@ def adapt(args) -> Adapted:
     # the cap's turn holds its calls back: max_env_steps stops a tool turn (the trainer's record_model_turn), exactly
     # where the episode had no user turn (user_turns.last_turn)
     settings = {"max_env_steps": cap - 1} if cap is not None and (tools or served) else {}
-    return Adapted(environment_factory=factory, tools=served, settings=settings)
+    train = verl_image_dataset(getattr(args, "dataset_name", None), getattr(args, "max_samples", None))
+    return Adapted(environment_factory=factory, tools=served, settings=settings, train_dataset=train,
+                   read_dataset_name=train is not None)
+
+
+IMAGE_TAG = "<image>"  # where verl's rows mark an image in a prompt's text
+
+
+def verl_image_dataset(name, max_samples=None):
+    """A recipe's dataset when it is a local parquet file of verl's multimodal rows (an `images` column, each image
+    marked `<image>` in the prompt's text, as verl's geo3k preprocessing writes them): as a datasets.Dataset whose
+    prompts hold the text without its tags, the row's `images` going where they stood: first in the first user message
+    (engine/vision.prompt_with_images, TRL's `images` column), which is where geo3k's tags are. A tag elsewhere (later
+    in the text, in another message), a count of tags other than the row's images, or a `<video>` is refused, naming
+    the row. None for any other dataset (the trainer loads it as usual)."""
+    if not isinstance(name, str) or not name.endswith(".parquet") or not os.path.isfile(name):
+        return None
+    import datasets
+
+    data = datasets.load_dataset("parquet", data_files=name, split="train")
+    if "images" not in data.column_names or "prompt" not in data.column_names:
+        return None
+
+    def untagged(row, index):
+        messages, images = [dict(m) for m in row["prompt"]], row["images"] or []
+        first = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        text = messages[first]["content"] if first is not None else ""
+        tags = 0
+        while text.startswith(IMAGE_TAG, tags * len(IMAGE_TAG)):
+            tags += 1
+        rest = text[tags * len(IMAGE_TAG):]
+        elsewhere = IMAGE_TAG in rest or any(IMAGE_TAG in (m["content"] or "") for k, m in enumerate(messages)
+                                             if k != first)
+        if "<video>" in str(row["prompt"]) or elsewhere or tags != len(images):
+            raise ValueError(f"Row {index} of {name}: its prompt has {tags} `<image>` tags at the start of its first "
+                             f"user message for its {len(images)} images" + (", and more elsewhere" if elsewhere else "")
+                             + (" and a <video> (videos are not supported)" if "<video>" in str(row["prompt"]) else "")
+                             + ": put one `<image>` per image at the start of the first user message, as geo3k does.")
+        messages[first]["content"] = rest
+        return {"prompt": messages}
+
+    data = data.map(untagged, with_indices=True)
+    return data.select(range(min(max_samples, len(data)))) if max_samples is not None else data
 
 
 def max_assistant_turns(args) -> int | None:
