@@ -520,6 +520,56 @@ def test_the_swift_plugin_trains_from_the_recipe(tiny_agent_dir, tmp_path):
     assert inserts and set(inserts) == {"But wait... It seems I made a mistake,"}, [r["turns"] for r in records]
 
 
+def test_a_scheduler_adding_images_trains_a_vision_model_two_steps(tmp_path, tmp_path_factory):
+    """DeepEyes' form from the recipe field: the tiny Qwen2-VL agent (sampled in process) answers, and the scheduler's
+    step crops the question's picture into a new round with an `<image>` tag, once. Two steps; the records hold the
+    crops in the user turns (mask 0), and the step's reward is that turn's R_T."""
+    from conftest import shared_folder
+    from helpers import final_metrics, rollout_records, run
+    from prepare_models import make_tiny_vlm_agent
+
+    model = shared_folder(tmp_path_factory, "tiny-vl-agent-qwen2_vl", lambda out: make_tiny_vlm_agent(out, "qwen2_vl"))
+    plugin = write_plugin(tmp_path, """
+        class Crop(MultiTurnScheduler):
+            def check_finished(self, infer_request, response_choice, current_turn):
+                return current_turn > 1
+
+            def step(self, infer_request, response_choice, current_turn):
+                crop = infer_request.images[0].crop((0, 0, 28, 28))
+                infer_request.messages.append({'role': 'user', 'content': '<image>Look closer.'})
+                infer_request.images.append(crop)
+                return {'infer_request': infer_request, 'rollout_infos': {'step_rewards': [0.25]}}
+        """)
+    out = str(tmp_path / "out")
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+from datasets import Dataset
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+from test_vision import digit
+
+def correct(completions, answer, **kwargs):
+    return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
+
+dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": "Which number is drawn?"}}],
+                               "images": [digit(i)], "answer": str(i)}} for i in range(8)])
+args = MTGRPOConfig(output_dir={out!r}, multi_turn_scheduler={plugin + ":Crop"!r}, tool_format="xml", max_steps=2,
+                    num_generations=2, per_device_train_batch_size=4, max_completion_length=160, learning_rate=1e-3,
+                    use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
+                    save_rollouts_steps=1, disable_tqdm=True)
+MTGRPOEnvTrainer({model!r}, args=args, train_dataset=dataset, reward_funcs=correct).train()
+"""
+    run([sys.executable, "-c", code], tmp_path)
+    steps = [h for h in final_metrics(out) if "loss" in h]
+    assert len(steps) == 2 and "rewards/turn/Crop_steps" in steps[0], steps
+    records = rollout_records(out)
+    crops = [t["images"] for r in records for t in r["turns"] if t["role"] == "env" and t.get("images")]
+    assert crops and all(len(im) == 1 for im in crops), [r["turns"] for r in records]
+    for r in records:  # the model turn step answered with a crop scores the step's 0.25; a tool turn has none
+        cropped = [t for t in r["turns"] if t["role"] == "env" and t.get("images")]
+        assert r["R_T"].count(0.25) == len(cropped) <= 1
+
+
 def test_on_trajectory_start_may_add_to_the_question_only(tmp_path):
     path = write_plugin(tmp_path, """
         class Hinted(MultiTurnScheduler):
