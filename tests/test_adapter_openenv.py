@@ -106,7 +106,7 @@ def test_an_observation_that_carries_a_screenshot_is_an_image_before_its_text():
 
     from PIL import Image
 
-    from mt_grpo.adapters.openenv import observation_content
+    from mt_grpo.adapters.openenv import first_observation, observation_content
 
     episode = adapted("screen_env:ScreenEnvironment").environment_factory()
     asyncio.run(episode.reset(prompt=[{"role": "user", "content": "Paint."}]))
@@ -123,6 +123,8 @@ def test_an_observation_that_carries_a_screenshot_is_an_image_before_its_text():
         assert block["image"].size == (3, 5) and block["image"].convert("RGB").getpixel((0, 0)) == (1, 2, 3)
     assert observation_content({"board": [[1, 2], [3, 4]], "score": 7}) == "board: [[1, 2], [3, 4]]\nscore: 7"
     assert observation_content({"grid": [[[300, 0, 0]]]}) == "[[[300, 0, 0]]]"  # out of 0-255: not pixels
+    with pytest.raises(ValueError, match="reset observation holds an image: here a first observation is text"):
+        first_observation([{"role": "user", "content": "Paint."}], {"screenshot": [[[0, 0, 0]]], "caption": "Dark."})
 
 
 # -- a game: step rewards as turn credit, done ends it ------------------------------------------------------------

@@ -179,7 +179,11 @@ def observation_content(observation):
 
 
 def first_observation(prompt: list[dict] | None, observation) -> str:
-    """The reset observation, after the prompt's last user message (a blank line between them when it has text)."""
+    """The reset observation, after the prompt's last user message (a blank line between them when it has text). One
+    that holds an image is refused: a reset's observation joins the prompt as text (environments.py)."""
+    if not isinstance(observation_content(observation), str):
+        raise ValueError("The environment's reset observation holds an image: here a first observation is text (an "
+                         "image enters through a step's observation, or the dataset's `images` column).")
     text = observation_text(observation)
     last = (prompt or [{}])[-1].get("content") or ""
     return ("\n\n" if isinstance(last, str) and last.strip() else "") + text
