@@ -79,6 +79,7 @@ VLLM_FIRST_GPU=$((TRAIN_GPUS + JUDGE_GPUS))
 read_recipe "$@"  # MODEL, TOOL_FORMAT, USE_PEFT, LORA_R, FP16: the recipe's, or a trainer flag's
 lora_server_flags  # LORA_ENV, LORA_ARGS: a LoRA recipe's server loads each synced adapter
 server_dtype_flags  # DTYPE_ARGS: an fp16 recipe's server samples in float16
+server_image_flags  # IMAGE_ARGS: a vision-language model's server takes images with token ids
 
 vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD and VLLM_DEVICES
   local first=$((VLLM_FIRST_GPU + $1 * SERVER_GPUS))
@@ -88,7 +89,7 @@ vllm_cmd() {  # server $1 (0, 1, ...) on its own GPUs and port: sets VLLM_CMD an
     --tensor-parallel-size "$VLLM_TP" --data-parallel-size "$VLLM_DP"
     --gpu-memory-utilization "$VLLM_GPU_MEMORY" --max-model-len "$VLLM_MAX_MODEL_LEN"
     --logprobs-mode processed_logprobs --generation-config vllm --weight-transfer-config '{"backend": "nccl"}'
-    "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")
+    "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}" "${IMAGE_ARGS[@]}")
 }
 SERVER_FLAGS=(--vllm_server_host 127.0.0.1 --vllm_server_port "$VLLM_PORT")
 if [ "$VLLM_SERVERS" -gt 1 ]; then

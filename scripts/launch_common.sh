@@ -52,6 +52,12 @@ server_dtype_flags() {
   DTYPE_ARGS=(); if [ "$FP16" = "true" ]; then DTYPE_ARGS=(--dtype float16); fi
 }
 
+server_image_flags() {  # IMAGE_ARGS: a vision-language model's server takes images with token ids (its folder has an
+  # image processor, or VLLM_IMAGES=1 for a hub id): /inference/v1/generate, mt_grpo/engine/server_images.py
+  IMAGE_ARGS=()
+  if [ "${VLLM_IMAGES:-}" = "1" ] || [ -f "$MODEL/preprocessor_config.json" ]; then IMAGE_ARGS=(--enable-scale-out); fi
+}
+
 show() {  # print a command so that it can be pasted into a shell
   local out=() a
   for a in "$@"; do

@@ -118,6 +118,7 @@ MAIN_NODE=${NODES[0]}
 read_recipe "$@"  # MODEL, USE_PEFT, LORA_R, FP16: the recipe's, or a trainer flag's
 lora_server_flags
 server_dtype_flags
+server_image_flags
 
 # The servers: GPUS_PER_NODE / VLLM_TP on each vLLM node, one srun step each, on its own GPUs and port
 SERVER_NODES=() SERVER_CMDS=() URLS=()
@@ -131,7 +132,7 @@ for node in "${NODES[@]:TRAIN_NODES}"; do
       "${LORA_ENV[@]}" "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 0.0.0.0 \
       --port "$port" --tensor-parallel-size "$VLLM_TP" --gpu-memory-utilization "$VLLM_GPU_MEMORY" \
       --max-model-len "$VLLM_MAX_MODEL_LEN" --logprobs-mode processed_logprobs --generation-config vllm \
-      --weight-transfer-config '{"backend": "nccl"}' "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}")")
+      --weight-transfer-config '{"backend": "nccl"}' "${LORA_ARGS[@]}" "${DTYPE_ARGS[@]}" "${IMAGE_ARGS[@]}")")
   done
 done
 # The training nodes: one accelerate launch each, with its machine rank; node 0 hosts the main process and the
