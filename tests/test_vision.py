@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from conftest import shared_folder
+from test_viewer import browser  # noqa: F401 (a fixture: headless Chromium)
 from helpers import make_env
 from mt_grpo.base.turn_samples import episode_samples
 from mt_grpo.engine.vision import TextOnly, Vision, conversation_images, image_content, model_inputs
@@ -201,12 +202,17 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
     # a template that renders a tool message's content as text drops its image: named, with the fix
     tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
     tokenizer.chat_template = DROPPING_TEMPLATE
-    env = make_env(tokenizer, [zoom], protocol=None)
     from mt_grpo.base.protocol import ChatTemplateProtocol
 
     env = make_env(tokenizer, [zoom], protocol=ChatTemplateProtocol(tokenizer))
+    reply = [{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'") + [
+        {"type": "text", "text": "zoomed"}]}]
     with pytest.raises(ValueError, match="rendered 0 image placeholders for the 1 images.*tool_images_as_user"):
-        env.env_reply_ids([{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'")}])
+        env.env_reply_ids(reply)
+    env.protocol.tool_images_as_user = True  # the field's fix: the image in a user message after the tool's reply
+    text = tokenizer.decode(env.env_reply_ids(reply))
+    assert text == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nzoomed\n</tool_response><|im_end|>\n<|im_start|>user\n"
+                    "<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"), text
 
 
 # Qwen2.5-VL's tool-calling layout: a tool message's content rendered as text (`message.content`), as Qwen2-VL's and
@@ -222,3 +228,32 @@ DROPPING_TEMPLATE = (
     "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def test_the_viewer_shows_each_image_where_it_entered(browser, tmp_path):
+    """The prompt's picture above its group, a tool's picture in the environment turn that brought it (thumbnails)."""
+    from rollout_records import write_run
+    from test_viewer import view
+    from mt_grpo.engine.vision import thumbnail
+
+    run_dir = str(tmp_path / "run")
+    records = write_run(run_dir, seed=0, train_steps=(1,), eval_steps=())["step-000001.jsonl"]
+    prompt, tool = thumbnail(digit(4)), thumbnail(Image.new("RGB", (300, 150), "red"))
+    assert json.loads(json.dumps(tool))["size"] == [300, 150]
+    for r in records:
+        r["prompt_images"] = [prompt]
+    env_turn = next(t for t in records[0]["turns"] if t["role"] == "env")
+    env_turn["images"] = [tool]
+    with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    view(run_dir)
+    for domain in ("Runtime", "Log", "Page"):
+        browser.send(f"{domain}.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    groups = len({r["group"] for r in records})
+    shown = browser.js("[...document.querySelectorAll('.thumbs img')].map((i) => [i.closest('.turn') ? 'turn' : "
+                       "'group', i.src, i.naturalWidth, i.naturalHeight, i.title])")
+    assert [s for s in shown if s[0] == "group"] == [["group", prompt["thumbnail"], 56, 56, "image 56 x 56 px"]] * groups
+    assert [s for s in shown if s[0] == "turn"] == [["turn", tool["thumbnail"], 96, 48, "image 300 x 150 px"]]
+    assert browser.errors() == []
