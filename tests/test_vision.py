@@ -257,3 +257,50 @@ def test_the_viewer_shows_each_image_where_it_entered(browser, tmp_path):
     assert [s for s in shown if s[0] == "group"] == [["group", prompt["thumbnail"], 56, 56, "image 56 x 56 px"]] * groups
     assert [s for s in shown if s[0] == "turn"] == [["turn", tool["thumbnail"], 96, 48, "image 300 x 150 px"]]
     assert browser.errors() == []
+
+
+class Lens:
+    """An environment_factory class whose reset shows a picture, whose `zoom` returns one, and whose respond replies
+    once with a picture and a line (user_turns.Reply with content blocks)."""
+
+    def reset(self, **kwargs):
+        self.replied = False
+        return [{"type": "text", "text": "\nHere is the picture:"}, {"type": "image", "image": digit(6)}]
+
+    def zoom(self, x: int) -> Image.Image:
+        """Zoom into the picture.
+
+        Args:
+            x: Where to zoom, from 1 to 9.
+        """
+        return digit(x)
+
+    def respond(self, messages):
+        if self.replied:
+            return None
+        self.replied = True
+        return [{"type": "image", "image": Image.new("RGB", (40, 40), "blue")}, {"type": "text", "text": "Look again."}]
+
+
+def test_an_environments_reset_tool_and_reply_bring_images(vlm_agent_dir, tmp_path):
+    """reset's observation and respond's reply each enter where they came, rendered and recorded."""
+    from datasets import Dataset
+
+    from helpers import rollout_records
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    out = str(tmp_path / "out")
+    args = MTGRPOConfig(output_dir=out, max_steps=1, num_generations=2, per_device_train_batch_size=4,
+                        max_completion_length=200, bf16=False, report_to="none", save_strategy="no",
+                        save_rollouts_steps=1, tool_format="xml", max_user_turns=1)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Which number is drawn?"}]}] * 4)
+    trainer = MTGRPOEnvTrainer(vlm_agent_dir, args=args, train_dataset=dataset, environment_factory=Lens,
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+    trainer.train()
+    records = rollout_records(out)
+    assert all([im["size"] for im in r["prompt_images"]] == [[56, 56]] for r in records)
+    assert "Here is the picture:<|vision_start|>" in records[0]["prompt_text"]
+    brought = [[im["size"] for im in t["images"]] for r in records for t in r["turns"] if t.get("images")]
+    assert [[40, 40]] in brought, brought  # respond's reply (a tool's image: test_a_tool_returning_an_image_...)
+    reply = next(t for r in records for t in r["turns"] if t.get("images"))
+    assert reply["text"].count("<|vision_start|>") == 1 and "Look again." in reply["text"]
