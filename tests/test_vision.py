@@ -149,15 +149,24 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
 
 
 def test_a_tool_returning_an_image_trains_two_steps(vlm_agent_dir, tmp_path):
-    """TRL's shape with only the import changed: an `images` column and a tool returning a PIL image; both tiny VLMs
-    train 2 steps; the records keep each image where it entered, and the console counts them."""
+    """TRL's shape with only the import changed: an `images` column and a tool returning TRL's content blocks (an image
+    and a text); both tiny VLMs train 2 steps; the records keep each image where it entered, and the console counts
+    them."""
     out = str(tmp_path / "out")
     code = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from datasets import Dataset
 from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer
-from test_vision import digit, zoom
+from test_vision import digit
+
+def zoom(x: int) -> list:
+    '''Zoom into the picture.
+
+    Args:
+        x: Where to zoom, from 1 to 9.
+    '''
+    return [{{"type": "image", "image": digit(x)}}, {{"type": "text", "text": "zoomed"}}]  # TRL's content blocks
 
 def correct(completions, answer, **kwargs):
     return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
@@ -181,6 +190,7 @@ trainer.train()
     assert all(len(r["prompt_images"]) == 1 and r["prompt_images"][0]["size"] == [56, 56] for r in records)
     tool_images = [t["images"] for r in records for t in r["turns"] if t["role"] == "env" and "images" in t]
     assert tool_images and all(im[0]["thumbnail"].startswith("data:image/png;base64,") for im in tool_images)
+    assert any("<|vision_end|>zoomed" in t["text"] for r in records for t in r["turns"] if t.get("images"))
     for r in records:  # every placeholder token is an environment token
         pads = [m for t, m in zip(r["tokens"]["text"], r["tokens"]["model_mask"]) if t == "<|image_pad|>"]
         assert all(m == 0 for m in pads)
@@ -304,3 +314,17 @@ def test_an_environments_reset_tool_and_reply_bring_images(vlm_agent_dir, tmp_pa
     assert [[40, 40]] in brought, brought  # respond's reply (a tool's image: test_a_tool_returning_an_image_...)
     reply = next(t for r in records for t in r["turns"] if t.get("images"))
     assert reply["text"].count("<|vision_start|>") == 1 and "Look again." in reply["text"]
+
+
+@pytest.mark.parametrize("vlm_agent_dir", ["qwen2_vl"], indirect=True)
+def test_the_image_recipe_trains(vlm_agent_dir, tmp_path):
+    """hf_recipes/tiny-qwen2-vl/digits_zoom.yaml, 2 steps of the tiny Qwen2-VL agent: the reset's picture in every
+    prompt, drawn from the row's seed (mt_grpo/tasks/digits.py)."""
+    from helpers import ROOT, final_metrics, rollout_records, run
+
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", os.path.join(ROOT, "hf_recipes", "tiny-qwen2-vl",
+         "digits_zoom.yaml"), "--model_name_or_path", vlm_agent_dir, "--output_dir", out], tmp_path)
+    assert [h["rollout/images_per_episode"] >= 1 for h in final_metrics(out) if "loss" in h] == [True, True]
+    records = rollout_records(out)
+    assert all(r["prompt_images"][0]["size"] == [12, 8] for r in records)
