@@ -149,8 +149,8 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
 
 
 def test_a_tool_returning_an_image_trains_two_steps(vlm_agent_dir, tmp_path):
-    """TRL's shape with only the import changed: an `images` column and a tool returning TRL's content blocks (an image
-    and a text); both tiny VLMs train 2 steps; the records keep each image where it entered, and the console counts
+    """TRL's shape with only the import changed: a prompt with an image block filled from the `images` column, and a
+    tool returning TRL's content blocks (an image and a text); both tiny VLMs train 2 steps; the records keep each image where it entered, and the console counts
     them."""
     out = str(tmp_path / "out")
     code = f"""
@@ -171,8 +171,9 @@ def zoom(x: int) -> list:
 def correct(completions, answer, **kwargs):
     return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
 
-dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": "Which number is drawn?"}}],
-                               "images": [digit(i)], "answer": str(i)}} for i in range(8)])
+question = [{{"type": "image"}}, {{"type": "text", "text": "Which number is drawn?"}}]  # TRL's VLM prompt
+dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": question}}], "images": [digit(i)],
+                               "answer": str(i)}} for i in range(8)])
 args = GRPOConfig(output_dir={out!r}, max_steps=2, num_generations=2, per_device_train_batch_size=4,
                   max_completion_length=160, learning_rate=1e-3, bf16=False, logging_steps=1, report_to="none",
                   save_strategy="no", save_rollouts_steps=1, tool_format="xml", padding_free=True)

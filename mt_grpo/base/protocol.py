@@ -1052,7 +1052,8 @@ def prompt_messages(prompt) -> list[dict]:
 
 def prompt_question(prompt) -> str:
     """The question of a TRL prompt: the text, or the last user message's (for rewards that read `question`)."""
-    return prompt if isinstance(prompt, str) else next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+    return prompt if isinstance(prompt, str) else next(content_text(m["content"]) for m in reversed(prompt)
+                                                       if m["role"] == "user")  # a message with images: its text
 
 
 def run_examples(protocol: Protocol, tools: list[Callable], examples) -> list[dict]:
