@@ -197,7 +197,7 @@ trainer.train()
         assert all(m == 0 for m in pads)
 
 
-def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
+def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
     from transformers import AutoTokenizer
 
     text_env = make_env(AutoTokenizer.from_pretrained(tiny_model_dir), [zoom])
@@ -206,6 +206,15 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
                                                            {"type": "text", "text": "Which?"}]}])
     with pytest.raises(ValueError, match="text-only model .* train a vision-language model"):
         text_env.render_ids(prompt, True)
+    from datasets import Dataset
+
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "Which?"}], "images": [digit(1)], "answer": "1"}])
+    with pytest.raises(ValueError, match="The dataset's images column has images, but .* is a text-only model"):
+        MTGRPOEnvTrainer(tiny_model_dir, args=MTGRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False,
+                                                           num_generations=2, per_device_train_batch_size=2),
+                         train_dataset=rows, reward_funcs=lambda completions, **kw: [0.0] * len(completions))
     with pytest.raises(ValueError, match="videos are not supported"):
         image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
     with pytest.raises(ValueError, match="give a PIL.Image.Image"):

@@ -378,6 +378,10 @@ def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, 
     train = prompt_dataset(parts.train, args, env, parts.turn_funcs + parts.outcome_funcs, "train" if seeded else None,
                            run_groups(args) if seeded and parts.placeholder else None)
     held_out = prompt_dataset(parts.eval, args, env, parts.turn_funcs + parts.outcome_funcs, "eval" if seeded else None)
+    for dataset in (train, held_out):  # a text-only model with TRL's image columns: refused now, not at step 1
+        if dataset is not None and {"image", "images"} & set(dataset.column_names) and env.vision.name is None:
+            env.vision.refuse(f"The dataset's {'/'.join(sorted({'image', 'images'} & set(dataset.column_names)))} "
+                              "column has images")
     args.eval_on_start = held_out is not None and args.eval_strategy != "no" and not args.resume_from_checkpoint
     return parts, env, train, held_out
 
