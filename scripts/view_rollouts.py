@@ -171,6 +171,8 @@ __DATA__
 """
 
 CSS = """
+.thumbs { display: flex; gap: 4px; margin: 2px 0; }
+.thumbs img { height: 56px; image-rendering: pixelated; border: 1px solid #bbb; background: #fff; }
 body { font: 13px system-ui, sans-serif; margin: 0; background: #fafafa; color: #222; }
 header { position: sticky; top: 0; z-index: 2; background: #fff; border-bottom: 1px solid #ccc; padding: 6px 10px;
   display: flex; flex-wrap: wrap; gap: 6px 18px; align-items: center; }
@@ -293,6 +295,18 @@ function callsList(ep) {
   return list;
 }
 
+// the images a prompt or an environment turn brought (engine/vision.py: PNG thumbnails as data URLs), where they entered
+function thumbs(images) {
+  const box = el("div", "thumbs");
+  for (const im of images || []) {
+    const img = el("img");
+    img.src = im.thumbnail;
+    img.title = `image ${(im.size || []).join(" x ")} px`;
+    box.append(img);
+  }
+  return box;
+}
+
 function fillTokens(box, ep, e, scale) {
   const tok = ep.tokens || {}, texts = tok.text || [], mask = tok.model_mask || tok.env_mask || [], adv = tok.advantage || [];
   const n = (tok.ids || []).length, mode = creditMode(ep);
@@ -331,6 +345,7 @@ function fillTokens(box, ep, e, scale) {
       const sample = seg.sample ? ` · sample ${seg.sample}: its prompt, the template's render of the history` : "";
       const name = err ? "environment (error)" : reply ? "environment's reply" : "environment";
       div.append(el("span", "turn-label", name + steps + sample));
+      if (seg.images) div.append(thumbs(seg.images));
       modelTurn++;
     }
     for (let i = seg.start; i < Math.min(seg.end, n); i++) {
@@ -418,7 +433,7 @@ function render() {
                                 `mean R_T ${mean("R_T")}${turns}, R_O ${mean("R_O")}`));
     const details = el("details");
     details.append(el("summary", "", "prompt"), el("pre", "", first.prompt_text || ""));
-    section.append(details, row);
+    section.append(details, ...(first.prompt_images ? [thumbs(first.prompt_images)] : []), row);
     for (const [ep, e] of members) row.append(episodeCard(ep, e, scale));
     main.append(section);
     count += members.length;

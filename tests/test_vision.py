@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from conftest import shared_folder
+from test_viewer import browser  # noqa: F401 (a fixture: headless Chromium)
 from helpers import make_env
 from mt_grpo.base.turn_samples import episode_samples
 from mt_grpo.engine.vision import TextOnly, Vision, conversation_images, image_content, model_inputs
@@ -148,21 +149,31 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
 
 
 def test_a_tool_returning_an_image_trains_two_steps(vlm_agent_dir, tmp_path):
-    """TRL's shape with only the import changed: an `images` column and a tool returning a PIL image; both tiny VLMs
-    train 2 steps; the records keep each image where it entered, and the console counts them."""
+    """TRL's shape with only the import changed: a prompt with an image block filled from the `images` column, and a
+    tool returning TRL's content blocks (an image and a text); both tiny VLMs train 2 steps; the records keep each image where it entered, and the console counts
+    them."""
     out = str(tmp_path / "out")
     code = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from datasets import Dataset
 from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer
-from test_vision import digit, zoom
+from test_vision import digit
+
+def zoom(x: int) -> list:
+    '''Zoom into the picture.
+
+    Args:
+        x: Where to zoom, from 1 to 9.
+    '''
+    return [{{"type": "image", "image": digit(x)}}, {{"type": "text", "text": "zoomed"}}]  # TRL's content blocks
 
 def correct(completions, answer, **kwargs):
     return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
 
-dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": "Which number is drawn?"}}],
-                               "images": [digit(i)], "answer": str(i)}} for i in range(8)])
+question = [{{"type": "image"}}, {{"type": "text", "text": "Which number is drawn?"}}]  # TRL's VLM prompt
+dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": question}}], "images": [digit(i)],
+                               "answer": str(i)}} for i in range(8)])
 args = GRPOConfig(output_dir={out!r}, max_steps=2, num_generations=2, per_device_train_batch_size=4,
                   max_completion_length=160, learning_rate=1e-3, bf16=False, logging_steps=1, report_to="none",
                   save_strategy="no", save_rollouts_steps=1, tool_format="xml", padding_free=True)
@@ -180,12 +191,13 @@ trainer.train()
     assert all(len(r["prompt_images"]) == 1 and r["prompt_images"][0]["size"] == [56, 56] for r in records)
     tool_images = [t["images"] for r in records for t in r["turns"] if t["role"] == "env" and "images" in t]
     assert tool_images and all(im[0]["thumbnail"].startswith("data:image/png;base64,") for im in tool_images)
+    assert any("<|vision_end|>zoomed" in t["text"] for r in records for t in r["turns"] if t.get("images"))
     for r in records:  # every placeholder token is an environment token
         pads = [m for t, m in zip(r["tokens"]["text"], r["tokens"]["model_mask"]) if t == "<|image_pad|>"]
         assert all(m == 0 for m in pads)
 
 
-def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
+def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
     from transformers import AutoTokenizer
 
     text_env = make_env(AutoTokenizer.from_pretrained(tiny_model_dir), [zoom])
@@ -194,6 +206,15 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
                                                            {"type": "text", "text": "Which?"}]}])
     with pytest.raises(ValueError, match="text-only model .* train a vision-language model"):
         text_env.render_ids(prompt, True)
+    from datasets import Dataset
+
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "Which?"}], "images": [digit(1)], "answer": "1"}])
+    with pytest.raises(ValueError, match="The dataset's images column has images, but .* is a text-only model"):
+        MTGRPOEnvTrainer(tiny_model_dir, args=MTGRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False,
+                                                           num_generations=2, per_device_train_batch_size=2),
+                         train_dataset=rows, reward_funcs=lambda completions, **kw: [0.0] * len(completions))
     with pytest.raises(ValueError, match="videos are not supported"):
         image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
     with pytest.raises(ValueError, match="give a PIL.Image.Image"):
@@ -201,12 +222,17 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir):
     # a template that renders a tool message's content as text drops its image: named, with the fix
     tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
     tokenizer.chat_template = DROPPING_TEMPLATE
-    env = make_env(tokenizer, [zoom], protocol=None)
     from mt_grpo.base.protocol import ChatTemplateProtocol
 
     env = make_env(tokenizer, [zoom], protocol=ChatTemplateProtocol(tokenizer))
+    reply = [{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'") + [
+        {"type": "text", "text": "zoomed"}]}]
     with pytest.raises(ValueError, match="rendered 0 image placeholders for the 1 images.*tool_images_as_user"):
-        env.env_reply_ids([{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'")}])
+        env.env_reply_ids(reply)
+    env.protocol.tool_images_as_user = True  # the field's fix: the image in a user message after the tool's reply
+    text = tokenizer.decode(env.env_reply_ids(reply))
+    assert text == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nzoomed\n</tool_response><|im_end|>\n<|im_start|>user\n"
+                    "<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"), text
 
 
 # Qwen2.5-VL's tool-calling layout: a tool message's content rendered as text (`message.content`), as Qwen2-VL's and
@@ -222,3 +248,93 @@ DROPPING_TEMPLATE = (
     "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def test_the_viewer_shows_each_image_where_it_entered(browser, tmp_path):
+    """The prompt's picture above its group, a tool's picture in the environment turn that brought it (thumbnails)."""
+    from rollout_records import write_run
+    from test_viewer import view
+    from mt_grpo.engine.vision import thumbnail
+
+    run_dir = str(tmp_path / "run")
+    records = write_run(run_dir, seed=0, train_steps=(1,), eval_steps=())["step-000001.jsonl"]
+    prompt, tool = thumbnail(digit(4)), thumbnail(Image.new("RGB", (300, 150), "red"))
+    assert json.loads(json.dumps(tool))["size"] == [300, 150]
+    for r in records:
+        r["prompt_images"] = [prompt]
+    env_turn = next(t for t in records[0]["turns"] if t["role"] == "env")
+    env_turn["images"] = [tool]
+    with open(os.path.join(run_dir, "rollouts", "step-000001.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    view(run_dir)
+    for domain in ("Runtime", "Log", "Page"):
+        browser.send(f"{domain}.enable")
+    browser.send("Page.navigate", url="file://" + os.path.join(run_dir, "page.html"))
+    browser.wait_for("Page.loadEventFired")
+    groups = len({r["group"] for r in records})
+    shown = browser.js("[...document.querySelectorAll('.thumbs img')].map((i) => [i.closest('.turn') ? 'turn' : "
+                       "'group', i.src, i.naturalWidth, i.naturalHeight, i.title])")
+    assert [s for s in shown if s[0] == "group"] == [["group", prompt["thumbnail"], 56, 56, "image 56 x 56 px"]] * groups
+    assert [s for s in shown if s[0] == "turn"] == [["turn", tool["thumbnail"], 96, 48, "image 300 x 150 px"]]
+    assert browser.errors() == []
+
+
+class Lens:
+    """An environment_factory class whose reset shows a picture, whose `zoom` returns one, and whose respond replies
+    once with a picture and a line (user_turns.Reply with content blocks)."""
+
+    def reset(self, **kwargs):
+        self.replied = False
+        return [{"type": "text", "text": "\nHere is the picture:"}, {"type": "image", "image": digit(6)}]
+
+    def zoom(self, x: int) -> Image.Image:
+        """Zoom into the picture.
+
+        Args:
+            x: Where to zoom, from 1 to 9.
+        """
+        return digit(x)
+
+    def respond(self, messages):
+        if self.replied:
+            return None
+        self.replied = True
+        return [{"type": "image", "image": Image.new("RGB", (40, 40), "blue")}, {"type": "text", "text": "Look again."}]
+
+
+def test_an_environments_reset_tool_and_reply_bring_images(vlm_agent_dir, tmp_path):
+    """reset's observation and respond's reply each enter where they came, rendered and recorded."""
+    from datasets import Dataset
+
+    from helpers import rollout_records
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    out = str(tmp_path / "out")
+    args = MTGRPOConfig(output_dir=out, max_steps=1, num_generations=2, per_device_train_batch_size=4,
+                        max_completion_length=200, bf16=False, report_to="none", save_strategy="no",
+                        save_rollouts_steps=1, tool_format="xml", max_user_turns=1)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Which number is drawn?"}]}] * 4)
+    trainer = MTGRPOEnvTrainer(vlm_agent_dir, args=args, train_dataset=dataset, environment_factory=Lens,
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+    trainer.train()
+    records = rollout_records(out)
+    assert all([im["size"] for im in r["prompt_images"]] == [[56, 56]] for r in records)
+    assert "Here is the picture:<|vision_start|>" in records[0]["prompt_text"]
+    brought = [[im["size"] for im in t["images"]] for r in records for t in r["turns"] if t.get("images")]
+    assert [[40, 40]] in brought, brought  # respond's reply (a tool's image: test_a_tool_returning_an_image_...)
+    reply = next(t for r in records for t in r["turns"] if t.get("images"))
+    assert reply["text"].count("<|vision_start|>") == 1 and "Look again." in reply["text"]
+
+
+@pytest.mark.parametrize("vlm_agent_dir", ["qwen2_vl"], indirect=True)
+def test_the_image_recipe_trains(vlm_agent_dir, tmp_path):
+    """hf_recipes/tiny-qwen2-vl/digits_zoom.yaml, 2 steps of the tiny Qwen2-VL agent: the reset's picture in every
+    prompt, drawn from the row's seed (mt_grpo/tasks/digits.py)."""
+    from helpers import ROOT, final_metrics, rollout_records, run
+
+    out = str(tmp_path / "out")
+    run([sys.executable, "mt_grpo_trainer.py", "--config", os.path.join(ROOT, "hf_recipes", "tiny-qwen2-vl",
+         "digits_zoom.yaml"), "--model_name_or_path", vlm_agent_dir, "--output_dir", out], tmp_path)
+    assert [h["rollout/images_per_episode"] >= 1 for h in final_metrics(out) if "loss" in h] == [True, True]
+    records = rollout_records(out)
+    assert all(r["prompt_images"][0]["size"] == [12, 8] for r in records)

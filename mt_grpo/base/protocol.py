@@ -214,6 +214,7 @@ class Protocol:
 
     name: str = ""
     stop_strings: list[str] = []  # sampling stops at these as well as at EOS
+    tool_images_as_user = False  # a tool's images rendered in a user message after its reply (`tool_images_as_user`)
 
     def __init__(self, tokenizer=None):
         """`tokenizer`: the policy's tokenizer, for a protocol that parses with it (chat_template); others
@@ -576,12 +577,19 @@ class ChatTemplateProtocol(Protocol):
         """Assistant turns render as sampled, without `tool_calls`: their calls are in the text, and the
         template would write them a second time. Tool messages pass through (Qwen needs no tool_call_id), a content
         list as its text (content_text: a text-only template would render a list's repr, or nothing)."""
-        out = []
-        for m in messages:
+        out, moved = [], []
+        for k, m in enumerate(messages):
             if m["role"] == "tool":
-                out.append({"role": "tool", "name": m["name"], "content": template_content(m["content"])})
+                content = template_content(m["content"])
+                if self.tool_images_as_user and isinstance(content, list):  # the text stays, the images follow
+                    moved += [p for p in content if is_image_block(p)]
+                    content = content_text(content)
+                out.append({"role": "tool", "name": m["name"], "content": content})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
+            if moved and (k + 1 == len(messages) or messages[k + 1]["role"] != "tool"):
+                out.append({"role": "user", "content": moved})  # after the run of tool messages
+                moved = []
         return out
 
 
@@ -1024,8 +1032,7 @@ def prompt_problem(prompt) -> str:
         if m.get("role") not in PROMPT_ROLES:
             return f"prompt message {k} has the role {m.get('role')!r}, not one of {', '.join(PROMPT_ROLES)}"
         if not isinstance(m.get("content"), str) and not (m["role"] == "user" and holds_images(m.get("content"))):
-            return f"prompt message {k} has no text `content` (a {type(m.get('content')).__name__})" + (
-                ", nor text and image blocks" if isinstance(m.get("content"), list) else "")
+            return f"prompt message {k} has no text `content` (a {type(m.get('content')).__name__})"
         if m["role"] == "system" and k > 0:
             return f"prompt message {k} is a system message; only the first may be"
     if prompt[-1]["role"] != "user":
@@ -1045,7 +1052,8 @@ def prompt_messages(prompt) -> list[dict]:
 
 def prompt_question(prompt) -> str:
     """The question of a TRL prompt: the text, or the last user message's (for rewards that read `question`)."""
-    return prompt if isinstance(prompt, str) else next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+    return prompt if isinstance(prompt, str) else next(content_text(m["content"]) for m in reversed(prompt)
+                                                       if m["role"] == "user")  # a message with images: its text
 
 
 def run_examples(protocol: Protocol, tools: list[Callable], examples) -> list[dict]:

@@ -181,10 +181,13 @@ class TextOnly(Images):
     def expand(self, render: Callable[[], list[int]], messages: list[dict]) -> list[int]:
         """`render()`, the ids of `messages`; an image among them is refused before the template sees it."""
         if has_images(messages):
-            raise ValueError(f"An image reached the conversation, but {self.model} is a text-only model (no image token "
-                             "or no preprocessor_config.json beside its tokenizer): train a vision-language model "
-                             "(Qwen2-VL, Qwen2.5-VL), or have the tool or environment return text.")
+            self.refuse("An image reached the conversation")
         return render()
+
+    def refuse(self, what: str):
+        raise ValueError(f"{what}, but {self.model} is a text-only model (no image token or no preprocessor_config.json "
+                         "beside its tokenizer): train a vision-language model (Qwen2-VL, Qwen2.5-VL), or have the "
+                         "tool, environment or dataset give text.")
 
     def generation_images(self, episodes) -> dict:
         return {}
@@ -193,6 +196,8 @@ class TextOnly(Images):
 class Vision(Images):
     """A vision-language tokenizer and its image processor: the placeholders of each image (`expand`) and its
     features, computed once per image (kept while the image lives)."""
+
+    name = "vision"
 
     def __init__(self, tokenizer, image_processor, template_name: str = "the chat template"):
         self.tokenizer, self.image_processor, self.template_name = tokenizer, image_processor, template_name

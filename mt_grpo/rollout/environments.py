@@ -37,7 +37,9 @@ import time
 import typing
 from typing import Callable
 
+from mt_grpo.base.protocol import holds_images, is_text_block
 from mt_grpo.base.registry import resolve
+from mt_grpo.engine.vision import image_content, is_image
 from mt_grpo.rewards import reward_columns
 from mt_grpo.rewards.conversation import count_tool_turns, per_tool_turn
 from mt_grpo.rollout.user_turns import environment_done, environment_number, responds
@@ -256,7 +258,17 @@ class EnvironmentPool:
             raise RuntimeError(f"{type(instance).__name__}.reset raised {type(observation).__name__}: {observation}, "
                                f"for {label}. Fix the class, or the row (reset receives the row's columns as keyword "
                                "arguments).") from observation
-        if observation is not None:
+        if observation is not None and (is_image(observation) or isinstance(observation, list)):  # engine/vision.py
+            blocks = image_content(observation, f"{type(instance).__name__}.reset")
+            if not holds_images(blocks):
+                raise ValueError(f"{type(instance).__name__}.reset returned a list without an image for {label}; "
+                                 "return the first observation as a string, an image, or text and image blocks.")
+            blocks = [dict(p, text=clean_text(p["text"], f"{type(instance).__name__}.reset")) if is_text_block(p)
+                      else p for p in blocks]
+            last = prompt[-1]["content"]
+            prompt = prompt[:-1] + [{**prompt[-1], "content": ([{"type": "text", "text": last}] if isinstance(
+                last, str) else list(last)) + blocks}]  # the images, not cut: max_prompt_length counts text only
+        elif observation is not None:
             if not isinstance(observation, str):
                 raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__} for "
                                  f"{label}; return the first observation as a string, or None.")

@@ -37,7 +37,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from mt_grpo.base.protocol import OUTSIDE_ROLES, REPLY_ROLES, encode_text, holds_images, is_text_block, mark_outside
+from mt_grpo.base.protocol import (OUTSIDE_ROLES, REPLY_ROLES, content_text, encode_text, holds_images, is_text_block,
+                                   mark_outside)
+from mt_grpo.engine.vision import image_content, is_image
 from mt_grpo.rollout.tool_calls import clean_text
 
 logger = logging.getLogger("mt_grpo")
@@ -159,6 +161,9 @@ def as_reply(value, label: str) -> Reply | None:
         return value if value is None else checked(value, label)
     if isinstance(value, str):
         return Reply(value)
+    if is_image(value) or isinstance(value, list) and value and all(isinstance(p, dict) and "type" in p and
+                                                                    "role" not in p for p in value):
+        return checked(Reply(image_content(value, f"{label}.respond")), label)  # an image, or content blocks
     if isinstance(value, list):
         return checked(Reply(messages=value), label)
     if isinstance(value, dict) and set(value) <= {f.name for f in dataclasses.fields(Reply)}:
@@ -176,9 +181,11 @@ def checked(reply: Reply, label: str) -> Reply:
         raise ValueError(f"{label}.respond gave Reply.{name} = {str(value)[:80]!r} ({type(value).__name__}); "
                          f"give {want}.")
 
-    if not isinstance(reply.content, str) and not (holds_images(reply.content) and not reply.continuation):
+    if isinstance(reply.content, list) or is_image(reply.content):  # a user message with images (engine/vision.py)
+        reply.content = image_content(reply.content, f"{label}.respond")
+    if not isinstance(reply.content, str) and (reply.continuation or not holds_images(reply.content)):
         fail("content", "a string (the user message, or the text a continuation inserts; \"\" for none), or a user "
-                        "message's text and image blocks [{'type': 'image', 'image': PIL.Image}, ...]")
+                        "message's content blocks with images ({'type': 'image', 'image': PIL.Image})")
     for name in ("done", "continuation", "end"):
         if not isinstance(getattr(reply, name, False), bool):
             fail(name, "True or False")
@@ -216,9 +223,12 @@ def checked_messages(reply: Reply, label: str) -> None:
                              "its text as a user or system message.")
         if m.get("role") not in REPLY_ROLES:
             raise ValueError(f"{where}[{k}] with the role {m.get('role')!r}; give one of {', '.join(REPLY_ROLES)}.")
-        if not isinstance(m.get("content"), str):
+        if isinstance(m.get("content"), list) or is_image(m.get("content")):  # images: engine/vision.py
+            m["content"] = image_content(m["content"], f"{label}.respond")
+        if not isinstance(m.get("content"), str) and not (m.get("role") != "system" and holds_images(m.get("content"))):
             raise ValueError(f"{where}[{k}][\"content\"] = {str(m.get('content'))[:80]!r} "
-                             f"({type(m.get('content')).__name__}); give a string.")
+                             f"({type(m.get('content')).__name__}); give a string, or a user or tool message's "
+                             "content blocks with images.")
         if unknown := sorted(set(m) - {"role", "content", "name"}):
             raise ValueError(f"{where}[{k}] with the key(s) {unknown}; a message is {{role, content}}, and a tool "
                              "message's name.")
@@ -226,18 +236,19 @@ def checked_messages(reply: Reply, label: str) -> None:
             raise ValueError(f"{where}[{k}][\"name\"] = {m['name']!r}; give a string (a tool message's name).")
 
 
-def reply_text(env, content: str, label: str) -> str:
+def reply_text(env, content: str | list, label: str) -> str | list:
     """A reply's text (a user message or a continuation's) made as a tool's output is: repaired
     (tool_calls.clean_text: lone surrogates, NUL and other C0 controls as U+FFFD, warned once per class) and cut to
     `max_tool_response_tokens` (cut_tool_output: by characters before it is tokenized, so that 10 MB cost what
-    16 KB do), with a warning once per class."""
+    16 KB do), with a warning once per class. Content blocks with images: each text block repaired, the images kept."""
     text = [dict(p, text=clean_text(p["text"], f"{label}.respond")) if is_text_block(p) else p for p in content] \
-        if holds_images(content) else clean_text(content, f"{label}.respond")  # images kept where they are (vision.py)
+        if isinstance(content, list) else clean_text(content, f"{label}.respond")
     cut = env.truncate_tool_output(text)
     if cut != text and label not in _CUT:
         _CUT.add(label)
         logger.warning("%s.respond gave a reply of %d characters, more than max_tool_response_tokens (%d): cut, with "
-                       "a marker the model sees (first time only).", label, len(text), env.max_tool_response_tokens)
+                       "a marker the model sees (first time only).", label, len(content_text(text)),
+                       env.max_tool_response_tokens)
     return cut
 
 

@@ -353,16 +353,35 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
 
 
+def check_tool_images(env) -> None:
+    """A vision model's template renders a tool's image (a probe reply holding one, engine/vision.Vision.expand), or
+    the run stops at start naming the template and the fix (`tool_images_as_user`)."""
+    from PIL import Image
+
+    from mt_grpo.engine.vision import Vision
+
+    if isinstance(env.vision, Vision) and (env.tools or env.environments is not None):
+        probe = [{"role": "tool", "name": next(iter(env.tools), "probe"),
+                  "content": [{"type": "image", "image": Image.new("RGB", (28, 28))}, {"type": "text", "text": "."}]}]
+        env.env_reply_ids(probe)
+
+
 def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, object, object, object]:
     """(the parts, the env that `make_env(args, parts)` makes of them, the train and eval prompt datasets): what the
     trainer builds when it is given no env. `given`: `assemble`'s keywords (the trainer's arguments). Every eval curve
     starts at the untrained model (`eval_on_start`), unless the run resumes (it evaluated it before it stopped)."""
     parts = assemble(model, args, **given)
     env = make_env(args, parts)
+    env.protocol.tool_images_as_user = args.tool_images_as_user  # how a tool's images render (engine/vision.py)
+    check_tool_images(env)  # a template that drops a tool's image fails here, not at the first image
     seeded = parts.group_seeds  # each row a seed, so that a group plays one game (seed_rows)
     train = prompt_dataset(parts.train, args, env, parts.turn_funcs + parts.outcome_funcs, "train" if seeded else None,
                            run_groups(args) if seeded and parts.placeholder else None)
     held_out = prompt_dataset(parts.eval, args, env, parts.turn_funcs + parts.outcome_funcs, "eval" if seeded else None)
+    for dataset in (train, held_out):  # a text-only model with TRL's image columns: refused now, not at step 1
+        if dataset is not None and {"image", "images"} & set(dataset.column_names) and env.vision.name is None:
+            env.vision.refuse(f"The dataset's {'/'.join(sorted({'image', 'images'} & set(dataset.column_names)))} "
+                              "column has images")
     args.eval_on_start = held_out is not None and args.eval_strategy != "no" and not args.resume_from_checkpoint
     return parts, env, train, held_out
 
