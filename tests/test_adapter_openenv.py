@@ -123,8 +123,10 @@ def test_an_observation_that_carries_a_screenshot_is_an_image_before_its_text():
         assert block["image"].size == (3, 5) and block["image"].convert("RGB").getpixel((0, 0)) == (1, 2, 3)
     assert observation_content({"board": [[1, 2], [3, 4]], "score": 7}) == "board: [[1, 2], [3, 4]]\nscore: 7"
     assert observation_content({"grid": [[[300, 0, 0]]]}) == "[[[300, 0, 0]]]"  # out of 0-255: not pixels
-    with pytest.raises(ValueError, match="reset observation holds an image: here a first observation is text"):
-        first_observation([{"role": "user", "content": "Paint."}], {"screenshot": [[[0, 0, 0]]], "caption": "Dark."})
+    gap, screen, caption = first_observation([{"role": "user", "content": "Paint."}],
+                                             {"screenshot": [[[0, 0, 0]]], "caption": "Dark.", "done": False})
+    assert gap == {"type": "text", "text": "\n\n"} and screen["image"].size == (1, 1)
+    assert caption == {"type": "text", "text": "Dark."}  # a reset's screenshot joins the prompt (environments.py)
 
 
 # -- a game: step rewards as turn credit, done ends it ------------------------------------------------------------

@@ -178,15 +178,15 @@ def observation_content(observation):
             *([{"type": "text", "text": text}] if text else [])]
 
 
-def first_observation(prompt: list[dict] | None, observation) -> str:
-    """The reset observation, after the prompt's last user message (a blank line between them when it has text). One
-    that holds an image is refused: a reset's observation joins the prompt as text (environments.py)."""
-    if not isinstance(observation_content(observation), str):
-        raise ValueError("The environment's reset observation holds an image: here a first observation is text (an "
-                         "image enters through a step's observation, or the dataset's `images` column).")
-    text = observation_text(observation)
+def first_observation(prompt: list[dict] | None, observation):
+    """The reset observation, after the prompt's last user message (a blank line between them when it has text); one
+    that holds an image as blocks (observation_content), which join that message (environments.py)."""
+    content = observation_content(observation)
     last = (prompt or [{}])[-1].get("content") or ""
-    return ("\n\n" if isinstance(last, str) and last.strip() else "") + text
+    gap = "\n\n" if isinstance(last, str) and last.strip() else ""
+    if isinstance(content, str):
+        return gap + content
+    return ([{"type": "text", "text": gap}] if gap else []) + content
 
 
 def accepted(func: Callable, values: dict) -> dict:
@@ -209,7 +209,7 @@ class OpenEnvEpisode:
         self.env = self.env_cls()
         self.step_rewards, self.done = [], False
 
-    async def reset(self, prompt: list[dict] | None = None, **row) -> str:
+    async def reset(self, prompt: list[dict] | None = None, **row):
         self.step_rewards, self.done = [], False
         is_async = getattr(type(self.env), "reset_async", None) is not _base_method(self.env, "reset_async")
         reset = self.env.reset_async if is_async else self.env.reset
