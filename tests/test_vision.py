@@ -35,7 +35,7 @@ def digit(n: int) -> Image.Image:
     return image
 
 
-def zoom(x: int) -> Image.Image:
+def zoom(x: int):  # as prepare_models.zoom, which the tiny VLM agent was taught with
     """Zoom into the picture.
 
     Args:
@@ -160,7 +160,7 @@ from datasets import Dataset
 from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer
 from test_vision import digit
 
-def zoom(x: int) -> list:
+def zoom(x: int):
     '''Zoom into the picture.
 
     Args:
@@ -287,7 +287,7 @@ class Lens:
         self.replied = False
         return [{"type": "text", "text": "\nHere is the picture:"}, {"type": "image", "image": digit(6)}]
 
-    def zoom(self, x: int) -> Image.Image:
+    def zoom(self, x: int):
         """Zoom into the picture.
 
         Args:

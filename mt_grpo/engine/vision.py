@@ -30,12 +30,14 @@ no backend here passes."""
 
 import logging
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from mt_grpo.base.protocol import is_image_block
+from mt_grpo.engine.packing import episode_tokens, unwrapped
 
 logger = logging.getLogger("mt_grpo")
 
@@ -255,9 +257,6 @@ class Vision(Images):
             raise RuntimeError(f"{k} images in a sample's tokens but {len(images)} in its conversation")
         return [self.features(image) for image in images[:k]]
 
-    def episode_images(self, ep) -> list[ImageFeatures]:
-        return [self.features(image) for image in conversation_images(ep.prompt_messages + ep.messages)]
-
     def generation_images(self, episodes) -> dict:
         """The backend's `images` keyword for the episodes' next turns (none where no episode has an image)."""
         per = [self.images_of(ep.context_ids, conversation_images(ep.prompt_messages + ep.messages))
@@ -319,27 +318,23 @@ def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     """(B, T) log-probs (and entropies) of the completion tokens, each sample forwarded alone: its tokens unpadded,
     the images its tokens refer to (the first k of its row's `images`), the model's own positions (no position_ids:
     Qwen2-VL computes its 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may be wrapped."""
-    from contextlib import nullcontext
-
-    from mt_grpo.engine.packing import episode_tokens, unwrapped
-
     if not _UNPACKED_LOGGED:
         _UNPACKED_LOGGED.append(True)
         logger.info("A batch holds images: each sample is forwarded alone with its images and the positions the model "
                     "computes (Qwen2-VL's 3-D rotary ones), without padding_free's shared-prefix packing, whose trie "
                     "gives each token one position and one row.")
-    image_token_id = unwrapped(model).config.image_token_id
+    config = unwrapped(model).config
     B, T = input_ids.shape[0], logits_to_keep
     logps = torch.zeros(B, T, device=input_ids.device)
     entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
     for row, tokens, lead, cols in episode_tokens(input_ids, attention_mask, logits_to_keep, sample_starts):
         ids = torch.tensor([tokens], device=input_ids.device)
-        k = sum(t == unwrapped_start(model) for t in tokens)
+        k = sum(t == config.vision_start_token_id for t in tokens)  # its images: the first k of its row's
         labels = ids.clone()
         labels[:, :lead] = -100
         with autocast() if autocast is not None else nullcontext():
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True,
-                        **model_inputs(ids, images[row][:k], image_token_id))
+                        **model_inputs(ids, images[row][:k], config.image_token_id))
         # log_probs[t] is the logprob of token t + 1 (the fused head scores each position's next token)
         where = (torch.full((len(cols),), row, device=ids.device), torch.tensor(cols, device=ids.device))
         logps = logps.index_put(where, out.log_probs[0, lead - 1:].float())
@@ -347,8 +342,3 @@ def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
             entropies = entropies.index_put(where, out.entropy[0, lead - 1:].float())
     return logps, entropies
 
-
-def unwrapped_start(model) -> int:
-    from mt_grpo.engine.packing import unwrapped
-
-    return unwrapped(model).config.vision_start_token_id
