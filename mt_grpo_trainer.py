@@ -880,7 +880,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         self._async = (
             AsyncRollouts(PromptStream(train_dataset, self.num_generations, args, self.accelerator),
-                          roll_out=lambda prompts: self.env.rollout(prompts, self.backend),
+                          roll_out=lambda prompts, rows: self.env.rollout(prompts, self.backend, rows=rows),
                           sync=self._sync_weights, version=lambda: self.state.global_step)
             if args.async_rollout else None
         )
