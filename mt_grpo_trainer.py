@@ -673,8 +673,8 @@ class MultiTurnToolEnv:
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = False,
                    toolset: Toolset | None = None) -> list[int]:
         """Token ids of a render, text from outside (protocol.OUTSIDE_TEXT) as plain text (protocol.template_ids)."""
-        return self.vision.expand(lambda: template_ids(self.tokenizer, lambda m: self.render(m, add_generation_prompt,
-                                  toolset), messages), messages)  # an image's placeholders: engine/vision.py
+        render = lambda m: self.render(m, add_generation_prompt, toolset)  # noqa: E731
+        return self.vision.expand(lambda: template_ids(self.tokenizer, render, messages), messages)  # images' placeholders
 
     def env_reply_ids(self, tool_messages: list[dict], last: bool = False) -> list[int]:
         """Token ids that follow a model turn when the env replies `tool_messages`: the template's end
@@ -880,7 +880,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
         self._rollouts = 0  # rollouts made so far (save_rollouts_steps counts them)
         self._async = (
             AsyncRollouts(PromptStream(train_dataset, self.num_generations, args, self.accelerator),
-                          roll_out=lambda prompts: self.env.rollout(prompts, self.backend),
+                          roll_out=lambda prompts, rows: self.env.rollout(prompts, self.backend, rows=rows),
                           sync=self._sync_weights, version=lambda: self.state.global_step)
             if args.async_rollout else None
         )

@@ -266,7 +266,7 @@ def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 80)
     return out_dir
 
 
-def zoom(x: int) -> str:
+def zoom(x: int):  # no return annotation: the tool line the tests show reads the same
     """Zoom into the picture.
 
     Args:

@@ -35,7 +35,7 @@ def digit(n: int) -> Image.Image:
     return image
 
 
-def zoom(x: int) -> Image.Image:
+def zoom(x: int):  # as prepare_models.zoom, which the tiny VLM agent was taught with
     """Zoom into the picture.
 
     Args:
@@ -160,7 +160,7 @@ from datasets import Dataset
 from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer
 from test_vision import digit
 
-def zoom(x: int) -> list:
+def zoom(x: int):
     '''Zoom into the picture.
 
     Args:
@@ -219,6 +219,12 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
         image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
     with pytest.raises(ValueError, match="give a PIL.Image.Image"):
         image_content([{"type": "image", "image": "x.png"}], "tool 'zoom'")
+    with pytest.raises(ValueError, match="vision-language model, and the vLLM server path .* Set `generation_backend: "
+                                         "transformers`"):
+        MTGRPOEnvTrainer(vlm_agent_dir, args=MTGRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False,
+                                                          num_generations=2, per_device_train_batch_size=2,
+                                                          generation_backend="vllm_server"),
+                         train_dataset=rows, tools=[zoom], reward_funcs=lambda completions, **kw: [0.0] * len(completions))
     # a template that renders a tool message's content as text drops its image: named, with the fix
     tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
     tokenizer.chat_template = DROPPING_TEMPLATE
@@ -287,7 +293,7 @@ class Lens:
         self.replied = False
         return [{"type": "text", "text": "\nHere is the picture:"}, {"type": "image", "image": digit(6)}]
 
-    def zoom(self, x: int) -> Image.Image:
+    def zoom(self, x: int):
         """Zoom into the picture.
 
         Args:

@@ -54,6 +54,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from mt_grpo.base.fields import arg  # noqa: E402
 from mt_grpo.base.turn_samples import scored_parts  # noqa: E402
+from mt_grpo.engine.vision import model_inputs  # noqa: E402
 
 
 @dataclass
@@ -341,6 +342,40 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     return logps, entropies, (raw, forwarded)
 
 
+_UNPACKED_LOGGED: list = []
+
+
+def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               sample_starts: torch.Tensor | None, images: list, compute_entropy: bool = False,
+                               autocast=None):
+    """(B, T) log-probs (and entropies) of the completion tokens, each sample forwarded alone: its tokens unpadded,
+    the images its tokens refer to (the first k of its row's `images`), the model's own positions (no position_ids:
+    Qwen2-VL computes its 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may be wrapped."""
+    if not _UNPACKED_LOGGED:
+        _UNPACKED_LOGGED.append(True)
+        logger.info("A batch holds images: each sample is forwarded alone with its images and the positions the model "
+                    "computes (Qwen2-VL's 3-D rotary ones), without padding_free's shared-prefix packing, whose trie "
+                    "gives each token one position and one row.")
+    config = unwrapped(model).config
+    B, T = input_ids.shape[0], logits_to_keep
+    logps = torch.zeros(B, T, device=input_ids.device)
+    entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
+    for row, tokens, lead, cols in episode_tokens(input_ids, attention_mask, logits_to_keep, sample_starts):
+        ids = torch.tensor([tokens], device=input_ids.device)
+        k = sum(t == config.vision_start_token_id for t in tokens)  # its images: the first k of its row's
+        labels = ids.clone()
+        labels[:, :lead] = -100
+        with autocast() if autocast is not None else nullcontext():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True,
+                        **model_inputs(ids, images[row][:k], config.image_token_id))
+        # log_probs[t] is the logprob of token t + 1 (the fused head scores each position's next token)
+        where = (torch.full((len(cols),), row, device=ids.device), torch.tensor(cols, device=ids.device))
+        logps = logps.index_put(where, out.log_probs[0, lead - 1:].float())
+        if compute_entropy:
+            entropies = entropies.index_put(where, out.entropy[0, lead - 1:].float())
+    return logps, entropies
+
+
 PACKED_FLEX = "sdpa_packed_flex"  # SDPA, but flex_attention for a BlockMask: registered in transformers by use_flex
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", PACKED_FLEX)  # the implementations that take a trie's mask
 
@@ -422,7 +457,9 @@ def packed_attention(model, device: torch.device) -> str:
 
 class PackedForward:
     """The trainer's forwards that score completions (the loss's, the old and the reference log-probs): with
-    `padding_free` they run on packed tries; multimodal inputs and MoE aux losses keep TRL's padded path. Rows
+    `padding_free` they run on packed tries; MoE aux losses and TRL's own multimodal inputs keep TRL's padded path; rows
+    with images (engine/vision.py: `images`, given to row_samples) are forwarded one sample at a time with their
+    images (sample_logps_and_entropies). Rows
     split into samples (turn_samples.py) are forwarded packed whatever `padding_free` says: the padded path would
     let a sample see the samples before it. MTGRPOEnvTrainer holds one (`self.packing`) and routes its
     `_get_per_token_logps_and_entropies` and `get_high_entropy_mask` through it. `args`: the trainer's config
@@ -467,8 +504,6 @@ class PackedForward:
             raise RuntimeError(f"sample_starts of shape {tuple(starts.shape)} for a forward of "
                                f"{(input_ids.shape[0], logits_to_keep)} completion tokens")
         if self._images is not None:  # each sample alone, with its images and the model's 3-D positions
-            from mt_grpo.engine.vision import sample_logps_and_entropies
-
             if len(self._images) != input_ids.shape[0]:
                 raise RuntimeError(f"images of {len(self._images)} rows for a forward of {input_ids.shape[0]}")
             logps, entropies = sample_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, starts,

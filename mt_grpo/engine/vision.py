@@ -17,10 +17,11 @@ The representation (the contract the in-process backend, the vLLM server path an
     of every image before its end, in order: a re-rendered history repeats them all.
   - A backend gets, per prompt, `images=[[ImageFeatures, ...], ...]` (`Vision.generation_images`: the images of that
     prompt's tokens) and passes the processor's `pixel_values` and `image_grid_thw` of each, in order
-    (`model_inputs`); the in-process backend left-pads such rows without a shared prefix.
+    (`model_inputs`); the in-process backend left-pads such rows without a shared prefix. A backend that does not
+    carry images is refused at start for a vision model (run/builders.check_vision: the vLLM server path, for now).
   - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
     forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
-    (`sample_logps_and_entropies`): its ids unpadded, its own images, and the positions the model computes itself
+    (packing.sample_logps_and_entropies): its ids unpadded, its own images, and the positions the model computes itself
     (Qwen2-VL's 3-D rotary `get_rope_index` from the ids, `mm_token_type_ids` and the grids), so its log-probs are
     those of the sample alone. padding_free's trie gives each token one position and one row, so packing is off for
     such batches (logged once).
@@ -259,9 +260,6 @@ class Vision(Images):
             raise RuntimeError(f"{k} images in a sample's tokens but {len(images)} in its conversation")
         return [self.features(image) for image in images[:k]]
 
-    def episode_images(self, ep) -> list[ImageFeatures]:
-        return [self.features(image) for image in conversation_images(ep.prompt_messages + ep.messages)]
-
     def generation_images(self, episodes) -> dict:
         """The backend's `images` keyword for the episodes' next turns (none where no episode has an image)."""
         per = [self.images_of(ep.context_ids, conversation_images(ep.prompt_messages + ep.messages))
@@ -312,47 +310,3 @@ def model_inputs(input_ids: torch.Tensor, images: list[ImageFeatures], image_tok
     return {"pixel_values": torch.cat([f.pixel_values for f in images]).to(device),
             "image_grid_thw": torch.stack([f.grid for f in images]).to(device),
             "mm_token_type_ids": (input_ids == image_token_id).int()}
-
-
-_UNPACKED_LOGGED: list = []
-
-
-def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                               sample_starts: torch.Tensor | None, images: list, compute_entropy: bool = False,
-                               autocast=None):
-    """(B, T) log-probs (and entropies) of the completion tokens, each sample forwarded alone: its tokens unpadded,
-    the images its tokens refer to (the first k of its row's `images`), the model's own positions (no position_ids:
-    Qwen2-VL computes its 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may be wrapped."""
-    from contextlib import nullcontext
-
-    from mt_grpo.engine.packing import episode_tokens, unwrapped
-
-    if not _UNPACKED_LOGGED:
-        _UNPACKED_LOGGED.append(True)
-        logger.info("A batch holds images: each sample is forwarded alone with its images and the positions the model "
-                    "computes (Qwen2-VL's 3-D rotary ones), without padding_free's shared-prefix packing, whose trie "
-                    "gives each token one position and one row.")
-    image_token_id = unwrapped(model).config.image_token_id
-    B, T = input_ids.shape[0], logits_to_keep
-    logps = torch.zeros(B, T, device=input_ids.device)
-    entropies = torch.zeros(B, T, device=input_ids.device) if compute_entropy else None
-    for row, tokens, lead, cols in episode_tokens(input_ids, attention_mask, logits_to_keep, sample_starts):
-        ids = torch.tensor([tokens], device=input_ids.device)
-        k = sum(t == unwrapped_start(model) for t in tokens)
-        labels = ids.clone()
-        labels[:, :lead] = -100
-        with autocast() if autocast is not None else nullcontext():
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True,
-                        **model_inputs(ids, images[row][:k], image_token_id))
-        # log_probs[t] is the logprob of token t + 1 (the fused head scores each position's next token)
-        where = (torch.full((len(cols),), row, device=ids.device), torch.tensor(cols, device=ids.device))
-        logps = logps.index_put(where, out.log_probs[0, lead - 1:].float())
-        if compute_entropy:
-            entropies = entropies.index_put(where, out.entropy[0, lead - 1:].float())
-    return logps, entropies
-
-
-def unwrapped_start(model) -> int:
-    from mt_grpo.engine.packing import unwrapped
-
-    return unwrapped(model).config.vision_start_token_id

@@ -47,10 +47,10 @@ class AsyncRollouts:
     before it started. Weights are synced only here, between batches, when no request is in flight; the
     thread makes HTTP requests only (no collective), so ranks never wait on each other inside it. A
     pending rollout is not saved in a checkpoint: a resumed run samples its first batch again.
-    Given callables, not the trainer: `roll_out(prompts)` -> episodes, `sync()` gives the sampler the
+    Given callables, not the trainer: `roll_out(prompts, rows)` -> episodes, `sync()` gives the sampler the
     current policy, `version()` is the policy's optimizer step."""
 
-    def __init__(self, stream: PromptStream, roll_out: Callable[[list], list], sync: Callable[[], None],
+    def __init__(self, stream: PromptStream, roll_out: Callable[[list, list], list], sync: Callable[[], None],
                  version: Callable[[], int]):
         self.stream = stream
         self.roll_out = roll_out
@@ -64,7 +64,7 @@ class AsyncRollouts:
         def roll_out():
             t0 = time.perf_counter()
             try:
-                episodes = self.roll_out([x["prompt"] for x in inputs])
+                episodes = self.roll_out([x["prompt"] for x in inputs], inputs)  # the rows: their images, if any
                 for ep in episodes:
                     ep.policy_version = version
                 result["value"] = (inputs, episodes, time.perf_counter() - t0)

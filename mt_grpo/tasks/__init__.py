@@ -64,7 +64,7 @@ from typing import Callable
 import datasets
 
 from mt_grpo.base.fields import arg
-from mt_grpo.base.protocol import prompt_problem, prompt_question
+from mt_grpo.base.protocol import content_text, holds_images, prompt_problem, prompt_question
 
 
 @dataclass
@@ -459,8 +459,11 @@ def _valid_row(row: dict, roles: dict, answer_required: bool, environment: bool 
             prompt = "" if isinstance(prompt, str) else EMPTY_PROMPT
         if prompt != "" and (problem := prompt_problem(prompt)):
             return {}, problem
-        values["prompt"] = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]}
-                                                                   for m in prompt]
+        # a user message of text and image blocks keeps its text: the images come from the row's image/images column
+        # at rollout, first in the first user message (engine/vision.prompt_with_images; a table column holds text)
+        values["prompt"] = prompt if isinstance(prompt, str) else [
+            {"role": m["role"], "content": content_text(m["content"]) if holds_images(m["content"]) else m["content"]}
+            for m in prompt]
     if roles["answer"]:
         values["answer"] = row[roles["answer"]]
         values[ALIASES], problem = _answer_aliases(row[ALIASES] if given_aliases else values["answer"])

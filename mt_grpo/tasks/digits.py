@@ -26,7 +26,7 @@ class DigitZoom:
         return [{"type": "text", "text": "\nWhich number is drawn? Zoom in to read it, then answer with the number."},
                 {"type": "image", "image": picture(self.number, 12)}]
 
-    def zoom(self, x: int) -> Image.Image:
+    def zoom(self, x: int):  # as the tiny VLM agent was taught (scripts/prepare_models.zoom)
         """Zoom into the picture.
 
         Args:
