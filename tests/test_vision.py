@@ -219,12 +219,6 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
         image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
     with pytest.raises(ValueError, match="give a PIL.Image.Image"):
         image_content([{"type": "image", "image": "x.png"}], "tool 'zoom'")
-    with pytest.raises(ValueError, match="vision-language model, and the vLLM server path .* Set `generation_backend: "
-                                         "transformers`"):
-        MTGRPOEnvTrainer(vlm_agent_dir, args=MTGRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False,
-                                                          num_generations=2, per_device_train_batch_size=2,
-                                                          generation_backend="vllm_server"),
-                         train_dataset=rows, tools=[zoom], reward_funcs=lambda completions, **kw: [0.0] * len(completions))
     # a template that renders a tool message's content as text drops its image: named, with the fix
     tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
     tokenizer.chat_template = DROPPING_TEMPLATE

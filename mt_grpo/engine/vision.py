@@ -17,8 +17,9 @@ The representation (the contract the in-process backend, the vLLM server path an
     of every image before its end, in order: a re-rendered history repeats them all.
   - A backend gets, per prompt, `images=[[ImageFeatures, ...], ...]` (`Vision.generation_images`: the images of that
     prompt's tokens) and passes the processor's `pixel_values` and `image_grid_thw` of each, in order
-    (`model_inputs`); the in-process backend left-pads such rows without a shared prefix. A backend that does not
-    carry images is refused at start for a vision model (run/builders.check_vision: the vLLM server path, for now).
+    (`model_inputs`); the in-process backend left-pads such rows without a shared prefix. The vLLM server client sends
+    each image itself beside the prompt's ids (engine/server_images.py: `source` and `image_token_id`), and a server
+    that takes no images with ids is refused at start for a vision model (ServerImages.check_images).
   - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
     forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
     (packing.sample_logps_and_entropies): its ids unpadded, its own images, and the positions the model computes itself

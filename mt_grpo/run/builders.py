@@ -353,19 +353,14 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
 
 
-def check_vision(env, backend: str) -> None:
-    """A vision model generates in process (`backend`: generation_backend; the vLLM server path carries no images
-    yet), and its template renders a tool's image (a probe reply holding one, engine/vision.Vision.expand), or the run
-    stops at start naming the template and the fix (`tool_images_as_user`)."""
+def check_vision(env) -> None:
+    """A vision model's template renders a tool's image (a probe reply holding one, engine/vision.Vision.expand), or
+    the run stops at start naming the template and the fix (`tool_images_as_user`). The vLLM server's own check is the
+    client's (engine/server_images.ServerImages.check_images: a server that takes images with token ids)."""
     from PIL import Image
 
     from mt_grpo.engine.vision import Vision
 
-    if isinstance(env.vision, Vision) and backend != "transformers":
-        raise ValueError(f"{env.vision.tokenizer.name_or_path} is a vision-language model, and the vLLM server path "
-                         f"(generation_backend: {backend}) does not carry images yet: they would be dropped from "
-                         "generation. Set `generation_backend: transformers` (docs/guide.md, 'Images in the "
-                         "conversation').")
     if isinstance(env.vision, Vision) and (env.tools or env.environments is not None):
         probe = [{"role": "tool", "name": next(iter(env.tools), "probe"),
                   "content": [{"type": "image", "image": Image.new("RGB", (28, 28))}, {"type": "text", "text": "."}]}]
@@ -379,7 +374,7 @@ def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, 
     parts = assemble(model, args, **given)
     env = make_env(args, parts)
     env.protocol.tool_images_as_user = args.tool_images_as_user  # how a tool's images render (engine/vision.py)
-    check_vision(env, args.generation_backend)  # a template that drops a tool's image fails here, not later
+    check_vision(env)  # a template that drops a tool's image fails here, not later
     seeded = parts.group_seeds  # each row a seed, so that a group plays one game (seed_rows)
     train = prompt_dataset(parts.train, args, env, parts.turn_funcs + parts.outcome_funcs, "train" if seeded else None,
                            run_groups(args) if seeded and parts.placeholder else None)
