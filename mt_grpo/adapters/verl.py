@@ -398,7 +398,7 @@ RESERVED = ("reset", "respond", "end_episode", "get_reward", "step_rewards", "do
 
 
 def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Callable:
-    async def method(self, **parameters) -> str:
+    async def method(self, **parameters):
         text, reward = await call_tool(self._verl_tools[name], name, parameters, self.tools_kwargs, self.agent_data)
         if reward is not None:  # as verl appends it to tool_rewards, which is step_rewards: the turn's step reward
             self.step_rewards.append(float(reward))
@@ -407,9 +407,10 @@ def _tool_method(name: str, schema: dict, signature: inspect.Signature) -> Calla
     method.__name__ = method.__qualname__ = name
     method.__doc__ = schema["function"].get("description") or name
     method.__signature__ = signature.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
-                                                         *signature.parameters.values()])
-    method.__annotations__ = {**{p.name: p.annotation for p in signature.parameters.values()
-                                 if p.annotation is not p.empty}, "return": str}
+                                                         *signature.parameters.values()],
+                                             return_annotation=inspect.Signature.empty)
+    # no return annotation: a ToolResponse is text, or images and text (response_content)
+    method.__annotations__ = {p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty}
     method.json_schema = schema
     return method
 
