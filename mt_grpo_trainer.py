@@ -768,9 +768,9 @@ class MultiTurnToolEnv:
     def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
         if isinstance(calls, UserTurn):
             return record_reply(self, ep, calls, results[0])
-        messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output),
-                     **({} if r.reward is None else {"reward": r.reward})}  # rollout/tool_calls.tool_output: a step reward
-                    for c, r in zip(calls, results)]
+        messages = [{"role": "tool", "name": "" if c.error else c.name,  # a failure as the protocol shows it
+                     "content": self.truncate_tool_output(self.protocol.tool_reply(r)),  # tool_output's step reward:
+                     **({} if r.reward is None else {"reward": r.reward})} for c, r in zip(calls, results)]
         turn, done = ep.tool_turns, environment_done(getattr(ep.toolset, "environment", None))
         if self.append_reply(ep, messages, last=done):
             ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])

@@ -236,6 +236,11 @@ class Protocol:
         """Canonical messages -> the messages the chat template renders."""
         raise NotImplementedError
 
+    def tool_reply(self, result) -> str | list:
+        """The content of a call's tool message, from its result (rollout/tool_calls.ToolResult): the tool's output,
+        or the failure as `Error: ...` (ERROR_PREFIX)."""
+        return result.output
+
 
 # ------------------------------------------------------------------------------------------------
 # xml: the MT-GRPO paper's protocol
@@ -552,6 +557,13 @@ class ChatTemplateProtocol(Protocol):
             else:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
+
+    def tool_reply(self, result) -> str | list:
+        """As TRL's tool loop replies, so that a TRL script's model reads TRL's text: a tool that raised, arguments
+        that do not fit, a name no tool has, each `str({"error": message})` with TRL's message (`Tool x not
+        found.`, Python's TypeError, str(e)); the output otherwise. Failures TRL never has (a timeout, a call that
+        did not parse) keep `Error: ...`. The rewards read both forms (rewards/conversation.failed)."""
+        return str({"error": result.error}) if result.error else result.output
 
 
 PROTOCOLS: dict[str, type[Protocol]] = {"xml": XMLProtocol, "chat_template": ChatTemplateProtocol}
