@@ -14,7 +14,8 @@ every protocol, in the OpenAI / chat-template shape:
 
 `tool_calls` lists the calls that parsed, as {"type": "function", "function": {"name", "arguments"}}.
 Every call the environment answers, malformed ones included, gets one `tool` message; a failed
-call's content starts with ERROR_PREFIX. A "tool turn" is an assistant message followed by tool
+call's content starts with ERROR_PREFIX, or reads as TRL's (`{'error': ...}`, chat_template's
+`tool_reply`). A "tool turn" is an assistant message followed by tool
 messages; per-turn rewards give one value per tool turn.
 
     xml             <reasoning>...</reasoning> then <tool>{"name": ..., "args": {...}}</tool> or
@@ -47,7 +48,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Union
 
-ERROR_PREFIX = "Error:"  # a tool message whose content starts with this is a failed call
+ERROR_PREFIX = "Error:"  # a failed call's tool message starts with this (chat_template: TRL's text, tool_reply)
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
