@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -503,8 +504,8 @@ def hermes(*calls) -> str:
 def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dict | None = None, **trainer_kwargs):
     """One step of TRL's GRPOTrainer and of ours, built with the same keywords and the same config values, with the
     same scripted player writing `script`'s turns. Returns, for each trainer, what the model saw and wrote at each
-    turn (decoded, sorted), each sample's (prompt, completion, sampled-token count) as the trainer holds them, and
-    the step's log row."""
+    turn (decoded, sorted), each sample's (prompt, completion, sampled-token count, completion-token count) as the
+    trainer holds them, and the step's log row."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -539,7 +540,7 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
 
         def _generate(self, prompts):
             out = super()._generate(prompts)
-            finals["trl"] += [(tokenizer.decode(p), tokenizer.decode(c), sum(m)) for p, c, m in zip(*out[:3])]
+            finals["trl"] += [(tokenizer.decode(p), tokenizer.decode(c), sum(m), len(c)) for p, c, m in zip(*out[:3])]
             return out
 
     theirs = ScriptedTRL(args=GRPOConfig(output_dir=str(tmp_path / "trl"), **{**base, **config}), **trainer_kwargs)
@@ -551,8 +552,8 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
 
     def recorded(*args, **kwargs):
         episodes = rollout(*args, **kwargs)
-        finals["mt_grpo"] += [(tokenizer.decode(ep.prompt_ids), tokenizer.decode(ep.completion_ids), sum(ep.model_mask))
-                              for ep in episodes]
+        finals["mt_grpo"] += [(tokenizer.decode(ep.prompt_ids), tokenizer.decode(ep.completion_ids), sum(ep.model_mask),
+                               len(ep.completion_ids)) for ep in episodes]
         return episodes
 
     ours.env.rollout = recorded
@@ -580,6 +581,9 @@ def assert_as_under_trl(seen, finals, steps, calls_per_episode: float):
     names = ["tools/call_frequency", "tools/failure_frequency", "reward", "reward_std", "num_tokens",
              "completions/mean_length", "completions/max_length"] + [k for k in trl if k.startswith("rewards/")]
     assert {k: ours.get(k) for k in names} == pytest.approx({k: trl[k] for k in names})
+    # issue 78, point 3: TRL's num_tokens counts prompts and sampled tokens; ours, every completion token (tool
+    # replies included), is rollout/completion_tokens_seen
+    assert ours["rollout/completion_tokens_seen"] == sum(n for *_, n in finals["trl"])
 
 
 # A second call of the TP53 turn: one that runs, or one of the three failures TRL's tool loop answers with
@@ -833,3 +837,34 @@ def test_a_turn_that_calls_an_async_tool_before_a_sync_one_reads_as_under_trl(mo
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}]]}),
         tools=[docs.multiply, docs.async_add], reward_funcs=lambda completions, **kw: [1.0] * len(completions))
     assert_as_under_trl(seen, finals, steps, calls_per_episode=2.0)
+
+
+@pytest.mark.parametrize("name", ["docs_environment", "docs_increment", "docs_multi_env"])
+def test_trls_docs_scripts_train_a_step_here_with_only_their_import_changed(name, model_dir, tmp_path, monkeypatch):
+    """Each docs script's own main block, its import line swapped and nothing else, run as `python script.py` runs it
+    (in this process: no second start-up): its one step trains to a finite loss (the scripts keep TRL's
+    logging_steps, 10: the step's metrics are the side-by-side tests')."""
+    with open(os.path.join(ROOT, "tests", "trl_scripts", f"{name}.py")) as f:
+        text = f.read()
+    assert text.count(TRL_IMPORT) == 1
+    script = tmp_path / f"{name}_mt_grpo.py"
+    script.write_text(text.replace(TRL_IMPORT, OUR_IMPORT))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRL_SCRIPT_MODEL", model_dir)
+    monkeypatch.setenv("TRL_SCRIPT_OUTPUT", str(tmp_path / "out"))
+    trainer = runpy.run_path(str(script), run_name="__main__")["trainer"]
+    assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+@pytest.mark.parametrize("argument, fix", [
+    ("rollout_func", "give `tools` or an `environment_factory` instead"),
+    ("reward_processing_classes", "score with a reward function"),
+])
+def test_trls_arguments_that_mean_nothing_here_are_refused_with_the_fix(argument, fix, model_dir, tmp_path):
+    """Issue 78, point 8: TRL's `rollout_func` would replace the multi-turn rollout, and `reward_processing_classes`
+    tokenize for reward models, which are not loaded: each is refused before the model loads, naming what to do."""
+    from mt_grpo_trainer import MTGRPOEnvTrainer
+
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        MTGRPOEnvTrainer(model=model_dir, args=our_config(tmp_path), reward_funcs=lambda completions, **kw: [0.0],
+                         **{argument: object()})
