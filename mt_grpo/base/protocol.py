@@ -564,7 +564,7 @@ class ChatTemplateProtocol(Protocol):
         that do not fit, a name no tool has, each `str({"error": message})` with TRL's message (`Tool x not
         found.`, Python's TypeError, str(e)); the output otherwise. Failures TRL never has (a timeout, a call that
         did not parse) keep `Error: ...`. The rewards read both forms (rewards/conversation.failed)."""
-        return str({"error": result.error}) if result.error else result.output
+        return str({"error": result.trl_error}) if result.trl_error else result.output
 
 
 PROTOCOLS: dict[str, type[Protocol]] = {"xml": XMLProtocol, "chat_template": ChatTemplateProtocol}

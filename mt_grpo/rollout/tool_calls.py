@@ -62,7 +62,7 @@ class ToolResult:
     main_thread: bool = False  # not run: the tool uses `signal`, and the call is to run on the main thread
     # A failure TRL's tool loop has (the tool raised, its arguments did not fit, no tool has the name): the message
     # TRL shows as `str({"error": message})` (Protocol.tool_reply); "" for a result or a failure TRL never has
-    error: str = ""
+    trl_error: str = ""
 
 
 def tool_output(value, source: str) -> tuple[str | list, float | None]:
@@ -127,7 +127,7 @@ def start_call(tools: dict[str, Callable], call: ToolCall,
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
         return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False,
-                                 error=f"Tool {call.name} not found.")]  # TRL's text
+                                 trl_error=f"Tool {call.name} not found.")]
     if function_of(tools[call.name]) in SIGNAL_TOOLS:
         return None, [ToolResult("", False, main_thread=True)]
     return _threaded(tools[call.name], call, loop)
@@ -142,8 +142,8 @@ def _threaded(fn: Callable, call: ToolCall, loop) -> tuple[threading.Thread, lis
 
 def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) -> ToolResult:
     """`call` run here, on this thread; its failure as the `Error: ...` the model sees, with TRL's text of it
-    (`error`: str(e)). A sync tool refused `signal` off the main thread is not failed: its result says to run it on
-    the main thread. Arguments that do not fit the signature are called all the same, as TRL calls them: Python
+    (`trl_error`: str(e)). A sync tool refused `signal` off the main thread is not failed: its result says to run it
+    on the main thread. Arguments that do not fit the signature are called all the same, as TRL calls them: Python
     refuses them before the tool's first line, and TRL shows Python's TypeError."""
     begun = time.monotonic()
     try:
@@ -170,7 +170,7 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
             return ToolResult("", False, time.monotonic() - begun, main_thread=True)
         ours = f"bad arguments for tool '{call.name}': {misfit}" if misfit else \
             f"tool '{call.name}' raised {type(e).__name__}: {e}"
-        return ToolResult(error_text(ours), False, time.monotonic() - begun, error=str(e))
+        return ToolResult(error_text(ours), False, time.monotonic() - begun, trl_error=str(e))
 
 
 def finish_call(call: ToolCall, thread: threading.Thread | None, slot: list, wait: float,
