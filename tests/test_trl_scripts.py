@@ -4,9 +4,10 @@ moves in `environment_factory`, a `prompt`-only dataset, one `reward_funcs` call
 `peft_config`) runs under TRL itself and under this trainer; both allow the same calls and describe the tool
 alike; a scripted player's 8 moves all run under both trainers' defaults; no default of the knowledge base reaches
 another task; and TRL's reward keywords reach every reward. TRL's own scripts (issue 78: examples/scripts/grpo_agent.py
-and grpo_2048.py, the docs' external-dataset environment with tools beside it, in tests/trl_scripts/) under TRL's
-GRPOTrainer and ours with one scripted player: the same calls run, the model sees byte-identical text at every turn,
-and TRL's tool, reward and token metrics are equal; the differences that remain are strict xfails."""
+and grpo_2048.py, the docs' tools, environment, external-dataset and multiple-environment examples, in
+tests/trl_scripts/) under TRL's GRPOTrainer and ours with one scripted player: the same calls run, the model sees
+byte-identical text at every turn (failed calls included), and TRL's tool, reward and token metrics are equal; the
+difference that remains is a strict xfail."""
 
 import importlib.util
 import json

@@ -14,9 +14,9 @@ every protocol, in the OpenAI / chat-template shape:
 
 `tool_calls` lists the calls that parsed, as {"type": "function", "function": {"name", "arguments"}}.
 Every call the environment answers, malformed ones included, gets one `tool` message; a failed
-call's content starts with ERROR_PREFIX, or reads as TRL's (`{'error': ...}`, chat_template's
-`tool_reply`). A "tool turn" is an assistant message followed by tool
-messages; per-turn rewards give one value per tool turn.
+call's content starts with ERROR_PREFIX, or under chat_template reads as TRL's (`{'error': ...}`:
+`tool_reply`). A "tool turn" is an assistant message followed by tool messages; per-turn rewards
+give one value per tool turn.
 
     xml             <reasoning>...</reasoning> then <tool>{"name": ..., "args": {...}}</tool> or
                     <answer>...</answer>; the reply is a user message <result>...</result>.
