@@ -1,4 +1,4 @@
-"""`/v1/responses` as a translation of chat completions (mt_grpo/rollout/responses_api.py), checked against the OpenAI
+"""`/v1/responses` as a translation of chat completions (mt_grpo.agents.responses.py), checked against the OpenAI
 Agents SDK's own code: the request is the one `OpenAIResponsesModel` builds for an Agent with a `function_tool`, its
 messages and tools equal to what the SDK's own chat-completions path makes of the same items
 (`chatcmpl_converter.Converter`); the reply is read by the SDK's `process_model_response` (the function calls it
@@ -21,7 +21,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseStreamEvent
 
-from mt_grpo.rollout.responses_api import (ResponsesRequestError, chat_request, response_from_chat, sse,
+from mt_grpo.agents.responses import (ResponsesRequestError, chat_request, response_from_chat, sse,
                                            stream_events)
 
 

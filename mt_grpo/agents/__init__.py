@@ -5,6 +5,8 @@ call a turn with its own credit (docs/guide.md, "From an agent program").
     endpoint   the HTTP server (FastAPI on uvicorn, in a thread): `/episodes/<id>/v1/chat/completions` and
                `/v1/models`, one key per episode, OpenAI's shapes and errors; `Endpoint.complete`, the one function
                every route calls (chat completions here, /v1/responses beside it)
+    responses  `/v1/responses` (what the OpenAI Agents SDK calls by default) as a pure translation to a chat call and
+               back, the reply whole or as OpenAI's server-sent events
     runner     AgentEnv, the trainer's env for such a run (`rollout`/`release`, as MultiTurnToolEnv's): it starts the
                agents (a function, or `agent_command` in a process of its own), batches their calls for the
                in-process backend, ends the hung ones, and scores what they return

@@ -1,5 +1,5 @@
-"""The endpoint's HTTP routes (FastAPI): `/episodes/<id>/v1/chat/completions`, non-streaming and server-sent events,
-and `/v1/models`; every error in OpenAI's shape. Each route checks the episode's key (Endpoint.session) and calls
+"""The endpoint's HTTP routes (FastAPI): `/episodes/<id>/v1/chat/completions` and `/v1/responses` (responses.py's
+translation), non-streaming and server-sent events, and `/v1/models`; every error in OpenAI's shape. Each route checks the episode's key (Endpoint.session) and calls
 Endpoint.complete (endpoint.py's contract)."""
 
 import json
@@ -8,6 +8,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mt_grpo.agents import responses
 from mt_grpo.agents.endpoint import MODEL_NAME, APIError, CallResult, Endpoint
 
 
@@ -42,6 +43,23 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(sse(chunks(result, model, usage)), media_type="text/event-stream")
         return completion(result, model)
+
+    @app.post("/episodes/{episode_id}/v1/responses")
+    async def create_response(episode_id: str, request: Request):
+        session = endpoint.session(episode_id, request.headers.get("authorization"))
+        body = await json_body(request)
+        try:
+            chat = responses.chat_request(body)
+        except responses.ResponsesRequestError as e:
+            raise APIError(400, e.message, param=e.param) from None
+        fields = {k: v for k, v in chat.items() if k not in ("messages", "tools", "tool_choice", "stream")}
+        result = await endpoint.complete(session, chat["messages"], chat.get("tools"), chat.get("tool_choice"),
+                                         **fields)
+        response = responses.response_from_chat(completion(result, body.get("model") or MODEL_NAME), body)
+        if body.get("stream"):
+            return StreamingResponse(lines(responses.sse(responses.stream_events(response))),
+                                     media_type="text/event-stream")
+        return response.model_dump(mode="json", exclude_none=True)
 
     return app
 
@@ -86,6 +104,11 @@ def chunks(r: CallResult, model: str, usage: bool) -> list[dict]:
     if usage:
         out.append({**base, "choices": [], "usage": r.usage})
     return out
+
+
+async def lines(texts):
+    for text in texts:
+        yield text
 
 
 async def sse(events: list[dict]):
