@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mt_grpo.base.protocol import (ERROR_PREFIX, ChatTemplateProtocol, content_text, mark_outside,
                                    tool_call_message)
@@ -237,7 +237,7 @@ class Endpoint:
             if session.ended:
                 raise APIError(409, f"The episode ended ({session.ended}) while this call waited for its sample.",
                                code="episode_ended")
-            return self.record(session, sample, len(ids), tool_choice)
+            return self.record(session, sample, len(ids), tool_choice, fields.get("stop"))
 
     def prepare(self, s: Session, messages, tools, tool_choice, fields: dict) -> tuple[list[int], int]:
         """Check the request, append it to the episode (or start a new sample); the ids to sample from and the limit."""
@@ -328,14 +328,17 @@ class Endpoint:
         for name in ("presence_penalty", "frequency_penalty"):
             if f.get(name):
                 raise APIError(400, f"`{name}` is not supported: the run's sampling parameters apply.", param=name)
-        if f.get("stop"):
-            raise APIError(400, "`stop` is not supported: a turn ends where the chat template ends it.",
-                           param="stop")
+        stop = f.get("stop")
+        if stop is not None and not (isinstance(stop, str) or isinstance(stop, list) and len(stop) <= 4 and
+                                     all(isinstance(x, str) and x for x in stop)):
+            raise APIError(400, "`stop` must be a string or a list of up to 4 strings.", param="stop")
         if f.get("functions") or f.get("function_call"):
             raise APIError(400, "`functions` is the deprecated form of `tools`: send `tools`.", param="functions")
-        if tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "`tool_choice` may be auto or none: the sampler cannot force a call.",
-                           param="tool_choice")
+        if tool_choice not in (None, "auto", "none"):  # smolagents' ToolCallingAgent sends `required` on every call
+            s.stats["tool_choice_unenforced"] += 1
+            log_once("tool_choice", "An agent asked for tool_choice %s: the policy's reply is returned as sampled, "
+                     "with or without a call (the sampler cannot force one; counted in agent/tool_choice_unenforced).",
+                     json.dumps(tool_choice))
         run = self.sampling
         for name in ("temperature", "top_p"):
             value = f.get(name)
@@ -388,15 +391,17 @@ class Endpoint:
             return self.env.protocol.format_call(name, args)
         return self.env.protocol.call_text({"tool": name, "args": args, "thought": ""}).lstrip()
 
-    def record(self, s: Session, sample, prompt_tokens: int, tool_choice) -> CallResult:
+    def record(self, s: Session, sample, prompt_tokens: int, tool_choice, stop=None) -> CallResult:
         """Append the sample as sampled (ids, logprobs); its message, its calls, and the stop the built-in loop would
         give (record_model_turn's rules)."""
         ep, env = s.ep, self.env
+        sample, before_stop = cut_at_stop(sample, [stop] if isinstance(stop, str) else stop or [], env.tokenizer)
         ep.append("model", sample.token_ids, sample.logprobs, sample.kept)
-        text = env.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        sampled = env.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        text = sampled if before_stop is None else before_stop  # what the agent gets: no stop string, nothing after
         turn = env.protocol.parse(text)
         calls = [c for c in turn.calls if not c.error] if tool_choice != "none" else []
-        add_model_message(ep, text, [tool_call_message(c.name, c.arguments) for c in calls])
+        add_model_message(ep, sampled, [tool_call_message(c.name, c.arguments) for c in calls])
         if turn.kind == "answer":
             s.last_stop = "answer"
         elif sample.finish_reason == "length":
@@ -423,4 +428,18 @@ class Endpoint:
         n = len(sample.token_ids)
         return CallResult(content or None, tool_calls, finish,
                           {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
-                          text)
+                          sampled)
+
+
+def cut_at_stop(sample, stops: list[str], tokenizer):
+    """`sample` up to the token that completes the first of `stops` in its text, as a sampler with those stop strings
+    draws it (the tokens up to there have the same distribution; vLLM keeps that token too): the tokens after it are
+    dropped, never trained. Returns (the sample, its text before the stop string), or (sample, None) without a stop."""
+    for k in range(len(sample.token_ids) if stops else 0):
+        text = tokenizer.decode(sample.token_ids[:k + 1], skip_special_tokens=True)
+        found = [text.find(stop) for stop in stops if stop in text]
+        if found:
+            kept = None if sample.kept is None else sample.kept[:k + 1]
+            return replace(sample, token_ids=sample.token_ids[:k + 1], logprobs=sample.logprobs[:k + 1], kept=kept,
+                           finish_reason="stop"), text[:min(found)]
+    return sample, None
