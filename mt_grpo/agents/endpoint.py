@@ -337,7 +337,8 @@ class Endpoint:
         if tool_choice not in (None, "auto", "none"):  # smolagents' ToolCallingAgent sends `required` on every call
             s.stats["tool_choice_unenforced"] += 1
             log_once("tool_choice", "An agent asked for tool_choice %s: the policy's reply is returned as sampled, "
-                     "with or without a call (the sampler cannot force one; counted in agent/tool_choice_unenforced).",
+                     "with or without a call (the sampler cannot force one; counted in "
+                     "agent/tool_choice_unenforced_per_episode).",
                      json.dumps(tool_choice))
         run = self.sampling
         for name in ("temperature", "top_p"):

@@ -1,0 +1,97 @@
+"""Agent programs written as each client's users write them (tests/agent_programs/) train 2 steps through the
+endpoint (mt_grpo/agents/) on the tiny model, unmodified: the OpenAI Agents SDK over /v1/responses (Runner.run and
+Runner.run_streamed, in a process of its own through `agent_command`, its base URL and key from the environment),
+LangGraph's prebuilt ReAct agent over ChatOpenAI, smolagents' ToolCallingAgent over OpenAIServerModel, and a verifiers
+v1 environment scored by its own rubric. A scripted policy writes each call's reply, so that the agents' tools really
+run; every record is checked token by token: each model turn's ids are the scripted reply's and its logprobs the
+sampler's (-0.5 a token), every other token (the agent's prompt, its tool outputs) has mask 0."""
+
+import os
+import sys
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from helpers import ROOT, rollout_records
+from scripted_policy import ScriptedTransformersBackend
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROGRAMS = os.path.join(ROOT, "tests", "agent_programs")
+QUESTION = "What is the capital of Veltria?"
+CALL = '<tool>{"name": "capital", "args": {"country": "Veltria"}}</tool>'  # the tiny model's format: xml (ChatML)
+ROWS = [{"question": QUESTION, "answer": "Morvane"}, {"question": QUESTION.replace("Veltria", "Ostrand"),
+                                                      "answer": "Kelsby"}]
+
+
+def script_for(final: str) -> dict:
+    """Each question's two calls: the capital tool, then `final` (the answer's text, or smolagents' final_answer)."""
+    return {row["question"]: [CALL.replace("Veltria", row["question"].split()[-1][:-1]),
+                              final.replace("ANSWER", row["answer"])] for row in ROWS}
+
+
+def train(tmp_path, model_dir: str, script: dict, budget: int = 192, **agent) -> tuple[list[dict], list[dict]]:
+    """Two steps of the agent (`agent=` or `agent_command=`) with the scripted policy: (records of both steps, logs).
+    `budget`: max_completion_length."""
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    args = MTGRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2,
+                        per_device_train_batch_size=4, max_completion_length=budget, max_tokens_per_turn=64,
+                        learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none", logging_steps=1,
+                        save_strategy="no", save_rollouts_steps=1, generation_backend="transformers",
+                        disable_tqdm=True, agent_timeout=120, **agent)
+    trainer = MTGRPOEnvTrainer(model_dir, args=args, train_dataset=Dataset.from_list(ROWS * 4),
+                               backend=lambda env: ScriptedTransformersBackend(env.tokenizer, script))
+    trainer.train()
+    records = [r for step in (1, 2) for r in rollout_records(args.output_dir, f"step-{step:06d}.jsonl")]
+    return records, [log for log in trainer.state.log_history if "loss" in log]
+
+
+def check_tokens(records: list[dict], tokenizer, script: dict) -> None:
+    """Each model turn is the scripted reply, as sampled (ids, logprob -0.5); every other token has mask 0."""
+    assert len(records) == 8
+    for r in records:
+        tokens, turns = r["tokens"], r["turns"]
+        model = [t for t in turns if t["role"] == "model"]
+        assert [t["text"] for t in model] == script[r["question"]]
+        mask = [0] * len(tokens["ids"])
+        for turn, text in zip(model, script[r["question"]]):
+            span = slice(turn["start"], turn["end"])
+            assert tokens["ids"][span] == tokenizer.encode(text, add_special_tokens=False)
+            assert tokens["sampler_logprob"][span] == [-0.5] * (turn["end"] - turn["start"])
+            mask[span] = [1] * (turn["end"] - turn["start"])
+        assert tokens["model_mask"] == mask  # the agent's messages and its tools' outputs: mask 0
+        env_text = "".join(t["text"] for t in turns if t["role"] == "env")
+        assert r["answer"] in env_text  # the agent's tool ran, and its output reached the episode as env tokens
+        assert r["rewards"]["outcome"]["agent_reward"] == 1.0  # what the agent returned
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_sdk_over_responses(tmp_path, tiny_model_dir, stream):
+    script = script_for("The capital is ANSWER.")
+    command = f"{sys.executable} {os.path.join(PROGRAMS, 'openai_agents_sdk.py')}" + (" --stream" if stream else "")
+    records, logs = train(tmp_path, tiny_model_dir, script, agent_command=command)
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    # the SDK sends back our output items: each second call extends the first, one sample an episode
+    assert all(log["agent/new_samples/rewrite"] == 0 and log["agent/calls_per_episode"] == 2 for log in logs)
+    assert all(r["tool_calls"][0]["ok"] for r in records)
+
+
+def test_langgraph_react_agent(tmp_path, tiny_model_dir):
+    script = script_for("The capital is ANSWER.")
+    records, logs = train(tmp_path, tiny_model_dir, script, agent="agent_programs.langgraph_react:run")
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    assert all(log["agent/new_samples/rewrite"] == 0 and log["agent/calls_per_episode"] == 2 for log in logs)
+
+
+def test_smolagents_tool_calling_agent(tmp_path, tiny_model_dir):
+    """smolagents sends stop strings and tool_choice required on every call, and writes its history back as text
+    ('Calling tools: [...]', 'Observation: ...'): each call after the first is a sample of its own, counted, whose
+    prompt (the history re-rendered, about 150 tokens here) counts against the episode's budget."""
+    script = script_for('<tool>{"name": "final_answer", "args": {"answer": "ANSWER"}}</tool>')
+    records, logs = train(tmp_path, tiny_model_dir, script, budget=512,
+                          agent="agent_programs.smolagents_tool_calling:run")
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    assert all(log["agent/new_samples/rewrite"] == 1 and log["agent/tool_choice_unenforced_per_episode"] == 2
+               for log in logs)
