@@ -49,7 +49,8 @@ def train(tmp_path, model_dir: str, script: dict, budget: int = 192, **agent) ->
 
 
 def check_tokens(records: list[dict], tokenizer, script: dict) -> None:
-    """Each model turn is the scripted reply, as sampled (ids, logprob -0.5); every other token has mask 0."""
+    """Each model turn is the scripted reply (`script[question]`: the texts sampled), its ids and logprobs (-0.5) as
+    sampled; every other token has mask 0."""
     assert len(records) == 8
     for r in records:
         tokens, turns = r["tokens"], r["turns"]
@@ -88,10 +89,14 @@ def test_langgraph_react_agent(tmp_path, tiny_model_dir):
 def test_smolagents_tool_calling_agent(tmp_path, tiny_model_dir):
     """smolagents sends stop strings and tool_choice required on every call, and writes its history back as text
     ('Calling tools: [...]', 'Observation: ...'): each call after the first is a sample of its own, counted, whose
-    prompt (the history re-rendered, about 150 tokens here) counts against the episode's budget."""
+    prompt (the history re-rendered, about 150 tokens here) counts against the episode's budget. The policy's first
+    reply runs on into an observation of its own: the sample ends at its stop string 'Observation:' (the tokens
+    after it are never trained) and the agent gets the call before it, which runs."""
     script = script_for('<tool>{"name": "final_answer", "args": {"answer": "ANSWER"}}</tool>')
+    sampled = {q: [turns[0] + "\nObservation:", turns[1]] for q, turns in script.items()}
+    script = {q: [turns[0] + "\nObservation: Paris is the capital.", turns[1]] for q, turns in script.items()}
     records, logs = train(tmp_path, tiny_model_dir, script, budget=512,
                           agent="agent_programs.smolagents_tool_calling:run")
-    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), sampled)
     assert all(log["agent/new_samples/rewrite"] == 1 and log["agent/tool_choice_unenforced_per_episode"] == 2
                for log in logs)
