@@ -365,8 +365,10 @@ def test_an_agent_command_in_another_process(smollm2_tokenizer, tmp_path):
 def test_the_knowledge_base_task_as_an_agent_gives_the_built_in_loops_episodes(smollm2_tokenizer):
     """fictional_kb's search tool run by an agent against the endpoint, under a scripted policy: the same tokens,
     masks, logprobs, messages, rewards and advantages as the built-in loop's episodes (a group of 4)."""
-    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, weighted_reward
-    from mt_grpo.rewards import resolve_reward
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table, \
+        weighted_reward
+    from mt_grpo.adapters import resolve_reward
+    from mt_grpo.rewards import is_per_tool_turn
     from mt_grpo.rollout.episodes import pad_episodes
     from mt_grpo.tasks.fictional_kb import build_fictional_kb
     from mt_grpo.tools.search import make_search_tool
@@ -375,8 +377,9 @@ def test_the_knowledge_base_task_as_an_agent_gives_the_built_in_loops_episodes(s
     search = make_search_tool(docs)
     row = rows[0]
     question, answer = row["question"], row["answer"]
-    script = {question: [[xml_call(question), xml_answer(answer)], [xml_answer("nothing")],
-                         [xml_call("nothing at all"), xml_answer(answer)], [xml_call(question), xml_answer("no")]]}
+    query = question.removeprefix("What is the ").rstrip("?")  # not the question itself: the script finds its turn
+    script = {question: [[xml_call(query), xml_answer(answer)], [xml_answer("nothing")],  # after the question's
+                         [xml_call("nothing at all"), xml_answer(answer)], [xml_call(query), xml_answer("no")]]}
     builtin = make_env(smollm2_tokenizer, [search])
     prompt = builtin.prompt(question)
     expected = builtin.rollout([prompt] * 4, ScriptedPolicy(smollm2_tokenizer, script))
@@ -403,11 +406,13 @@ def test_the_knowledge_base_task_as_an_agent_gives_the_built_in_loops_episodes(s
     turn_funcs = [resolve_reward(n) for n in ("tool_execution_reward_func", "exist_answer_in_search_results")]
     scored = []
     for eps in (expected, episodes):
-        columns = {"answer": [answer] * 4, "stop_reason": [ep.stop_reason for ep in eps]}
+        columns = {"answer": [answer] * 4, "answer_aliases": [row.get("answer_aliases") or [answer]] * 4,
+                   "stop_reason": [ep.stop_reason for ep in eps]}
         completions, turns = [ep.messages for ep in eps], [ep.tool_turns for ep in eps]
         R_O = weighted_reward(compute_rewards_per_func(funcs, ["p"] * 4, completions, columns), torch.ones(3))
-        R_T = weighted_reward(compute_rewards_per_func(turn_funcs, ["p"] * 4, completions, columns), torch.ones(2))
-        adv = mt_grpo_advantages(R_T[:, None], R_O, pad_episodes(eps, 0, False)["token_turns"],
+        R_T = turn_reward_table(compute_rewards_per_func(turn_funcs, ["p"] * 4, completions, columns, turns, 1),
+                                torch.ones(2), torch.tensor(turns), [is_per_tool_turn(f) for f in turn_funcs])
+        adv = mt_grpo_advantages(R_T, R_O, pad_episodes(eps, 0, False)["token_turns"],
                                  AdvantageSettings.of("mt_grpo", 4, turn_advantage_coef=1.0))
         scored.append((R_T, R_O, adv.tokens))
     (t1, o1, a1), (t2, o2, a2) = scored
@@ -415,15 +420,16 @@ def test_the_knowledge_base_task_as_an_agent_gives_the_built_in_loops_episodes(s
 
 
 def test_an_openai_agent_trains_two_steps(tiny_agent_dir, tmp_path):
-    """The trainer's `agent` keyword: a sync openai agent with a tool loop, sampled in process by the tiny model,
-    trains 2 steps; its reward is R_O; the agent's metrics are logged."""
+    """The trainer's `agent` keyword: a sync openai agent, sampled in process by the tiny model, trains 2 steps; its
+    reward is R_O, its per-call scores R_T; one question's agent makes no call (no model tokens); the agent's
+    metrics are logged."""
     from datasets import Dataset
 
     from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in (Q, "Who founded Quorvath?")])
     args = MTGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2,
-                        per_device_train_batch_size=4, max_completion_length=48, max_tokens_per_turn=12,
+                        per_device_train_batch_size=4, max_completion_length=96, max_tokens_per_turn=12,
                         learning_rate=1e-3, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
                         save_strategy="no", disable_tqdm=True, agent_batch_wait=1.0, agent_call_scores=True,
                         advantage_mode="mt_grpo", tokenization_check="off")
@@ -432,11 +438,15 @@ def test_an_openai_agent_trains_two_steps(tiny_agent_dir, tmp_path):
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2 and all(math.isfinite(s["loss"]) for s in steps)
     assert all(s["agent/calls_per_episode"] >= 1 for s in steps), steps[0]
-    assert {"rewards/outcome/agent_reward/mean", "rewards/turn/agent_call_scores/mean"} <= set(steps[0]), sorted(steps[0])
+    assert {"rewards/outcome/agent_reward", "rewards/turn/agent_call_scores"} <= set(steps[0])
+    assert all(s["agent/no_call_ratio"] in (0.0, 0.5, 1.0) for s in steps) and sum(s["agent/no_call_ratio"]
+                                                                                   for s in steps) > 0
 
 
 def _tiny_loop(row, client):
     messages = [dict(m) for m in row["prompt"]]
+    if "Quorvath" in messages[-1]["content"]:
+        return None  # no call at all: an episode without model tokens, which trains nothing
     scores = []
     for _ in range(2):
         m = client.chat.completions.create(model="policy", messages=messages, max_tokens=12).choices[0].message
@@ -480,4 +490,4 @@ def test_an_async_streaming_agent_trains_two_steps_with_a_scripted_policy(tiny_a
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2 and steps[0]["agent/calls_per_episode"] == 1.5  # 2 calls and 1
-    assert steps[0]["rollout/stop/answer"] == 1.0 and steps[0]["rewards/outcome/agent_reward/mean"] == 0.5
+    assert steps[0]["rollout/stop/answer"] == 1.0 and steps[0]["rewards/outcome/agent_reward"] == 0.5
