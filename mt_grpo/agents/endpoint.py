@@ -98,6 +98,7 @@ class Session:
     key: str
     row: dict
     deadline: float
+    index: int = 0  # the episode's place in its batch (a group's samples are asked for in order)
     ep: Episode | None = None
     sent: list = field(default_factory=list)
     tools_key: str = ""
@@ -186,7 +187,7 @@ class Endpoint:
     # -- episodes -----------------------------------------------------------------------------------
     def open(self, row: dict, timeout: float) -> Session:
         session = Session(id=uuid.uuid4().hex[:12], key="sk-mtgrpo-" + secrets.token_urlsafe(24), row=row,
-                          deadline=time.monotonic() + timeout)
+                          deadline=time.monotonic() + timeout, index=len(self.sessions))
         self.sessions[session.id] = session
         return session
 
@@ -223,7 +224,7 @@ class Endpoint:
             except APIError:
                 session.stats["refused"] += 1
                 raise
-            future = session.in_flight = self.sample(ids, max_tokens)
+            future = session.in_flight = self.sample(ids, max_tokens, session.index)
         finally:
             session.lock.release()
         try:

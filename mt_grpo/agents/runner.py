@@ -20,7 +20,7 @@ from mt_grpo.agents.endpoint import Endpoint, log_once
 from mt_grpo.base.registry import resolve
 from mt_grpo.base.runtime import stop_point
 from mt_grpo.rewards import per_tool_turn
-from mt_grpo.rollout.episodes import Episode, check_tokenization
+from mt_grpo.rollout.episodes import Episode, check_tokenization, run_length
 
 logger = logging.getLogger("mt_grpo")
 
@@ -46,7 +46,7 @@ class AgentEnv:
         self.endpoint = Endpoint(env, host=host, port=port, max_prompt_length=max_prompt_length, honour=honour)
         self.endpoint_started = False
         self.results: dict[int, dict] = {}  # id(ep.messages) -> the agent's result ({reward, call_scores})
-        self.pending: list[tuple[list[int], int, concurrent.futures.Future]] = []
+        self.pending: list[tuple] = []  # (ids, max_tokens, future, the episode's index) of the calls waiting
         self.ready = threading.Condition()
         self.live = 0  # agents running
         self.failure: BaseException | None = None  # the backend's error, which stops the run
@@ -150,23 +150,27 @@ class AgentEnv:
                     self.ready.wait(self.batch_wait / 4)
                     continue
                 batch, self.pending, first_wait = self.pending, [], None
-            live = [(ids, m, f) for ids, m, f in batch if not f.done()]  # a timed-out episode's call was answered
+            # in the episodes' order, a group's identical first prompts as one prompt with n samples (as the
+            # built-in loop asks); a timed-out episode's call was answered already
+            live = sorted((e for e in batch if not e[2].done()), key=lambda e: e[3])
             if not live:
                 continue
-            samples = backend.generate([ids for ids, _, _ in live], [m for _, m, _ in live], 1, params)
-            for (_, _, future), sample in zip(live, samples):
+            seqs, budgets = [ids for ids, _, _, _ in live], [m for _, m, _, _ in live]
+            n = run_length(seqs) if len(set(budgets)) == 1 else 1
+            samples = backend.generate(seqs[::n], budgets[::n], n, params)
+            for (_, _, future, _), sample in zip(live, samples):
                 settle(future, sample)
 
-    def enqueue(self, ids: list[int], max_tokens: int) -> concurrent.futures.Future:
+    def enqueue(self, ids: list[int], max_tokens: int, order: int = 0) -> concurrent.futures.Future:
         """In process: the call waits for the next batched generate (serve)."""
         future = concurrent.futures.Future()
         with self.ready:
-            self.pending.append((ids, max_tokens, future))
+            self.pending.append((ids, max_tokens, future, order))
             self.ready.notify_all()
         return future
 
     def submitter(self, backend, params):
-        def submit(ids: list[int], max_tokens: int) -> concurrent.futures.Future:
+        def submit(ids: list[int], max_tokens: int, order: int = 0) -> concurrent.futures.Future:
             mine = concurrent.futures.Future()
             def answered(f):
                 if f.exception() is not None:
