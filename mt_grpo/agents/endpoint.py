@@ -336,6 +336,11 @@ class Endpoint:
         if f.get("functions") or f.get("function_call"):
             raise APIError(400, "`functions` is the deprecated form of `tools`: send `tools`.", param="functions")
         if tool_choice not in (None, "auto", "none"):  # smolagents' ToolCallingAgent sends `required` on every call
+            named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and \
+                isinstance((tool_choice.get("function") or {}).get("name"), str)
+            if tool_choice != "required" and not named:
+                raise APIError(400, "`tool_choice` must be auto, none, required or {type: function, function: "
+                                    "{name}}.", param="tool_choice")
             s.stats["tool_choice_unenforced"] += 1
             log_once("tool_choice", "An agent asked for tool_choice %s: the policy's reply is returned as sampled, "
                      "with or without a call (the sampler cannot force one; counted in "
