@@ -491,3 +491,33 @@ def test_an_async_streaming_agent_trains_two_steps_with_a_scripted_policy(tiny_a
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2 and steps[0]["agent/calls_per_episode"] == 1.5  # 2 calls and 1
     assert steps[0]["rollout/stop/answer"] == 1.0 and steps[0]["rewards/outcome/agent_reward"] == 0.5
+
+
+def test_sigterm_while_an_agent_hangs_ends_the_agents_and_saves(tiny_agent_dir, tmp_path):
+    """Step 1's four agents return; in step 2 they hang (agent_timeout 600 s). A SIGTERM ends the rollout, its agents'
+    episodes, and the run with the checkpoint of step 1, exit status 0 (as test_faults' SIGTERM tests)."""
+    import os
+    import signal
+    import subprocess
+
+    from helpers import ROOT
+    from test_environments import env_recipe, write_jsonl
+    from test_faults import SCRIPTED_TRAIN
+
+    data = write_jsonl(tmp_path / "ping.jsonl", [{"prompt": "Ping."}] * 4)
+    flag, out = tmp_path / "hung", str(tmp_path / "out")
+    recipe = env_recipe(tmp_path, dataset_name=data, environment_factory=None, agent="tests.env_faults:hanging_agent",
+                        agent_timeout=600, stop_timeout=300, save_strategy="no", advantage_mode="auto", max_steps=3)
+    env = {**os.environ, "MT_GRPO_TEST_FREE": "4", "MT_GRPO_TEST_FLAG": str(flag), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPTED_TRAIN, json.dumps({"Ping.": [xml_answer("pong")]}),
+                             "--config", recipe, "--model_name_or_path", tiny_agent_dir, "--output_dir", out],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    waited = threading.Event()
+    while not flag.exists() and proc.poll() is None and not waited.wait(0.2):
+        pass
+    assert flag.exists(), proc.communicate()[0][-4000:]
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=280)[0]
+    assert proc.returncode == 0, log[-4000:]
+    assert "SIGTERM received" in log and "the rollout of step 2 stopped; saving a checkpoint at step 1" in log
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-1"]
