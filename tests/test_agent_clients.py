@@ -68,11 +68,13 @@ def check_tokens(records: list[dict], tokenizer, script: dict) -> None:
         assert r["rewards"]["outcome"]["agent_reward"] == 1.0  # what the agent returned
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
-def test_openai_agents_sdk_over_responses(tmp_path, tiny_model_dir, stream):
+@pytest.mark.parametrize("how", ["run", "run_streamed", "in_process"])
+def test_openai_agents_sdk_over_responses(tmp_path, tiny_model_dir, how):
     script = script_for("The capital is ANSWER.")
-    command = f"{sys.executable} {os.path.join(PROGRAMS, 'openai_agents_sdk.py')}" + (" --stream" if stream else "")
-    records, logs = train(tmp_path, tiny_model_dir, script, agent_command=command)
+    command = f"{sys.executable} {os.path.join(PROGRAMS, 'openai_agents_sdk.py')}" + (" --stream" if how ==
+                                                                                        "run_streamed" else "")
+    agent = dict(agent="agent_programs.openai_agents_sdk:run") if how == "in_process" else dict(agent_command=command)
+    records, logs = train(tmp_path, tiny_model_dir, script, **agent)
     check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
     # the SDK sends back our output items: each second call extends the first, one sample an episode
     assert all(log["agent/new_samples/rewrite"] == 0 and log["agent/calls_per_episode"] == 2 for log in logs)

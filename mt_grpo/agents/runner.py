@@ -45,6 +45,7 @@ class AgentEnv:
         self.timeout, self.batch_wait = timeout, batch_wait
         self.endpoint = Endpoint(env, host=host, port=port, max_prompt_length=max_prompt_length, honour=honour)
         self.endpoint_started = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # where async agents run, the whole run long
         self.results: dict[int, dict] = {}  # id(ep.messages) -> the agent's result ({reward, call_scores})
         self.pending: list[tuple] = []  # (ids, max_tokens, future, the episode's index) of the calls waiting
         self.ready = threading.Condition()
@@ -96,10 +97,12 @@ class AgentEnv:
         finished = threading.Event()
         with self.ready:
             self.live = len(sessions)
-        loop = None
-        if self.agent is not None and inspect.iscoroutinefunction(self.agent):
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="agents", daemon=True).start()
+        if self.agent is not None and inspect.iscoroutinefunction(self.agent) and self.loop is None:
+            # one loop for the run, not one a rollout: a client a library keeps between runs (the Agents SDK's
+            # shared httpx client) holds connections of the loop it was first used on, dead on a new one
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="agents", daemon=True).start()
+        loop = self.loop
         running = {s.id: self.start(s, loop, done, finished) for s in sessions}
         try:
             self.serve(sessions, backend, params, done, running)
@@ -108,8 +111,6 @@ class AgentEnv:
                 if not s.ended:
                     self.endpoint.end(s, "agent_timeout")
                 self.stop(running[s.id])
-            if loop is not None:
-                loop.call_soon_threadsafe(loop.stop)
         episodes = [self.episode(s, done.get(s.id)) for s in sessions]
         called = [ep for ep in episodes if ep.prompt_messages]
         check_tokenization(self.env, [ep.prompt_messages for ep in called], called, self.env.tokenization_check)

@@ -3,14 +3,14 @@ and model settings; the default client, which reads OPENAI_BASE_URL and OPENAI_A
 set_tracing_disabled, as the SDK's tracing docs say for a run without an OpenAI key). The trainer runs it once per
 episode as `agent_command: python tests/agent_programs/openai_agents_sdk.py` (`--stream`: Runner.run_streamed) with
 the episode's base URL and key in the environment and its row in MT_GRPO_ROW; the last line it prints is the
-episode's reward."""
+episode's reward. `run` is the same agent in process."""
 
 import asyncio
 import json
 import os
 import sys
 
-from agents import Agent, Runner, function_tool, set_tracing_disabled
+from agents import Agent, OpenAIProvider, RunConfig, Runner, function_tool, set_tracing_disabled
 
 set_tracing_disabled(True)
 
@@ -29,6 +29,14 @@ def capital(country: str) -> str:
 
 agent = Agent(name="Geographer", instructions="Answer with the capital city. Look it up with the capital tool first.",
               tools=[capital])
+
+
+async def run(row: dict, base_url: str, api_key: str) -> float:
+    """In process (`agent: agent_programs.openai_agents_sdk:run`): the episode's own address through a model provider,
+    as the SDK's docs give another endpoint to one run (the environment is shared by every episode of the process)."""
+    config = RunConfig(model_provider=OpenAIProvider(base_url=base_url, api_key=api_key))
+    result = await Runner.run(agent, row["question"], run_config=config)
+    return 1.0 if row["answer"] in result.final_output else 0.0
 
 
 async def main() -> None:
