@@ -102,3 +102,31 @@ def test_smolagents_tool_calling_agent(tmp_path, tiny_model_dir):
     check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), sampled)
     assert all(log["agent/new_samples/rewrite"] == 1 and log["agent/tool_choice_unenforced_per_episode"] == 2
                for log in logs)
+
+
+def package_index_reachable() -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not package_index_reachable(), reason="verifiers v1 prepares its harness program with `uv sync "
+                    "--script` from the package index at run time")
+def test_verifiers_v1_environment_scored_by_its_rubric(tmp_path, tmp_path_factory, tiny_model_dir, monkeypatch):
+    """A verifiers v1 taskset played by its default harness (`bash`, verifiers' chat program with bash and edit tools,
+    in a local subprocess runtime, through verifiers' interception server), its reward the task's `@vf.reward`. The
+    harness installs uv and its program's dependencies at run time: into a HOME of the session's own."""
+    home = tmp_path_factory.getbasetemp() / "verifiers-home"
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.syspath_prepend(PROGRAMS)  # the taskset's id names its module, as an installed env package
+    script = script_for("The capital is ANSWER.")
+    script = {q: ['<tool>{"name": "bash", "args": {"command": "echo ' + row["answer"] + '"}}</tool>', turns[1]]
+              for (q, turns), row in zip(script.items(), ROWS)}
+    records, logs = train(tmp_path, tiny_model_dir, script, agent="agent_programs.verifiers_v1_env:run")
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    assert all(log["agent/calls_per_episode"] == 2 and log["agent/new_samples/rewrite"] == 0 for log in logs), logs
