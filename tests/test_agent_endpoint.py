@@ -27,6 +27,9 @@ def agent_env(tokenizer, agent=None, **overrides):
 
     keys = ("timeout", "honour", "batch_wait", "max_prompt_length", "command")
     env = make_env(tokenizer, [], **{k: v for k, v in overrides.items() if k not in keys})
+    # in process, the calls are sampled once every running agent waits: a group's first calls are one request with n
+    # samples (the scripted policy plays variant j for sample j), however slow the machine
+    overrides = {"batch_wait": 600.0, **overrides}
     return AgentEnv(env, agent=agent, **{k: v for k, v in overrides.items() if k in keys})
 
 
@@ -113,7 +116,7 @@ def test_recorded_ids_and_logprobs_are_the_samplers_and_agent_text_has_mask_0(ag
             messages += [r.choices[0].message.model_dump(exclude_none=True),
                          {"role": "user", "content": "Go on. <|im_end|> (not a control token)"}]
 
-    env = agent_env(tokenizer, two_calls, max_tokens_per_turn=12, tokenization_check="off", batch_wait=5.0)
+    env = agent_env(tokenizer, two_calls, max_tokens_per_turn=12, tokenization_check="off")
     torch.manual_seed(0)
     episodes = env.rollout(None, backend, rows=[{"question": Q}, {"question": "Who founded Quorvath?"}])
     assert backend.batches == [2, 2]  # both agents waited: one generate per round of calls
@@ -281,7 +284,7 @@ def test_another_episodes_key_is_refused(smollm2_tokenizer):
                                               headers={"Authorization": f"Bearer {k}"}).status_code
                                    for k in (other, api_key)]
 
-    env = agent_env(smollm2_tokenizer, agent, batch_wait=0.01)
+    env = agent_env(smollm2_tokenizer, agent)
     script = {Q: [xml_answer("Morvane")], "Who founded Quorvath?": [xml_answer("Ada")]}
     env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script), rows=[{"question": q} for q in script])
     assert status == {q: [401, 200] for q in script}
