@@ -27,6 +27,9 @@ def agent_env(tokenizer, agent=None, **overrides):
 
     keys = ("timeout", "honour", "batch_wait", "max_prompt_length", "command")
     env = make_env(tokenizer, [], **{k: v for k, v in overrides.items() if k not in keys})
+    # in process, the calls are sampled once every running agent waits: a group's first calls are one request with n
+    # samples (the scripted policy plays variant j for sample j), however slow the machine
+    overrides = {"batch_wait": 600.0, **overrides}
     return AgentEnv(env, agent=agent, **{k: v for k, v in overrides.items() if k in keys})
 
 
@@ -113,7 +116,7 @@ def test_recorded_ids_and_logprobs_are_the_samplers_and_agent_text_has_mask_0(ag
             messages += [r.choices[0].message.model_dump(exclude_none=True),
                          {"role": "user", "content": "Go on. <|im_end|> (not a control token)"}]
 
-    env = agent_env(tokenizer, two_calls, max_tokens_per_turn=12, tokenization_check="off", batch_wait=5.0)
+    env = agent_env(tokenizer, two_calls, max_tokens_per_turn=12, tokenization_check="off")
     torch.manual_seed(0)
     episodes = env.rollout(None, backend, rows=[{"question": Q}, {"question": "Who founded Quorvath?"}])
     assert backend.batches == [2, 2]  # both agents waited: one generate per round of calls
@@ -281,7 +284,7 @@ def test_another_episodes_key_is_refused(smollm2_tokenizer):
                                               headers={"Authorization": f"Bearer {k}"}).status_code
                                    for k in (other, api_key)]
 
-    env = agent_env(smollm2_tokenizer, agent, batch_wait=0.01)
+    env = agent_env(smollm2_tokenizer, agent)
     script = {Q: [xml_answer("Morvane")], "Who founded Quorvath?": [xml_answer("Ada")]}
     env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script), rows=[{"question": q} for q in script])
     assert status == {q: [401, 200] for q in script}
@@ -521,3 +524,73 @@ def test_sigterm_while_an_agent_hangs_ends_the_agents_and_saves(tiny_agent_dir, 
     assert proc.returncode == 0, log[-4000:]
     assert "SIGTERM received" in log and "the rollout of step 2 stopped; saving a checkpoint at step 1" in log
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-1"]
+
+
+def test_chat_template_tools_come_back_as_tool_calls_and_the_echo_is_a_clean_append(qwen_style_tokenizer):
+    """tool_format chat_template (Qwen2.5's template): the agent's `tools` reach the template, the model's
+    <tool_call> block comes back as `tool_calls` (content without it), and the SDK's echo of that message with the
+    tool's result appends to the sample (one sample: the tool message rendered as <tool_response>, mask 0)."""
+    from helpers import template_call
+    from mt_grpo.base.protocol import ChatTemplateProtocol
+
+    tools = [{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "query": {"type": "string", "description": "words"}},
+                                                   "required": ["query"]}}}]
+    seen = {}
+
+    def agent(row, client):
+        messages = [{"role": "user", "content": Q}]
+        r = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        m = r.choices[0].message
+        seen.update(finish=r.choices[0].finish_reason, content=m.content,
+                    call=(m.tool_calls[0].function.name, json.loads(m.tool_calls[0].function.arguments)))
+        messages += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
+                                                       "content": VELTRIA}]
+        seen["answer"] = client.chat.completions.create(model="policy", messages=messages,
+                                                        tools=tools).choices[0].message.content
+
+    env = agent_env(qwen_style_tokenizer, agent, protocol=ChatTemplateProtocol(qwen_style_tokenizer))
+    script = {Q: ["Let me look.\n" + template_call("capital of Veltria"), "<answer>Morvane</answer>"]}
+    (ep,) = env.rollout(None, ScriptedPolicy(qwen_style_tokenizer, script), rows=[{"question": Q}])
+    assert seen == {"finish": "tool_calls", "content": "Let me look.", "call": ("search", {"query": "capital of Veltria"}),
+                    "answer": "<answer>Morvane</answer>"}
+    assert ep.sample_starts == [] and ep.stop_reason == "answer" and ep.agent_stats.get("new_samples/rewrite", 0) == 0
+    text = qwen_style_tokenizer.decode(ep.completion_ids)
+    assert '"name": "search"' in qwen_style_tokenizer.decode(ep.prompt_ids)  # the tools, in the template's system part
+    assert f"<tool_response>\n{VELTRIA}\n</tool_response>" in text
+    env_span = next(s for s in ep.spans if s.role == "env")
+    assert set(ep.model_mask[env_span.start : env_span.end]) == {0}
+    assert ep.messages[1] == {"role": "tool", "name": "search", "content": VELTRIA}
+
+
+def test_agent_sampling_exact_refuses_another_temperature_and_takes_the_runs(smollm2_tokenizer):
+    from mt_grpo.engine.sampling import SamplingParams
+
+    user = [{"role": "user", "content": Q}]
+
+    def calls(row, base_url, key, post):
+        return {"other": post({"messages": user, "temperature": 0.2}), "same": post({"messages": user,
+                                                                                    "temperature": 1.0, "top_p": 1})}
+
+    out = {}
+
+    def agent(row, base_url, api_key):
+        def post(body):
+            r = httpx.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"})
+            return r.status_code, r.json()
+
+        out.update(calls(row, base_url, api_key, post))
+
+    env = agent_env(smollm2_tokenizer, agent, honour="exact")
+    env.rollout(None, ScriptedPolicy(smollm2_tokenizer, {Q: [xml_answer("Morvane")]}), SamplingParams(temperature=1.0),
+                rows=[{"question": Q}])
+    assert out["other"][0] == 400 and out["other"][1]["error"]["param"] == "temperature"
+    assert out["same"][0] == 200
+
+
+def test_trls_rollout_func_is_refused_naming_the_endpoint():
+    from mt_grpo.run.checks import check_trl
+
+    with pytest.raises(ValueError, match=r"rollout_func.*as an agent \(`agent=`"):
+        check_trl(rollout_func=lambda prompts, trainer: {})

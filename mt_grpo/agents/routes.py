@@ -15,6 +15,15 @@ from mt_grpo.agents.endpoint import MODEL_NAME, APIError, CallResult, Endpoint
 def make_app(endpoint: Endpoint) -> FastAPI:
     app = FastAPI(title="mt-grpo agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.middleware("http")
+    async def one_request_a_connection(request: Request, call_next):
+        # Connection: close: a client that writes a request in two segments without TCP_NODELAY (httpx's sync
+        # transport) waits for the delayed ACK of the first, 40 ms a call on a reused connection; a fresh loopback
+        # connection costs a fraction of a millisecond (studies/agent_endpoint_cost.py)
+        response = await call_next(request)
+        response.headers["Connection"] = "close"
+        return response
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)

@@ -148,7 +148,7 @@ class AgentEnv:
                     continue
                 first_wait = first_wait or time.monotonic()
                 if len(self.pending) < self.live and time.monotonic() - first_wait < self.batch_wait:
-                    self.ready.wait(self.batch_wait / 4)
+                    self.ready.wait(min(0.1, self.batch_wait))  # a deadline is checked every 0.1 s
                     continue
                 batch, self.pending, first_wait = self.pending, [], None
             # in the episodes' order, a group's identical first prompts as one prompt with n samples (as the
@@ -242,9 +242,21 @@ class AgentEnv:
             return lambda: self.agent(s.row, base_url=base_url, api_key=key)
         import openai
 
-        client_class = openai.AsyncOpenAI if inspect.iscoroutinefunction(self.agent) else openai.OpenAI
-        client = client_class(base_url=base_url, api_key=key, max_retries=0, timeout=self.timeout)
-        return lambda: self.agent(s.row, client)
+        if inspect.iscoroutinefunction(self.agent):
+            async def run():
+                client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=self.timeout)
+                try:
+                    return await self.agent(s.row, client)
+                finally:  # its connections closed on the loop that opened them
+                    await client.close()
+
+            return run
+
+        def run():
+            with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=self.timeout) as client:
+                return self.agent(s.row, client)
+
+        return run
 
     @staticmethod
     def stop(handle) -> None:
