@@ -6,7 +6,9 @@ v1 environment scored by its own rubric. A scripted policy writes each call's re
 run; every record is checked token by token: each model turn's ids are the scripted reply's and its logprobs the
 sampler's (-0.5 a token), every other token (the agent's prompt, its tool outputs) has mask 0."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -116,17 +118,25 @@ def package_index_reachable() -> bool:
 
 @pytest.mark.skipif(not package_index_reachable(), reason="verifiers v1 prepares its harness program with `uv sync "
                     "--script` from the package index at run time")
-def test_verifiers_v1_environment_scored_by_its_rubric(tmp_path, tmp_path_factory, tiny_model_dir, monkeypatch):
+def test_verifiers_v1_environment_scored_by_its_rubric(tmp_path, tmp_path_factory, tiny_model_dir):
     """A verifiers v1 taskset played by its default harness (`bash`, verifiers' chat program with bash and edit tools,
-    in a local subprocess runtime, through verifiers' interception server), its reward the task's `@vf.reward`. The
+    in a local subprocess runtime, through verifiers' interception server), its reward the task's `@vf.reward`. In a
+    process of its own: the adapters' tests put the classic verifiers copy (mt_grpo/compat) in `verifiers`' place. The
     harness installs uv and its program's dependencies at run time: into a HOME of the session's own."""
     home = tmp_path_factory.getbasetemp() / "verifiers-home"
     home.mkdir(exist_ok=True)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.syspath_prepend(PROGRAMS)  # the taskset's id names its module, as an installed env package
     script = script_for("The capital is ANSWER.")
     script = {q: ['<tool>{"name": "bash", "args": {"command": "echo ' + row["answer"] + '"}}</tool>', turns[1]]
               for (q, turns), row in zip(script.items(), ROWS)}
-    records, logs = train(tmp_path, tiny_model_dir, script, agent="agent_programs.verifiers_v1_env:run")
+    code = (f"import json, pathlib, sys; sys.path[:0] = {[ROOT, os.path.join(ROOT, 'tests'), PROGRAMS]!r}\n"
+            "from test_agent_clients import train\n"
+            f"records, logs = train(pathlib.Path({str(tmp_path)!r}), {tiny_model_dir!r}, {script!r}, "
+            "agent='agent_programs.verifiers_v1_env:run')\n"
+            "print('LOGS ' + json.dumps(logs))")
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    logs = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("LOGS "))[len("LOGS "):])
+    records = [r for step in (1, 2) for r in rollout_records(str(tmp_path / "run"), f"step-{step:06d}.jsonl")]
     check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
     assert all(log["agent/calls_per_episode"] == 2 and log["agent/new_samples/rewrite"] == 0 for log in logs), logs
