@@ -33,9 +33,10 @@ def script_for(final: str) -> dict:
                               final.replace("ANSWER", row["answer"])] for row in ROWS}
 
 
-def train(tmp_path, model_dir: str, script: dict, budget: int = 192, **agent) -> tuple[list[dict], list[dict]]:
-    """Two steps of the agent (`agent=` or `agent_command=`) with the scripted policy: (records of both steps, logs).
-    `budget`: max_completion_length."""
+def train(tmp_path, model_dir: str, script: dict, budget: int = 192, function=None,
+          **agent) -> tuple[list[dict], list[dict]]:
+    """Two steps of the agent (the recipe's `agent=` or `agent_command=`, or the trainer's `agent` keyword: `function`)
+    with the scripted policy: (records of both steps, logs). `budget`: max_completion_length."""
     from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 
     args = MTGRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2,
@@ -43,7 +44,7 @@ def train(tmp_path, model_dir: str, script: dict, budget: int = 192, **agent) ->
                         learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none", logging_steps=1,
                         save_strategy="no", save_rollouts_steps=1, generation_backend="transformers",
                         disable_tqdm=True, agent_timeout=120, **agent)
-    trainer = MTGRPOEnvTrainer(model_dir, args=args, train_dataset=Dataset.from_list(ROWS * 4),
+    trainer = MTGRPOEnvTrainer(model_dir, args=args, train_dataset=Dataset.from_list(ROWS * 4), agent=function,
                                backend=lambda env: ScriptedTransformersBackend(env.tokenizer, script))
     trainer.train()
     records = [r for step in (1, 2) for r in rollout_records(args.output_dir, f"step-{step:06d}.jsonl")]
@@ -104,6 +105,41 @@ def test_smolagents_tool_calling_agent(tmp_path, tiny_model_dir):
     check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), sampled)
     assert all(log["agent/new_samples/rewrite"] == 1 and log["agent/tool_choice_unenforced_per_episode"] == 2
                for log in logs)
+
+
+def test_the_openai_sdks_responses_api_with_a_hand_written_tool_loop(tmp_path, tiny_model_dir):
+    """`client.responses.create` as the openai SDK's users write a tool loop with it (the output items sent back with
+    the function's output), on the client the trainer gives: one sample an episode; a request the endpoint cannot
+    honour is the SDK's BadRequestError naming the field."""
+    import openai
+
+    refused = []
+    capital = {"type": "function", "name": "capital", "description": "Look up the capital city of a country.",
+               "parameters": {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}
+
+    def run(row, client: openai.OpenAI):
+        for bad in ({"previous_response_id": "resp_1"}, {"tools": [{"type": "web_search"}]}):
+            try:
+                client.responses.create(model="policy", input=row["question"], **bad)
+            except openai.BadRequestError as e:
+                refused.append(e.body["param"])
+        items = [{"role": "user", "content": row["question"]}]
+        while True:
+            response = client.responses.create(model="policy", input=items, tools=[capital])
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+            calls = [item for item in response.output if item.type == "function_call"]
+            if not calls:
+                return 1.0 if row["answer"] in response.output_text else 0.0
+            items += [{"type": "function_call_output", "call_id": call.call_id,
+                       "output": {"Veltria": "Morvane", "Ostrand": "Kelsby"}[json.loads(call.arguments)["country"]]}
+                      for call in calls]
+
+    script = script_for("The capital is ANSWER.")
+    records, logs = train(tmp_path, tiny_model_dir, script, function=run)
+    check_tokens(records, AutoTokenizer.from_pretrained(tiny_model_dir), script)
+    assert all(log["agent/new_samples/rewrite"] == 0 and log["agent/refused_per_episode"] == 2 and
+               log["agent/calls_per_episode"] == 4 for log in logs)
+    assert sorted(refused) == ["previous_response_id"] * 8 + ["tools[0].type"] * 8  # 4 episodes a step, 2 steps
 
 
 def package_index_reachable() -> bool:

@@ -60,6 +60,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         try:
             chat = responses.chat_request(body)
         except responses.ResponsesRequestError as e:
+            session.stats.update(["calls", "refused"])  # as complete() counts a call it refuses
             raise APIError(400, e.message, param=e.param) from None
         fields = {k: v for k, v in chat.items() if k not in ("messages", "tools", "tool_choice", "stream")}
         result = await endpoint.complete(session, chat["messages"], chat.get("tools"), chat.get("tool_choice"),
