@@ -327,7 +327,7 @@ def agent_result(value) -> dict:
 
 
 def agent_metrics(episodes: list) -> dict[str, float]:
-    """`agent/...` metrics of a batch's episodes (mean per episode; reporting.py logs them when the env has an agent)."""
+    """`agent/...` metrics of this process's episodes (means per episode; reporting.py logs them where an agent ran)."""
     stats = [getattr(ep, "agent_stats", None) for ep in episodes]
     if not any(s is not None for s in stats):
         return {}
