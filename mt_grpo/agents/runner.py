@@ -111,7 +111,9 @@ class AgentEnv:
             if loop is not None:
                 loop.call_soon_threadsafe(loop.stop)
         episodes = [self.episode(s, done.get(s.id)) for s in sessions]
-        called = [ep for ep in episodes if ep.prompt_messages]
+        # the check compares the last sample with a render of the recorded messages: not where the agent rewrote them
+        called = [ep for ep in episodes if ep.prompt_messages and not any(
+            ep.agent_stats.get(f"new_samples/{why}") for why in ("rewrite", "tools"))]
         check_tokenization(self.env, [ep.prompt_messages for ep in called], called, self.env.tokenization_check)
         return episodes
 
