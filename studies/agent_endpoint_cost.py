@@ -11,7 +11,8 @@ run on this machine:
 
     .venv/bin/python studies/agent_endpoint_cost.py [--repeats 2]
 
-Wall times are the best of `repeats` (the two ways alternate), with torch on one thread.
+Wall and CPU times (the process's, all its threads: what other jobs on the machine do not change) are the best of
+`repeats` (the two ways alternate), with torch on one thread; per call, in milliseconds.
 """
 
 import argparse
@@ -62,7 +63,8 @@ def best(fn, repeats: int):
 def task_side_by_side(model, tokenizer, repeats: int, groups: int = 2, G: int = 4) -> list[list]:
     docs, rows = build_fictional_kb(seed=0)
     search = make_search_tool(docs)
-    builtin = make_env(tokenizer, [search])
+    turns = dict(few_shot=True, max_tokens_per_turn=128, max_completion_length=512)  # worked examples: it searches
+    builtin = make_env(tokenizer, [search], **turns)
     prompts = [builtin.prompt(r["question"]) for r in rows[:groups] for _ in range(G)]
 
     def kb_agent(row, client):  # the built-in loop's turns, as an openai-SDK tool loop
@@ -76,7 +78,7 @@ def task_side_by_side(model, tokenizer, repeats: int, groups: int = 2, G: int = 
                 messages.append({"role": "tool", "tool_call_id": c.id, "content": search(**json.loads(
                     c.function.arguments))})
 
-    agent = AgentEnv(make_env(tokenizer, [search]), agent=kb_agent, batch_wait=1.0)
+    agent = AgentEnv(make_env(tokenizer, [search], **turns), agent=kb_agent, batch_wait=1.0)
     backend = backend_of(model, tokenizer, 1.0)
     results = {"built-in loop": [], "agent endpoint": []}
     for k in range(repeats):  # alternate, so that neither way gets the warmer machine
@@ -84,20 +86,20 @@ def task_side_by_side(model, tokenizer, repeats: int, groups: int = 2, G: int = 
                           ("agent endpoint", lambda: agent.rollout(None, backend, rows=[{"prompt": p}
                                                                                         for p in prompts]))):
             torch.manual_seed(k)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             episodes = run()
-            seconds = time.perf_counter() - t0
-            results[name].append((seconds, sum(sum(ep.model_mask) for ep in episodes),
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+            results[name].append((seconds, cpu, sum(sum(ep.model_mask) for ep in episodes),
                                   sum(1 + ep.tool_turns for ep in episodes)))
     agent.endpoint.close()
-    out = []
-    per_token = {}
-    for name, runs in results.items():
-        seconds, tokens, turns = min(runs)
-        per_token[name] = sum(s for s, _, _ in runs) / sum(t for _, t, _ in runs)
-        out.append([name, f"{seconds:.2f}", tokens, turns, f"{per_token[name] * 1e3:.1f}"])
-    out.append(["ratio (endpoint / built-in)", "", "", "",
-                f"{per_token['agent endpoint'] / per_token['built-in loop']:.3f}x"])
+    out, wall, cpu = [], {}, {}
+    for name, runs in results.items():  # per model token, over every run (the runs' samples may differ)
+        tokens = sum(r[2] for r in runs)
+        wall[name], cpu[name] = sum(r[0] for r in runs) / tokens, sum(r[1] for r in runs) / tokens
+        out.append([name, f"{min(r[0] for r in runs):.2f}", f"{min(r[1] for r in runs):.2f}", runs[0][2], runs[0][3],
+                    f"{wall[name] * 1e3:.1f}", f"{cpu[name] * 1e3:.1f}"])
+    e, b = "agent endpoint", "built-in loop"
+    out.append(["ratio (endpoint / built-in)", "", "", "", "", f"{wall[e] / wall[b]:.3f}x", f"{cpu[e] / cpu[b]:.3f}x"])
     return out
 
 
@@ -156,17 +158,18 @@ def per_call(model, tokenizer, repeats: int, calls: int = 4) -> list[list]:
         backend = make()
         for episodes in (1, 64):
             rows_in = [{"question": f"Question {i}?", "calls": calls} for i in range(episodes)]
-            t_direct = t_endpoint = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                direct(env, backend, episodes, calls)
-                t_direct = min(t_direct, time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                agent.rollout(None, backend, rows=rows_in)
-                t_endpoint = min(t_endpoint, time.perf_counter() - t0)
+            times = {"direct": [], "endpoint": []}  # (wall, CPU) seconds of each run
+            for _ in range(repeats):  # alternating
+                for name, run in (("direct", lambda: direct(env, backend, episodes, calls)),
+                                  ("endpoint", lambda: agent.rollout(None, backend, rows=rows_in))):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    run()
+                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
             n = episodes * calls
-            rows.append([label, episodes, n, f"{t_direct / n * 1e3:.2f}", f"{t_endpoint / n * 1e3:.2f}",
-                         f"{(t_endpoint - t_direct) / n * 1e6:.0f}", f"{t_endpoint / t_direct:.2f}x"])
+            (wd, cd), (we, ce) = (tuple(min(x) for x in zip(*times[k])) for k in ("direct", "endpoint"))
+            rows.append([label, episodes, n, f"{wd / n * 1e3:.2f}", f"{we / n * 1e3:.2f}", f"{we / wd:.2f}x",
+                         f"{cd / n * 1e3:.2f}", f"{ce / n * 1e3:.2f}", f"{(ce - cd) / n * 1e3:.2f}",
+                         f"{ce / cd:.2f}x"])
     agent.endpoint.close()
     return rows
 
@@ -180,12 +183,12 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
     asyncio.set_event_loop(asyncio.new_event_loop())
     print_table(f"1. The knowledge-base task, 2 groups of 4, SmolLM2-135M in process, temperature 1 (best of "
-                f"{a.repeats}; ms per model token over all runs)",
-                ["rollout", "seconds", "model tokens", "model calls", "ms / model token"],
+                f"{a.repeats}; per model token: over all runs)",
+                ["rollout", "wall s", "CPU s", "model tokens", "model calls", "wall ms / token", "CPU ms / token"],
                 task_side_by_side(model, tokenizer, a.repeats))
-    print_table(f"2. Per call, 4 calls an episode, 8 tokens a call (best of {a.repeats})",
-                ["backend", "episodes", "calls", "direct ms/call", "endpoint ms/call", "overhead us/call",
-                 "endpoint / direct"], per_call(model, tokenizer, a.repeats))
+    print_table(f"2. Per call, 4 calls an episode, 8 tokens a call (best of {a.repeats}, ms a call)",
+                ["backend", "episodes", "calls", "direct wall ms", "endpoint wall ms", "wall ratio", "direct CPU ms",
+                 "endpoint CPU ms", "CPU overhead ms", "CPU ratio"], per_call(model, tokenizer, a.repeats))
 
 
 if __name__ == "__main__":

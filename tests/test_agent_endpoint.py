@@ -553,8 +553,8 @@ def test_chat_template_tools_come_back_as_tool_calls_and_the_echo_is_a_clean_app
     env = agent_env(qwen_style_tokenizer, agent, protocol=ChatTemplateProtocol(qwen_style_tokenizer))
     script = {Q: ["Let me look.\n" + template_call("capital of Veltria"), "<answer>Morvane</answer>"]}
     (ep,) = env.rollout(None, ScriptedPolicy(qwen_style_tokenizer, script), rows=[{"question": Q}])
-    assert seen == {"finish": "tool_calls", "content": "Let me look.", "call": ("search", {"query": "capital of Veltria"}),
-                    "answer": "<answer>Morvane</answer>"}
+    assert seen == {"finish": "tool_calls", "content": "Let me look.", "answer": "<answer>Morvane</answer>",
+                    "call": ("search", {"query": "capital of Veltria"})}
     assert ep.sample_starts == [] and ep.stop_reason == "answer" and ep.agent_stats.get("new_samples/rewrite", 0) == 0
     text = qwen_style_tokenizer.decode(ep.completion_ids)
     assert '"name": "search"' in qwen_style_tokenizer.decode(ep.prompt_ids)  # the tools, in the template's system part

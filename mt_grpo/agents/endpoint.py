@@ -214,10 +214,13 @@ class Endpoint:
     # -- one call -----------------------------------------------------------------------------------
     async def complete(self, session: Session, messages, tools=None, tool_choice=None, **fields) -> CallResult:
         """One model call of the episode (module docstring): checked, recorded, sampled, parsed."""
+        busy = APIError(409, "Another call of this episode is in flight: an episode's calls run one at a time.",
+                        code="call_in_flight")
         if not session.lock.acquire(blocking=False):
-            raise APIError(409, "Another call of this episode is in flight: an episode's calls run one at a time.",
-                           code="call_in_flight")
+            raise busy
         try:
+            if session.in_flight is not None:
+                raise busy
             session.stats["calls"] += 1
             try:
                 ids, max_tokens = self.prepare(session, messages, tools, tool_choice, fields)
@@ -233,8 +236,9 @@ class Endpoint:
             raise
         except Exception as e:  # the backend failed: the run stops there (AgentEnv re-raises it)
             raise APIError(500, f"Sampling failed: {type(e).__name__}: {e}", code="sampling_failed") from e
-        with session.lock:
+        finally:
             session.in_flight = None
+        with session.lock:
             if session.ended:
                 raise APIError(409, f"The episode ended ({session.ended}) while this call waited for its sample.",
                                code="episode_ended")
@@ -275,8 +279,8 @@ class Endpoint:
                 all(m["role"] != "assistant" for m in tail)
             if clean:
                 if not env.append_reply(ep, tail):
-                    ep.stop_reason = ""  # the agent's end sets it; the budget is spent
-                    s.budget_spent = True
+                    ep.stop_reason = ""  # the agent's end sets it (rollout: not before the agent returns)
+                    s.budget_spent, s.last_stop = True, "budget"
                     raise APIError(400, "This call's new messages do not fit the episode's token budget "
                                         "(max_completion_length): the budget is spent. End the episode.",
                                    param="messages", code="budget_spent")
@@ -291,10 +295,8 @@ class Endpoint:
         s.sent = keys
         budget = self.env.budget(ep)
         asked = fields.get("max_completion_tokens", fields.get("max_tokens"))
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
-            raise APIError(400, "`max_tokens` must be a whole number of at least 1.", param="max_tokens")
         if budget < 1:
-            s.budget_spent = True
+            s.budget_spent, s.last_stop = True, "budget"
             raise APIError(400, "This episode's token budget (max_completion_length) is spent. End the episode.",
                            param="max_completion_length", code="budget_spent")
         return list(ep.context_ids), min(budget, asked or budget)
@@ -306,7 +308,7 @@ class Endpoint:
         last = max((k for k, m in enumerate(canon) if m["role"] == "assistant"), default=len(ep.prompt_messages) - 1)
         prompt = self.env.render_ids(canon, True, toolset)
         if len(prompt) - len(ep.prompt_ids) >= self.env.max_completion_length:
-            s.budget_spent = True
+            s.budget_spent, s.last_stop = True, "budget"
             raise APIError(400, "This call's messages do not fit the episode's token budget (max_completion_length): "
                                 "the budget is spent. End the episode.", param="messages", code="budget_spent")
         s.stats[f"new_samples/{why}"] += 1
@@ -317,6 +319,10 @@ class Endpoint:
 
     def check_fields(self, s: Session, f: dict, tool_choice) -> None:
         """Refuse what the sampler cannot honour exactly; override (and count) an agent's own sampling."""
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = f.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise APIError(400, f"`{name}` must be a whole number of at least 1.", param=name)
         if f.get("n", 1) not in (1, None):
             raise APIError(400, "`n` must be 1: each call of an episode is one sample.", param="n")
         if f.get("logit_bias"):

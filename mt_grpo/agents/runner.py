@@ -112,7 +112,9 @@ class AgentEnv:
                     self.endpoint.end(s, "agent_timeout")
                 self.stop(running[s.id])
         episodes = [self.episode(s, done.get(s.id)) for s in sessions]
-        called = [ep for ep in episodes if ep.prompt_messages]
+        # the check compares the last sample with a render of the recorded messages: not where the agent rewrote them
+        called = [ep for ep in episodes if ep.prompt_messages and not any(
+            ep.agent_stats.get(f"new_samples/{why}") for why in ("rewrite", "tools"))]
         check_tokenization(self.env, [ep.prompt_messages for ep in called], called, self.env.tokenization_check)
         return episodes
 
@@ -328,7 +330,7 @@ def agent_result(value) -> dict:
 
 
 def agent_metrics(episodes: list) -> dict[str, float]:
-    """`agent/...` metrics of a batch's episodes (mean per episode; reporting.py logs them when the env has an agent)."""
+    """`agent/...` metrics of this process's episodes (means per episode; reporting.py logs them where an agent ran)."""
     stats = [getattr(ep, "agent_stats", None) for ep in episodes]
     if not any(s is not None for s in stats):
         return {}
