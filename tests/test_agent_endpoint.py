@@ -196,7 +196,7 @@ def test_a_history_rewrite_starts_a_new_sample_and_is_counted(smollm2_tokenizer)
     assert second.prompt_ids == want and second.model_mask and set(second.model_mask) == {1}
     start = ep.sample_starts[0][0]
     assert set(ep.model_mask[start : start + len(want)]) == {0}
-    from mt_grpo.agents.runner import agent_metrics
+    from mt_grpo.agents import agent_metrics
 
     metrics = agent_metrics([ep])
     assert metrics["agent/new_samples/rewrite"] == 1.0 and metrics["agent/new_samples/tools"] == 0.0
@@ -293,7 +293,7 @@ def test_another_episodes_key_is_refused(smollm2_tokenizer):
 def test_a_raising_a_hung_and_a_silent_agent(smollm2_tokenizer, caplog):
     """A raising agent ends agent_error with its call kept; a hung one (it waits for ever after its first call, its
     second call never answered) ends at agent_timeout; one that makes no call: no model tokens, counted."""
-    from mt_grpo.agents.runner import agent_metrics
+    from mt_grpo.agents import agent_metrics
 
     release = threading.Event()
     answers = {}

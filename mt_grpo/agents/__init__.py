@@ -52,6 +52,8 @@ def agent_env(args, parts, env):
         return env
     if agent is not None and args.agent_command is not None:
         raise ValueError("Both `agent` and `agent_command` are set: keep one.")
+    if env.environments is not None:
+        raise ValueError("An agent program runs its own loop and tools: leave `environment_factory` out (or `agent`).")
     from mt_grpo.agents.runner import AgentEnv, load_agent  # here: a run without an agent imports none of it
 
     wrapped = AgentEnv(env, agent=None if agent is None else load_agent(agent), command=args.agent_command,
@@ -62,3 +64,18 @@ def agent_env(args, parts, env):
     if args.agent_call_scores:
         parts.turn_funcs.append(wrapped.agent_call_scores)
     return wrapped
+
+
+def agent_metrics(episodes: list) -> dict[str, float]:
+    """`agent/...` metrics of this process's episodes (means per episode; reporting.py logs them where an agent ran)."""
+    stats = [getattr(ep, "agent_stats", None) for ep in episodes]
+    if not any(s is not None for s in stats):
+        return {}
+    stats = [s or {} for s in stats]
+    n = max(1, len(stats))
+    keys = {k for s in stats for k in s} | {"calls", "refused", "sampling_overridden", "new_samples/rewrite",
+                                            "new_samples/tools", "new_samples/template"}
+    out = {f"agent/{k}_per_episode" if not k.startswith("new_samples") else f"agent/{k}": sum(s.get(k, 0)
+           for s in stats) / n for k in sorted(keys)}
+    out["agent/no_call_ratio"] = sum(ep.stop_reason == "no_call" for ep in episodes) / n
+    return out

@@ -327,19 +327,3 @@ def agent_result(value) -> dict:
                              "`call_scores` are read.")
         return value
     return {"reward": float(value)}
-
-
-def agent_metrics(episodes: list) -> dict[str, float]:
-    """`agent/...` metrics of this process's episodes (means per episode; reporting.py logs them where an agent ran)."""
-    stats = [getattr(ep, "agent_stats", None) for ep in episodes]
-    if not any(s is not None for s in stats):
-        return {}
-    stats = [s or {} for s in stats]
-    n = max(1, len(stats))
-    keys = {k for s in stats for k in s} | {"calls", "refused", "sampling_overridden", "new_samples/rewrite",
-                                            "new_samples/tools", "new_samples/template"}
-    out = {f"agent/{k}_per_episode" if not k.startswith("new_samples") else f"agent/{k}": sum(s.get(k, 0)
-           for s in stats) / n for k in sorted(keys)}
-    out["agent/no_call_ratio"] = sum(ep.stop_reason == "no_call" for ep in episodes) / n
-    return out
-

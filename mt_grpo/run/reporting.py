@@ -21,7 +21,7 @@ from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from mt_grpo.agents.runner import agent_metrics
+from mt_grpo.agents import agent_metrics
 from mt_grpo.base.fields import arg
 from mt_grpo.base.runtime import STOP, StopRequested
 from mt_grpo.rollout.user_turns import continued
