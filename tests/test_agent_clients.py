@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from helpers import ROOT, rollout_records
 from scripted_policy import ScriptedTransformersBackend
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),  # LangGraph 1.x marks create_react_agent deprecated
+              pytest.mark.filterwarnings("ignore:create_react_agent has been moved")]
 
 PROGRAMS = os.path.join(ROOT, "tests", "agent_programs")
 QUESTION = "What is the capital of Veltria?"
