@@ -92,14 +92,15 @@ def task_side_by_side(model, tokenizer, repeats: int, groups: int = 2, G: int = 
             results[name].append((seconds, cpu, sum(sum(ep.model_mask) for ep in episodes),
                                   sum(1 + ep.tool_turns for ep in episodes)))
     agent.endpoint.close()
-    out, wall, cpu = [], {}, {}
-    for name, runs in results.items():  # per model token, over every run (the runs' samples may differ)
-        tokens = sum(r[2] for r in runs)
-        wall[name], cpu[name] = sum(r[0] for r in runs) / tokens, sum(r[1] for r in runs) / tokens
-        out.append([name, f"{min(r[0] for r in runs):.2f}", f"{min(r[1] for r in runs):.2f}", runs[0][2], runs[0][3],
-                    f"{wall[name] * 1e3:.1f}", f"{cpu[name] * 1e3:.1f}"])
-    e, b = "agent endpoint", "built-in loop"
-    out.append(["ratio (endpoint / built-in)", "", "", "", "", f"{wall[e] / wall[b]:.3f}x", f"{cpu[e] / cpu[b]:.3f}x"])
+    out, e, b = [], "agent endpoint", "built-in loop"
+    for k in range(repeats):  # seed k: the same samples either way (the same prompts, batches and seed)
+        for name in (b, e):
+            seconds, cpu, tokens, calls = results[name][k]
+            out.append([k, name, f"{seconds:.2f}", f"{cpu:.2f}", tokens, calls, f"{seconds / tokens * 1e3:.1f}",
+                        f"{cpu / tokens * 1e3:.1f}"])
+    best = lambda name, i: min(r[i] for r in results[name])  # noqa: E731
+    out.append(["best", "ratio (endpoint / built-in)", f"{best(e, 0) / best(b, 0):.3f}x",
+                f"{best(e, 1) / best(b, 1):.3f}x", "", "", "", ""])
     return out
 
 
@@ -177,18 +178,22 @@ def per_call(model, tokenizer, repeats: int, calls: int = 4) -> list[list]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2])
     a = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
     asyncio.set_event_loop(asyncio.new_event_loop())
-    print_table(f"1. The knowledge-base task, 2 groups of 4, SmolLM2-135M in process, temperature 1 (best of "
-                f"{a.repeats}; per model token: over all runs)",
-                ["rollout", "wall s", "CPU s", "model tokens", "model calls", "wall ms / token", "CPU ms / token"],
-                task_side_by_side(model, tokenizer, a.repeats))
-    print_table(f"2. Per call, 4 calls an episode, 8 tokens a call (best of {a.repeats}, ms a call)",
-                ["backend", "episodes", "calls", "direct wall ms", "endpoint wall ms", "wall ratio", "direct CPU ms",
-                 "endpoint CPU ms", "CPU overhead ms", "CPU ratio"], per_call(model, tokenizer, a.repeats))
+    if 1 in a.parts:
+        print_table(f"1. The knowledge-base task, 2 groups of 4, SmolLM2-135M in process, temperature 1 ({a.repeats} "
+                    "seeds, each the same samples both ways)",
+                    ["seed", "rollout", "wall s", "CPU s", "model tokens", "model calls", "wall ms / token",
+                     "CPU ms / token"], task_side_by_side(model, tokenizer, a.repeats))
+    if 2 in a.parts:
+        print_table(f"2. Per call, 4 calls an episode, 8 tokens a call (best of {a.repeats}, ms a call)",
+                    ["backend", "episodes", "calls", "direct wall ms", "endpoint wall ms", "wall ratio",
+                     "direct CPU ms", "endpoint CPU ms", "CPU overhead ms", "CPU ratio"],
+                    per_call(model, tokenizer, a.repeats))
 
 
 if __name__ == "__main__":

@@ -594,3 +594,45 @@ def test_trls_rollout_func_is_refused_naming_the_endpoint():
 
     with pytest.raises(ValueError, match=r"rollout_func.*as an agent \(`agent=`"):
         check_trl(rollout_func=lambda prompts, trainer: {})
+
+
+def test_a_second_call_while_one_is_in_flight_gets_409(smollm2_tokenizer):
+    """An episode's calls run one at a time: a call made while the episode's first waits for its sample gets 409
+    call_in_flight; the first is answered once the backend answers (a backend held by an event, not a sleep)."""
+    import concurrent.futures
+
+    class Held(ScriptedPolicy):
+        can_submit, max_concurrent_requests, prompts_per_request = True, 4, 1
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.submitted, self.gate = threading.Event(), threading.Event()
+
+        def submit(self, prompts, max_tokens, n=1, params=None):
+            future = concurrent.futures.Future()
+
+            def answer():
+                self.gate.wait(60)
+                future.set_result(self.generate(prompts, [max_tokens] * len(prompts), n, params))
+
+            threading.Thread(target=answer, daemon=True).start()
+            self.submitted.set()
+            return future
+
+    backend = Held(smollm2_tokenizer, {Q: [xml_answer("Morvane")]})
+    out = {}
+
+    async def agent(row, base_url, api_key):
+        body = {"messages": [{"role": "user", "content": Q}]}
+        headers = {"Authorization": f"Bearer {api_key}"}
+        async with httpx.AsyncClient(timeout=60) as http:
+            first = asyncio.create_task(http.post(f"{base_url}/chat/completions", json=body, headers=headers))
+            await asyncio.get_running_loop().run_in_executor(None, backend.submitted.wait, 60)
+            second = await http.post(f"{base_url}/chat/completions", json=body, headers=headers)
+            backend.gate.set()
+            out.update(first=(await first).status_code, second=(second.status_code, second.json()["error"]["code"]))
+
+    env = agent_env(smollm2_tokenizer, agent)
+    (ep,) = env.rollout(None, backend, rows=[{"question": Q}])
+    assert out == {"first": 200, "second": (409, "call_in_flight")}
+    assert ep.stop_reason == "answer" and len([s for s in ep.spans if s.role == "model"]) == 1

@@ -199,6 +199,11 @@ class Endpoint:
                 session.in_flight.set_exception(APIError(409, f"The episode ended ({session.ended}) while this call "
                                                               "waited for its sample.", code="episode_ended"))
 
+    def forget(self, session: Session) -> None:
+        """Keep only what answers a late call (its key, why it ended): the episode and the row go with the rollout."""
+        self.sessions[session.id] = Session(id=session.id, key=session.key, row={}, deadline=0.0,
+                                            ended=session.ended or "agent_done")
+
     def session(self, episode_id: str, authorization: str | None) -> Session:
         """The session a request may use: its key must be the episode's own, and the episode still running."""
         key = (authorization or "").removeprefix("Bearer ").strip()
@@ -227,7 +232,7 @@ class Endpoint:
             except APIError:
                 session.stats["refused"] += 1
                 raise
-            future = session.in_flight = self.sample(ids, max_tokens, session.index)
+            future = session.in_flight = self.sample(ids, max_tokens, session.index, not session.ep.completion_ids)
         finally:
             session.lock.release()
         try:

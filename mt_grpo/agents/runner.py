@@ -47,7 +47,7 @@ class AgentEnv:
         self.endpoint_started = False
         self.loop: asyncio.AbstractEventLoop | None = None  # where async agents run, the whole run long
         self.results: dict[int, dict] = {}  # id(ep.messages) -> the agent's result ({reward, call_scores})
-        self.pending: list[tuple] = []  # (ids, max_tokens, future, the episode's index) of the calls waiting
+        self.pending: list[tuple] = []  # (ids, max_tokens, future, episode index, first call) of the calls waiting
         self.ready = threading.Condition()
         self.live = 0  # agents running
         self.failure: BaseException | None = None  # the backend's error, which stops the run
@@ -112,6 +112,8 @@ class AgentEnv:
                     self.endpoint.end(s, "agent_timeout")
                 self.stop(running[s.id])
         episodes = [self.episode(s, done.get(s.id)) for s in sessions]
+        for s in sessions:
+            self.endpoint.forget(s)
         # the check compares the last sample with a render of the recorded messages: not where the agent rewrote them
         called = [ep for ep in episodes if ep.prompt_messages and not any(
             ep.agent_stats.get(f"new_samples/{why}") for why in ("rewrite", "tools"))]
@@ -153,27 +155,28 @@ class AgentEnv:
                     self.ready.wait(min(0.1, self.batch_wait))  # a deadline is checked every 0.1 s
                     continue
                 batch, self.pending, first_wait = self.pending, [], None
-            # in the episodes' order, a group's identical first prompts as one prompt with n samples (as the
+            # in the episodes' order; first calls of a group, identical prompts, as one prompt with n samples (as the
             # built-in loop asks); a timed-out episode's call was answered already
             live = sorted((e for e in batch if not e[2].done()), key=lambda e: e[3])
             if not live:
                 continue
-            seqs, budgets = [ids for ids, _, _, _ in live], [m for _, m, _, _ in live]
-            n = run_length(seqs) if len(set(budgets)) == 1 else 1
+            seqs, budgets = [e[0] for e in live], [e[1] for e in live]
+            n = run_length(seqs) if len(set(budgets)) == 1 and all(e[4] for e in live) else 1
             samples = backend.generate(seqs[::n], budgets[::n], n, params)
-            for (_, _, future, _), sample in zip(live, samples):
-                settle(future, sample)
+            for e, sample in zip(live, samples):
+                settle(e[2], sample)
 
-    def enqueue(self, ids: list[int], max_tokens: int, order: int = 0) -> concurrent.futures.Future:
+    def enqueue(self, ids: list[int], max_tokens: int, order: int = 0,
+                first: bool = False) -> concurrent.futures.Future:
         """In process: the call waits for the next batched generate (serve)."""
         future = concurrent.futures.Future()
         with self.ready:
-            self.pending.append((ids, max_tokens, future, order))
+            self.pending.append((ids, max_tokens, future, order, first))
             self.ready.notify_all()
         return future
 
     def submitter(self, backend, params):
-        def submit(ids: list[int], max_tokens: int, order: int = 0) -> concurrent.futures.Future:
+        def submit(ids: list[int], max_tokens: int, order: int = 0, first: bool = False) -> concurrent.futures.Future:
             mine = concurrent.futures.Future()
             def answered(f):
                 if f.exception() is not None:
