@@ -43,6 +43,7 @@ from trl import GRPOConfig, GRPOTrainer, get_peft_config
 from trl.trainer.utils import use_adapter
 
 from mt_grpo.adapters import AdapterArguments
+from mt_grpo.agents import AgentArguments, agent_env
 from mt_grpo.base.completions import (RetryableResponse, Sample, check_length, kept_set_logprobs,
                                       parse_completions_response, post_with_retries, wait_for_health)
 from mt_grpo.base.fields import Choices, arg, parse_recipe
@@ -88,7 +89,8 @@ logger = logging.getLogger("mt_grpo")
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class MTGRPOScriptArguments(TaskArguments, ToolArguments, RolloutArguments, AdapterArguments, RunArguments,
-                            ServerPoolArguments, WeightSyncArguments, PackingArguments, JudgeArguments):
+                            ServerPoolArguments, WeightSyncArguments, PackingArguments, JudgeArguments,
+                            AgentArguments):
     """The rewards' and MT-GRPO's fields; it inherits those of the task, the tools, the episode loop, the adapters, the
     run, the vLLM servers, the weight sync, packing and the LLM judge (mt_grpo/). Training arguments are TRL's
     GRPOConfig and model arguments TRL's ModelConfig, all set from one recipe YAML; run/checks.py holds every rule
@@ -768,9 +770,9 @@ class MultiTurnToolEnv:
     def record_env_turn(self, ep: Episode, calls: list[ToolCall], results: list[ToolResult]) -> None:
         if isinstance(calls, UserTurn):
             return record_reply(self, ep, calls, results[0])
-        messages = [{"role": "tool", "name": "" if c.error else c.name, "content": self.truncate_tool_output(r.output),
-                     **({} if r.reward is None else {"reward": r.reward})}  # rollout/tool_calls.tool_output: a step reward
-                    for c, r in zip(calls, results)]
+        messages = [{"role": "tool", "name": "" if c.error else c.name,  # a failure as the protocol shows it
+                     "content": self.truncate_tool_output(self.protocol.tool_reply(r)),  # tool_output's step reward:
+                     **({} if r.reward is None else {"reward": r.reward})} for c, r in zip(calls, results)]
         turn, done = ep.tool_turns, environment_done(getattr(ep.toolset, "environment", None))
         if self.append_reply(ep, messages, last=done):
             ep.calls += [CallRecord(turn, c.name, c.arguments, r.ok, r.seconds, m["content"])
@@ -825,7 +827,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
                  rollout_func=None, environment_factory=None, *, turn_reward_funcs: list | None = None,
                  outcome_reward_funcs: list | None = None, env: "MultiTurnToolEnv | None" = None, backend=None,
                  script_args: MTGRPOScriptArguments | None = None, eval_metric_funcs: dict[str, Callable] | None = None,
-                 corpus: list[dict] | None = None):
+                 corpus: list[dict] | None = None, agent=None):
         """TRL's GRPOTrainer's arguments, in its order (run/builders.py says what each may be). `reward_funcs` join the
         outcome rewards, those marked @per_tool_turn the turn rewards. `args`: an MTGRPOConfig (a plain GRPOConfig
         takes ours from `script_args`); the trainer keeps a copy. Without `env`, the env, tools and prompts are built
@@ -844,7 +846,8 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
             parts, env, train_dataset, eval_dataset = builders.build_from_config(
                 model, args, make_env, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
                 turn_reward_funcs=turn_reward_funcs, outcome_reward_funcs=outcome_reward_funcs, corpus=corpus,
-                processing_class=processing_class, environment_factory=environment_factory, reward_funcs=reward_funcs)
+                processing_class=processing_class, environment_factory=environment_factory, reward_funcs=reward_funcs,
+                agent=agent)
             processing_class, turn_reward_funcs, outcome_reward_funcs = parts.tokenizer, parts.turn_funcs, parts.outcome_funcs
             eval_metric_funcs = parts.eval_metrics if eval_metric_funcs is None else eval_metric_funcs
             weights, step_rewards = parts.weights, parts.step_rewards  # the environment's functions weigh 1
@@ -1120,7 +1123,7 @@ def trainer_config(args: GRPOConfig | None, script_args: "MTGRPOScriptArguments 
 
 def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
     """The env of a config, from what run/builders.py resolved (`parts`: tokenizer, tools, prompt parts)."""
-    return MultiTurnToolEnv(
+    return agent_env(args, parts, MultiTurnToolEnv(  # an agent program's episodes wrap it (agents/runner.py)
         tokenizer=parts.tokenizer, protocol=get_protocol(args.tool_format, tokenizer=parts.tokenizer), tools=parts.tools,
         max_env_steps=next((n for n in (args.max_env_steps, args.max_tool_calling_iterations) if n is not None), None),
         max_tokens_per_turn=args.max_tokens_per_turn, max_completion_length=args.max_completion_length,
@@ -1129,7 +1132,7 @@ def make_env(args: "MTGRPOConfig", parts) -> MultiTurnToolEnv:
         reset_timeout=args.reset_timeout, max_prompt_length=args.max_prompt_length, few_shot=args.few_shot,
         chat_template_kwargs=args.chat_template_kwargs, eos_token_ids=parts.eos_token_ids, task_prompt=parts.task_prompt,
         scheduler=args.rollout_scheduler, examples=parts.examples, environments=parts.environments,
-        turn_samples=args.turn_samples, questions=parts.questions)
+        turn_samples=args.turn_samples, questions=parts.questions))
 
 
 def backend_class(args: "MTGRPOConfig") -> type:
@@ -1143,13 +1146,11 @@ def make_backend(args: "MTGRPOConfig", env: MultiTurnToolEnv):
         return TransformersBackend(tokenizer=env.tokenizer, params=params, eos_token_ids=eos_token_ids,
                                    stop_strings=stop_strings, gather_deepspeed3_params=args.ds3_gather_for_generation,
                                    cache_implementation=args.cache_implementation)
-    client = lambda url: VLLMServerClient(base_url=url,  # noqa: E731
-        params=params, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
-        startup_timeout=args.vllm_server_timeout, request_timeout=args.vllm_request_timeout,
-        max_concurrent_requests=args.vllm_max_concurrent_requests,
-        max_retries=args.vllm_max_retries, prompts_per_request=args.vllm_prompts_per_request,
-        weight_sync=WeightSyncConfig.from_args(args), probes=Probes.render(env.render_ids),
-        tie_rule=args.vllm_tie_rule, vision=env.vision)
+    client = lambda url: VLLMServerClient(base_url=url, params=params, eos_token_ids=eos_token_ids,  # noqa: E731
+        stop_strings=stop_strings, startup_timeout=args.vllm_server_timeout, request_timeout=args.vllm_request_timeout,
+        max_concurrent_requests=args.vllm_max_concurrent_requests, max_retries=args.vllm_max_retries,
+        prompts_per_request=args.vllm_prompts_per_request, weight_sync=WeightSyncConfig.from_args(args),
+        probes=Probes.render(env.render_ids), tie_rule=args.vllm_tie_rule, vision=env.vision)
     return ServerPool.connect(args, client)  # one server: its client; several: a pool that routes
 
 

@@ -13,6 +13,8 @@ below it:
     rollout/   the episode loop's parts: episode records, tool calls, an episode's toolset, environments,
                user turns, the per-episode scheduler, async rollout, dynamic sampling
     adapters/  environments written for verl, ms-swift, classic verifiers and OpenEnv
+    agents/    an agent program as the rollout: the OpenAI-compatible endpoint, one address and key per episode,
+               and AgentEnv, which runs the agents and records their calls
     run/       the run's wiring: builders (from a config to parts), checks (rules across fields), reporting
                (metrics, records, the console), evaluation
 

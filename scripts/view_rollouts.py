@@ -265,7 +265,10 @@ function scores(ep) {
   box.append(table);
   return box;
 }
-const isError = (call) => call.ok === false || String(call.output || "").startsWith("Error:");
+// A failed call, as its record says (`ok`); a record without `ok` by its text, in either protocol's form: `Error: ...`
+// (xml, and failures TRL has not) or TRL's `{'error': ...}` (chat_template: a raise, bad arguments, an unknown tool)
+const isError = (call) => call.ok !== undefined ? call.ok === false :
+  /^(Error:|\{'error': )/.test(String(call.output || ""));
 // An env turn that answers no tool call: the environment's reply as the user (mt_grpo/rollout/user_turns.py), whose
 // score is its turn's R_T. Older records without `tool_calls` on a turn read as tool turns.
 const isReply = (turn) => turn.role === "env" && Array.isArray(turn.tool_calls) && !turn.tool_calls.length;

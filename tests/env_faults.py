@@ -216,3 +216,14 @@ class Meeting:
         """Meet the others."""
         type(self).barrier.wait(timeout=120)
         return "met"
+
+
+AGENT_EPISODES = iter(range(1, 10**6))  # next(): this process's agent episodes so far
+
+
+def hanging_agent(row, client):
+    """For the trainer's SIGTERM test: an agent program (mt_grpo/agents/) whose episodes after the first
+    `MT_GRPO_TEST_FREE` hang after their first model call."""
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Ping."}])
+    hang_past_free(next(AGENT_EPISODES))
+    return 1.0

@@ -281,8 +281,8 @@ def test_held_out_environments_of_each_framework_roll_out_without_the_framework(
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert all(path.startswith(COMPAT + os.sep) for path in out["modules"].values()), out["modules"]
-    for framework in ("verl", "verifiers", "openenv"):  # logged once each
-        assert proc.stderr.count(f"{framework} is not installed: using the copy of {framework}") == 1, proc.stderr
+    for framework in ("verl", "verifiers", "openenv"):  # logged once each (verifiers 0.4 is installed, not classic)
+        assert proc.stderr.count(f": using the copy of {framework} ") == 1, proc.stderr
 
     verl = out["verl"]
     assert verl["tools"] == ["count_word"] and verl["stop"] == ["env_done"]

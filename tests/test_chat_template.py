@@ -91,8 +91,9 @@ CALLS = {  # each assistant message's `tool_calls` (name, arguments): the calls 
 RESULTS = {  # the tool messages (name, content) after each tool turn
     "Q-one": [[("search", FACTS["capital of Veltria"])]],
     "Q-two": [[("search", FACTS["Quorvath founded"]), ("search", FACTS["capital of Veltria"])]],
+    # a name no tool has reads as TRL's loop writes it; a call that did not parse (TRL has none) as ours
     "Q-malformed": [[("", "Error: the tool call is not valid JSON (Expecting value at char 43)."),
-                     ("lookup", "Error: unknown tool 'lookup'; available tools: ['search']"),
+                     ("lookup", "{'error': 'Tool lookup not found.'}"),
                      ("search", FACTS["capital of Veltria"])]],
     "Q-silent": [],
     "Q-again": [[("search", FACTS["capital of Veltria"])]] * 2,

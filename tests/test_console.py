@@ -119,3 +119,20 @@ def test_closing_lines_without_rollouts_or_model(tmp_path, capsys):
     assert capsys.readouterr().out == ""  # only the main process prints
     report_outputs(fake_trainer(out, save_rollouts_steps=0))
     assert capsys.readouterr().out.splitlines() == closing_lines(fake_trainer(out, save_rollouts_steps=0))
+
+
+def test_the_readmes_step_line_is_the_line_steps_print(monkeypatch):
+    """Issue 78, point 16: the README's example step line (marked as an illustration: its values are one CPU's) is
+    the line StepPrinter prints for a log row of those values, every metric a demo step logs, in its order."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        shown, = re.findall(r"^step +1 \|.*$", f.read(), re.M)
+    values = dict(part.split("=") for part in shown.split("| ")[1].split())
+    keys = {short: key for key, short in StepPrinter.KEYS}
+    assert list(values) == [short for _, short in StepPrinter.KEYS]  # every key of a step, in the printed order
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    StepPrinter().on_log(None, TrainerState(global_step=1, is_world_process_zero=True), TrainerControl(),
+                         logs={keys[short]: float(v) for short, v in values.items()})
+    assert stream.getvalue() == shown + "\n"

@@ -148,6 +148,12 @@ def test_a_recipe_names_modules_of_the_folder_the_trainer_runs_in(tmp_path, tiny
     parse_recipe(["--config", write(tmp_path, ""), "--model_name_or_path", tiny_agent_dir], MTGRPOConfig)
     assert sys.path[-1] == str(folder)
     assert get_reward_func("my_scores_78:right")(completions=[[], []]) == [1.0, 1.0]
+    # a data file, relative to that folder too
+    (folder / "data").mkdir()
+    (folder / "data" / "games.jsonl").write_text('{"question": "Guess my number.", "answer": "3"}\n')
+    from mt_grpo.tasks import load_task
+
+    assert load_task("data/games.jsonl").dataset["question"] == ["Guess my number."]
 
 
 def test_missing_recipe_file_is_named():

@@ -32,7 +32,7 @@ def test_no_environment_or_model_is_tracked():
 
 # The package's floors, lowest first (mt_grpo/__init__.py, README's layout): a sub-package imports only itself and the
 # ones before it, and nothing in the package imports the trainer above it.
-FLOORS = ["compat", "base", "engine", "rewards", "tasks", "tools", "rollout", "adapters", "run"]
+FLOORS = ["compat", "base", "engine", "rewards", "tasks", "tools", "rollout", "adapters", "agents", "run"]
 
 
 def test_each_sub_package_imports_only_the_floors_below_it():

@@ -576,3 +576,27 @@ def test_math_answers_compare_in_a_worker_thread():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         exact, exist, found = pool.submit(score).result(timeout=300)
     assert exact == [1.0, 0.0, 0.0, 1.0] and exist == [0.5, 0.5, 0.0, 0.5] and found == [0.5]
+
+
+def test_a_log_rows_three_turn_averages_are_the_guides():
+    """Issue 78, point 14 (docs/guide.md, "What a log row's turn averages are"): one turn function `steps` of weight
+    0.5, episode A scored on three turns (1, 0, 0.5), B on one (1). `rewards/turn/steps` is its mean over the
+    (episode, turn) pairs, 2.5 / 4; `rewards/turn/mean` the mean of R_T (the weighted sum) over the same pairs,
+    1.25 / 4; TRL's `rewards/steps/mean` the mean over episodes of each one's own mean, (0.5 + 1) / 2."""
+    import torch
+
+    from mt_grpo.run.reporting import EPISODE_STATS, per_sample_rewards, reward_metrics, trl_metrics
+    from mt_grpo_trainer import Scores
+
+    def steps(prompts, completions, **kwargs):
+        return None
+
+    nan = float("nan")
+    per_turn = torch.tensor([[[1.0, 0.0, 0.5]], [[1.0, nan, nan]]])  # (B, F_turn, K)
+    scores = Scores(turn_per_func=per_turn, outcome_per_func=torch.zeros(2, 0), R_T=0.5 * per_turn[:, 0],
+                    R_O=torch.zeros(2))
+    ours = reward_metrics(scores, torch.tensor([True]), [steps], [])
+    trl = trl_metrics(torch.zeros(2, len(EPISODE_STATS)), per_sample_rewards(scores), torch.tensor([0.5]), ["steps"],
+                      group_size=2, scale_rewards="group", tools=False)
+    assert ours["rewards/turn/steps"] == pytest.approx(0.625) and ours["rewards/turn/mean"] == pytest.approx(0.3125)
+    assert trl["rewards/steps/mean"] == pytest.approx(0.75) and trl["reward"] == pytest.approx(0.375)

@@ -4,14 +4,16 @@ moves in `environment_factory`, a `prompt`-only dataset, one `reward_funcs` call
 `peft_config`) runs under TRL itself and under this trainer; both allow the same calls and describe the tool
 alike; a scripted player's 8 moves all run under both trainers' defaults; no default of the knowledge base reaches
 another task; and TRL's reward keywords reach every reward. TRL's own scripts (issue 78: examples/scripts/grpo_agent.py
-and grpo_2048.py, the docs' external-dataset environment with tools beside it, in tests/trl_scripts/) under TRL's
-GRPOTrainer and ours with one scripted player: the same calls run, the model sees byte-identical text at every turn,
-and TRL's tool, reward and token metrics are equal; the differences that remain are strict xfails."""
+and grpo_2048.py, the docs' tools, environment, external-dataset and multiple-environment examples, in
+tests/trl_scripts/) under TRL's GRPOTrainer and ours with one scripted player: the same calls run, the model sees
+byte-identical text at every turn (failed calls included), and TRL's tool, reward and token metrics are equal; the
+difference that remains is a strict xfail."""
 
 import importlib.util
 import json
 import math
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -503,8 +505,8 @@ def hermes(*calls) -> str:
 def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dict | None = None, **trainer_kwargs):
     """One step of TRL's GRPOTrainer and of ours, built with the same keywords and the same config values, with the
     same scripted player writing `script`'s turns. Returns, for each trainer, what the model saw and wrote at each
-    turn (decoded, sorted), each sample's (prompt, completion, sampled-token count) as the trainer holds them, and
-    the step's log row."""
+    turn (decoded, sorted), each sample's (prompt, completion, sampled-token count, completion-token count) as the
+    trainer holds them, and the step's log row."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -539,7 +541,7 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
 
         def _generate(self, prompts):
             out = super()._generate(prompts)
-            finals["trl"] += [(tokenizer.decode(p), tokenizer.decode(c), sum(m)) for p, c, m in zip(*out[:3])]
+            finals["trl"] += [(tokenizer.decode(p), tokenizer.decode(c), sum(m), len(c)) for p, c, m in zip(*out[:3])]
             return out
 
     theirs = ScriptedTRL(args=GRPOConfig(output_dir=str(tmp_path / "trl"), **{**base, **config}), **trainer_kwargs)
@@ -551,8 +553,8 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
 
     def recorded(*args, **kwargs):
         episodes = rollout(*args, **kwargs)
-        finals["mt_grpo"] += [(tokenizer.decode(ep.prompt_ids), tokenizer.decode(ep.completion_ids), sum(ep.model_mask))
-                              for ep in episodes]
+        finals["mt_grpo"] += [(tokenizer.decode(ep.prompt_ids), tokenizer.decode(ep.completion_ids), sum(ep.model_mask),
+                               len(ep.completion_ids)) for ep in episodes]
         return episodes
 
     ours.env.rollout = recorded
@@ -580,15 +582,34 @@ def assert_as_under_trl(seen, finals, steps, calls_per_episode: float):
     names = ["tools/call_frequency", "tools/failure_frequency", "reward", "reward_std", "num_tokens",
              "completions/mean_length", "completions/max_length"] + [k for k in trl if k.startswith("rewards/")]
     assert {k: ours.get(k) for k in names} == pytest.approx({k: trl[k] for k in names})
+    # issue 78, point 3: TRL's num_tokens counts prompts and sampled tokens; ours, every completion token (tool
+    # replies included), is rollout/completion_tokens_seen
+    assert ours["rollout/completion_tokens_seen"] == sum(n for *_, n in finals["trl"])
 
 
-@pytest.mark.parametrize("failing", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "a raising tool's message: TRL shows str({'error': str(e)}), `{'error': 'no such table: nope'}`; ours "
-    "`Error: tool 'query_biogrid' raised OperationalError: no such table: nope` (rollout/tool_calls.py _call)")))])
-def test_trls_grpo_agent_script_runs_the_same_sql_and_shows_the_same_text(failing, model_dir, tmp_path, monkeypatch):
+# A second call of the TP53 turn: one that runs, or one of the three failures TRL's tool loop answers with
+# `str({"error": message})` (a tool that raised, a name no tool has, arguments that do not fit), shown as TRL shows it
+SECOND_CALLS = {
+    "runs": ("query_biogrid", {"sql_command": "SELECT Taxid_Interactor_A FROM interactions WHERE "
+                                              "Aliases_Interactor_B = 'HDM2'"}),
+    "raises": ("query_biogrid", {"sql_command": "SELECT * FROM nope"}),  # {'error': 'no such table: nope'}
+    "unknown_tool": ("query_biogrd", {"sql_command": "SELECT 1"}),  # {'error': 'Tool query_biogrd not found.'}
+    "bad_arguments": ("query_biogrid", {"sql": "SELECT 1"}),  # Python's TypeError, before the tool's first line
+}
+TRL_ERRORS = {"raises": "{'error': 'no such table: nope'}",
+              "unknown_tool": "{'error': 'Tool query_biogrd not found.'}",
+              "bad_arguments": "{'error': \"query_biogrid() got an unexpected keyword argument 'sql'\"}"}
+
+
+@pytest.mark.parametrize("second", list(SECOND_CALLS))
+def test_trls_grpo_agent_script_runs_the_same_sql_and_shows_the_same_text(second, model_dir, tmp_path, monkeypatch):
     """examples/scripts/grpo_agent.py: `tools=[query_biogrid]` (list[tuple] returns, a `signal` timeout), three
-    rewards reading tool_calls and tool messages, an `answer` column; a turn with two calls (`failing`: one raises)."""
+    rewards reading tool_calls and tool messages, an `answer` column; a turn with two calls, the first of which
+    runs or fails as SECOND_CALLS says: the failure reads as under TRL, byte for byte, and counts as failed in
+    `tools/failure_frequency`, the records and the rewards that read failures."""
     import functools
+
+    from mt_grpo.rewards.conversation import failed
 
     agent = load_script("grpo_agent")
     monkeypatch.chdir(tmp_path)  # the tool opens biogrid.db in the folder it runs in
@@ -602,19 +623,22 @@ def test_trls_grpo_agent_script_runs_the_same_sql_and_shows_the_same_text(failin
 
     yes = "SELECT Aliases_Interactor_B FROM interactions WHERE Aliases_Interactor_A LIKE '%JNKK%'"
     no = "SELECT * FROM interactions WHERE Aliases_Interactor_A LIKE '%TP53%' AND Alt_IDs_Interactor_B LIKE '%BARD1%'"
-    other = "SELECT * FROM nope" if failing else \
-        "SELECT Taxid_Interactor_A FROM interactions WHERE Aliases_Interactor_B = 'HDM2'"
+    other = SECOND_CALLS[second]
     script = {"Does the gene JNKK": [hermes(("query_biogrid", {"sql_command": yes})), "It does: *Yes*<|im_end|>"],
-              "Does the gene TP53": [hermes(("query_biogrid", {"sql_command": other}),
-                                            ("query_biogrid", {"sql_command": no})), "*No*<|im_end|>"]}
+              "Does the gene TP53": [hermes(other, ("query_biogrid", {"sql_command": no})), "*No*<|im_end|>"]}
     # the prompt (the preamble and the tool's schema) is over 1,024 tokens: no cap by default, as TRL 1.16 has none
     seen, finals, steps = side_by_side(
         model_dir, tmp_path, script, {"max_completion_length": 1024},
         model=model_dir, train_dataset=agent.train_dataset(), tools=[query_biogrid],
         reward_funcs=[agent.correctness_reward, agent.structure_reward, agent.query_reward])
-    assert sorted(sql[:6]) == sorted(sql[6:]) == sorted([yes] * 2 + [other, no] * 2)
+    ran = [other[1]["sql_command"]] if second in ("runs", "raises") else []  # the calls that reached the tool
+    half = len(sql) // 2
+    assert sorted(sql[:half]) == sorted(sql[half:]) == sorted([yes] * 2 + (ran + [no]) * 2)
     assert_as_under_trl(seen, finals, steps, calls_per_episode=1.5)
-    assert steps["trl"]["tools/failure_frequency"] == pytest.approx(2 / 6 if failing else 0.0)
+    assert steps["trl"]["tools/failure_frequency"] == pytest.approx(0.0 if second == "runs" else 2 / 6)
+    if second != "runs":  # TRL's text in what the model saw, read as a failure by our rewards
+        assert sum(TRL_ERRORS[second] in text for text in seen["trl"]) == 2  # each TP53 episode's second turn
+        assert failed({"role": "tool", "content": TRL_ERRORS[second]})
 
 
 def test_a_trl_script_with_a_long_prompt_builds_with_only_its_import_changed(model_dir, tmp_path, monkeypatch):
@@ -712,3 +736,136 @@ def test_trls_docs_environment_with_a_dataset_and_tools_beside_it(model_dir, tmp
                                        environment_factory=Counted, tools=[docs.multiply, docs.async_add])
     assert len(counted) == 8 and sorted(counted[:4]) == sorted(counted[4:])
     assert_as_under_trl(seen, finals, steps, calls_per_episode=3.0)
+
+
+def seeded(cls):
+    """`cls` whose `reset` draws from `random` seeded alike at every reset (the docs' note: "have reset() derive the
+    state deterministically from a shared key"), so that the order in which the trainers reset their instances does
+    not change the prompts; the module's random state is left as it was."""
+    import random
+
+    class Seeded(cls):
+        def reset(self, **kwargs):
+            state = random.getstate()
+            random.seed(0)
+            try:
+                return super().reset(**kwargs)
+            finally:
+                random.setstate(state)
+
+    return Seeded
+
+
+def test_trls_docs_tools_example_runs_sync_and_async_tools_and_their_failures_as_trl(model_dir, tmp_path):
+    """The docs' "Tools" example: `tools=[multiply, async_add]` (sync and async, stateless, run concurrently here);
+    its dataset and reward are left out of the docs (`...`): a prompt column and a reward reading the tool messages.
+    Beside the calls that run: an async tool that raises, and arguments that do not fit an async tool and a sync
+    one, each shown as TRL shows it. (TRL's parser casts arguments to the schema's types: {"b": "2"} arrives as 2,
+    here too.)"""
+    from datasets import Dataset
+
+    docs = load_script("docs_increment")  # its multiply and async_add are the "Tools" example's, verbatim
+
+    def results_reward(completions, **kwargs):
+        return [float(sum(m["role"] == "tool" and m["content"] == "42" for m in c)) for c in completions]
+
+    prompts = ["Multiply 6 by 7.", "Add 40 and 2."]
+    script = {prompts[0]: [hermes(("multiply", {"a": 6, "b": 7}), ("multiply", {"x": 6})), "42<|im_end|>"],
+              # the call that fails before its coroutine exists first: TRL answers it at once, and the awaited
+              # calls after (test below)
+              prompts[1]: [hermes(("async_add", {"a": 40}), ("async_add", {"a": 40, "b": 2}),
+                                  ("async_add", {"a": None, "b": 2})), "42<|im_end|>"]}
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
+    seen, finals, steps = side_by_side(model_dir, tmp_path, script, {}, model=model_dir, train_dataset=dataset,
+                                       tools=[docs.multiply, docs.async_add], reward_funcs=results_reward)
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=2.5)
+    assert steps["trl"]["tools/failure_frequency"] == pytest.approx(6 / 10) and steps["trl"]["reward"] == 1.0
+    for error in ("{'error': \"multiply() got an unexpected keyword argument 'x'\"}",
+                  "{'error': \"unsupported operand type(s) for +: 'NoneType' and 'int'\"}",
+                  "{'error': \"async_add() missing 1 required positional argument: 'b'\"}"):
+        assert sum(error in text for text in seen["mt_grpo"]) == 2, error
+
+
+def test_trls_docs_environment_example_self_samples_its_prompt_as_under_trl(model_dir, tmp_path):
+    """The docs' "Environments" example: no train_dataset (max_steps sets the length), reset() self-samples the target
+    and returns the prompt, get_reward scores the episode, no reward_funcs. Beside the right call, one to a name no
+    method has and one with an argument the method does not take: TRL's text, from bound methods."""
+    docs = load_script("docs_environment")
+    prompt = "Increment the counter by 4."  # random.seed(0), then randint(1, 6): 4
+    script = {prompt: [hermes(("increment", {"step": 4}), ("incremnt", {"step": 1}), ("increment", {"by": 1})),
+                       "Done.<|im_end|>"]}
+    seen, finals, steps = side_by_side(model_dir, tmp_path, script, {}, model=model_dir,
+                                       environment_factory=seeded(docs.IncrementEnv))
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=3.0)
+    assert steps["trl"]["reward"] == 1.0 and steps["trl"]["tools/failure_frequency"] == pytest.approx(2 / 3)
+    for error in ("{'error': 'Tool incremnt not found.'}",
+                  "{'error': \"IncrementEnv.increment() got an unexpected keyword argument 'by'\"}"):
+        assert sum(error in text for text in seen["mt_grpo"]) == 4, error  # TRL's 2 placeholder rows, 2 rollouts each
+
+
+def test_trls_docs_multiple_environments_route_rows_and_show_each_its_own_tools(model_dir, tmp_path):
+    """The docs' "Multiple environments" example: a dict environment_factory, a dataset with only an `environment`
+    column, each reset returning the prompt, tools whose `...` bodies return None (shown as `None`), a reward that
+    branches on the environment type. Each row's rollouts see only their environment's tool."""
+    docs = load_script("docs_multi_env")
+    coding, game = "Compute the 13th Fibonacci number.", "Reach the goal tile."  # seed 0: randint(1, 20) is 13
+    script = {coding: [hermes(("run_code", {"code": "print(233)"})), "233<|im_end|>"],
+              game: [hermes(("move", {"action": "up"})), "I moved.<|im_end|>"]}
+    seen, finals, steps = side_by_side(
+        model_dir, tmp_path, script, {}, model=model_dir, train_dataset=docs.dataset.select(range(2)),
+        reward_funcs=docs.reward_func, environment_factory={"coding": seeded(docs.CodingEnv), "game": docs.GameEnv})
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=1.0)
+    assert steps["trl"]["reward"] == pytest.approx(0.75)  # two coding rollouts at 1.0, two game ones at 0.5
+    for prompt, own, other in ((coding, '"run_code"', '"move"'), (game, '"move"', '"run_code"')):
+        texts = [t for t in seen["mt_grpo"] if prompt in t]
+        assert len(texts) == 4 and all(own in t and other not in t for t in texts)
+    assert all("<tool_response>\nNone\n</tool_response>" in t for t in seen["mt_grpo"] if "I moved." in t)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "TRL's tool loop answers a turn's sync calls (and the calls that fail before a coroutine exists) first and its "
+    "awaited async calls after them, whatever the model's order; here every turn's results keep the model's order "
+    "(and an environment's calls run in it), as the template's unnumbered tool responses need (docs/guide.md, "
+    "'From a TRL script')"))
+def test_a_turn_that_calls_an_async_tool_before_a_sync_one_reads_as_under_trl(model_dir, tmp_path):
+    from datasets import Dataset
+
+    docs = load_script("docs_increment")
+    prompt = "Add 40 and 1, then multiply 6 by 7."  # 41, then 42 here; 42, then 41 under TRL
+    script = {prompt: [hermes(("async_add", {"a": 40, "b": 1}), ("multiply", {"a": 6, "b": 7})), "42<|im_end|>"]}
+    seen, finals, steps = side_by_side(
+        model_dir, tmp_path, script, {"per_device_train_batch_size": 2}, model=model_dir,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}]]}),
+        tools=[docs.multiply, docs.async_add], reward_funcs=lambda completions, **kw: [1.0] * len(completions))
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=2.0)
+
+
+@pytest.mark.parametrize("name", ["docs_environment", "docs_increment", "docs_multi_env"])
+def test_trls_docs_scripts_train_a_step_here_with_only_their_import_changed(name, model_dir, tmp_path, monkeypatch):
+    """Each docs script's own main block, its import line swapped and nothing else, run as `python script.py` runs it
+    (in this process: no second start-up): its one step trains to a finite loss (the scripts keep TRL's
+    logging_steps, 10: the step's metrics are the side-by-side tests')."""
+    with open(os.path.join(ROOT, "tests", "trl_scripts", f"{name}.py")) as f:
+        text = f.read()
+    assert text.count(TRL_IMPORT) == 1
+    script = tmp_path / f"{name}_mt_grpo.py"
+    script.write_text(text.replace(TRL_IMPORT, OUR_IMPORT))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRL_SCRIPT_MODEL", model_dir)
+    monkeypatch.setenv("TRL_SCRIPT_OUTPUT", str(tmp_path / "out"))
+    trainer = runpy.run_path(str(script), run_name="__main__")["trainer"]
+    assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+@pytest.mark.parametrize("argument, fix", [
+    ("rollout_func", "give `tools` or an `environment_factory` instead"),
+    ("reward_processing_classes", "score with a reward function"),
+])
+def test_trls_arguments_that_mean_nothing_here_are_refused_with_the_fix(argument, fix, model_dir, tmp_path):
+    """Issue 78, point 8: TRL's `rollout_func` would replace the multi-turn rollout, and `reward_processing_classes`
+    tokenize for reward models, which are not loaded: each is refused before the model loads, naming what to do."""
+    from mt_grpo_trainer import MTGRPOEnvTrainer
+
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        MTGRPOEnvTrainer(model=model_dir, args=our_config(tmp_path), reward_funcs=lambda completions, **kw: [0.0],
+                         **{argument: object()})

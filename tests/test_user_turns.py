@@ -318,3 +318,29 @@ def test_a_class_without_step_rewards_calls_its_tools_without_a_replaced_list_wa
     (ep,) = roll(env, [{"prompt": "Guess the number.", "secret": "7"}], {"Guess the number.": [call, answer("7")]})
     assert ep.stop_reason == "env_done" and pool.turn_rewards(ep.toolset.environment) == [[], [1.0]]
     assert "replaces its step_rewards" not in caplog.text
+
+
+def test_tool_turns_and_reply_turns_are_normalised_in_one_pool(smollm2_tokenizer):
+    """Issue 78, point 13 (docs/guide.md, "One pool for every turn's score"): A calls `hint` (0.1), then answers
+    right (1.0); B answers wrong (0.5), then right (1.0). R_T pools (0.1, 1.0, 0.5, 1.0) per group: mean 0.65,
+    unbiased std 0.4359, so A's tool turn, below every reply, gets A_T = -1.2618 and B's wrong answer -0.3441."""
+    from helpers import xml_call
+    from mt_grpo_trainer import AdvantageSettings, compute_rewards_per_func, mt_grpo_advantages, turn_reward_table
+    from mt_grpo.rollout.episodes import pad_episodes
+
+    env, pool = lock_env(smollm2_tokenizer, factory=examples.HintQuiz, max_user_turns=3)
+    rows = [{"prompt": "Guess the number.", "secret": "7"}] * 2
+    script = {"Guess the number.": [[xml_call("odd?", tool="hint"), answer("7")], [answer("3"), answer("7")]]}
+    a, b = roll(env, rows, script)
+    assert a.stop_reason == b.stop_reason == "env_done" and a.tool_turns == b.tool_turns == 2
+    outcome_funcs, turn_funcs = pool.reward_funcs
+    columns = {"environments": [ep.toolset.environment for ep in (a, b)]}
+    per_func = compute_rewards_per_func(turn_funcs, ["p", "p"], [a.messages, b.messages], columns, [2, 2], 2)
+    R_T = turn_reward_table(per_func, torch.ones(1), torch.tensor([2, 2]), [True])
+    assert R_T.tolist() == [[pytest.approx(0.1), 1.0], [0.5, 1.0]]
+    token_turns = pad_episodes([a, b], 0, False)["token_turns"]
+    settings = AdvantageSettings.of("per_turn", 2, turn_advantage_coef=1.0)
+    adv = mt_grpo_advantages(R_T, torch.zeros(2), token_turns, settings)
+    assert torch.allclose(adv.tokens[0][token_turns[0] == 0], torch.tensor(-1.2618), atol=1e-4)
+    assert torch.allclose(adv.tokens[1][token_turns[1] == 0], torch.tensor(-0.3441), atol=1e-4)
+    env.release([a, b])

@@ -244,6 +244,10 @@ def test_page_in_chromium(run, browser, tmp_path):
     assert style[0][0] == "normal" and style[1][0] == "italic" and style[0][1] != style[1][1], style
     assert browser.js("document.querySelectorAll('#groups b, #groups script').length") == 0  # model text made no tag
     assert browser.js("[...document.querySelectorAll('.t')].some((t) => t.textContent === '</script><b>x</b>')")
+    # a call failed as its record says; a record without `ok` by either protocol's failure text
+    assert browser.js("""[{ok: false, output: "fine"}, {ok: true, output: "Error: a tool's own text"},
+        {output: "Error: tool 'x' raised"}, {output: "{'error': 'Tool x not found.'}"}, {output: "fine"}]
+        .map(isError)""") == [True, False, True, True, False]
 
     # Hovering a token shows its id, its text with visible whitespace, and its logprobs.
     tokens = records[0]["tokens"]

@@ -109,6 +109,34 @@ def test_env_records_exactly_the_ids_and_logprobs_the_server_returned(untied_ser
     assert (ours[mask] - torch.tensor(ep.sampler_logprobs)[mask]).abs().max() < 1e-3
 
 
+def test_an_agent_program_against_the_server_records_the_servers_samples(untied_server, tiny_agent_dir):
+    """An agent program (mt_grpo/agents/) over the real server: eight async openai agents of two calls each, every
+    call submitted as it comes; every model turn is exactly a sample the server returned, the agents' text mask 0."""
+    from mt_grpo.agents.runner import AgentEnv
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_dir)
+    client = RecordingClient(base_url=f"http://127.0.0.1:{untied_server.port}", params=SamplingParams(temperature=1.0),
+                             stop_strings=XMLProtocol.stop_strings, eos_token_ids=[tokenizer.eos_token_id],
+                             startup_timeout=30)
+
+    async def agent(row, openai_client):
+        messages = [{"role": "user", "content": row["question"]}]
+        for _ in range(2):
+            m = (await openai_client.chat.completions.create(model="policy", messages=messages, max_tokens=20)
+                 ).choices[0].message
+            messages += [m.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+
+    env = AgentEnv(MultiTurnToolEnv(tokenizer=tokenizer, protocol=XMLProtocol(), tools=[search], max_env_steps=2,
+                                    max_tokens_per_turn=40, max_completion_length=200, max_tool_response_tokens=40,
+                                    task_prompt=SEARCH_TASK_PROMPT, examples=search_examples), agent=agent)
+    episodes = env.rollout(None, client, rows=[{"question": f"What is the capital of country {k}?"} for k in range(8)])
+    turns = sorted((tuple(ep.completion_ids[s.start : s.end]), tuple(ep.sampler_logprobs[s.start : s.end]))
+                   for ep in episodes for s in ep.spans if s.role == "model")
+    assert len(turns) == 16 and turns == sorted((tuple(x.token_ids), tuple(x.logprobs)) for x in client.returned)
+    assert all(not any(ep.model_mask[s.start : s.end]) for ep in episodes for s in ep.spans if s.role == "env")
+    assert [ep.agent_stats["calls"] for ep in episodes] == [2] * 8
+
+
 def prefix_cache_counts(port) -> tuple[float, float]:
     """(hits, queries) of the server's prefix cache, in tokens, from its Prometheus /metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text

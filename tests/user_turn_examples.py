@@ -1,6 +1,7 @@
 """Environments that answer as the user (user_turns.py), for tests/test_user_turns.py: a quiz that gives feedback on
 a wrong answer and ends on a right one (verl's GSM8K interaction, in this project's contract), a door a tool opens
-(`done`), and a tutor that continues inside the model's message (swift's continuation)."""
+(`done`), a tutor that continues inside the model's message (swift's continuation), and a quiz with a scored hint
+tool (tool and reply turns in one pool)."""
 
 import re
 
@@ -84,3 +85,25 @@ class Checker:
         if answer_of(messages) == self.secret:
             return Reply(end=True, score=1.0)
         return Reply(" Check again:", continuation=True, score=0.25)
+
+
+class HintQuiz:
+    """The guide's "one pool" case: a `hint` tool scores 0.1 (a step reward), a wrong answer's reply 0.5, a right one's
+    1.0 (and ends the episode)."""
+
+    def reset(self, secret: str, **kwargs) -> None:
+        self.secret, self.step_rewards = secret, []
+
+    def hint(self, query: str) -> str:
+        """A hint about the secret number.
+
+        Args:
+            query: What to ask.
+        """
+        self.step_rewards.append(0.1)
+        return "It is odd." if int(self.secret) % 2 else "It is even."
+
+    def respond(self, messages):
+        if answer_of(messages) == self.secret:
+            return Reply("Correct!", done=True, score=1.0)
+        return Reply("Closer.", score=0.5)

@@ -113,8 +113,9 @@ def check_classic(env, name: str) -> None:
     if cls.__module__.startswith("verifiers.v1") or not callable(getattr(env, "env_response", None)):
         raise ValueError(f"`verifiers_env: {name}`: load_environment returned a {cls.__module__}.{cls.__name__}, not a "
                          "classic verifiers environment (vf.ToolEnv, vf.StatefulToolEnv or a vf.MultiTurnEnv with "
-                         "env_response; `verifiers.legacy` in verifiers 0.3). verifiers.v1 environments run an agent "
-                         "behind an OpenAI-compatible endpoint and are not supported: see docs/guide.md, 'From verifiers'.")
+                         "env_response; `verifiers.legacy` in verifiers 0.3). A verifiers.v1 environment runs an agent "
+                         "program: train it as an `agent` through the endpoint (docs/guide.md, 'From an agent "
+                         "program', 'verifiers v1').")
     if getattr(env, "rubric", None) is None:
         raise ValueError(f"`verifiers_env: {name}`: {cls.__name__} has no rubric; give it one "
                          "(`rubric=vf.Rubric(funcs=[...])`), the episodes' rewards.")

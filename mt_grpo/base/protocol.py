@@ -14,8 +14,9 @@ every protocol, in the OpenAI / chat-template shape:
 
 `tool_calls` lists the calls that parsed, as {"type": "function", "function": {"name", "arguments"}}.
 Every call the environment answers, malformed ones included, gets one `tool` message; a failed
-call's content starts with ERROR_PREFIX. A "tool turn" is an assistant message followed by tool
-messages; per-turn rewards give one value per tool turn.
+call's content starts with ERROR_PREFIX, or under chat_template reads as TRL's (`{'error': ...}`:
+`tool_reply`). A "tool turn" is an assistant message followed by tool messages; per-turn rewards
+give one value per tool turn.
 
     xml             <reasoning>...</reasoning> then <tool>{"name": ..., "args": {...}}</tool> or
                     <answer>...</answer>; the reply is a user message <result>...</result>.
@@ -47,7 +48,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Union
 
-ERROR_PREFIX = "Error:"  # a tool message whose content starts with this is a failed call
+ERROR_PREFIX = "Error:"  # a failed call's tool message starts with this (chat_template: TRL's text, tool_reply)
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
@@ -268,6 +269,11 @@ class Protocol:
     def template_messages(self, messages: list[dict]) -> list[dict]:
         """Canonical messages -> the messages the chat template renders."""
         raise NotImplementedError
+
+    def tool_reply(self, result) -> str | list:
+        """The content of a call's tool message, from its result (rollout/tool_calls.ToolResult): the tool's output,
+        or the failure as `Error: ...` (ERROR_PREFIX)."""
+        return result.output
 
 
 # ------------------------------------------------------------------------------------------------
@@ -591,6 +597,13 @@ class ChatTemplateProtocol(Protocol):
                 out.append({"role": "user", "content": moved})  # after the run of tool messages
                 moved = []
         return out
+
+    def tool_reply(self, result) -> str | list:
+        """As TRL's tool loop replies, so that a TRL script's model reads TRL's text: a tool that raised, arguments
+        that do not fit, a name no tool has, each `str({"error": message})` with TRL's message (`Tool x not
+        found.`, Python's TypeError, str(e)); the output otherwise. Failures TRL never has (a timeout, a call that
+        did not parse) keep `Error: ...`. The rewards read both forms (rewards/conversation.failed)."""
+        return str({"error": result.trl_error}) if result.trl_error else result.output
 
 
 PROTOCOLS: dict[str, type[Protocol]] = {"xml": XMLProtocol, "chat_template": ChatTemplateProtocol}

@@ -21,12 +21,13 @@ import sys
 logger = logging.getLogger("mt_grpo")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# framework -> (the version copied, the modules an environment imports: the real package must provide them all,
-# what the copy covers, in words)
+# framework -> (the version copied, the modules an environment imports, `module:name` where the module must hold that
+# name: the real package must provide them all (verifiers 0.3 on has no classic classes, only verifiers.v1), what the
+# copy covers, in words)
 COPIES = {
     "verl": ("0.7.1", ("verl.tools.base_tool", "verl.tools.schemas", "verl.interactions.base",
                        "verl.utils.reward_score"), "tool, interaction, reward_score"),
-    "verifiers": ("0.1.14", ("verifiers",), "its classic environments, parsers and rubric"),
+    "verifiers": ("0.1.14", ("verifiers:MultiTurnEnv",), "its classic environments, parsers and rubric"),
     "openenv": ("0.10.0", ("openenv.core.env_server.interfaces", "openenv.core.env_server.types"),
                 "Environment, Action, Observation, State"),
 }
@@ -40,12 +41,15 @@ def provide(framework: str) -> bool:
         return _USED[framework]
     version, modules, covers = COPIES[framework]
     try:
-        for module in modules:
-            importlib.import_module(module)
+        for entry in modules:
+            module, _, name = entry.partition(":")
+            if not hasattr(importlib.import_module(module), name or "__name__"):
+                raise ImportError(f"{module} has no {name}")  # installed, but not the API the copy stands for
         _USED[framework] = False
         return False
     except ImportError as e:  # ModuleNotFoundError too: not installed, or installed without its dependencies
         why = "not installed" if isinstance(e, ModuleNotFoundError) and e.name == framework else \
+            f"installed without what the copy stands for ({e})" if "has no" in str(e) else \
             f"installed but does not import here ({type(e).__name__}: {e})"
     # a failed import can leave the real package's parents in sys.modules: drop them, so the copy is found whole
     for name in [n for n in sys.modules if n == framework or n.startswith(framework + ".")]:

@@ -3,7 +3,8 @@
 Every function follows TRL's convention `fn(prompts, completions, **dataset_columns)`. `completions[i]`
 is the canonical conversation of protocol.py (rewards/conversation.py reads it): assistant messages
 whose `tool_calls` hold the calls that parsed, each tool turn answered by one `tool` message per
-call, a failed call's content starting with `protocol.ERROR_PREFIX`. The keyword `answer_aliases`
+call, a failed call's content starting with `protocol.ERROR_PREFIX` or, under chat_template, TRL's
+`{'error': ...}` (conversation.failed reads both). The keyword `answer_aliases`
 holds the accepted aliases (list[str], or one str; tasks/ makes it from the `answer` column, which reaches
 rewards as the dataset holds it). Odd content (missing or unclosed tags, empty
 turns, no turns) scores 0.0, never raises.
@@ -76,8 +77,8 @@ def _answer_found(tools: list[dict], answer, answer_type: str) -> float:
 
 def tool_execution_reward_func(prompts, completions, **kwargs) -> list[float]:
     """0.2 * (successful tool calls / tool calls) over the whole episode, in [0, 0.2]; 0.0 with no
-    call. A call failed when its tool message starts with ERROR_PREFIX (unknown tool, bad JSON,
-    exception, timeout)."""
+    call. A call failed when its tool message is a failure's (conversation.failed: ERROR_PREFIX, or TRL's
+    `{'error': ...}`; unknown tool, bad JSON, exception, timeout)."""
     return [_execution_score([t for _, tools in tool_turns(c) for t in tools]) for c in completions]
 
 

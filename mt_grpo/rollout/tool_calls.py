@@ -63,6 +63,9 @@ class ToolResult:
     seconds: float = 0.0
     reward: float | None = None  # the step reward of a tool that returned (output, reward)
     main_thread: bool = False  # not run: the tool uses `signal`, and the call is to run on the main thread
+    # A failure TRL's tool loop has (the tool raised, its arguments did not fit, no tool has the name): the message
+    # TRL shows as `str({"error": message})` (Protocol.tool_reply); "" for a result or a failure TRL never has
+    trl_error: str = ""
 
 
 def tool_output(value, source: str) -> tuple[str | list, float | None]:
@@ -131,7 +134,8 @@ def start_call(tools: dict[str, Callable], call: ToolCall,
     if call.error:
         return None, [ToolResult(error_text(call.error), False)]
     if call.name not in tools:
-        return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False)]
+        return None, [ToolResult(error_text(f"unknown tool '{call.name}'; available tools: {sorted(tools)}"), False,
+                                 trl_error=f"Tool {call.name} not found.")]
     if function_of(tools[call.name]) in SIGNAL_TOOLS:
         return None, [ToolResult("", False, main_thread=True)]
     return _threaded(tools[call.name], call, loop)
@@ -145,13 +149,16 @@ def _threaded(fn: Callable, call: ToolCall, loop) -> tuple[threading.Thread, lis
 
 
 def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) -> ToolResult:
-    """`call` run here, on this thread; its failure as the `Error: ...` the model sees. A sync tool refused
-    `signal` off the main thread is not failed: its result says to run it on the main thread."""
+    """`call` run here, on this thread; its failure as the `Error: ...` the model sees, with TRL's text of it
+    (`trl_error`: str(e)). A sync tool refused `signal` off the main thread is not failed: its result says to run it
+    on the main thread. Arguments that do not fit the signature are called all the same, as TRL calls them: Python
+    refuses them before the tool's first line, and TRL shows Python's TypeError."""
     begun = time.monotonic()
     try:
         _signature(fn).bind(**call.arguments)  # the arguments against the signature, so that a TypeError the
-    except TypeError as e:  # tool itself raises is reported as raised, not as the model's bad arguments
-        return ToolResult(error_text(f"bad arguments for tool '{call.name}': {e}"), False, time.monotonic() - begun)
+        misfit = ""  # tool itself raises is reported as raised, not as the model's bad arguments
+    except TypeError as e:
+        misfit = str(e)
     try:
         with signal_scope(f"tool '{call.name}'", function_of(fn)):
             output = run_async(fn(**call.arguments), loop)  # an async tool: its environment's loop, or the shared one
@@ -169,8 +176,9 @@ def _call(fn: Callable, call: ToolCall, loop: asyncio.AbstractEventLoop | None) 
                            "each bounded by tool_timeout (docs/guide.md, 'Adding a tool'). To keep them concurrent: "
                            "%s", call.name, e, SIGNAL_FIX)
             return ToolResult("", False, time.monotonic() - begun, main_thread=True)
-        return ToolResult(error_text(f"tool '{call.name}' raised {type(e).__name__}: {e}"), False,
-                          time.monotonic() - begun)
+        ours = f"bad arguments for tool '{call.name}': {misfit}" if misfit else \
+            f"tool '{call.name}' raised {type(e).__name__}: {e}"
+        return ToolResult(error_text(ours), False, time.monotonic() - begun, trl_error=str(e))
 
 
 def finish_call(call: ToolCall, thread: threading.Thread | None, slot: list, wait: float,

@@ -53,10 +53,12 @@ class Parts:
     step_rewards: bool = False  # an environment's `step_rewards` reward every turn (advantage_mode auto: per_turn)
     group_seeds: bool = False  # the environment draws its game from reset's `seed`: seed_rows gives each row one
     placeholder: bool = False  # no dataset: `train` is placeholder_task's rows, which reset fills
+    agent: object = None  # the trainer's `agent` keyword: an agent program's episodes (agents/, make_env)
 
 
 def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_funcs,
-             outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None) -> Parts:
+             outcome_reward_funcs, processing_class, corpus, environment_factory=None, reward_funcs=None,
+             agent=None) -> Parts:
     """Resolve every name of the config and load what is missing (see the module docstring)."""
     from mt_grpo.base.protocol import load_examples, load_text
     from mt_grpo.run.reporting import show_log
@@ -124,7 +126,7 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         tools, outcome, turn = pool.all_tools(), outcome + pool.reward_funcs[0], turn + pool.reward_funcs[1]
     return Parts(
         tokenizer=tokenizer, eos_token_ids=eos_ids, tools=tools, environments=pool, weights=weights,
-        turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source),
+        turn_funcs=turn, outcome_funcs=outcome, train=train, eval=held_out, questions=_questions(source), agent=agent,
         task_prompt=load_text(args.system_prompt) or getattr(adapted, "system_prompt", None)
         or getattr(source, "system_prompt", None),
         examples=load_examples(args.few_shot_examples) if args.few_shot_examples is not None

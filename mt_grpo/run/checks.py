@@ -247,8 +247,10 @@ def check_trl(reward_processing_classes=None, rollout_func=None) -> None:
         raise ValueError("`reward_processing_classes` tokenize for reward models, which this trainer does not load: "
                          "score with a reward function (it may call a model itself), and leave it out.")
     if rollout_func is not None:
-        raise ValueError("`rollout_func` would replace the rollout, and this trainer's rollout is its multi-turn "
-                         "environment: give `tools` or an `environment_factory` instead, and leave it out.")
+        raise ValueError("`rollout_func` would replace the rollout with one that owns generation, whose tokens this "
+                         "trainer cannot credit turn by turn: run that code as an agent (`agent=`, the OpenAI-compatible "
+                         "endpoint of docs/guide.md 'From an agent program'), or give `tools` or an "
+                         "`environment_factory`, and leave it out.")
     # TRL 1.16's unwrap_model_for_generation calls transformers' deprecated `is_gradient_checkpointing`,
     # `gradient_checkpointing_disable` and `..._enable` around every generation: nothing for a user to change
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",

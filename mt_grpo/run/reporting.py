@@ -21,6 +21,7 @@ from accelerate.utils import broadcast, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from mt_grpo.agents import agent_metrics
 from mt_grpo.base.fields import arg
 from mt_grpo.base.runtime import STOP, StopRequested
 from mt_grpo.engine.vision import content_images, conversation_images, json_image, thumbnail
@@ -93,12 +94,12 @@ class RolloutProgress:
 EPISODE_STATS = ("tool_calls", "tool_failures", "model_tokens", "env_tokens", "truncated", "answered",
                  "tokenization_mismatch", "turns", "samples", "user_turns", "prompt_tokens", "images")
 STOP_REASONS = ("answer", "no_action", "max_env_steps", "turn_length", "budget", "repetition", "reset_timeout",
-                "env_done", "env_error", "max_assistant_turns")
+                "env_done", "env_error", "max_assistant_turns", "agent_done", "agent_error", "agent_timeout", "no_call")
 # The stop reasons that are a limit cutting the episode, and the field to raise
 LIMITS = {"max_env_steps": "`max_env_steps` (or TRL's `max_tool_calling_iterations`)",
           "turn_length": "`max_tokens_per_turn`", "budget": "`max_completion_length`",
           "reset_timeout": "`reset_timeout` (or a reset that hangs: see the log)",
-          "max_assistant_turns": "`verl_max_assistant_turns`"}
+          "max_assistant_turns": "`verl_max_assistant_turns`", "agent_timeout": "`agent_timeout`"}
 
 
 def warn_limit(trainer, metric: str, share: float) -> None:
@@ -574,6 +575,8 @@ class TrainerReports:
             m[name].append(value)
             warn_limit(self, name, value)
         m["rollout/seconds"].append(seconds)
+        for name, value in agent_metrics(episodes).items():  # an agent program's calls (agents/runner.py)
+            m[name].append(value)
         for name, value in self._judge_metrics().items():  # the LLM judge's calls, tokens, time (rewards/judge.py)
             m[name].append(value)
         staleness = torch.tensor([float(self.state.global_step - ep.policy_version) for ep in episodes],

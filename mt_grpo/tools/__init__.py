@@ -6,8 +6,8 @@ trainer renders
 its signature and the first line of its docstring into the system prompt, and the model calls it by
 its function name (`__name__`): `<tool>{"name": "<function name>", "args": {...}}</tool>`. On failure a
 tool raises an exception with a message that says what went wrong: the environment shows it to the
-model as `Error: ...` and counts a failed call. The trainer bounds each call with `tool_timeout`, so a
-tool need not. Calls run on worker threads; a sync tool that uses `signal` runs on the main thread (MAIN, in
+model as `Error: ...` (under chat_template as TRL does, `{'error': ...}`) and counts a failed call. The trainer
+bounds each call with `tool_timeout`, so a tool need not. Calls run on worker threads; a sync tool that uses `signal` runs on the main thread (MAIN, in
 mt_grpo/rollout/tool_calls.py).
 
 To add a tool: write the function in a module under `mt_grpo/tools/` (docstring: one line saying what it
