@@ -858,12 +858,13 @@ def test_trls_docs_scripts_train_a_step_here_with_only_their_import_changed(name
 
 
 @pytest.mark.parametrize("argument, fix", [
-    ("rollout_func", "give `tools` or an `environment_factory` instead"),
+    ("rollout_func", "run that code as an agent (`agent=`, the OpenAI-compatible endpoint"),
     ("reward_processing_classes", "score with a reward function"),
 ])
 def test_trls_arguments_that_mean_nothing_here_are_refused_with_the_fix(argument, fix, model_dir, tmp_path):
-    """Issue 78, point 8: TRL's `rollout_func` would replace the multi-turn rollout, and `reward_processing_classes`
-    tokenize for reward models, which are not loaded: each is refused before the model loads, naming what to do."""
+    """Issue 78, point 8: TRL's `rollout_func` would replace the multi-turn rollout (refused naming the agent endpoint,
+    issue 79), and `reward_processing_classes` tokenize for reward models, which are not loaded: each is refused before
+    the model loads, naming what to do."""
     from mt_grpo_trainer import MTGRPOEnvTrainer
 
     with pytest.raises(ValueError, match=re.escape(fix)):
