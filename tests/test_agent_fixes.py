@@ -2,11 +2,15 @@
 agent calls the model, a call the openai client retries after its sample was drawn, `agent/*` metrics gathered across
 processes, and calls past `max_env_steps`."""
 
+import concurrent.futures
 import math
+import threading
 
+import httpx
 import pytest
 
-from helpers import rollout_records
+from helpers import make_env, rollout_records, xml_answer
+from scripted_policy import ScriptedPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,3 +49,100 @@ def test_a_step_where_no_agent_or_only_some_call_the_model_trains(tiny_agent_dir
     records = rollout_records(args.output_dir, "step-000002.jsonl")
     silent = [r for r in records if r["stop_reason"] == "no_call"]
     assert len(silent) == 4 * want and all(not any(r["tokens"]["model_mask"]) for r in silent)
+
+
+def _agent_env(tokenizer, agent, **overrides):
+    from mt_grpo.agents.runner import AgentEnv
+
+    return AgentEnv(make_env(tokenizer, [], **overrides), agent=agent, batch_wait=600.0)
+
+
+class SlowUntilRetried(ScriptedPolicy):
+    """A server backend whose samples come only once the endpoint has seen a retry of the call (a sample slower than
+    the client's timeout, held by the endpoint's own count, not by a sleep)."""
+
+    can_submit, max_concurrent_requests, prompts_per_request = True, 4, 1
+
+    def __init__(self, tokenizer, script, sessions):
+        super().__init__(tokenizer, script)
+        self.sessions = sessions
+
+    def submit(self, prompts, max_tokens, n=1, params=None):
+        future = concurrent.futures.Future()
+
+        def answer():
+            for _ in range(6000):
+                if any(s.stats["retries"] for s in list(self.sessions.values())):
+                    break
+                threading.Event().wait(0.01)
+            future.set_result(self.generate(prompts, [max_tokens] * len(prompts), n, params))
+
+        threading.Thread(target=answer, daemon=True).start()
+        return future
+
+
+def test_the_openai_clients_retry_of_a_slow_call_gets_its_sample_once(smollm2_tokenizer):
+    """The openai client's own retry (a short timeout, max_retries) of a call whose sample is slower than it: the
+    retry waits for the one sample of the call in flight (it is not refused 409, and no second sample is drawn), and
+    the agent gets the reply recorded; the episode is one sample, the retry counted."""
+    import openai
+
+    got = []
+
+    def agent(row, base_url, api_key):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=0.5, max_retries=5)
+        messages = [{"role": "user", "content": Q}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+            got.append(reply.content)
+            messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "Once more."}]
+
+    env = _agent_env(smollm2_tokenizer, agent)
+    backend = SlowUntilRetried(smollm2_tokenizer, {Q: [xml_answer("Morvane"), xml_answer("Morvane, yes")]},
+                               env.endpoint.sessions)
+    (ep,) = env.rollout(None, backend, rows=[{"question": Q}])
+    model = [smollm2_tokenizer.decode(ep.completion_ids[s.start:s.end]) for s in ep.spans if s.role == "model"]
+    assert model == got == [xml_answer("Morvane"), xml_answer("Morvane, yes")]
+    assert ep.agent_stats["calls"] == 2 and ep.agent_stats["retries"] >= 1 and ep.sample_starts == []
+    assert not any(k.startswith("new_samples/") and v for k, v in ep.agent_stats.items())
+
+
+class LosesTheFirstReply(httpx.HTTPTransport):
+    """A transport whose first reply is lost after the endpoint answered it (a dropped connection, or a client that
+    timed out just as the sample came): the openai client sees a timeout, and retries."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        if not self.lost:
+            response.read()
+            self.lost += 1
+            raise httpx.ReadTimeout("the reply was lost", request=request)
+        return response
+
+
+def test_a_reply_the_agent_never_received_is_not_trained_and_asking_again_is_a_new_sample(smollm2_tokenizer):
+    """The endpoint sampled and answered a call, but the reply was lost; the openai client retries it (max_retries):
+    the retry gets the reply recorded, so no sample the agent never saw is trained (before, the retry was recorded
+    as a history rewrite: a second sample). The same request sent again as a new call (the SDK's retry count 0) is
+    the agent asking again: a sample of its own, which it receives."""
+    import openai
+
+    got, transport = [], LosesTheFirstReply()
+
+    def agent(row, base_url, api_key):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=2,
+                               http_client=httpx.Client(transport=transport))
+        messages = [{"role": "user", "content": Q}]
+        for _ in range(2):  # the same request twice: the agent samples again
+            got.append(client.chat.completions.create(model="policy", messages=messages).choices[0].message.content)
+
+    env = _agent_env(smollm2_tokenizer, agent)
+    (ep,) = env.rollout(None, ScriptedPolicy(smollm2_tokenizer, {Q: [xml_answer("Morvane")]}), rows=[{"question": Q}])
+    model = [smollm2_tokenizer.decode(ep.completion_ids[s.start:s.end]) for s in ep.spans if s.role == "model"]
+    assert model == got == [xml_answer("Morvane")] * 2 and transport.lost == 1
+    assert ep.agent_stats["retries"] == 1 and ep.agent_stats["calls"] == 2
+    assert ep.agent_stats["new_samples/rewrite"] == 1  # the second request, asked on purpose

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 
-from mt_grpo.agents.endpoint import Endpoint, log_once
+from mt_grpo.agents.endpoint import Endpoint, log_once, settle
 from mt_grpo.base.registry import resolve
 from mt_grpo.base.runtime import stop_point
 from mt_grpo.rewards import per_tool_turn
@@ -313,17 +313,6 @@ class AgentEnv:
         for ep in episodes:
             self.results.pop(id(ep.messages), None)
         self.env.release(episodes)
-
-
-def settle(future: concurrent.futures.Future, value, error: BaseException | None = None) -> None:
-    """Answer `future` unless it was answered already (the episode ended while it waited)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 def agent_result(value) -> dict:
