@@ -146,3 +146,60 @@ def test_a_reply_the_agent_never_received_is_not_trained_and_asking_again_is_a_n
     assert model == got == [xml_answer("Morvane")] * 2 and transport.lost == 1
     assert ep.agent_stats["retries"] == 1 and ep.agent_stats["calls"] == 2
     assert ep.agent_stats["new_samples/rewrite"] == 1  # the second request, asked on purpose
+
+
+def test_agent_metrics_are_means_over_every_processs_episodes(smollm2_tokenizer):
+    """reporting.py hands agent_metrics accelerate's gather: the metrics are means over the episodes of every process
+    (here a gather that adds a second process's rows, as accelerate's concatenates them), not this process's."""
+    import torch
+
+    from mt_grpo.agents import AGENT_COUNTS, agent_metrics
+    from mt_grpo.rollout.episodes import Episode
+
+    mine = Episode([1, 2], stop_reason="answer")
+    mine.agent_stats = {"calls": 3, "retries": 1, "new_samples/rewrite": 1}
+    silent = Episode([], stop_reason="no_call")
+    silent.agent_stats = {}
+    other = torch.zeros(2, len(AGENT_COUNTS) + 1)  # the other process: two episodes of 1 call each, one silent
+    other[:, AGENT_COUNTS.index("calls")] = torch.tensor([1.0, 0.0])
+    other[1, -1] = 1.0
+    seen = []
+
+    def gather(rows):
+        seen.append(rows.shape)
+        return torch.cat([rows, other])
+
+    metrics = agent_metrics([mine, silent], gather)
+    assert seen == [(2, len(AGENT_COUNTS) + 1)]
+    assert metrics["agent/calls_per_episode"] == 1.0 and metrics["agent/retries_per_episode"] == 0.25
+    assert metrics["agent/new_samples/rewrite"] == 0.25 and metrics["agent/no_call_ratio"] == 0.5
+    assert agent_metrics([Episode([1])], gather) == {} and len(seen) == 1  # no agent: nothing gathered
+
+
+def test_a_call_past_max_env_steps_gets_an_openai_error_and_the_episode_stops_there(smollm2_tokenizer):
+    """max_env_steps 1: the built-in loop runs one tool turn and stops at the next turn with calls, whose calls are not
+    run. Through the endpoint, the call that brings the second turn's tool results is refused: 400 with code
+    max_env_steps (the openai SDK's BadRequestError), not sampled; the episode ends `max_env_steps`."""
+    import openai
+
+    from helpers import xml_call
+
+    errors = []
+
+    def agent(row, client):
+        messages = [{"role": "user", "content": Q}]
+        for _ in range(4):
+            try:
+                m = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+            except openai.BadRequestError as e:
+                errors.append((e.status_code, e.code, e.param))
+                return 0.0
+            messages += [m.model_dump(exclude_none=True)]
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "Unknown."} for c in m.tool_calls]
+
+    env = _agent_env(smollm2_tokenizer, agent, max_env_steps=1)
+    script = {Q: [xml_call("capital of Veltria"), xml_call("Veltria capital"), xml_answer("Morvane")]}
+    (ep,) = env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script), rows=[{"question": Q}])
+    assert errors == [(400, "max_env_steps", "max_env_steps")]
+    assert ep.stop_reason == "max_env_steps" and [s.role for s in ep.spans] == ["model", "env", "model"]
+    assert ep.agent_stats["past_max_env_steps"] == 1 and ep.agent_stats["calls"] == 3

@@ -273,6 +273,9 @@ class Endpoint:
         """Check the request, append it to the episode (or start a new sample); the ids to sample from and the limit."""
         if s.ended:
             raise APIError(409, f"This episode has ended ({s.ended}): its calls are closed.", code="episode_ended")
+        if s.last_stop == "max_env_steps":
+            raise APIError(400, f"This episode has had its {self.env.max_env_steps} environment steps "
+                                "(max_env_steps). End the episode.", param="max_env_steps", code="max_env_steps")
         if s.budget_spent:
             raise APIError(400, "This episode's token budget (max_completion_length) is spent: a reply was cut by it. "
                                 "End the episode.", param="max_completion_length", code="budget_spent")
@@ -303,6 +306,12 @@ class Endpoint:
             clean = keys[:n] == s.sent and tools_key == s.tools_key and tail and \
                 all(m["role"] != "assistant" for m in tail)
             if clean:
+                if any(m["role"] == "tool" for m in tail) and len({c.turn for c in ep.calls}) >= env.max_env_steps:
+                    s.last_stop = "max_env_steps"  # the built-in loop runs no call past it
+                    s.stats["past_max_env_steps"] += 1
+                    raise APIError(400, f"This episode has had its {env.max_env_steps} environment steps "
+                                        "(max_env_steps): tool results past them are not run, as in the built-in "
+                                        "loop. End the episode.", param="max_env_steps", code="max_env_steps")
                 if not env.append_reply(ep, tail):
                     ep.stop_reason = ""  # the agent's end sets it (rollout: not before the agent returns)
                     s.budget_spent, s.last_stop = True, "budget"
