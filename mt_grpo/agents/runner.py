@@ -319,7 +319,7 @@ def agent_result(value) -> dict:
     """An agent's return value as {reward, call_scores}: None, a number, or a dict of those keys."""
     if value is None:
         return {}
-    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+    if not isinstance(value, (int, float, dict)):  # a bool is a number: `return answer in text` is 1.0 or 0.0
         raise ValueError(f"An agent returned {type(value).__name__} {value!r:.80}: return the episode's reward (a "
                          "number), {'reward': ..., 'call_scores': [...]}, or None.")
     if isinstance(value, dict):

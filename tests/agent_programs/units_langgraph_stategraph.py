@@ -34,4 +34,4 @@ def build(model):
 def run(row, base_url, api_key):
     app = build(ChatOpenAI(model="policy", base_url=base_url, api_key=api_key))
     state = app.invoke({"messages": [("user", row["question"])]}, {"recursion_limit": 10})
-    return 1.0 if row["answer"] in state["messages"][-1].content else 0.0
+    return row["answer"] in state["messages"][-1].content  # a bool: the reward 1.0 or 0.0
