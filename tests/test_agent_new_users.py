@@ -58,7 +58,8 @@ def check(records: list[dict], logs: list[dict]) -> None:
 @pytest.mark.parametrize("agent", ["units_langgraph_stategraph", "units_agents_sdk_run_sync", "command"])
 def test_new_agents_train_two_steps(tmp_path, tiny_model_dir, agent):
     if agent == "command":
-        how = dict(agent_command=f"{sys.executable} {os.path.join(ROOT, 'tests', 'agent_programs', 'units_command.py')}")
+        program = os.path.join(ROOT, "tests", "agent_programs", "units_command.py")
+        how = dict(agent_command=f"{sys.executable} {program}")
     else:
         how = dict(agent=f"agent_programs.{agent}:run")
     check(*train(tmp_path, tiny_model_dir, **how))

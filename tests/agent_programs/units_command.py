@@ -24,6 +24,7 @@ for _ in range(4):
     if not reply.tool_calls:
         break
     for call in reply.tool_calls:
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": convert(**json.loads(call.function.arguments))})
+        result = convert(**json.loads(call.function.arguments))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
 print("converted", file=sys.stderr)
 print(json.dumps({"reward": float(row["answer"] in (reply.content or ""))}))
