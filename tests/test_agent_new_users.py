@@ -1,8 +1,9 @@
 """Agents written from README.md and docs/guide.md alone, in each client's own style, on a task of their own (length
 conversion: tests/agent_programs/units*.py), each trained through the endpoint: (a) the openai SDK's
 chat.completions tool loop with parallel tool calls, the SDK's message objects appended as its docs do; (b) a
-LangGraph StateGraph built by hand (a model node with bind_tools, a ToolNode); (d) the OpenAI Agents SDK with two
-tools and Runner.run_sync; (e) an agent_command in another process. A scripted policy writes each call's reply so
+LangGraph StateGraph built by hand (a model node with bind_tools, a ToolNode), returning a bool; (c) smolagents'
+ToolCallingAgent with a typed @tool; (d) the OpenAI Agents SDK with two tools and Runner.run_sync; (e) an
+agent_command in another process. A scripted policy writes each call's reply so
 that the agents' tools run; the recorded model turns are the script's, every other token mask 0."""
 
 import os
@@ -28,18 +29,19 @@ def xml_convert(row) -> str:
 SCRIPT = {row["question"]: [xml_convert(row), f"It is {row['answer']}."] for row in ROWS}
 
 
-def train(tmp_path, model_dir: str, **agent) -> tuple[list[dict], list[dict]]:
+def train(tmp_path, model_dir: str, script: dict = SCRIPT, budget: int = 192,
+          **agent) -> tuple[list[dict], list[dict]]:
     """Two steps of the agent with the scripted policy on the tiny model: (records of both steps, logs)."""
     from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 
     args = MTGRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2,
-                        per_device_train_batch_size=4, max_completion_length=192, max_tokens_per_turn=64,
+                        per_device_train_batch_size=4, max_completion_length=budget, max_tokens_per_turn=64,
                         learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none", logging_steps=1,
                         save_strategy="no", save_rollouts_steps=1, generation_backend="transformers",
                         disable_tqdm=True, agent_timeout=120, **agent)
     rows = [{k: v for k, v in r.items() if k != "args"} for r in ROWS]
     trainer = MTGRPOEnvTrainer(model_dir, args=args, train_dataset=Dataset.from_list(rows * 4),
-                               backend=lambda env: ScriptedTransformersBackend(env.tokenizer, SCRIPT))
+                               backend=lambda env: ScriptedTransformersBackend(env.tokenizer, script))
     trainer.train()
     records = [r for step in (1, 2) for r in rollout_records(args.output_dir, f"step-{step:06d}.jsonl")]
     return records, [log for log in trainer.state.log_history if "loss" in log]
@@ -63,6 +65,20 @@ def test_new_agents_train_two_steps(tmp_path, tiny_model_dir, agent):
     else:
         how = dict(agent=f"agent_programs.{agent}:run")
     check(*train(tmp_path, tiny_model_dir, **how))
+
+
+def test_smolagents_tool_calling_agent_with_a_typed_tool(tmp_path, tiny_model_dir):
+    """(c) smolagents' ToolCallingAgent with a @tool of three typed arguments. smolagents writes its history back as
+    text, so its second call starts a sample whose prompt re-renders the history, counted against
+    max_completion_length: at the 192 the other agents here train with, its second call is refused 400
+    `budget_spent` (whose message now says why and which field to raise); at 512 it fits."""
+    final = {r["question"]: '<tool>{"name": "final_answer", "args": {"answer": "%s"}}</tool>' % r["answer"]
+             for r in ROWS}
+    script = {q: [turns[0], final[q]] for q, turns in SCRIPT.items()}
+    records, logs = train(tmp_path, tiny_model_dir, script, budget=512, agent="agent_programs.units_smolagents:run")
+    assert len(records) == 8 and all(r["rewards"]["outcome"]["agent_reward"] == 1.0 for r in records)
+    assert all(r["answer"] in "".join(t["text"] for t in r["turns"] if t["role"] == "env") for r in records)
+    assert all(log["agent/new_samples/rewrite"] == 1 and log["agent/refused_per_episode"] == 0 for log in logs)
 
 
 def test_the_openai_sdks_parallel_tool_calls_with_its_message_objects_appended(qwen_style_tokenizer):

@@ -343,8 +343,13 @@ class Endpoint:
         prompt = self.env.render_ids(canon, True, toolset)
         if len(prompt) - len(ep.prompt_ids) >= self.env.max_completion_length:
             s.budget_spent, s.last_stop = True, "budget"
-            raise APIError(400, "This call's messages do not fit the episode's token budget (max_completion_length): "
-                                "the budget is spent. End the episode.", param="messages", code="budget_spent")
+            raise APIError(400, f"This call's messages do not extend the last call's ({why}), so they start a new "
+                                f"sample whose prompt, the history re-rendered ({len(prompt)} tokens, "
+                                f"{len(prompt) - len(ep.prompt_ids)} past the first prompt), counts against the "
+                                f"episode's token budget, max_completion_length ({self.env.max_completion_length}): "
+                                "the budget is spent. Raise max_completion_length, or send the history back as "
+                                "returned (docs/guide.md, 'From an agent program').", param="messages",
+                           code="budget_spent")
         s.stats[f"new_samples/{why}"] += 1
         ep.messages += canon[last + 1:]
         ep.sample_starts.append((len(ep.completion_ids), len(ep.messages)))
