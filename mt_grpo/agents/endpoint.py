@@ -111,7 +111,7 @@ class Session:
     budget_spent: bool = False
     in_flight: concurrent.futures.Future | None = None
     last_call: tuple[str, concurrent.futures.Future] | None = None  # (the request, Future[CallResult]): its retries
-    stats: Counter = field(default_factory=Counter)  # calls, new_samples/<why>, refused, sampling_overridden
+    stats: Counter = field(default_factory=Counter)  # the counts of agents.AGENT_COUNTS (calls, retries, ...)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
