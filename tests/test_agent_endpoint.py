@@ -628,7 +628,8 @@ def test_a_second_call_while_one_is_in_flight_gets_409(smollm2_tokenizer):
         async with httpx.AsyncClient(timeout=60) as http:
             first = asyncio.create_task(http.post(f"{base_url}/chat/completions", json=body, headers=headers))
             await asyncio.get_running_loop().run_in_executor(None, backend.submitted.wait, 60)
-            second = await http.post(f"{base_url}/chat/completions", json=body, headers=headers)
+            again = {"messages": [{"role": "user", "content": Q + " Say it again."}]}  # not a retry of the first
+            second = await http.post(f"{base_url}/chat/completions", json=again, headers=headers)
             backend.gate.set()
             out.update(first=(await first).status_code, second=(second.status_code, second.json()["error"]["code"]))
 

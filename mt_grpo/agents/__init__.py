@@ -66,16 +66,23 @@ def agent_env(args, parts, env):
     return wrapped
 
 
-def agent_metrics(episodes: list) -> dict[str, float]:
-    """`agent/...` metrics of this process's episodes (means per episode; reporting.py logs them where an agent ran)."""
-    stats = [getattr(ep, "agent_stats", None) for ep in episodes]
-    if not any(s is not None for s in stats):
+AGENT_COUNTS = ("calls", "refused", "retries", "sampling_overridden", "tool_choice_unenforced", "past_max_env_steps",
+                "new_samples/rewrite", "new_samples/tools", "new_samples/template")  # Session.stats' keys
+
+
+def agent_metrics(episodes: list, gather=lambda rows: rows) -> dict[str, float]:
+    """`agent/...` metrics, means per episode over every process's episodes: `gather` (accelerate's, from
+    reporting.py) concatenates the processes' (B, len(AGENT_COUNTS) + 1) rows; {} where no agent ran (on every
+    process alike: an agent run's episodes all have agent_stats)."""
+    import torch
+
+    if not any(getattr(ep, "agent_stats", None) is not None for ep in episodes):
         return {}
-    stats = [s or {} for s in stats]
-    n = max(1, len(stats))
-    keys = {k for s in stats for k in s} | {"calls", "refused", "sampling_overridden", "new_samples/rewrite",
-                                            "new_samples/tools", "new_samples/template"}
-    out = {f"agent/{k}_per_episode" if not k.startswith("new_samples") else f"agent/{k}": sum(s.get(k, 0)
-           for s in stats) / n for k in sorted(keys)}
-    out["agent/no_call_ratio"] = sum(ep.stop_reason == "no_call" for ep in episodes) / n
+    rows = torch.tensor([[(getattr(ep, "agent_stats", None) or {}).get(k, 0) for k in AGENT_COUNTS]
+                         + [ep.stop_reason == "no_call"] for ep in episodes], dtype=torch.float32)
+    rows = gather(rows.view(-1, len(AGENT_COUNTS) + 1))
+    means = rows.mean(0).tolist() if len(rows) else [0.0] * (len(AGENT_COUNTS) + 1)
+    out = {f"agent/{k}" if k.startswith("new_samples") else f"agent/{k}_per_episode": v
+           for k, v in zip(AGENT_COUNTS, means)}
+    out["agent/no_call_ratio"] = means[-1]
     return out

@@ -3,10 +3,12 @@
 Contract (what a route calls, the chat completions route here and a `/v1/responses` route beside it):
 
     session = endpoint.session(episode_id, authorization_header)       # APIError 401/409 when it may not call
-    result = await endpoint.complete(session, messages, tools=None, tool_choice=None, **fields)
+    result = await endpoint.complete(session, messages, tools=None, tool_choice=None, retry_count=None, **fields)
         messages  the conversation in OpenAI's chat shape (system/user/assistant with tool_calls/tool with
                   tool_call_id; content a string or text parts)
         tools     OpenAI function tools [{"type": "function", "function": {name, description, parameters}}]
+        retry_count  the openai SDK's `x-stainless-retry-count` header (None without one): a retry of the last call
+                  gets that call's reply, never a sample of its own (is_retry)
         fields    the request's other fields: max_tokens / max_completion_tokens, n, temperature, top_p, stop,
                   logit_bias, response_format, presence/frequency_penalty, ... (refused where not exact: APIError 400)
         -> CallResult: content (str | None), tool_calls (OpenAI's [{id, type, function: {name, arguments}}]),
@@ -108,7 +110,8 @@ class Session:
     last_stop: str = ""  # the stop reason the built-in loop would give after the last call (answer, no_action, ...)
     budget_spent: bool = False
     in_flight: concurrent.futures.Future | None = None
-    stats: Counter = field(default_factory=Counter)  # calls, new_samples/<why>, refused, sampling_overridden
+    last_call: tuple[str, concurrent.futures.Future] | None = None  # (the request, Future[CallResult]): its retries
+    stats: Counter = field(default_factory=Counter)  # the counts of agents.AGENT_COUNTS (calls, retries, ...)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -195,9 +198,10 @@ class Endpoint:
         """The episode ends: later calls get 409; a call in flight is answered with an error."""
         with session.lock:
             session.ended = session.ended or reason
-            if session.in_flight is not None and not session.in_flight.done():
-                session.in_flight.set_exception(APIError(409, f"The episode ended ({session.ended}) while this call "
-                                                              "waited for its sample.", code="episode_ended"))
+            in_flight = session.in_flight
+        if in_flight is not None:  # outside the lock: answering it records it (Endpoint.answered)
+            settle(in_flight, None, APIError(409, f"The episode ended ({session.ended}) while this call waited for "
+                                                  "its sample.", code="episode_ended"))
 
     def forget(self, session: Session) -> None:
         """Keep only what answers a late call (its key, why it ended): the episode and the row go with the rollout."""
@@ -217,42 +221,61 @@ class Endpoint:
         return session
 
     # -- one call -----------------------------------------------------------------------------------
-    async def complete(self, session: Session, messages, tools=None, tool_choice=None, **fields) -> CallResult:
-        """One model call of the episode (module docstring): checked, recorded, sampled, parsed."""
-        busy = APIError(409, "Another call of this episode is in flight: an episode's calls run one at a time.",
-                        code="call_in_flight")
-        if not session.lock.acquire(blocking=False):
-            raise busy
-        try:
-            if session.in_flight is not None:
-                raise busy
-            session.stats["calls"] += 1
-            try:
-                ids, max_tokens = self.prepare(session, messages, tools, tool_choice, fields)
-            except APIError:
-                session.stats["refused"] += 1
-                raise
-            future = session.in_flight = self.sample(ids, max_tokens, session.index, not session.ep.completion_ids)
-        finally:
-            session.lock.release()
-        try:
-            sample = await asyncio.wrap_future(future)
-        except APIError:
-            raise
-        except Exception as e:  # the backend failed: the run stops there (AgentEnv re-raises it)
-            raise APIError(500, f"Sampling failed: {type(e).__name__}: {e}", code="sampling_failed") from e
-        finally:
-            session.in_flight = None
-        with session.lock:
-            if session.ended:
-                raise APIError(409, f"The episode ended ({session.ended}) while this call waited for its sample.",
-                               code="episode_ended")
-            return self.record(session, sample, len(ids), tool_choice, fields.get("stop"))
+    async def complete(self, session: Session, messages, tools=None, tool_choice=None, retry_count: int | None = None,
+                       **fields) -> CallResult:
+        """One model call of the episode (module docstring): checked, recorded, sampled, parsed. A retry of the last
+        call (`is_retry`) gets that call's reply, never a sample of its own."""
+        request, future = json.dumps([messages, tools, tool_choice, fields], sort_keys=True, default=str), None
+        with session.lock:  # held for no await: a recording or an episode's end, a few milliseconds at most
+            if is_retry(session.last_call, request, retry_count):
+                session.stats["retries"] += 1
+                result = session.last_call[1]
+            else:
+                if session.in_flight is not None:
+                    raise APIError(409, "Another call of this episode is in flight: an episode's calls run one at a "
+                                        "time.", code="call_in_flight")
+                session.stats["calls"] += 1
+                try:
+                    ids, max_tokens = self.prepare(session, messages, tools, tool_choice, fields)
+                except APIError:
+                    session.stats["refused"] += 1
+                    raise
+                future = session.in_flight = self.sample(ids, max_tokens, session.index, not session.ep.completion_ids)
+                result = concurrent.futures.Future()
+                session.last_call = (request, result)
+        if future is not None:  # outside the lock, which `answered` takes
+            future.add_done_callback(lambda f: self.answered(session, f, result, len(ids), tool_choice,
+                                                             fields.get("stop")))
+        # shielded: a request the client gave up on (a timeout, a dropped connection) leaves the sample recorded, for
+        # the client's retry to get
+        return await asyncio.shield(asyncio.wrap_future(result))
+
+    def answered(self, s: Session, sample: concurrent.futures.Future, result: concurrent.futures.Future,
+                 prompt_tokens: int, tool_choice, stop) -> None:
+        """The sample of the call in flight came: recorded, whether or not the request that asked for it still waits."""
+        answer, error = None, sample.exception()
+        with s.lock:
+            s.in_flight = None
+            if error is not None and not isinstance(error, APIError):  # the backend failed: the run stops there
+                error = APIError(500, f"Sampling failed: {type(error).__name__}: {error}", code="sampling_failed")
+            elif error is None and s.ended:
+                error = APIError(409, f"The episode ended ({s.ended}) while this call waited for its sample.",
+                                 code="episode_ended")
+            elif error is None:
+                try:
+                    answer = self.record(s, sample.result(), prompt_tokens, tool_choice, stop)
+                except Exception as e:  # noqa: BLE001 - answered to the request (and its retries)
+                    error = e
+        # outside the lock: the agent's next call may come as soon as this one is answered
+        settle(result, answer, error)
 
     def prepare(self, s: Session, messages, tools, tool_choice, fields: dict) -> tuple[list[int], int]:
         """Check the request, append it to the episode (or start a new sample); the ids to sample from and the limit."""
         if s.ended:
             raise APIError(409, f"This episode has ended ({s.ended}): its calls are closed.", code="episode_ended")
+        if s.last_stop == "max_env_steps":
+            raise APIError(400, f"This episode has had its {self.env.max_env_steps} environment steps "
+                                "(max_env_steps). End the episode.", param="max_env_steps", code="max_env_steps")
         if s.budget_spent:
             raise APIError(400, "This episode's token budget (max_completion_length) is spent: a reply was cut by it. "
                                 "End the episode.", param="max_completion_length", code="budget_spent")
@@ -283,6 +306,12 @@ class Endpoint:
             clean = keys[:n] == s.sent and tools_key == s.tools_key and tail and \
                 all(m["role"] != "assistant" for m in tail)
             if clean:
+                if any(m["role"] == "tool" for m in tail) and len({c.turn for c in ep.calls}) >= env.max_env_steps:
+                    s.last_stop = "max_env_steps"  # the built-in loop runs no call past it
+                    s.stats["past_max_env_steps"] += 1
+                    raise APIError(400, f"This episode has had its {env.max_env_steps} environment steps "
+                                        "(max_env_steps): tool results past them are not run, as in the built-in "
+                                        "loop. End the episode.", param="max_env_steps", code="max_env_steps")
                 if not env.append_reply(ep, tail):
                     ep.stop_reason = ""  # the agent's end sets it (rollout: not before the agent returns)
                     s.budget_spent, s.last_stop = True, "budget"
@@ -314,8 +343,13 @@ class Endpoint:
         prompt = self.env.render_ids(canon, True, toolset)
         if len(prompt) - len(ep.prompt_ids) >= self.env.max_completion_length:
             s.budget_spent, s.last_stop = True, "budget"
-            raise APIError(400, "This call's messages do not fit the episode's token budget (max_completion_length): "
-                                "the budget is spent. End the episode.", param="messages", code="budget_spent")
+            raise APIError(400, f"This call's messages do not extend the last call's ({why}), so they start a new "
+                                f"sample whose prompt, the history re-rendered ({len(prompt)} tokens, "
+                                f"{len(prompt) - len(ep.prompt_ids)} past the first prompt), counts against the "
+                                f"episode's token budget, max_completion_length ({self.env.max_completion_length}): "
+                                "the budget is spent. Raise max_completion_length, or send the history back as "
+                                "returned (docs/guide.md, 'From an agent program').", param="messages",
+                           code="budget_spent")
         s.stats[f"new_samples/{why}"] += 1
         ep.messages += canon[last + 1:]
         ep.sample_starts.append((len(ep.completion_ids), len(ep.messages)))
@@ -447,6 +481,27 @@ class Endpoint:
         return CallResult(content or None, tool_calls, finish,
                           {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
                           sampled)
+
+
+def settle(future: concurrent.futures.Future, value, error: BaseException | None = None) -> None:
+    """Answer `future` unless it was answered already (the episode ended while it waited)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def is_retry(last_call: tuple | None, request: str, retry_count: int | None) -> bool:
+    """Whether a request is a retry of the episode's last call: the same request (messages, tools, fields) from a
+    client that says it retries (the openai SDK's `x-stainless-retry-count` above 0, as the clients built on it send:
+    the Agents SDK, LangChain, smolagents), or that says nothing of it. Its transport lost the reply (a timeout, a
+    dropped connection), so the reply the endpoint recorded is the one the agent gets: a call is sampled once, however
+    many times it is asked, and no sample the agent never received is trained. The same request from the openai SDK
+    as a new call (retry count 0) is the agent asking again: a sample of its own."""
+    return last_call is not None and last_call[0] == request and (retry_count is None or retry_count > 0)
 
 
 def cut_at_stop(sample, stops: list[str], tokenizer):

@@ -46,7 +46,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         body = await json_body(request)
         fields = {k: v for k, v in body.items() if k not in ("messages", "tools", "tool_choice", "stream")}
         result = await endpoint.complete(session, body.get("messages"), body.get("tools"), body.get("tool_choice"),
-                                         **fields)
+                                         retry_count(request), **fields)
         model = body.get("model") or MODEL_NAME
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -64,7 +64,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             raise APIError(400, e.message, param=e.param) from None
         fields = {k: v for k, v in chat.items() if k not in ("messages", "tools", "tool_choice", "stream")}
         result = await endpoint.complete(session, chat["messages"], chat.get("tools"), chat.get("tool_choice"),
-                                         **fields)
+                                         retry_count(request), **fields)
         response = responses.response_from_chat(completion(result, body.get("model") or MODEL_NAME), body)
         if body.get("stream"):
             return StreamingResponse(lines(responses.sse(responses.stream_events(response))),
@@ -72,6 +72,12 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         return response.model_dump(mode="json", exclude_none=True)
 
     return app
+
+
+def retry_count(request: Request) -> int | None:
+    """The openai SDK's count of the times it has retried this request (`x-stainless-retry-count`), None without one."""
+    value = request.headers.get("x-stainless-retry-count")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 async def json_body(request: Request) -> dict:

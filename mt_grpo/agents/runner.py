@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 
-from mt_grpo.agents.endpoint import Endpoint, log_once
+from mt_grpo.agents.endpoint import Endpoint, log_once, settle
 from mt_grpo.base.registry import resolve
 from mt_grpo.base.runtime import stop_point
 from mt_grpo.rewards import per_tool_turn
@@ -115,7 +115,7 @@ class AgentEnv:
         for s in sessions:
             self.endpoint.forget(s)
         # the check compares the last sample with a render of the recorded messages: not where the agent rewrote them
-        called = [ep for ep in episodes if ep.prompt_messages and not any(
+        called = [ep for ep in episodes if ep.stop_reason != "no_call" and not any(
             ep.agent_stats.get(f"new_samples/{why}") for why in ("rewrite", "tools"))]
         check_tokenization(self.env, [ep.prompt_messages for ep in called], called, self.env.tokenization_check)
         return episodes
@@ -279,7 +279,7 @@ class AgentEnv:
 
     def episode(self, s, result) -> Episode:
         """The session's episode, with its stop reason and its agent's result (for agent_reward)."""
-        ep = s.ep if s.ep is not None else Episode([], stop_reason="no_call")
+        ep = s.ep if s.ep is not None else self.silent_episode(s.row)
         ep.agent_stats = dict(s.stats)
         if isinstance(result, BaseException):
             cause = f"{type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
@@ -299,28 +299,27 @@ class AgentEnv:
                      "in agent/no_call_ratio).")
         return ep
 
+    def silent_episode(self, row: dict) -> Episode:
+        """The episode of an agent that made no model call: the row's prompt as the built-in loop renders it (so that
+        a batch of such episodes still has tokens to forward), no completion, `no_call`."""
+        prompt = row.get("prompt")
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+            return Episode([], stop_reason="no_call")
+        return Episode(self.env.render_ids(prompt, True, self.env.toolset), toolset=self.env.toolset,
+                       prompt_messages=prompt, stop_reason="no_call")
+
     def release(self, episodes: list[Episode]) -> None:
         for ep in episodes:
             self.results.pop(id(ep.messages), None)
         self.env.release(episodes)
 
 
-def settle(future: concurrent.futures.Future, value, error: BaseException | None = None) -> None:
-    """Answer `future` unless it was answered already (the episode ended while it waited)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def agent_result(value) -> dict:
     """An agent's return value as {reward, call_scores}: None, a number, or a dict of those keys."""
     if value is None:
         return {}
-    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+    if not isinstance(value, (int, float, dict)):  # a bool is a number: `return answer in text` is 1.0 or 0.0
         raise ValueError(f"An agent returned {type(value).__name__} {value!r:.80}: return the episode's reward (a "
                          "number), {'reward': ..., 'call_scores': [...]}, or None.")
     if isinstance(value, dict):

@@ -321,7 +321,8 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     forwarded = 0
     plan = plan_rows(input_ids, attention_mask, logits_to_keep, budget, sample_starts)
     tries = packed_inputs(model, input_ids, attention_mask, logits_to_keep, plan=plan)  # one trie's mask at a time
-    for packed in matched_forwards(tries, input_ids.device, count=len(plan[0])):
+    # at least one forward: a batch with no completion token (agents that made no call) still has a loss in the graph
+    for packed in matched_forwards(tries, input_ids.device, count=max(1, len(plan[0]))):
         empty = packed is None
         if empty:  # the batch's first token twice, the second scored: through every layer and the LM head
             one = input_ids[:1, :1].expand(1, 2)

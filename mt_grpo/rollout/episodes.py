@@ -187,6 +187,11 @@ def pad_episodes(episodes: list[Episode], pad_id: int, mask_truncated: bool,
         "tool_mask": pad(t("model_mask"), padding_value=0, **right),  # (B, T)
         "sampler_logps": pad(t("sampler_logprobs", torch.float32), padding_value=0.0, **right),  # (B, T)
     }
+    if episodes and batch["completion_ids"].shape[1] == 0:  # no episode has a completion token (agents that made
+        # no model call): one padding column, out of the loss, since a forward that keeps no position keeps them all
+        fill = {"completion_ids": pad_id}
+        batch.update({k: torch.full((len(episodes), 1), fill.get(k, 0), dtype=batch[k].dtype)
+                      for k in ("completion_ids", "completion_mask", "tool_mask", "sampler_logps")})
     T = batch["completion_ids"].shape[1]
     batch["sample_starts"] = torch.zeros(len(episodes), T, dtype=torch.long)  # 1: a sample's prompt starts here
     for row, ep in enumerate(episodes):

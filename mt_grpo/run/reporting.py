@@ -575,7 +575,7 @@ class TrainerReports:
             m[name].append(value)
             warn_limit(self, name, value)
         m["rollout/seconds"].append(seconds)
-        for name, value in agent_metrics(episodes).items():  # an agent program's calls (agents/runner.py)
+        for name, value in agent_metrics(episodes, lambda rows: gather(rows.to(self.accelerator.device))).items():
             m[name].append(value)
         for name, value in self._judge_metrics().items():  # the LLM judge's calls, tokens, time (rewards/judge.py)
             m[name].append(value)
