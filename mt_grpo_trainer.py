@@ -888,7 +888,7 @@ class MTGRPOEnvTrainer(TrainerReports, LossTerms, GRPOTrainer):
             if args.async_rollout else None
         )
         self._first_generation: int | None = None  # set at this run's first generation (async_rollout)
-        check_distributed_generation(backend, self.accelerator, args)
+        check_distributed_generation(backend, self.accelerator, args, env)
         install_console(self, args.max_train_minutes, args.stop_timeout)  # SIGTERM, time budget, one line per step (run/reporting.py)
 
     # -- one generation batch: sync, roll out, score, advantages, correct, log ------------------------

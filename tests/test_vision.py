@@ -338,3 +338,35 @@ def test_the_image_recipe_trains(vlm_agent_dir, tmp_path):
     assert [h["rollout/images_per_episode"] >= 1 for h in final_metrics(out) if "loss" in h] == [True, True]
     records = rollout_records(out)
     assert all(r["prompt_images"][0]["size"] == [12, 8] for r in records)
+
+
+def test_a_vision_model_under_zero3_on_two_processes_is_refused_at_start(tmp_path):
+    """Image batches are forwarded one sample at a time (engine/vision.py); under ZeRO-3 every forward is a collective,
+    so ranks whose counts differ would hang: the image recipe under the shipped zero3.yaml on 2 CPU processes stops at
+    start naming the configs that work (run/checks.check_distributed_generation)."""
+    pytest.importorskip("deepspeed")
+    import socket
+    import subprocess
+
+    import yaml
+
+    from helpers import ROOT
+    from prepare_models import make_tiny_vlm
+
+    model = make_tiny_vlm(str(tmp_path / "vlm"), "qwen2_vl")
+    config = yaml.safe_load(open(os.path.join(ROOT, "accelerate_configs", "zero3.yaml")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config.update(num_processes=2, mixed_precision="no", main_process_port=port)
+    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml"),
+         "mt_grpo_trainer.py", "--config", os.path.join(ROOT, "hf_recipes", "tiny-qwen2-vl", "digits_zoom.yaml"),
+         "--model_name_or_path", model, "--output_dir", str(tmp_path / "out"), "--bf16", "false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    assert "A vision-language model under ZeRO-3 or FSDP on several processes is not supported" in proc.stderr, \
+        proc.stderr[-4000:]
+    assert "accelerate_configs/zero2.yaml" in proc.stderr

@@ -337,15 +337,24 @@ def check_precision(args: GRPOConfig, peft_config) -> None:
                          "`--dtype float16` does not need it.")
 
 
-def check_distributed_generation(backend, accelerator, args: GRPOConfig) -> None:
+def check_distributed_generation(backend, accelerator, args: GRPOConfig, env=None) -> None:
     """In-process generation on several processes runs in lock-step rounds (see another_round), and under ZeRO-3 or
     FSDP every rank joins each decoding step and prefill, with a dummy row where it has no live episode
-    (TransformersBackend.generate). Two settings are not tested that way: refuse them with the fix."""
-    if backend.external or accelerator.num_processes == 1:
+    (TransformersBackend.generate). Two settings are not tested that way: refuse them with the fix. A vision model's
+    image batches are forwarded one sample at a time (engine/vision.py), so under ZeRO-3 or FSDP, where every forward
+    is a collective, ranks with other sample counts would wait on each other for ever: refused whatever samples."""
+    if accelerator.num_processes == 1:
         return
     from trl.distributed import DistributedBackend
 
     dist = DistributedBackend(accelerator)
+    if getattr(getattr(env, "vision", None), "name", None) is not None and (dist.is_zero3 or dist.is_fsdp):
+        raise ValueError("A vision-language model under ZeRO-3 or FSDP on several processes is not supported: its "
+                         "image batches are forwarded one sample at a time, a count that differs between ranks, and "
+                         "each sharded forward is a collective (the ranks would hang). Train it under ZeRO-2 "
+                         "(accelerate_configs/zero2.yaml), DDP or on one process.")
+    if backend.external:
+        return
     if dist.is_zero3 and not args.ds3_gather_for_generation:
         raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
                          "transformers` on several processes is untested (every decoding step would gather each "
