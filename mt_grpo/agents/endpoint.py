@@ -153,12 +153,11 @@ class Endpoint:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- the server ---------------------------------------------------------------------------------
-    def start(self) -> "Endpoint":
+    def start(self, app) -> "Endpoint":
+        """Serve `app` (routes.make_app(self): the routes import this module, never the other way) on the socket."""
         import uvicorn
 
-        from mt_grpo.agents.routes import make_app
-
-        config = uvicorn.Config(make_app(self), log_level="warning", lifespan="off", timeout_keep_alive=30)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         started = threading.Event()
 

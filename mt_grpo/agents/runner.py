@@ -17,6 +17,7 @@ import threading
 import time
 
 from mt_grpo.agents.endpoint import Endpoint, log_once, settle
+from mt_grpo.agents.routes import make_app
 from mt_grpo.base.registry import resolve
 from mt_grpo.base.runtime import stop_point
 from mt_grpo.rewards import per_tool_turn
@@ -87,7 +88,7 @@ class AgentEnv:
             raise ValueError("An agent run on several processes needs `generation_backend: vllm_server` (in-process "
                              "generation runs in lock-step rounds across processes, which agents' calls do not).")
         if not self.endpoint_started:
-            self.endpoint.start()
+            self.endpoint.start(make_app(self.endpoint))
             self.endpoint_started = True
         self.endpoint.sampling = params or getattr(backend, "params", None)
         self.endpoint.sample = self.submitter(backend, params) if backend.can_submit else self.enqueue
