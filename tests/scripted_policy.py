@@ -44,7 +44,8 @@ class ScriptedPolicy:
     def sync_weights(self, model, accelerator) -> dict:
         return {}
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, params=None) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, params=None,
+                 images=None) -> list[Sample]:  # a script is written whatever it is shown: images too
         self.calls.append((len(prompts), n))
         out = []
         for ids, limit in zip(prompts, max_tokens):
@@ -70,7 +71,7 @@ class ScriptedTransformersBackend(TransformersBackend):
         self.rounds += go
         return go
 
-    def generate(self, prompts, max_tokens, n=1, params=None):
+    def generate(self, prompts, max_tokens, n=1, params=None, images=None):
         return self.policy.generate(prompts, max_tokens, n, params) if prompts else []
 
 
@@ -93,7 +94,7 @@ class ScriptedServer(ScriptedPolicy):
         self.in_flight = 0
         self.most_in_flight = 0
 
-    def submit(self, prompts, max_tokens, n=1, params=None):
+    def submit(self, prompts, max_tokens, n=1, params=None, images=None):
         import time
 
         delay = self.rng.uniform(0.0, 0.05)
@@ -125,7 +126,9 @@ class ScriptedSampler(ScriptedPolicy):
         self.params = params
         self.policy = policy
 
-    def generate(self, prompts, max_tokens, n=1, params=None):
+    def generate(self, prompts, max_tokens, n=1, params=None, images=None):
+        if images and self.policy is not None:  # its policy scores the ids alone: it would report another sampler's
+            raise ValueError("ScriptedSampler scores text prompts only; give it no policy for a run with images")
         samples = super().generate(prompts, max_tokens, n, params)
         if self.policy is None:
             return samples

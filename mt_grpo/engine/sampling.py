@@ -51,7 +51,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 class GenerationBackend(typing.Protocol):
     """What the env and the trainer use of a backend; each declares its capabilities instead of being
-    recognised by name. A backend that `can_submit` also has `submit(prompts, max_tokens, n, params) ->
+    recognised by name. A backend that `can_submit` also has `submit(prompts, max_tokens, n, params, images) ->
     Future[list[Sample]]` (one request, for the per-episode scheduler) and its request limits,
     `max_concurrent_requests` and `prompts_per_request`. tests/test_backends.py checks every backend."""
 
@@ -59,7 +59,8 @@ class GenerationBackend(typing.Protocol):
     can_submit: bool  # takes requests one at a time, so episodes need not advance in lock-step
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-                 params: SamplingParams | None = None) -> list[Sample]: ...
+                 params: SamplingParams | None = None, images: list[list] | None = None) -> list[Sample]: ...
+    # images: each prompt's images (engine/vision.py's ImageFeatures), given only where a conversation holds images
 
     def another_round(self, has_work: bool) -> bool: ...  # every rank runs the same rounds when it must
 
