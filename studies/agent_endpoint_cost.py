@@ -18,12 +18,13 @@ Wall and CPU times (the process's, all its threads: what other jobs on the machi
 import argparse
 import asyncio
 import concurrent.futures
-import json
+import os
+import sys
 import time
 
 import torch
 from accelerate import Accelerator
-from common import print_table, smollm2_dir
+from common import ROOT, print_table, smollm2_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mt_grpo.agents.runner import AgentEnv
@@ -34,6 +35,9 @@ from mt_grpo.rollout.episodes import Episode
 from mt_grpo.tasks.fictional_kb import SEARCH_TASK_PROMPT, build_fictional_kb, search_examples
 from mt_grpo.tools.search import make_search_tool
 from mt_grpo_trainer import MultiTurnToolEnv
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from agent_programs.openai_tool_loop import tool_loop  # noqa: E402 - the tests' copy, timed here
 
 
 def make_env(tokenizer, tools, **kw):
@@ -67,18 +71,7 @@ def task_side_by_side(model, tokenizer, repeats: int, groups: int = 2, G: int = 
     builtin = make_env(tokenizer, [search], **turns)
     prompts = [builtin.prompt(r["question"]) for r in rows[:groups] for _ in range(G)]
 
-    def kb_agent(row, client):  # the built-in loop's turns, as an openai-SDK tool loop
-        messages = [{k: v for k, v in m.items() if k in ("role", "content")} for m in row["prompt"]]
-        for _ in range(3):
-            m = client.chat.completions.create(model="policy", messages=messages).choices[0].message
-            messages.append(m.model_dump(exclude_none=True))
-            if not m.tool_calls:
-                return None
-            for c in m.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": c.id, "content": search(**json.loads(
-                    c.function.arguments))})
-
-    agent = AgentEnv(make_env(tokenizer, [search], **turns), agent=kb_agent, batch_wait=1.0)
+    agent = AgentEnv(make_env(tokenizer, [search], **turns), agent=tool_loop(search), batch_wait=1.0)
     backend = backend_of(model, tokenizer, 1.0)
     results = {"built-in loop": [], "agent endpoint": []}
     for k in range(repeats):  # alternate, so that neither way gets the warmer machine

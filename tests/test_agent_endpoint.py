@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from agent_programs.openai_tool_loop import tool_loop
 from helpers import VELTRIA, make_env, xml_answer, xml_call
 from scripted_policy import ScriptedPolicy, ScriptedServer
 
@@ -387,18 +388,7 @@ def test_the_knowledge_base_task_as_an_agent_gives_the_built_in_loops_episodes(s
     prompt = builtin.prompt(question)
     expected = builtin.rollout([prompt] * 4, ScriptedPolicy(smollm2_tokenizer, script))
 
-    def kb_agent(row, client):
-        messages = [{k: v for k, v in m.items() if k in ("role", "content")} for m in row["prompt"]]
-        for _ in range(3):
-            m = client.chat.completions.create(model="policy", messages=messages).choices[0].message
-            messages.append(m.model_dump(exclude_none=True))
-            if not m.tool_calls:
-                return None
-            for c in m.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": c.id,
-                                 "content": search(**json.loads(c.function.arguments))})
-
-    env = agent_env(smollm2_tokenizer, kb_agent)
+    env = agent_env(smollm2_tokenizer, tool_loop(search))  # the same turns, as an openai-SDK tool loop
     episodes = env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script),
                            rows=[{"prompt": prompt, "answer": answer}] * 4)
     for ep, want in zip(episodes, expected):

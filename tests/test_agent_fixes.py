@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from helpers import make_env, rollout_records, xml_answer
+from helpers import make_env, rollout_records, xml_answer, xml_call
 from scripted_policy import ScriptedPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,8 +182,6 @@ def test_a_call_past_max_env_steps_gets_an_openai_error_and_the_episode_stops_th
     max_env_steps (the openai SDK's BadRequestError), not sampled; the episode ends `max_env_steps`."""
     import openai
 
-    from helpers import xml_call
-
     errors = []
 
     def agent(row, client):
@@ -203,3 +201,26 @@ def test_a_call_past_max_env_steps_gets_an_openai_error_and_the_episode_stops_th
     assert errors == [(400, "max_env_steps", "max_env_steps")]
     assert ep.stop_reason == "max_env_steps" and [s.role for s in ep.spans] == ["model", "env", "model"]
     assert ep.agent_stats["past_max_env_steps"] == 1 and ep.agent_stats["calls"] == 3
+
+
+def test_an_agents_failed_tool_calls_count_in_either_form_at_their_turn(smollm2_tokenizer):
+    """An agent runs its own tools: a tool message in our failure form (`Error: ...`) or TRL's (`{'error': ...}`, what
+    TRL's tool loop writes for a call that raised) is a failed call, any other reply one that ran; each call belongs
+    to the environment turn its message opened."""
+    replies = iter(["{'error': 'division by zero'}", "Error: no such page", "Morvane is the capital."])
+
+    def agent(row, client):
+        messages = [{"role": "user", "content": Q}]
+        for _ in range(4):
+            m = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+            messages += [m.model_dump(exclude_none=True)]
+            if not m.tool_calls:
+                return 1.0
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": next(replies)} for c in m.tool_calls]
+
+    env = _agent_env(smollm2_tokenizer, agent, max_env_steps=4)
+    script = {Q: [xml_call("capital of Veltria"), xml_call("Veltria capital"), xml_call("Veltria"),
+                  xml_answer("Morvane")]}
+    (ep,) = env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script), rows=[{"question": Q}])
+    assert [(c.turn, c.ok) for c in ep.calls] == [(0, False), (1, False), (2, True)]
+    assert ep.tool_failures == 2 and ep.tool_turns == 3

@@ -42,8 +42,9 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from mt_grpo.base.protocol import (ERROR_PREFIX, ChatTemplateProtocol, content_text, mark_outside,
+from mt_grpo.base.protocol import (ChatTemplateProtocol, content_text, mark_outside,
                                    tool_call_message)
+from mt_grpo.rewards.conversation import failed
 from mt_grpo.rollout.episodes import CallRecord, Episode, length_stop
 from mt_grpo.rollout.toolset import Toolset
 from mt_grpo.rollout.user_turns import add_model_message
@@ -80,6 +81,13 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+
+def steps_spent(max_env_steps: int) -> APIError:
+    """The answer to a call past the episode's environment steps, which the built-in loop would not run either."""
+    return APIError(400, f"This episode has had its {max_env_steps} environment steps (max_env_steps): tool results "
+                         "past them are not run, as in the built-in loop. End the episode.", param="max_env_steps",
+                    code="max_env_steps")
 
 
 @dataclass
@@ -273,8 +281,7 @@ class Endpoint:
         if s.ended:
             raise APIError(409, f"This episode has ended ({s.ended}): its calls are closed.", code="episode_ended")
         if s.last_stop == "max_env_steps":
-            raise APIError(400, f"This episode has had its {self.env.max_env_steps} environment steps "
-                                "(max_env_steps). End the episode.", param="max_env_steps", code="max_env_steps")
+            raise steps_spent(self.env.max_env_steps)
         if s.budget_spent:
             raise APIError(400, "This episode's token budget (max_completion_length) is spent: a reply was cut by it. "
                                 "End the episode.", param="max_completion_length", code="budget_spent")
@@ -308,9 +315,7 @@ class Endpoint:
                 if any(m["role"] == "tool" for m in tail) and len({c.turn for c in ep.calls}) >= env.max_env_steps:
                     s.last_stop = "max_env_steps"  # the built-in loop runs no call past it
                     s.stats["past_max_env_steps"] += 1
-                    raise APIError(400, f"This episode has had its {env.max_env_steps} environment steps "
-                                        "(max_env_steps): tool results past them are not run, as in the built-in "
-                                        "loop. End the episode.", param="max_env_steps", code="max_env_steps")
+                    raise steps_spent(env.max_env_steps)
                 if not env.append_reply(ep, tail):
                     ep.stop_reason = ""  # the agent's end sets it (rollout: not before the agent returns)
                     s.budget_spent, s.last_stop = True, "budget"
@@ -319,8 +324,8 @@ class Endpoint:
                                    param="messages", code="budget_spent")
                 if len(ep.sample_starts) > starts:
                     s.stats["new_samples/template"] += 1
-                ep.calls += [CallRecord(len([sp for sp in ep.spans if sp.role == "env"]) - 1, m["name"], {},
-                                        not str(m["content"]).startswith(ERROR_PREFIX), 0.0, m["content"])
+                # the agent ran its tools: a reply in either failure form (ours, or TRL's {'error': ...}) failed
+                ep.calls += [CallRecord(ep.tool_turns - 1, m["name"], {}, not failed(m), 0.0, m["content"])
                              for m in tail if m["role"] == "tool"]
             else:
                 self.new_sample(s, ep, canon, toolset, "tools" if tools_key != s.tools_key else "rewrite")
