@@ -215,7 +215,7 @@ VLM_AGENT_TURNS = ['<reasoning>I zoom.</reasoning>\n<tool>{"name": "zoom", "args
                    "<reasoning>I read it.</reasoning>\n<answer>7</answer>"]
 
 
-def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 80) -> str:
+def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 120) -> str:
     """make_tiny_vlm's model, fine-tuned for a few seconds towards VLM_AGENT_TURNS on conversations whose question and
     tool result each hold a picture (loss on the assistant tokens only), so that its episodes call a tool that returns
     an image."""
@@ -225,6 +225,7 @@ def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 80)
 
     from mt_grpo.base.protocol import build_prompt, get_protocol
     from mt_grpo.engine.vision import Vision, conversation_images, model_inputs
+    from mt_grpo.tasks.digits import DigitZoom
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
@@ -235,9 +236,13 @@ def make_tiny_vlm_agent(out_dir: str, family: str = "qwen2_vl", steps: int = 80)
     picture = lambda shade: Image.new("RGB", (56, 56), (shade, 255 - shade, 128))  # noqa: E731
     rows = []
     systems = [[], build_prompt(get_protocol("xml"), [zoom], "Q", few_shot=False, questions=False)[:1]]
-    for shade, system in itertools.product((0, 90, 180), systems):  # with and without the xml protocol's prompt
-        question = system + [{"role": "user", "content": [{"type": "image", "image": picture(shade)},
-                                                          {"type": "text", "text": "Which number is drawn?"}]}]
+    # with and without the xml protocol's prompt; the picture before the question (a dataset's row, as TRL places its
+    # images) or after it (the reset of mt_grpo/tasks/digits.py, the image recipe's task, whose picture is the smallest)
+    layouts = [lambda shade: [{"type": "image", "image": picture(shade)},
+                              {"type": "text", "text": "Which number is drawn?"}],
+               lambda shade: DigitZoom().reset(seed=shade)]
+    for shade, system, layout in itertools.product((0, 90, 180), systems, layouts):
+        question = system + [{"role": "user", "content": layout(shade)}]
         reply = [{"role": "assistant", "content": VLM_AGENT_TURNS[0]},
                  {"role": "user", "content": [{"type": "text", "text": "<result>\n"},
                                               {"type": "image", "image": picture(255 - shade)},

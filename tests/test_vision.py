@@ -5,6 +5,7 @@ what is refused (a video, an image for a text-only model, a template that drops 
 
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from test_viewer import browser  # noqa: F401 (a fixture: headless Chromium)
 from helpers import make_env
 from mt_grpo.base.turn_samples import episode_samples
 from mt_grpo.engine.vision import TextOnly, Vision, conversation_images, image_content, model_inputs
+from mt_grpo.tasks.digits import DigitZoom
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 
@@ -33,6 +35,10 @@ def digit(n: int) -> Image.Image:
     image = Image.new("RGB", (56, 56), "white")
     ImageDraw.Draw(image).text((22, 20), str(n), fill="black")
     return image
+
+
+def noise(size: int, seed: int) -> Image.Image:
+    return Image.frombytes("RGB", (size, size), random.Random(seed).randbytes(size * size * 3))
 
 
 def zoom(x: int):  # as prepare_models.zoom, which the tiny VLM agent was taught with
@@ -142,8 +148,9 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
                 got = logps[row, col : col + len(sample.completion_ids)]
                 keep = torch.tensor(sample.model_mask, dtype=torch.bool)
                 torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
-                other = [vision.features(Image.new("RGB", (56, 56)))] * len(own)  # other images: other log-probs
-                assert (alone_logps(model, vision, seq, other, len(sample.prompt_ids)) - expected).abs().max() > 1e-3
+                # other images: other log-probs, by ten times the tolerance above at least
+                other = [vision.features(noise(56, k)) for k in range(len(own))]
+                assert (alone_logps(model, vision, seq, other, len(sample.prompt_ids)) - expected).abs().max() > 1e-4
                 col += len(sample.completion_ids)
     assert any(len(episode_samples(ep)) > 1 for ep in episodes)  # a later sample re-renders the history's images
 
@@ -279,21 +286,13 @@ def test_the_viewer_shows_each_image_where_it_entered(browser, tmp_path):
     assert browser.errors() == []
 
 
-class Lens:
-    """An environment_factory class whose reset shows a picture, whose `zoom` returns one, and whose respond replies
-    once with a picture and a line (user_turns.Reply with content blocks)."""
+class Lens(DigitZoom):
+    """The image recipe's environment (its reset shows a picture after the question, its `zoom` returns one), which
+    also replies once with a picture and a line (user_turns.Reply with content blocks)."""
 
     def reset(self, **kwargs):
         self.replied = False
-        return [{"type": "text", "text": "\nHere is the picture:"}, {"type": "image", "image": digit(6)}]
-
-    def zoom(self, x: int):
-        """Zoom into the picture.
-
-        Args:
-            x: Where to zoom, from 1 to 9.
-        """
-        return digit(x)
+        return super().reset(**kwargs)
 
     def respond(self, messages):
         if self.replied:
@@ -313,16 +312,16 @@ def test_an_environments_reset_tool_and_reply_bring_images(vlm_agent_dir, tmp_pa
     args = MTGRPOConfig(output_dir=out, max_steps=1, num_generations=2, per_device_train_batch_size=4,
                         max_completion_length=200, bf16=False, report_to="none", save_strategy="no",
                         save_rollouts_steps=1, tool_format="xml", max_user_turns=1)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Which number is drawn?"}]}] * 4)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], "seed": k} for k in range(4)])
     trainer = MTGRPOEnvTrainer(vlm_agent_dir, args=args, train_dataset=dataset, environment_factory=Lens,
                                reward_funcs=lambda completions, **kw: [0.0] * len(completions))
     trainer.train()
     records = rollout_records(out)
-    assert all([im["size"] for im in r["prompt_images"]] == [[56, 56]] for r in records)
-    assert "Here is the picture:<|vision_start|>" in records[0]["prompt_text"]
+    assert all([im["size"] for im in r["prompt_images"]] == [[12, 8]] for r in records)
+    assert "then answer with the number.<|vision_start|>" in records[0]["prompt_text"]
     brought = [[im["size"] for im in t["images"]] for r in records for t in r["turns"] if t.get("images")]
-    assert [[40, 40]] in brought, brought  # respond's reply (a tool's image: test_a_tool_returning_an_image_...)
-    reply = next(t for r in records for t in r["turns"] if t.get("images"))
+    assert [[40, 40]] in brought and [[56, 40]] in brought, brought  # respond's reply (a tool's image: test_a_tool_returning_an_image_...)
+    reply = next(t for r in records for t in r["turns"] if [im["size"] for im in t.get("images", [])] == [[40, 40]])
     assert reply["text"].count("<|vision_start|>") == 1 and "Look again." in reply["text"]
 
 
