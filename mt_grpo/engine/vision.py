@@ -11,7 +11,9 @@ The representation (the contract the in-process backend, the vLLM server path an
   - Tokens: the chat template renders one `<|image_pad|>` per image block; `Vision.expand` widens the k-th to the k-th
     image's placeholder count (its grid's patches / merge_size^2), as the processor does. Every placeholder, and the
     template's <|vision_start|>/<|vision_end|>, is an environment token (mask 0, never scored). A template that renders
-    fewer placeholders than the images given fails with the template named and the fix (`Vision.expand`).
+    fewer placeholders than the images given, or fails on a content list, fails naming the template, the roles and
+    the fix (`Vision.expand`, DroppedImages); the run's start probes each role apart (run/builders.check_vision). The
+    image processor is the one of the processor given as `processing_class` (processor_tokenizer), else the folder's.
   - Which images a token sequence refers to: the first k of the conversation's images, where k is the count of
     <|vision_start|> in it (`images_of`). A sample (an episode, or one of its per-turn samples) holds the placeholders
     of every image before its end, in order: a re-rendered history repeats them all.
