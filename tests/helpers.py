@@ -129,8 +129,16 @@ def make_env(tokenizer, tools: list, protocol=None, **overrides):
 # Qwen-style tokenizers, and the tiny agent taught the chat_template protocol
 # ------------------------------------------------------------------------------------------------
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+# qwen2-vl: Qwen/Qwen2-VL-7B-Instruct's chat_template.json, byte-identical to Qwen/Qwen2.5-VL-7B-Instruct's (and to the
+# chat_template of each one's tokenizer_config.json: neither ships a tool-calling layout), verbatim from
+# huggingface/trl trl/chat_templates/qwen2_5_vl.jinja at f2cd57710ae345ea6428ae95363267fcf38a3dc8 (TRL's README there:
+# "Original Qwen2.5-VL chat template. Also matches Qwen2-VL, which ships a byte-identical template. Does not support
+# tool calling."); checked equal to the processor's and the tokenizer's chat_template in the Hub's model API answer
+# for mit-han-lab/StreamingVLM (a Qwen2.5-VL-7B-Instruct fine-tune) and, as far as a stored copy shows it, for
+# Qwen/Qwen2-VL-2B-Instruct.
 TEMPLATE_FILES = {"qwen2.5": os.path.join(FIXTURES, "qwen2.5_chat_template.jinja"),
-                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja")}
+                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja"),
+                  "qwen2-vl": os.path.join(FIXTURES, "qwen2_vl_chat_template.jinja")}
 # The non-special added tokens of the real tokenizers (Qwen2.5-7B-Instruct: ids 151657-151658; Qwen3-8B:
 # 151657-151658 and 151665-151668).
 ADDED_TOKENS = {"qwen2.5": ["<tool_call>", "</tool_call>"],
@@ -141,7 +149,7 @@ CHAT_TEMPLATE_FLAGS = ["--tool_format", "chat_template", "--outcome_reward_funcs
 
 
 def chat_template(template: str) -> str:
-    """The text of a chat template fixture: "qwen2.5" or "qwen3" (TEMPLATE_FILES)."""
+    """The text of a chat template fixture: "qwen2.5", "qwen3" or "qwen2-vl" (TEMPLATE_FILES)."""
     with open(TEMPLATE_FILES[template]) as f:
         return f.read()
 
@@ -155,6 +163,35 @@ def qwen_tokenizer(model_dir: str, template: str):
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS[template]])
     tokenizer.chat_template = chat_template(template)
     return tokenizer
+
+
+def with_template(model_dir: str, out_dir: str, template: str) -> str:
+    """A copy of the model folder `model_dir` whose chat template (chat_template.jinja) is the text `template`."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    return out_dir
+
+
+def vl_processor(model_dir: str, **image_settings):
+    """The tiny vision model's processor as TRL's GRPOTrainer loads one (`AutoProcessor.from_pretrained(model,
+    padding_side="left", truncation_side="left")`), but without a video processor: transformers' Qwen2VLProcessor
+    insists on one, which needs torchvision, which the test environment lacks (and the trainer never needs).
+    `image_settings` override the image processor's (`max_pixels=...`). Test-only: TRL's side of a side by side."""
+    from transformers import AutoImageProcessor, AutoTokenizer, ProcessorMixin, Qwen2VLProcessor
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, **image_settings)
+    return ImageOnlyQwen2VLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
 
 
 def make_chat_template_agent(src_dir: str, out_dir: str, steps: int = 100) -> str:

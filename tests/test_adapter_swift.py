@@ -521,9 +521,10 @@ def test_the_swift_plugin_trains_from_the_recipe(tiny_agent_dir, tmp_path):
 
 
 def test_a_scheduler_adding_images_trains_a_vision_model_two_steps(tmp_path, tmp_path_factory):
-    """DeepEyes' form from the recipe field: the tiny Qwen2-VL agent (sampled in process) answers, and the scheduler's
-    step crops the question's picture into a new round with an `<image>` tag, once. Two steps; the records hold the
-    crops in the user turns (mask 0), and the step's reward is that turn's R_T."""
+    """DeepEyes' form from the recipe fields: a swift dataset file whose rows name their picture by path with an
+    `<image>` tag (`dataset_name`), the tiny Qwen2-VL agent (sampled in process) answers, and the scheduler's step
+    crops the question's picture into a new round with an `<image>` tag, once. Two steps; the records hold the row's
+    picture in the prompt and the crops in the user turns (mask 0), and the step's reward is that turn's R_T."""
     from conftest import shared_folder
     from helpers import final_metrics, rollout_records, run
     from prepare_models import make_tiny_vlm_agent
@@ -540,29 +541,38 @@ def test_a_scheduler_adding_images_trains_a_vision_model_two_steps(tmp_path, tmp
                 infer_request.images.append(crop)
                 return {'infer_request': infer_request, 'rollout_infos': {'step_rewards': [0.25]}}
         """)
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_vision import digit
+
+    rows = []
+    for i in range(8):
+        digit(i).save(tmp_path / f"digit{i}.png")
+        rows.append({"messages": [{"role": "user", "content": "<image>Which number is drawn?"},
+                                  {"role": "assistant", "content": str(i)}],
+                     "images": [str(tmp_path / f"digit{i}.png")], "solution": str(i)})
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "out")
     code = f"""
-import sys
-sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
-from datasets import Dataset
 from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
-from test_vision import digit
 
-def correct(completions, answer, **kwargs):
-    return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, answer)]
+def correct(completions, solution, **kwargs):
+    return [1.0 if a in str(c[-1]["content"]) else 0.0 for c, a in zip(completions, solution)]
 
-dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": "Which number is drawn?"}}],
-                               "images": [digit(i)], "answer": str(i)}} for i in range(8)])
-args = MTGRPOConfig(output_dir={out!r}, multi_turn_scheduler={plugin + ":Crop"!r}, tool_format="xml", max_steps=2,
-                    num_generations=2, per_device_train_batch_size=4, max_completion_length=160, learning_rate=1e-3,
-                    use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
-                    save_rollouts_steps=1, disable_tqdm=True)
-MTGRPOEnvTrainer({model!r}, args=args, train_dataset=dataset, reward_funcs=correct).train()
+args = MTGRPOConfig(output_dir={out!r}, dataset_name={str(data)!r}, multi_turn_scheduler={plugin + ":Crop"!r},
+                    max_steps=2, num_generations=2, per_device_train_batch_size=4, max_completion_length=160,
+                    learning_rate=1e-3, use_cpu=True, bf16=False, logging_steps=1, report_to="none",
+                    save_strategy="no", save_rollouts_steps=1, disable_tqdm=True)
+MTGRPOEnvTrainer({model!r}, args=args, reward_funcs=correct).train()
 """
     run([sys.executable, "-c", code], tmp_path)
     steps = [h for h in final_metrics(out) if "loss" in h]
     assert len(steps) == 2 and "rewards/turn/Crop_steps" in steps[0], steps
     records = rollout_records(out)
+    assert all([im["size"] for im in r["prompt_images"]] == [[56, 56]] for r in records)
+    assert all("<image>" not in r["prompt_text"] for r in records)
     crops = [t["images"] for r in records for t in r["turns"] if t["role"] == "env" and t.get("images")]
     assert crops and all(len(im) == 1 for im in crops), [r["turns"] for r in records]
     for r in records:  # the model turn step answered with a crop scores the step's 0.25; a tool turn has none
@@ -629,6 +639,53 @@ def test_a_dataset_in_swift_s_format_becomes_prompts(tmp_path):
     prompts = tmp_path / "prompts.jsonl"  # already the trainer's format: loaded by the trainer as usual
     prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "solution": "4"}) + "\n")
     assert adapt(config(f"{PLUGIN}:MathTipsScheduler", dataset_name=str(prompts))).train_dataset is None
+
+
+def test_a_swift_dataset_row_with_image_paths_becomes_prompt_and_images(tmp_path, monkeypatch):
+    """swift's multimodal rows (ms-swift 4.6's dataset docs and preprocessor): `images` as local paths (from the
+    directory the run starts in, or under $ROOT_IMAGE_DIR), a base64 `data:` URL or `{"bytes", "path"}`, and an
+    `<image>` tag per image at the start of the first user message, or none (swift puts untagged images there): the
+    tags leave the text and the images become TRL's `images` column of PIL images. A tag elsewhere, more tags than
+    images, a URL, a missing file or a `<video>` is refused naming the row and the fix."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from mt_grpo.adapters.swift import swift_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pics").mkdir()
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "pics" / "red.png")
+    png = io.BytesIO()
+    Image.new("RGB", (20, 10), "blue").save(png, format="PNG")
+    blue = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    monkeypatch.setenv("ROOT_IMAGE_DIR", str(tmp_path / "pics"))
+
+    def rows(*rows) -> str:
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    def row(text, images, answer="1"):
+        return {"messages": [{"role": "system", "content": "Look."}, {"role": "user", "content": text},
+                             {"role": "assistant", "content": answer}], "images": images, "solution": answer}
+
+    data = swift_dataset(rows(row("<image>What is red?", ["pics/red.png"]), row("<image><image>Which?", [
+        str(tmp_path / "pics" / "red.png"), blue]), row("Untagged?", ["red.png"])))  # the last under ROOT_IMAGE_DIR
+    assert [r["prompt"][1]["content"] for r in data] == ["What is red?", "Which?", "Untagged?"]
+    assert [[im.size for im in r["images"]] for r in data] == [[(40, 30)], [(40, 30), (20, 10)], [(40, 30)]]
+    assert all(r["prompt"][0] == {"role": "system", "content": "Look."} and len(r["prompt"]) == 2 for r in data)
+    for text, images, message in (
+            ("Which <image>?", ["red.png"], "`<image>` tags inside the text or in another message: here a row's images "
+             "go at the start of its first user message"),
+            ("<image><image>Which?", ["red.png"], "`<image>` tags for 2 images, and it has 1"),
+            ("<image>Which?", ["https://example.com/a.png"], "is a URL; download it and give its local path"),
+            ("<image>Which?", ["nope.png"], "'nope.png' is not a file"),
+            ("<video>Which?", [], "`<video>`: videos are not supported")):
+        with pytest.raises(ValueError, match=f"Row 0 of .*rows.jsonl: .*{message}"):
+            swift_dataset(rows(row(text, images)))
 
 
 # -- a scheduler that hangs or breaks its contract -------------------------------------------------------------------

@@ -473,10 +473,10 @@ from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
 def correct(completions, reward_model, **kwargs):
     return [1.0 if r["ground_truth"] in str(c[-1]["content"]) else 0.0 for c, r in zip(completions, reward_model)]
 
-args = MTGRPOConfig(output_dir={out!r}, dataset_name={data!r}, verl_tool_config={str(config)!r}, tool_format="xml",
-                    max_steps=2, num_generations=2, per_device_train_batch_size=4, max_completion_length=160,
-                    learning_rate=1e-3, use_cpu=True, bf16=False, logging_steps=1, report_to="none",
-                    save_strategy="no", save_rollouts_steps=1, disable_tqdm=True)
+args = MTGRPOConfig(output_dir={out!r}, dataset_name={data!r}, verl_tool_config={str(config)!r}, max_steps=2,
+                    num_generations=2, per_device_train_batch_size=4, max_completion_length=160, learning_rate=1e-3,
+                    use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
+                    save_rollouts_steps=1, disable_tqdm=True)
 MTGRPOEnvTrainer({model!r}, args=args, reward_funcs=correct).train()
 """
     run([sys.executable, "-c", code], tmp_path)

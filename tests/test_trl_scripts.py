@@ -7,7 +7,8 @@ another task; and TRL's reward keywords reach every reward. TRL's own scripts (i
 and grpo_2048.py, the docs' tools, environment, external-dataset and multiple-environment examples, in
 tests/trl_scripts/) under TRL's GRPOTrainer and ours with one scripted player: the same calls run, the model sees
 byte-identical text at every turn (failed calls included), and TRL's tool, reward and token metrics are equal; the
-difference that remains is a strict xfail."""
+difference that remains is a strict xfail. Issue 80: TRL's docs' tool that returns an image, on a tiny Qwen2-VL, shows
+and forwards the same images under both."""
 
 import importlib.util
 import json
@@ -502,11 +503,12 @@ def hermes(*calls) -> str:
         "<|im_end|>"
 
 
-def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dict | None = None, **trainer_kwargs):
+def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dict | None = None, built=None,
+                 **trainer_kwargs):
     """One step of TRL's GRPOTrainer and of ours, built with the same keywords and the same config values, with the
     same scripted player writing `script`'s turns. Returns, for each trainer, what the model saw and wrote at each
     turn (decoded, sorted), each sample's (prompt, completion, sampled-token count, completion-token count) as the
-    trainer holds them, and the step's log row."""
+    trainer holds them, and the step's log row. `built(name, trainer)` sees each trainer before it trains."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -545,6 +547,8 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
             return out
 
     theirs = ScriptedTRL(args=GRPOConfig(output_dir=str(tmp_path / "trl"), **{**base, **config}), **trainer_kwargs)
+    if built is not None:
+        built("trl", theirs)
     theirs.train()
     ours_config = {**base, **config, **(ours_only or {})}
     ours = MTGRPOEnvTrainer(args=MTGRPOConfig(output_dir=str(tmp_path / "ours"), **ours_config),
@@ -558,6 +562,8 @@ def side_by_side(model_dir, tmp_path, script: dict, config: dict, ours_only: dic
         return episodes
 
     ours.env.rollout = recorded
+    if built is not None:
+        built("mt_grpo", ours)
     ours.train()
     steps = {name: [h for h in t.state.log_history if "loss" in h][0]
              for name, t in (("trl", theirs), ("mt_grpo", ours))}
@@ -820,6 +826,81 @@ def test_trls_docs_multiple_environments_route_rows_and_show_each_its_own_tools(
         texts = [t for t in seen["mt_grpo"] if prompt in t]
         assert len(texts) == 4 and all(own in t and other not in t for t in texts)
     assert all("<tool_response>\nNone\n</tool_response>" in t for t in seen["mt_grpo"] if "I moved." in t)
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's docs' "Multimodal Tool Responses" (issue 80): a tool returning an image and a text block, a dataset whose prompt
+# holds {"type": "image"} and whose `images` column fills it
+# ------------------------------------------------------------------------------------------------
+def watch_forward(model, into: list):
+    """Record each row `model.forward` is given into `into`: (its ids without padding, a digest of each of its
+    images' patches, in order: a row holds as many images as <|vision_start|> tokens)."""
+    import hashlib
+
+    start, forward = model.config.vision_start_token_id, model.forward
+
+    def recording(*args, **kwargs):
+        ids, mask, grids = kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("image_grid_thw")
+        images = [] if grids is None else list(kwargs["pixel_values"].split([int(g.prod()) for g in grids]))
+        for r, row in enumerate(ids):
+            row = row if mask is None else row[mask[r].bool()]
+            k = int((row == start).sum())
+            into.append((tuple(row.tolist()), tuple(hashlib.sha1(p.detach().float().numpy().tobytes()).hexdigest()
+                                                    for p in images[:k])))
+            images = images[k:]
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+
+
+def test_trls_docs_vlm_tool_script_shows_and_forwards_the_tools_image_as_under_trl(tmp_path):
+    """tests/trl_scripts/docs_vlm_tool.py under TRL's GRPOTrainer and ours, with one scripted player. TRL 1.16 parses
+    tool calls only with a chat template that renders them, and Qwen2-VL's and Qwen2.5-VL's own (chat_template.json)
+    write no tools: it refuses the script at init ("The provided chat template does not support tool calling"), where
+    ours trains it with the xml format (tests/test_vision.py). So the side by side runs the tiny Qwen2-VL with
+    Qwen3-VL's template (TRL's trl/chat_templates/qwen3_vl.jinja, which writes tools and renders a tool message's
+    images), and both trainers get TRL's form of `processing_class`, the model's processor (without its video
+    processor: torchvision is not installed, helpers.vl_processor). The same calls run, the model sees the same text
+    at every turn (each image's placeholders widened alike), tools/call_frequency and num_tokens agree, and the
+    forwards see the same sequences, each with its prompt's image and then the tool's, patch for patch."""
+    import hashlib
+
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_vl_chat_template
+
+    from helpers import chat_template, vl_processor, with_template
+    from prepare_models import make_tiny_vlm
+
+    docs = load_script("docs_vlm_tool")
+    tiny = make_tiny_vlm(str(tmp_path / "tiny-vl"), "qwen2_vl")
+    own = with_template(tiny, str(tmp_path / "own"), chat_template("qwen2-vl"))
+    with pytest.raises(ValueError, match="The provided chat template does not support tool calling"):
+        GRPOTrainer(model=own, processing_class=vl_processor(own), reward_funcs=docs.correct, tools=[docs.zoom],
+                    train_dataset=docs.dataset, args=GRPOConfig(output_dir=str(tmp_path / "refused"), bf16=False,
+                                                                report_to="none", per_device_train_batch_size=2,
+                                                                num_generations=2))
+    model = with_template(tiny, str(tmp_path / "qwen3-vl"), qwen3_vl_chat_template)
+    processor = vl_processor(model)
+    trainers, forwards = {}, {"trl": [], "mt_grpo": []}
+
+    def built(name, trainer):
+        trainers[name] = trainer
+        watch_forward(trainer.model, forwards[name])
+
+    script = {"Which number is drawn?": [hermes(("zoom", {"x": 3})), "It is 3.<|im_end|>"]}
+    seen, finals, steps = side_by_side(model, tmp_path, script, {"max_completion_length": 160}, built=built,
+                                       model=model, processing_class=processor, train_dataset=docs.dataset,
+                                       reward_funcs=docs.correct, tools=[docs.zoom])
+    assert_as_under_trl(seen, finals, steps, calls_per_episode=1.0)
+    assert trainers["mt_grpo"].env.protocol.name == "chat_template"  # the template writes tools: the model's own calls
+    assert trainers["mt_grpo"].env.vision.image_processor is processor.image_processor  # the given processor's
+    after_the_tool = [text for text in seen["trl"] if "It is 3." in text]  # the second turn of each of 4 episodes
+    assert len(after_the_tool) == 4 and all(text.count("<|vision_start|>") == 2 for text in after_the_tool)
+    assert set(forwards["mt_grpo"]) == set(forwards["trl"])  # the same sequences with the same images, in order
+    zoomed = processor.image_processor(images=[docs.zoom(3)[0]["image"]], return_tensors="pt")["pixel_values"]
+    digest = hashlib.sha1(zoomed.float().numpy().tobytes()).hexdigest()
+    rows = set(forwards["trl"])
+    assert len(rows) == 2 and all(len(images) == 2 and images[1] == digest for _, images in rows), rows
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -1,7 +1,8 @@
 """Images in the conversation (engine/vision.py): tiny random Qwen2-VL and Qwen2.5-VL made at test time, a prompt's
-image (TRL's `images` column) and a tool that returns one, generation in process with each conversation's images,
-every sample's forward with exactly its images and the model's 3-D positions, packed or not, placeholders mask 0, and
-what is refused (a video, an image for a text-only model, a template that drops images)."""
+image (TRL's `images` column) and a tool that returns one (TRL's docs' script with only its import changed),
+generation in process with each conversation's images, every sample's forward with exactly its images and the model's
+3-D positions, packed or not, placeholders mask 0, and what is refused (a video, an image for a text-only model, and
+at start a chat template that drops a user's or a tool's images: released Qwen templates from tests/fixtures)."""
 
 import json
 import os
@@ -155,10 +156,41 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
     assert any(len(episode_samples(ep)) > 1 for ep in episodes)  # a later sample re-renders the history's images
 
 
-def test_a_tool_returning_an_image_trains_two_steps(vlm_agent_dir, tmp_path):
-    """TRL's shape with only the import changed: a prompt with an image block filled from the `images` column, and a
-    tool returning TRL's content blocks (an image and a text); both tiny VLMs train 2 steps; the records keep each image where it entered, and the console counts
-    them."""
+def test_trls_docs_vlm_tool_script_trains_here_with_only_its_import_changed(vlm_agent_dir, tmp_path, monkeypatch):
+    """tests/trl_scripts/docs_vlm_tool.py (TRL's docs: a tool returning an image and a text block, an `images` column
+    filling the prompt's {"type": "image"} block), its import line swapped and nothing else, run as `python script.py`
+    runs it (in this process): both tiny VLMs train 2 steps, the tool's image in the conversations. Their template is
+    Qwen2-VL's own, which writes no tools: `tool_format: auto` takes xml, where TRL 1.16 refuses the script
+    (tests/test_trl_scripts.py runs it under both trainers with a template that writes tools)."""
+    import math
+    import runpy
+
+    from helpers import ROOT
+
+    trl_import = "from trl import GRPOConfig, GRPOTrainer"
+    ours = "from mt_grpo_trainer import MTGRPOConfig as GRPOConfig, MTGRPOEnvTrainer as GRPOTrainer"
+    with open(os.path.join(ROOT, "tests", "trl_scripts", "docs_vlm_tool.py")) as f:
+        text = f.read()
+    assert text.count(trl_import) == 1
+    script = tmp_path / "docs_vlm_tool_mt_grpo.py"
+    script.write_text(text.replace(trl_import, ours))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRL_SCRIPT_MODEL", vlm_agent_dir)
+    monkeypatch.setenv("TRL_SCRIPT_OUTPUT", str(tmp_path / "out"))
+    trainer = runpy.run_path(str(script), run_name="__main__")["trainer"]
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert trainer.state.global_step == 2 and len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
+    assert trainer.env.protocol.name == "xml" and all(h["tools/call_frequency"] > 0 for h in steps)
+    # every episode holds its prompt's picture; those whose zoom ran, the tool's too
+    assert min(h["rollout/images_per_episode"] for h in steps) >= 1
+    assert max(h["rollout/images_per_episode"] for h in steps) > 1
+
+
+@pytest.mark.parametrize("vlm_agent_dir", ["qwen2_vl"], indirect=True)
+def test_a_tools_image_is_recorded_and_masked_where_it_entered(vlm_agent_dir, tmp_path):
+    """A prompt with an image block filled from the `images` column and a tool returning TRL's content blocks (an
+    image and a text), packed forwards asked for (padding_free: images turn packing off): the records keep each image
+    where it entered, the console counts them, and every placeholder token is an environment token."""
     out = str(tmp_path / "out")
     code = f"""
 import sys
@@ -183,7 +215,7 @@ dataset = Dataset.from_list([{{"prompt": [{{"role": "user", "content": question}
                                "answer": str(i)}} for i in range(8)])
 args = GRPOConfig(output_dir={out!r}, max_steps=2, num_generations=2, per_device_train_batch_size=4,
                   max_completion_length=160, learning_rate=1e-3, bf16=False, logging_steps=1, report_to="none",
-                  save_strategy="no", save_rollouts_steps=1, tool_format="xml", padding_free=True)
+                  save_strategy="no", save_rollouts_steps=1, padding_free=True)
 trainer = GRPOTrainer(model={vlm_agent_dir!r}, args=args, train_dataset=dataset, tools=[zoom], reward_funcs=correct,
                       turn_reward_funcs=["tool_execution_reward_func"])
 trainer.train()
@@ -204,7 +236,7 @@ trainer.train()
         assert all(m == 0 for m in pads)
 
 
-def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
+def test_what_is_refused_names_the_fix(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     text_env = make_env(AutoTokenizer.from_pretrained(tiny_model_dir), [zoom])
@@ -226,24 +258,12 @@ def test_what_is_refused_names_the_fix(tiny_model_dir, vlm_agent_dir, tmp_path):
         image_content([{"type": "video", "video": "clip.mp4"}], "tool 'film'")
     with pytest.raises(ValueError, match="give a PIL.Image.Image"):
         image_content([{"type": "image", "image": "x.png"}], "tool 'zoom'")
-    # a template that renders a tool message's content as text drops its image: named, with the fix
-    tokenizer = AutoTokenizer.from_pretrained(vlm_agent_dir)
-    tokenizer.chat_template = DROPPING_TEMPLATE
-    from mt_grpo.base.protocol import ChatTemplateProtocol
-
-    env = make_env(tokenizer, [zoom], protocol=ChatTemplateProtocol(tokenizer))
-    reply = [{"role": "tool", "name": "zoom", "content": image_content(digit(2), "tool 'zoom'") + [
-        {"type": "text", "text": "zoomed"}]}]
-    with pytest.raises(ValueError, match="rendered 0 image placeholders for the 1 images.*tool_images_as_user"):
-        env.env_reply_ids(reply)
-    env.protocol.tool_images_as_user = True  # the field's fix: the image in a user message after the tool's reply
-    text = tokenizer.decode(env.env_reply_ids(reply))
-    assert text == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nzoomed\n</tool_response><|im_end|>\n<|im_start|>user\n"
-                    "<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"), text
 
 
-# Qwen2.5-VL's tool-calling layout: a tool message's content rendered as text (`message.content`), as Qwen2-VL's and
-# Qwen2.5-VL's own templates do; an image in it leaves no placeholder.
+# No released template with Qwen's vision tokens drops a tool's images and renders a user's (Qwen2-VL's and
+# Qwen2.5-VL's render both; Qwen2.5's and Qwen3's text templates neither): this one is a user's merge of two releases,
+# Qwen2.5-7B-Instruct's tool layout, whose tool message renders `message['content']` only where it is a string, and
+# Qwen2-VL's content loop for the other roles. It is the case `tool_images_as_user` fixes.
 DROPPING_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' }}"
@@ -255,6 +275,79 @@ DROPPING_TEMPLATE = (
     "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def docs_script():
+    """tests/trl_scripts/docs_vlm_tool.py's module (its dataset, zoom tool and reward), without running it."""
+    import importlib.util
+
+    from helpers import ROOT
+
+    path = os.path.join(ROOT, "tests", "trl_scripts", "docs_vlm_tool.py")
+    spec = importlib.util.spec_from_file_location("docs_vlm_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("vlm_agent_dir", ["qwen2_vl"], indirect=True)
+def test_a_template_that_drops_images_is_refused_at_start_naming_it_and_the_fix(vlm_agent_dir, tmp_path):
+    """The trainer probes its template at start, before the model loads, each role that may hold an image apart
+    (run/builders.check_vision): a template that drops a user's or a tool's images stops the run naming the template,
+    the roles and the one fix that works. Released templates (tests/fixtures): Qwen3-8B's drops a content list in
+    every role, Qwen2.5-7B-Instruct's fails on one, and Qwen2-VL's and Qwen2.5-VL's own (byte-identical) render images
+    in every role and pass. DROPPING_TEMPLATE drops a tool's only: with `tool_images_as_user` the run trains."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from helpers import chat_template, with_template
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+    from scripted_policy import ScriptedPolicy
+
+    docs = docs_script()
+    text_only = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Which number is drawn?"}]] * 2,
+                                   "answer": ["1", "2"]})
+    call = '<tool_call>\n{"name": "zoom", "arguments": {"x": 3}}\n</tool_call><|im_end|>'
+
+    def trainer(template: str, dataset=docs.dataset, **config):
+        model = with_template(vlm_agent_dir, str(tmp_path / f"model-{len(os.listdir(tmp_path))}"), template)
+        script = {"Which number is drawn?": [call, "3<|im_end|>"]}
+        backend = ScriptedPolicy(AutoTokenizer.from_pretrained(model), script)
+        args = MTGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
+                            num_generations=2, max_completion_length=160, bf16=False, report_to="none",
+                            save_strategy="no", logging_steps=1, **config)
+        return MTGRPOEnvTrainer(model, args=args, train_dataset=dataset, reward_funcs=docs.correct, tools=[docs.zoom],
+                                backend=backend)
+
+    named = r"The chat template of .*/model-\d+ "
+    every_role = "Give a chat template that renders image blocks in every role's content list"
+    with pytest.raises(ValueError, match=named + r"rendered 0 image placeholders for the 1 images of the conversation: "
+                       r"the images of user messages would not reach the model.*" + every_role):
+        trainer(chat_template("qwen3"))  # the dataset's picture, in the prompt's user message
+    dropped_both = (r"renders no placeholder for a tool's image, in its tool message or in a user message after it "
+                    r"\(`tool_images_as_user`\): the images of tool/user .*")
+    with pytest.raises(ValueError, match=named + dropped_both + every_role):
+        trainer(chat_template("qwen3"), text_only)  # no picture in the prompt: a tool's, which the fix cannot help
+    with pytest.raises(ValueError, match=named + r"fails on a content list of image and text blocks \(TypeError: can "
+                       r"only concatenate str \(not \"list\"\) to str\): the images of user messages"):
+        trainer(chat_template("qwen2.5"))
+    reply = [{"role": "tool", "name": "zoom", "content": docs.zoom(2)}]
+    own = trainer(chat_template("qwen2-vl"), tool_format="chat_template")  # it renders a tool message's image
+    assert own.env.tokenizer.decode(own.env.env_reply_ids(reply)) == (
+        "<|im_end|>\n<|im_start|>tool\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>Here is the zoomed "
+        "picture.<|im_end|>\n<|im_start|>assistant\n")
+    assert trainer(chat_template("qwen2-vl")).env.protocol.name == "xml"  # auto: it writes no tools
+    with pytest.raises(ValueError, match=named + r"rendered 0 image placeholders .* the images of tool messages would "
+                       r"not reach the model.* Set `tool_images_as_user: true`"):
+        trainer(DROPPING_TEMPLATE, tool_format="chat_template")
+    fixed = trainer(DROPPING_TEMPLATE, tool_format="chat_template", tool_images_as_user=True)
+    assert fixed.env.tokenizer.decode(fixed.env.env_reply_ids(reply)) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nHere is the zoomed picture.\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    fixed.train()
+    step = [h for h in fixed.state.log_history if "loss" in h][0]
+    assert step["tools/call_frequency"] == 1.0 and step["rollout/images_per_episode"] == 2.0  # the prompt's, the tool's
 
 
 def test_the_viewer_shows_each_image_where_it_entered(browser, tmp_path):

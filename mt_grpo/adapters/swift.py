@@ -37,7 +37,9 @@ scheduler that runs tools itself from the model's text (plugin.py's ReAct ToolCa
 a new round like any other. A step that appends a `tool` message is refused (give the tools to the recipe).
 
 Datasets: a local JSON/JSONL file in swift's format (`messages`, its reference answer dropped, or `query`) becomes
-the prompts (swift_dataset); its other columns are the scheduler's `data_dict` and the rewards' keywords.
+the prompts (swift_dataset); its other columns are the scheduler's `data_dict` and the rewards' keywords. Its
+`images` (paths, `data:` URLs, `{"bytes", "path"}`), tagged `<image>` at the start of the first user message or not
+at all, become TRL's `images` column (swift_row_images); a tag elsewhere is refused naming the row.
 
 Not supported, each refused at start-up naming the alternative: a scheduler that overrides `run` (swift's full
 customization: it drives swift's inference engine itself, ThinkingModelTipsScheduler among them), swift's
@@ -538,7 +540,8 @@ def swift_dataset(name, max_samples=None):
     """A recipe's dataset when it is a local JSON/JSONL file in swift's format: a `messages` column (the reference
     answer, a trailing assistant message, is dropped, as swift's remove_response does) or `query` (with `system`),
     and no `prompt`; as a datasets.Dataset whose `prompt` is those messages, its other columns kept (`solution`...).
-    None for any other dataset (the trainer loads it as usual)."""
+    A row's `images` (or `image`), as swift writes them, become TRL's `images` column (swift_row_images). None for
+    any other dataset (the trainer loads it as usual)."""
     if not isinstance(name, str) or not name.endswith((".json", ".jsonl")) or not os.path.isfile(name):
         return None
     import datasets
@@ -547,16 +550,76 @@ def swift_dataset(name, max_samples=None):
     columns = set(data.column_names)
     if "prompt" in columns or not columns & {"messages", "query"}:
         return None
+    pictures = next((c for c in ("images", "image") if c in columns), None)
 
-    def prompt(row) -> dict:
+    def prompt(row, index) -> dict:
         if row.get("messages"):
             messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            return {"prompt": messages[:-1] if messages[-1]["role"] == "assistant" else messages}
-        system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-        return {"prompt": system + [{"role": "user", "content": row["query"]}]}
+            messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+        else:
+            system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+            messages = system + [{"role": "user", "content": row["query"]}]
+        if pictures is None:
+            return {"prompt": messages}
+        return swift_row_images(messages, row[pictures], f"Row {index} of {name}")
 
-    data = data.map(prompt, remove_columns=sorted(columns & {"messages", "query", "system", "response"}))
+    data = data.map(prompt, with_indices=True,
+                    remove_columns=sorted(columns & {"messages", "query", "system", "response", "image"}))
+    if pictures is not None:
+        data = data.cast_column("images", datasets.Sequence(datasets.Image()))  # decoded to PIL images when read
     return data.select(range(min(max_samples, len(data)))) if max_samples is not None else data
+
+
+def swift_row_images(messages: list[dict], images, label: str) -> dict:
+    """A swift row's prompt and images as TRL's `prompt` and `images` columns. swift's rows name their images by
+    local path (absolute, from the directory the run starts in, or under $ROOT_IMAGE_DIR, as swift resolves them),
+    a base64 `data:` URL, or `{"bytes", "path"}`, and mark each with an `<image>` tag in the text; an untagged image
+    goes at the start of the first user message (swift's _add_default_tags), which is where the trainer puts a row's
+    images (engine/vision.prompt_with_images). So the tags at the start of the first user message leave its text; a
+    tag elsewhere, more tags than images, an http(s) URL, a missing file or a `<video>` is refused naming the row."""
+    import base64
+
+    images = [] if images is None else [images] if isinstance(images, (str, dict)) else list(images)
+    if any("<video>" in (m["content"] or "") for m in messages):
+        raise ValueError(f"{label}: its text has a `<video>`: videos are not supported; give frames as images.")
+    first = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        if images:
+            raise ValueError(f"{label}: it has images but no user message to put them in.")
+        return {"prompt": messages, "images": []}
+    text, tags = messages[first]["content"] or "", 0
+    while text.startswith(IMAGE_TAG, tags * len(IMAGE_TAG)):
+        tags += 1
+    messages[first]["content"] = text[tags * len(IMAGE_TAG):]
+    elsewhere = any(IMAGE_TAG in (m["content"] or "") for m in messages)
+    if elsewhere or tags > len(images):
+        where = "inside the text or in another message" if elsewhere else f"for {tags} images, and it has {len(images)}"
+        raise ValueError(f"{label}: its prompt has `<image>` tags {where}: here a row's images go at the start of its "
+                         "first user message, where swift puts untagged ones: put the tags there, one per image, or "
+                         "leave them out.")
+    out = []
+    for image in images:
+        image = dict(image) if isinstance(image, dict) else {"bytes": None, "path": image}
+        path = image.get("path")
+        if image.get("bytes") is None and isinstance(path, str) and path.startswith("data:"):
+            image = {"bytes": base64.b64decode(path.partition(",")[2]), "path": None}
+        elif image.get("bytes") is None:
+            image["path"] = local_image(path, label)
+        out.append(image)
+    return {"prompt": messages, "images": out}
+
+
+def local_image(path, label: str) -> str:
+    """The file an image path of a swift row names, as swift's _check_path finds it."""
+    if isinstance(path, str) and path.startswith(("http://", "https://")):
+        raise ValueError(f"{label}: its image {path!r} is a URL; download it and give its local path.")
+    root = os.environ.get("ROOT_IMAGE_DIR")
+    found = next((p for p in ([path] + ([os.path.join(root, path)] if root else [])) if isinstance(path, str)
+                  and os.path.isfile(os.path.expanduser(p))), None)
+    if found is None:
+        raise ValueError(f"{label}: its image {str(path)[:80]!r} is not a file (a path is read from the directory the "
+                         "run starts in, or under $ROOT_IMAGE_DIR, as swift reads it).")
+    return os.path.abspath(os.path.expanduser(found))
 
 
 def adapt(args) -> Adapted:

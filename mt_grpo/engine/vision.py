@@ -11,7 +11,9 @@ The representation (the contract the in-process backend, the vLLM server path an
   - Tokens: the chat template renders one `<|image_pad|>` per image block; `Vision.expand` widens the k-th to the k-th
     image's placeholder count (its grid's patches / merge_size^2), as the processor does. Every placeholder, and the
     template's <|vision_start|>/<|vision_end|>, is an environment token (mask 0, never scored). A template that renders
-    fewer placeholders than the images given fails with the template named and the fix (`Vision.expand`).
+    fewer placeholders than the images given, or fails on a content list, fails naming the template, the roles and
+    the fix (`Vision.expand`, DroppedImages); the run's start probes each role apart (run/builders.check_vision). The
+    image processor is the one of the processor given as `processing_class` (processor_tokenizer), else the folder's.
   - Which images a token sequence refers to: the first k of the conversation's images, where k is the count of
     <|vision_start|> in it (`images_of`). A sample (an episode, or one of its per-turn samples) holds the placeholders
     of every image before its end, in order: a re-rendered history repeats them all.
@@ -161,6 +163,41 @@ class RowImages(list):
         return self
 
 
+class DroppedImages(ValueError):
+    """A chat template that drops the images of some roles' messages (Vision.expand): the template, the roles whose
+    messages held images, and what it did. The fix depends on the roles: tool only, `tool_images_as_user` (a user
+    message after the tool's reply holds them); a user's, a template that renders image blocks there. The run's
+    start probes each role apart (run/builders.check_vision), so that its error names the one fix that works."""
+
+    def __init__(self, template: str, roles: list[str], what: str):
+        self.template, self.roles = template, roles
+        fix = ("Set `tool_images_as_user: true` to move a tool's images into a user message after its reply, or give "
+               "a chat template that renders image blocks in tool messages" if roles == ["tool"] else
+               "Give a chat template that renders image blocks in every role's content list (`processing_class`, or "
+               "the model folder's chat_template.jinja), as Qwen2-VL's and Qwen2.5-VL's own chat_template.json do (it "
+               "writes no tools: `tool_format: auto` then describes them in the system prompt, xml)")
+        super().__init__(f"{template} {what}: the images of {'/'.join(roles)} messages would not reach the model, "
+                         f"which would be trained on a conversation it never saw. {fix}.")
+
+
+_GIVEN_IMAGE_PROCESSORS: dict[int, object] = {}  # id(tokenizer) -> the image processor of the processor it came from
+
+
+def processor_tokenizer(processing_class):
+    """The tokenizer of a `processing_class`: a processor's (TRL's form for a vision-language model,
+    `AutoProcessor.from_pretrained(...)`), whose image processor its Vision then uses (the processor's
+    `min_pixels`/`max_pixels`, as the user set them); a tokenizer as it is."""
+    from transformers import ProcessorMixin
+
+    if not isinstance(processing_class, ProcessorMixin):
+        return processing_class
+    tokenizer = processing_class.tokenizer
+    if getattr(processing_class, "image_processor", None) is not None:
+        _GIVEN_IMAGE_PROCESSORS[id(tokenizer)] = processing_class.image_processor
+        weakref.finalize(tokenizer, _GIVEN_IMAGE_PROCESSORS.pop, id(tokenizer), None)
+    return tokenizer
+
+
 class Images:
     """What TextOnly and Vision share: the rows' image columns put in their prompts."""
 
@@ -201,7 +238,7 @@ class Vision(Images):
 
     name = "vision"
 
-    def __init__(self, tokenizer, image_processor, template_name: str = "the chat template"):
+    def __init__(self, tokenizer, image_processor, template_name: str = "The chat template"):
         self.tokenizer, self.image_processor, self.template_name = tokenizer, image_processor, template_name
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.start_token_id = tokenizer.convert_tokens_to_ids(VISION_START)
@@ -212,17 +249,23 @@ class Vision(Images):
 
     @classmethod
     def of(cls, tokenizer) -> "Vision | TextOnly":
-        """The tokenizer's Vision, where it has an image token and its folder an image processor
-        (preprocessor_config.json); else TextOnly (Qwen2.5's text tokenizers have the image token, and no processor)."""
+        """The tokenizer's Vision, where it has an image token and an image processor: the one of the processor it came
+        from (processor_tokenizer), else its folder's (preprocessor_config.json); else TextOnly (Qwen2.5's text
+        tokenizers have the image token, and no processor)."""
         import os
 
         path = getattr(tokenizer, "name_or_path", None) or ""
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        if IMAGE_PAD not in vocab or not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        given = _GIVEN_IMAGE_PROCESSORS.get(id(tokenizer))
+        folder = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+        if IMAGE_PAD not in vocab or given is None and not folder:
             return TextOnly(tokenizer)
+        name = f"The chat template of {path}" if path else "The processing_class's chat template"
+        if given is not None:
+            return cls(tokenizer, given, name)
         from transformers import AutoImageProcessor
 
-        return cls(tokenizer, AutoImageProcessor.from_pretrained(path))
+        return cls(tokenizer, AutoImageProcessor.from_pretrained(path), name)
 
     def features(self, image) -> ImageFeatures:
         """The image's features, processed on its first render and kept while it lives (image_features reads them)."""
@@ -237,16 +280,21 @@ class Vision(Images):
 
     def expand(self, render: Callable[[], list[int]], messages: list[dict]) -> list[int]:
         """`render()` (the ids of `messages`) with the k-th image placeholder widened to the k-th image's tokens.
-        Fewer placeholders than images: the template dropped some (an error naming it and the fix)."""
-        ids, images = render(), conversation_images(messages)
+        A template that fails on a content list, or renders fewer placeholders than images, drops them: an error
+        naming it, the roles that held images, and the fix (DroppedImages)."""
+        images = conversation_images(messages)
+        roles = sorted({m["role"] for m in messages if isinstance(m, dict) and content_images(m.get("content"))})
+        try:
+            ids = render()
+        except TypeError as e:  # Qwen2.5's text template: '...' + message.content, a string and a list
+            if not images:
+                raise
+            raise DroppedImages(self.template_name, roles, "fails on a content list of image and text blocks "
+                                f"({type(e).__name__}: {e})") from e
         found = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(found) != len(images):
-            raise ValueError(
-                f"{self.template_name} rendered {len(found)} image placeholders for the {len(images)} images of the "
-                f"conversation (roles {sorted({m['role'] for m in messages if content_images(m.get('content'))})}): it "
-                "drops images there (Qwen2-VL's and Qwen2.5-VL's tool-calling templates render a tool message's "
-                "content as text). Set `tool_images_as_user: true` to move a tool's images into a user message after "
-                "its reply, or give a chat template that renders image blocks in every role.")
+            raise DroppedImages(self.template_name, roles, f"rendered {len(found)} image placeholders for the "
+                                f"{len(images)} images of the conversation")
         out, last = [], 0
         for i, image in zip(found, images):
             out += ids[last:i] + [self.image_token_id] * self.features(image).tokens

@@ -331,9 +331,12 @@ def _revision(args) -> str | None:
 def load_tokenizer(model, processing_class=None, revision: str | None = None,
                    trust_remote_code: bool = False) -> tuple[object, list[int]]:
     """(tokenizer, every id that ends a model turn) for a model name or a loaded model. A given tokenizer is
-    used, padded on the left (generation appends on the right)."""
+    used, padded on the left (generation appends on the right); a given processor (TRL's form for a vision-language
+    model), its tokenizer, with its image processor for the images (engine/vision.processor_tokenizer)."""
+    from mt_grpo.engine.vision import processor_tokenizer
+
     name = model if isinstance(model, str) else getattr(model, "name_or_path", None)
-    tokenizer = processing_class
+    tokenizer = processor_tokenizer(processing_class)
     if tokenizer is None:
         if not name:
             raise ValueError("The model has no `name_or_path` to load its tokenizer from: pass `processing_class`.")
@@ -355,18 +358,42 @@ def load_tokenizer(model, processing_class=None, revision: str | None = None,
     return tokenizer, [tokenizer.eos_token_id] + [i for i in ids if i != tokenizer.eos_token_id]
 
 
-def check_vision(env) -> None:
-    """A vision model's template renders a tool's image (a probe reply holding one, engine/vision.Vision.expand), or
-    the run stops at start naming the template and the fix (`tool_images_as_user`). The vLLM server's own check is the
-    client's (engine/server_images.ServerImages.check_images: a server that takes images with token ids)."""
+def check_vision(env, dataset_images: bool = False) -> None:
+    """A vision model's chat template renders the images of every role that may hold one in this run, or the run stops
+    at start naming the template and the fix that works (engine/vision.DroppedImages): a user message (the dataset's
+    image columns, an environment's reset and replies), and a tool reply (tools, an environment's methods), probed
+    apart. A tool reply it drops, with the user message rendered, is fixed by `tool_images_as_user`: the error says
+    so only where that fix renders. The vLLM server's own check is the client's (engine/server_images.ServerImages)."""
     from PIL import Image
 
-    from mt_grpo.engine.vision import Vision
+    from mt_grpo.engine.vision import DroppedImages, Vision
 
-    if isinstance(env.vision, Vision) and (env.tools or env.environments is not None):
-        probe = [{"role": "tool", "name": next(iter(env.tools), "probe"),
-                  "content": [{"type": "image", "image": Image.new("RGB", (28, 28))}, {"type": "text", "text": "."}]}]
-        env.env_reply_ids(probe)
+    tools = bool(env.tools) or env.environments is not None
+    if not isinstance(env.vision, Vision) or not (tools or dataset_images):
+        return
+    blocks = [{"type": "image", "image": Image.new("RGB", (28, 28))}, {"type": "text", "text": "."}]
+    if dataset_images or env.environments is not None:  # a prompt's, a reset's or a reply's image: a user message
+        env.render_ids([{"role": "user", "content": blocks}], True)  # its DroppedImages names a template's fix
+    if not tools:
+        return
+    reply = [{"role": "tool", "name": next(iter(env.tools), "probe"), "content": blocks}]
+    try:
+        env.env_reply_ids(reply)
+        return
+    except DroppedImages as dropped:
+        first = dropped
+    if not env.protocol.tool_images_as_user:  # would the fix render it? Then the error names the fix
+        env.protocol.tool_images_as_user = True
+        try:
+            env.env_reply_ids(reply)
+        except DroppedImages:
+            pass
+        else:
+            raise first
+        finally:
+            env.protocol.tool_images_as_user = False
+    raise DroppedImages(first.template, ["tool", "user"], "renders no placeholder for a tool's image, in its tool "
+                        "message or in a user message after it (`tool_images_as_user`)") from first
 
 
 def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, object, object, object]:
@@ -376,15 +403,15 @@ def build_from_config(model, args, make_env: Callable, **given) -> tuple[Parts, 
     parts = assemble(model, args, **given)
     env = make_env(args, parts)
     env.protocol.tool_images_as_user = args.tool_images_as_user  # how a tool's images render (engine/vision.py)
-    check_vision(env)  # a template that drops a tool's image fails here, not later
     seeded = parts.group_seeds  # each row a seed, so that a group plays one game (seed_rows)
     train = prompt_dataset(parts.train, args, env, parts.turn_funcs + parts.outcome_funcs, "train" if seeded else None,
                            run_groups(args) if seeded and parts.placeholder else None)
     held_out = prompt_dataset(parts.eval, args, env, parts.turn_funcs + parts.outcome_funcs, "eval" if seeded else None)
-    for dataset in (train, held_out):  # a text-only model with TRL's image columns: refused now, not at step 1
-        if dataset is not None and {"image", "images"} & set(dataset.column_names) and env.vision.name is None:
-            env.vision.refuse(f"The dataset's {'/'.join(sorted({'image', 'images'} & set(dataset.column_names)))} "
-                              "column has images")
+    images = [d for d in (train, held_out) if d is not None and {"image", "images"} & set(d.column_names)]
+    if images and env.vision.name is None:  # a text-only model with TRL's image columns: refused now, not at step 1
+        env.vision.refuse(f"The dataset's {'/'.join(sorted({'image', 'images'} & set(images[0].column_names)))} "
+                          "column has images")
+    check_vision(env, bool(images))  # a template that drops images fails here, not at the first that reaches it
     args.eval_on_start = held_out is not None and args.eval_strategy != "no" and not args.resume_from_checkpoint
     return parts, env, train, held_out
 

@@ -83,8 +83,8 @@ class ToolArguments:
     mcp_startup_timeout: float | None = arg(None, "Seconds an MCP server may take to start and answer `initialize` "
                                             "(None: the larger of tool_timeout and 30).")
     tool_images_as_user: bool = arg(False, "A tool's images go in a user message after its reply, its text staying "
-                                    "in the tool message: for chat templates that drop a tool message's images "
-                                    "(Qwen2-VL's and Qwen2.5-VL's tool layouts; engine/vision.py). xml needs none.")
+                                    "in the tool message: for chat templates that drop a tool message's images but "
+                                    "render a user's (checked at start; engine/vision.py). xml needs none.")
     tool_timeout: float = arg(10.0, "Seconds a tool call may run before it fails.")
     reset_timeout: float | None = arg(None, "Seconds a batch's environment resets, run at once, may take before each "
                                       "still running ends its episode unplayed (None: tool_timeout).")
