@@ -1178,7 +1178,7 @@ def build_trainer(argv: list[str] | None = None, backend_factory: Callable | Non
                                peft_config=get_peft_config(model_args), backend=backend_factory)
     if trainer.accelerator.is_main_process:
         logger.info("Training on %d processes (%s), generation: %s, tool format: %s.", trainer.accelerator.num_processes,
-                    trainer.accelerator.distributed_type, args.generation_backend, args.tool_format)
+                    trainer.accelerator.distributed_type, args.generation_backend, trainer.args.tool_format)
     return trainer
 
 
