@@ -738,8 +738,8 @@ class MultiTurnToolEnv:
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
                   params: SamplingParams | None) -> list[Sample]:
         seqs = [ep.context_ids for ep in live]
-        # First turn: the batch holds groups of identical prompts; ask for n samples of each.
-        n = run_length(seqs) if first and len(set(budgets)) == 1 else 1
+        # First turn: the batch holds groups of identical prompts (ids and images); ask for n samples of each.
+        n = run_length([self.vision.request_key(ep) for ep in live]) if first and len(set(budgets)) == 1 else 1
         samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params, **self.vision.generation_images(live[::n]))
         if len(samples) != len(live):
             raise RuntimeError(f"generation backend returned {len(samples)} samples for "

@@ -30,6 +30,7 @@ The representation (the contract the in-process backend, the vLLM server path an
 Videos are refused (`image_content`): a video's frames need the video processor (torchvision) and per-frame grids that
 no backend here passes."""
 
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -161,8 +162,21 @@ class RowImages(list):
         return self
 
 
+def image_digest(image) -> tuple:
+    """What tells two images apart: their mode, size and pixels (two PIL objects of one picture are the same)."""
+    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+
+
 class Images:
-    """What TextOnly and Vision share: the rows' image columns put in their prompts."""
+    """What TextOnly and Vision share: the rows' image columns put in their prompts, and which episodes are one
+    request."""
+
+    def request_key(self, ep) -> tuple:
+        """What makes episodes' next turns one prompt (a group's first turns: one request of n samples): the same ids
+        and the same images. Ids alone are not enough: two rows may ask one question of two pictures, whose
+        placeholders are the same tokens."""
+        return tuple(ep.context_ids), tuple(image_digest(im) for im in conversation_images(ep.prompt_messages +
+                                                                                           ep.messages))
 
     def with_row_images(self, prompts: list[list[dict]], rows: list[dict] | None) -> list[list[dict]]:
         """Each prompt with its row's `image`/`images` column (prompt_with_images); the prompts where none has one."""
