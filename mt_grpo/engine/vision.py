@@ -236,7 +236,10 @@ class Vision(Images):
             return TextOnly(tokenizer)
         from transformers import AutoImageProcessor
 
-        return cls(tokenizer, AutoImageProcessor.from_pretrained(path))
+        # PIL's, wherever torchvision imports too (transformers 5 then picks torchvision's, whose resize gives other
+        # pixels): the processor the folder names in transformers 4's sense, and the one a vLLM server is held to
+        # (engine/server_images.py: --mm-processor-kwargs '{"use_fast": false}')
+        return cls(tokenizer, AutoImageProcessor.from_pretrained(path, backend="pil"))
 
     def features(self, image) -> ImageFeatures:
         """The image's features, processed on its first render and kept while it lives (image_features reads them)."""
