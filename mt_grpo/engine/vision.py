@@ -19,7 +19,9 @@ The representation (the contract the in-process backend, the vLLM server path an
     prompt's tokens) and passes the processor's `pixel_values` and `image_grid_thw` of each, in order
     (`model_inputs`); the in-process backend left-pads such rows without a shared prefix. The vLLM server client sends
     each image itself beside the prompt's ids (engine/server_images.py: `source` and `image_token_id`), and a server
-    that takes no images with ids is refused at start for a vision model (ServerImages.check_images).
+    that takes no images with ids, or processes them with another image processor than the PIL one `Vision.of`
+    loads, is refused at start for a vision model (ServerImages.check_images). Episodes whose first turns go as one
+    prompt with n samples share their ids and their pictures (`Images.request_key`), not their ids alone.
   - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
     forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
     (packing.sample_logps_and_entropies): its ids unpadded, its own images, and the positions the model computes itself
