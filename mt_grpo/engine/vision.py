@@ -164,9 +164,17 @@ class RowImages(list):
         return self
 
 
+_DIGESTS: dict[int, tuple] = {}  # id(image) -> image_digest, kept while the image lives
+
+
 def image_digest(image) -> tuple:
-    """What tells two images apart: their mode, size and pixels (two PIL objects of one picture are the same)."""
-    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+    """What tells two images apart: their mode, size and pixels (two PIL objects of one picture are the same). Hashed
+    once per image (a large screenshot takes milliseconds, and each episode's key is asked for more than once)."""
+    key = id(image)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+        weakref.finalize(image, _DIGESTS.pop, key, None)
+    return _DIGESTS[key]
 
 
 class Images:
