@@ -542,7 +542,7 @@ class VLLMServerClient(ServerImages, ServerEndpoints):
         self.params = replace(params, ties=server_sampler(self.http, self.base_url, tie_rule,
                                                           trainer_has_cuda=torch.cuda.is_available()))
         score = lambda model, *ids, processed, kept=None: policy_sampler_logprobs(  # noqa: E731
-            model, *ids, self.params if processed else SamplingParams(), None, kept)
+            model, *ids, self.params if processed else SamplingParams(suppress=self.params.suppress), None, kept)
         self.weights = WeightSync(self, weight_sync or WeightSyncConfig(), probes, score_sampled=score)
         self.check_images(vision)  # a vision-language policy: the server must take images with token ids
 
@@ -590,7 +590,7 @@ class VLLMServerClient(ServerImages, ServerEndpoints):
                 "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "stop": self.stop_strings, "stop_token_ids": self.eos_token_ids,
                 "include_stop_str_in_output": True, "skip_special_tokens": False, "return_token_ids": True,
-                "logprobs": 0}
+                "logprobs": 0, **self.never_sampled}  # a vision policy's placeholders (engine/server_images.py)
         if asked := kept_set_logprobs(p.top_p, p.top_k, p.min_p):  # the sampler's kept sets (base/completions.py)
             body.update(logprobs=asked, return_tokens_as_token_ids=True)
         if p.seed is not None:  # leave unset in training: vLLM gives sample j of every prompt seed + j
@@ -738,8 +738,8 @@ class MultiTurnToolEnv:
     def _generate(self, backend, live: list[Episode], budgets: list[int], first: bool,
                   params: SamplingParams | None) -> list[Sample]:
         seqs = [ep.context_ids for ep in live]
-        # First turn: the batch holds groups of identical prompts; ask for n samples of each.
-        n = run_length(seqs) if first and len(set(budgets)) == 1 else 1
+        # First turn: the batch holds groups of identical prompts (ids and images); ask for n samples of each.
+        n = run_length([self.vision.request_key(ep) for ep in live]) if first and len(set(budgets)) == 1 else 1
         samples = backend.generate(seqs[::n], budgets[::n], n=n, params=params, **self.vision.generation_images(live[::n]))
         if len(samples) != len(live):
             raise RuntimeError(f"generation backend returned {len(samples)} samples for "

@@ -53,9 +53,12 @@ server_dtype_flags() {
 }
 
 server_image_flags() {  # IMAGE_ARGS: a vision-language model's server takes images with token ids (its folder has an
-  # image processor, or VLLM_IMAGES=1 for a hub id): /inference/v1/generate, mt_grpo/engine/server_images.py
+  # image processor, or VLLM_IMAGES=1 for a hub id): /inference/v1/generate, mt_grpo/engine/server_images.py; and it
+  # processes them with the PIL image processor, as the trainer does (transformers picks torchvision's otherwise)
   IMAGE_ARGS=()
-  if [ "${VLLM_IMAGES:-}" = "1" ] || [ -f "$MODEL/preprocessor_config.json" ]; then IMAGE_ARGS=(--enable-scale-out); fi
+  if [ "${VLLM_IMAGES:-}" = "1" ] || [ -f "$MODEL/preprocessor_config.json" ]; then
+    IMAGE_ARGS=(--mm-processor-kwargs '{"use_fast": false}' --enable-scale-out)
+  fi
 }
 
 show() {  # print a command so that it can be pasted into a shell

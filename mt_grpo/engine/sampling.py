@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 from trl.models import unwrap_model_for_generation
 
 from mt_grpo.base.completions import Sample, kept_set_logprobs, listed_kept_sets
-from mt_grpo.engine.packing import matched_forwards, prefilled_inputs, rank_max
+from mt_grpo.engine.packing import matched_forwards, prefilled_inputs, rank_max, unwrapped
 from mt_grpo.engine.vision import model_inputs, vision_token_ids
 from mt_grpo.base.protocol import StopStringMatcher
 from mt_grpo.base.turn_samples import scored_parts
@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     ties: str = "sort"  # which vLLM truncation the trainer reproduces (vllm_tie_rule); not sent to the server
+    # token ids never sampled, masked before any other processing: a vision model's placeholders on a vLLM server
+    # (its `bad_words`, engine/server_images.py), which only an image may hold
+    suppress: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, args) -> "SamplingParams":  # a GRPOConfig
@@ -43,7 +46,8 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         """Whether the sampled distribution is more than the softmax at `temperature`."""
-        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
+        return (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
+                or bool(self.suppress))
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -97,6 +101,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     (N, K): the sampler's own kept set at each row, -1 padded (completions.py), which replaces the truncation above
     at the rows that have one (any id >= 0), so that both renormalise over the same tokens."""
     x = logits.float()
+    if params.suppress:  # first, as vLLM applies bad_words before penalties and temperature
+        x = x.index_fill(-1, torch.tensor(params.suppress, device=x.device), float("-inf"))
     if params.repetition_penalty != 1.0 and seen is not None:
         x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
     x = untruncated = x / (params.temperature or 1.0)
@@ -337,13 +343,15 @@ class StopAtStrings(StoppingCriteria):
 def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                             completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                             params: SamplingParams, sample_starts: torch.Tensor | None = None,
-                            sampler_kept: torch.Tensor | None = None) -> torch.Tensor:
+                            sampler_kept: torch.Tensor | None = None, images: list | None = None) -> torch.Tensor:
     """(B, T) the policy's logprob of each completion token under the sampler's processing
     (`sampler_logprobs`): what a sampler with `params` holding these weights reports, so that
     pi_trainer / pi_sampler is 1 on-policy even when top-p / top-k / min_p / a repetition penalty make it
     differ from the softmax at the temperature. One row at a time, without padding: the processing needs
     full-vocabulary logits, (length, V) per row. Ranks make as many forwards (matched_forwards). 0 on padding.
-    `sampler_kept` (B, T, K): the sampler's kept sets, where it reported them (pad_episodes; process_logits)."""
+    `sampler_kept` (B, T, K): the sampler's kept sets, where it reported them (pad_episodes; process_logits).
+    `images`: each row's vision.ImageFeatures (the batch's RowImages); a sample gets the first k, k its
+    <|vision_start|> count, as packing.sample_logps_and_entropies gives them."""
     out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     starts = sample_starts if sample_starts is not None else torch.zeros_like(completion_ids)
     parts = [(r, *part) for r in range(completion_ids.shape[0])  # each sample in its own context
@@ -352,12 +360,20 @@ def policy_sampler_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     for r, a, first, b in (part or (0, 0, 0, 0) for part in matched_forwards(parts, completion_ids.device)):
         prompt = prompt_ids[r][prompt_mask[r].bool()] if a == 0 else completion_ids[r, a : a + 1]
         ids = torch.cat([prompt, completion_ids[r, first:b]])
-        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
+        seen_images = images_of_sample(model, ids, images[r]) if images is not None and images[r] else {}
+        logits = model(input_ids=ids[None], **seen_images).logits[0, len(prompt) - 1 : -1].float()  # (b - first, V)
         seen = seen_tokens(ids, logits.shape[-1])[len(prompt):] if params.repetition_penalty != 1.0 else None
         drawn = ids[len(prompt):]
         kept = None if sampler_kept is None else sampler_kept[r, first:b]
         out[r, first:b] = sampler_logprobs(logits, params, seen, drawn, kept).gather(1, drawn[:, None]).squeeze(1)
     return out
+
+
+def images_of_sample(model, ids: torch.Tensor, images: list) -> dict:
+    """The model inputs of a sample's images: the first k of its row's, k its <|vision_start|> count."""
+    config = unwrapped(model).config
+    k = int((ids == config.vision_start_token_id).sum())
+    return model_inputs(ids[None], images[:k], config.image_token_id)
 
 
 def sampled_distribution_logps(model, batch: dict, params: SamplingParams, sampler_kept: torch.Tensor | None) -> dict:
@@ -366,7 +382,7 @@ def sampled_distribution_logps(model, batch: dict, params: SamplingParams, sampl
     listed (`sampler_kept_listed`, a metric of the trainer's _correct_for_sampler)."""
     out = {"trainer_sampler_logps": policy_sampler_logprobs(
         model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], params,
-        batch["sample_starts"], sampler_kept)}
+        batch["sample_starts"], sampler_kept, batch.get("images"))}
     if kept_set_logprobs(params.top_p, params.top_k, params.min_p):
         out["sampler_kept_listed"] = torch.zeros_like(batch["completion_mask"]) if sampler_kept is None else \
             (sampler_kept >= 0).any(-1).long()

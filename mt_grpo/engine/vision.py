@@ -21,7 +21,9 @@ The representation (the contract the in-process backend, the vLLM server path an
     prompt's tokens) and passes the processor's `pixel_values` and `image_grid_thw` of each, in order
     (`model_inputs`); the in-process backend left-pads such rows without a shared prefix. The vLLM server client sends
     each image itself beside the prompt's ids (engine/server_images.py: `source` and `image_token_id`), and a server
-    that takes no images with ids is refused at start for a vision model (ServerImages.check_images).
+    that takes no images with ids, or processes them with another image processor than the PIL one `Vision.of`
+    loads, is refused at start for a vision model (ServerImages.check_images). Episodes whose first turns go as one
+    prompt with n samples share their ids and their pictures (`Images.request_key`), not their ids alone.
   - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
     forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
     (packing.sample_logps_and_entropies): its ids unpadded, its own images, and the positions the model computes itself
@@ -32,6 +34,7 @@ The representation (the contract the in-process backend, the vLLM server path an
 Videos are refused (`image_content`): a video's frames need the video processor (torchvision) and per-frame grids that
 no backend here passes."""
 
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -193,13 +196,54 @@ def processor_tokenizer(processing_class):
         return processing_class
     tokenizer = processing_class.tokenizer
     if getattr(processing_class, "image_processor", None) is not None:
-        _GIVEN_IMAGE_PROCESSORS[id(tokenizer)] = processing_class.image_processor
+        _GIVEN_IMAGE_PROCESSORS[id(tokenizer)] = pil_image_processor(processing_class.image_processor)
         weakref.finalize(tokenizer, _GIVEN_IMAGE_PROCESSORS.pop, id(tokenizer), None)
     return tokenizer
 
 
+def pil_image_processor(image_processor):
+    """The PIL backend of an image processor, its settings kept. Where torchvision imports (any GPU install),
+    `AutoProcessor.from_pretrained` gives torchvision's, whose resize makes other pixels than PIL's (the same grid
+    and tokens: 1e-3 apart in log-probs on noise, docs/results.md); the trainer's pixels are PIL's, as a vLLM
+    server's are held to be (server_images: `use_fast: false`)."""
+    if getattr(image_processor, "backend", "pil") == "pil":
+        return image_processor
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    name = type(image_processor).__name__
+    pil = next((b.get("pil") for b in IMAGE_PROCESSOR_MAPPING_NAMES.values() if isinstance(b, dict) and
+                name in b.values()), None)
+    if pil is None:
+        raise ValueError(f"The processing_class's image processor {name} has no PIL backend that transformers knows, "
+                         "and the trainer's pixels are PIL's (a vLLM server is held to them). Pass a processor whose "
+                         "image processor is a PIL one (`AutoProcessor.from_pretrained(path, backend='pil')`).")
+    return getattr(transformers, pil).from_dict(image_processor.to_dict())
+
+
+_DIGESTS: dict[int, tuple] = {}  # id(image) -> image_digest, kept while the image lives
+
+
+def image_digest(image) -> tuple:
+    """What tells two images apart: their mode, size and pixels (two PIL objects of one picture are the same). Hashed
+    once per image (a large screenshot takes milliseconds, and each episode's key is asked for more than once)."""
+    key = id(image)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+        weakref.finalize(image, _DIGESTS.pop, key, None)
+    return _DIGESTS[key]
+
+
 class Images:
-    """What TextOnly and Vision share: the rows' image columns put in their prompts."""
+    """What TextOnly and Vision share: the rows' image columns put in their prompts, and which episodes are one
+    request."""
+
+    def request_key(self, ep) -> tuple:
+        """What makes episodes' next turns one prompt (a group's first turns: one request of n samples): the same ids
+        and the same images. Ids alone are not enough: two rows may ask one question of two pictures, whose
+        placeholders are the same tokens."""
+        return tuple(ep.context_ids), tuple(image_digest(im) for im in conversation_images(ep.prompt_messages +
+                                                                                           ep.messages))
 
     def with_row_images(self, prompts: list[list[dict]], rows: list[dict] | None) -> list[list[dict]]:
         """Each prompt with its row's `image`/`images` column (prompt_with_images); the prompts where none has one."""
@@ -265,7 +309,10 @@ class Vision(Images):
             return cls(tokenizer, given, name)
         from transformers import AutoImageProcessor
 
-        return cls(tokenizer, AutoImageProcessor.from_pretrained(path), name)
+        # PIL's, wherever torchvision imports too (transformers 5 then picks torchvision's, whose resize gives other
+        # pixels): the processor the folder names in transformers 4's sense, and the one a vLLM server is held to
+        # (engine/server_images.py: --mm-processor-kwargs '{"use_fast": false}')
+        return cls(tokenizer, AutoImageProcessor.from_pretrained(path, backend="pil"), name)
 
     def features(self, image) -> ImageFeatures:
         """The image's features, processed on its first render and kept while it lives (image_features reads them)."""

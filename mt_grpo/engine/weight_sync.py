@@ -410,7 +410,8 @@ def raw_sum_gap_needed(tolerance: float, n: int) -> float:
 def sampler_probe_verdict(theirs: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor,
                           tolerance: float) -> tuple[str, dict]:
     """Judge the (n,) logprobs a server reported for tokens it sampled (`theirs`) against the trainer's under the
-    recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation), by their sums
+    recipe's sampling processing (`processed`) and under none (`raw`: temperature 1, no truncation; a vision
+    policy's placeholders, which the server never samples, masked in both: SamplingParams.suppress), by their sums
     over the tokens: a difference in kind adds up as n, numerics noise of either sign as sqrt(n).
     Returns (error or "", metrics).
     - Raw logprobs: the server sampled from the processed distribution q, so on average the trainer's processed sum

@@ -16,7 +16,8 @@ def run_per_episode(env, episodes: list, backend, params, bar) -> None:
     backend.prompts_per_request, while others are in flight; at most backend.max_concurrent_requests
     requests are in flight. A group of identical first prompts is one request with n samples. `env`: the
     MultiTurnToolEnv whose turns are recorded; `bar`: its progress bar."""
-    ready = [(group, len(group)) for group in identical_runs(episodes)]  # (episodes, n): first turns
+    # (episodes, n): first turns; a group is the same ids with the same images (two rows may ask one question of two)
+    ready = [(group, len(group)) for group in identical_runs(episodes, key=env.vision.request_key)]
     in_flight: dict[concurrent.futures.Future, tuple] = {}
     # the episodes' tool turns at once (tool_max_workers None: one worker each, made as they are needed)
     tool_pool = concurrent.futures.ThreadPoolExecutor(env.tool_max_workers or max(1, len(episodes)),
