@@ -4,6 +4,7 @@ fail at start-up naming the fix; and one class trained by the recipe field and b
 
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -632,3 +633,43 @@ def test_the_guides_environment_trains_as_written(tiny_agent_dir, tmp_path, monk
     record = rollout_records(out)[0]
     assert "The lock has 4 digits." in record["prompt_text"] and "press(digit: int)" in record["prompt_text"]
     assert record["environment"] == "Lock"
+
+
+class Dice:
+    """reset draws its game from `seed`, as DigitZoom and TextWorld do; the seeds it was given, in order."""
+
+    seeds: list = []
+
+    def reset(self, seed=None, **kwargs):
+        Dice.seeds.append(seed)
+        return f"Guess the die (game {random.Random(seed).randint(1, 6)})."
+
+    def guess(self, face: int) -> str:
+        """Guess the face.
+
+        Args:
+            face: A face from 1 to 6.
+        """
+        return "no"
+
+
+@pytest.mark.parametrize("with_dataset", [False, True], ids=["no_dataset", "rows_without_seeds"])
+def test_a_reset_that_names_seed_gets_one_per_group(tiny_agent_dir, tmp_path, with_dataset):
+    """A group's G episodes play one game: an environment_factory whose reset names `seed` gets each row's (drawn with
+    the run's seed where the row has none), the same for a group's episodes and another for each group. TRL passes
+    only the row's own columns, so each episode there draws its own game, and the group's advantages compare
+    different tasks."""
+    from datasets import Dataset
+
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+
+    Dice.seeds = []
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Play."}]}] * 2) if with_dataset else None
+    args = MTGRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4, use_cpu=True,
+                        bf16=False, report_to="none", max_steps=1, max_completion_length=16, save_strategy="no",
+                        turn_reward_funcs=[], outcome_reward_funcs=[], disable_tqdm=True)
+    trainer = MTGRPOEnvTrainer(tiny_agent_dir, args=args, environment_factory=Dice, train_dataset=dataset,
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+    trainer.train()
+    seeds = Dice.seeds[-4:]  # the step's 4 episodes
+    assert None not in seeds and seeds[0] == seeds[1] != seeds[2] == seeds[3], Dice.seeds

@@ -150,6 +150,13 @@ def accepted(method: Callable, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in named}
 
 
+def names_seed(reset) -> bool:
+    try:
+        return reset is not None and "seed" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class EnvironmentPool:
     """The instances of a run's environments, handed out one per episode and returned after scoring. `tools(name)`
     are the tools a prompt of that environment lists (the standalone `tools` first, as TRL orders them)."""
@@ -173,6 +180,9 @@ class EnvironmentPool:
             self.free[name] = [instance]
             self.template_tools[name] = protocol.template_tools(self.tools(name))
         self.reward_funcs = self._reward_funcs()
+        # a reset that names `seed` draws its game from it: each row gets one (run/builders.seed_rows), so that a
+        # group's episodes play one game, not G games (TRL passes only the row's own columns)
+        self.seeded = any(names_seed(getattr(probe, "reset", None)) for probe, *_ in self.free.values())
 
     def tools(self, name=None) -> list[Callable]:
         return self.standalone + self.probe_tools[self._known(name)]

@@ -133,7 +133,8 @@ def assemble(model, args, *, train_dataset, eval_dataset, tools, turn_reward_fun
         else getattr(source, "examples", None),
         eval_metrics={name: resolve_reward(f) for name, f in metrics.items()},
         step_rewards=pool is not None and bool(pool.reward_funcs[1]),
-        group_seeds=adapted is not None and adapted.group_seeds, placeholder=placeholder,
+        group_seeds=adapted is not None and adapted.group_seeds or pool is not None and pool.seeded,
+        placeholder=placeholder,
     )
 
 
