@@ -430,6 +430,12 @@ def test_the_image_recipe_trains(vlm_agent_dir, tmp_path):
     assert [h["rollout/images_per_episode"] >= 1 for h in final_metrics(out) if "loss" in h] == [True, True]
     records = rollout_records(out)
     assert all(r["prompt_images"][0]["size"] == [12, 8] for r in records)
+    pictures = {}  # a group plays one number (its row's seed), the groups others
+    for r in records:
+        pictures.setdefault((r["step"], r["group"]), set()).add(r["prompt_images"][0]["thumbnail"])
+    assert all(len(p) == 1 for p in pictures.values()) and len(set.union(*pictures.values())) == len(pictures) == 2
+    zoomed = [im["size"] for r in records for t in r["turns"] if t["role"] == "env" for im in t.get("images", [])]
+    assert [56, 40] in zoomed  # the agent calls zoom, whose picture enters the conversation
 
 
 def test_a_vision_model_under_zero3_on_two_processes_is_refused_at_start(tmp_path):
