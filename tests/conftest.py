@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 # The files that take minutes (live vLLM servers, SmolLM2 on CPU), slowest first: run first, so that no xdist
 # worker starts one of them while the others have finished everything else.
-LONG_FILES = ["test_vllm_server.py", "test_sharded.py", "test_server_pool.py",
+LONG_FILES = ["test_vllm_server.py", "test_sharded.py", "test_vision.py", "test_server_pool.py", "test_vllm_qwen_vl.py",
               "test_fp16_server.py", "test_judge_live.py", "test_packing.py", "test_mcp.py", "test_reliability.py"]
 
 
