@@ -137,8 +137,9 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # for mit-han-lab/StreamingVLM (a Qwen2.5-VL-7B-Instruct fine-tune) and, as far as a stored copy shows it, for
 # Qwen/Qwen2-VL-2B-Instruct.
 TEMPLATE_FILES = {"qwen2.5": os.path.join(FIXTURES, "qwen2.5_chat_template.jinja"),
-                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja"),
-                  "qwen2-vl": os.path.join(FIXTURES, "qwen2_vl_chat_template.jinja")}
+                  "qwen3": os.path.join(FIXTURES, "qwen3_chat_template.jinja")}  # the text tests run each
+# Qwen2-VL's and Qwen2.5-VL's own (no tools; test_vision.py, test_trl_scripts.py)
+VL_TEMPLATE_FILE = os.path.join(FIXTURES, "qwen2_vl_chat_template.jinja")
 # The non-special added tokens of the real tokenizers (Qwen2.5-7B-Instruct: ids 151657-151658; Qwen3-8B:
 # 151657-151658 and 151665-151668).
 ADDED_TOKENS = {"qwen2.5": ["<tool_call>", "</tool_call>"],
@@ -149,8 +150,8 @@ CHAT_TEMPLATE_FLAGS = ["--tool_format", "chat_template", "--outcome_reward_funcs
 
 
 def chat_template(template: str) -> str:
-    """The text of a chat template fixture: "qwen2.5", "qwen3" or "qwen2-vl" (TEMPLATE_FILES)."""
-    with open(TEMPLATE_FILES[template]) as f:
+    """The text of a chat template fixture: "qwen2.5", "qwen3" (TEMPLATE_FILES) or "qwen2-vl" (VL_TEMPLATE_FILE)."""
+    with open(VL_TEMPLATE_FILE if template == "qwen2-vl" else TEMPLATE_FILES[template]) as f:
         return f.read()
 
 
