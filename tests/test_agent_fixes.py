@@ -4,6 +4,7 @@ processes, and calls past `max_env_steps`."""
 
 import concurrent.futures
 import math
+import os
 import threading
 
 import httpx
@@ -224,3 +225,33 @@ def test_an_agents_failed_tool_calls_count_in_either_form_at_their_turn(smollm2_
     (ep,) = env.rollout(None, ScriptedPolicy(smollm2_tokenizer, script), rows=[{"question": Q}])
     assert [(c.turn, c.ok) for c in ep.calls] == [(0, False), (1, False), (2, True)]
     assert ep.tool_failures == 2 and ep.tool_turns == 3
+
+
+TWO_PROCESS_AGENT_RUN = """
+import sys
+sys.path.insert(0, "tests")
+from datasets import Dataset
+from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+from test_agent_fixes import Q, _silent_for_quorvath
+
+dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in (Q, "Who founded Quorvath?")])
+args = MTGRPOConfig(output_dir=sys.argv[2], max_steps=1, num_generations=2, per_device_train_batch_size=2,
+                    max_completion_length=32, bf16=False, use_cpu=True, report_to="none", save_strategy="no")
+trainer = MTGRPOEnvTrainer(model=sys.argv[1], args=args, train_dataset=dataset, agent=_silent_for_quorvath)
+print("built")
+"""
+
+
+def test_an_agent_run_on_two_processes_with_in_process_generation_is_refused_at_start(tiny_agent_dir, tmp_path):
+    """In-process generation on several processes runs in lock-step rounds, which agents' calls do not keep: the
+    trainer refuses it when it is built, naming the fix, before any rollout."""
+    import subprocess
+
+    from helpers import ROOT, launch
+
+    script = tmp_path / "agent_run.py"
+    script.write_text(TWO_PROCESS_AGENT_RUN)
+    proc = subprocess.run([*launch(2), str(script), tiny_agent_dir, str(tmp_path / "out")], cwd=ROOT, timeout=300,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "built" not in proc.stdout
+    assert "An agent run on several processes needs `generation_backend: vllm_server`" in proc.stderr

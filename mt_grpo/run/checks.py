@@ -355,6 +355,12 @@ def check_distributed_generation(backend, accelerator, args: GRPOConfig, env=Non
                          "(accelerate_configs/zero2.yaml), DDP or on one process.")
     if backend.external:
         return
+    from mt_grpo.agents.runner import AgentEnv
+
+    if isinstance(env, AgentEnv):  # each agent calls when it calls: no lock-step rounds (AgentEnv.rollout checks too)
+        raise ValueError("An agent run on several processes needs `generation_backend: vllm_server` (in-process "
+                         "generation runs in lock-step rounds across processes, which agents' calls do not). Serve "
+                         "the policy with vLLM, or train the agent on one process.")
     if dist.is_zero3 and not args.ds3_gather_for_generation:
         raise ValueError("`ds3_gather_for_generation: false` with ZeRO-3 and `generation_backend: "
                          "transformers` on several processes is untested (every decoding step would gather each "
