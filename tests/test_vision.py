@@ -1,10 +1,12 @@
-"""Images in the conversation (engine/vision.py): tiny random Qwen2-VL and Qwen2.5-VL made at test time, a prompt's
-image (TRL's `images` column) and a tool that returns one (TRL's docs' script with only its import changed),
-generation in process with each conversation's images, every sample's forward with exactly its images and the model's
-3-D positions, packed or not, placeholders mask 0, and what is refused (a video, an image for a text-only model, and
-at start a chat template that drops a user's or a tool's images: released Qwen templates from tests/fixtures)."""
+"""Images in the conversation (engine/vision.py): tiny random Qwen2-VL and Qwen2.5-VL made at test time (and Qwen3-VL,
+in one test of its own), a prompt's image (TRL's `images` column) and a tool that returns one (TRL's docs' script with
+only its import changed), generation in process with each conversation's images, every sample's forward with exactly its
+images and the model's 3-D positions, packed or not, placeholders mask 0, and what is refused (a video, an image for a
+text-only model, and at start a chat template that drops a user's or a tool's images: released Qwen templates from
+tests/fixtures)."""
 
 import json
+import math
 import os
 import random
 import sys
@@ -492,3 +494,105 @@ def test_a_given_processors_torchvision_image_processor_becomes_its_pil_twin(tmp
     unknown = type("SomeImageProcessor", (), {"backend": "torchvision", "to_dict": dict})
     with pytest.raises(ValueError, match="has no PIL backend.*backend='pil'"):
         pil_image_processor(unknown())
+
+
+def test_a_tiny_qwen3_vl_sees_its_images_and_every_sample_scores_alone(tmp_path):
+    """Qwen3-VL, a third family (not in FAMILIES, for the suite's time: one test of its own): 16 px patches, the
+    interleaved 3-D rotary and the deepstack (its vision block's features added at the placeholders of the first text
+    layer). Each image renders as its placeholders; generation in process sees each conversation's images (its
+    log-probs are those of the model alone, without the vision tokens, for prompts of unequal length, left-padded);
+    an environment's reply brings an image and a second sample, and every sample's per-token log-probs through the
+    trainer's forward equal it forwarded alone with its images; a training step runs."""
+    from datasets import Dataset
+
+    from accelerate import Accelerator
+
+    from mt_grpo.engine.packing import PackedForward
+    from mt_grpo.engine.sampling import SamplingParams, TransformersBackend
+    from mt_grpo.engine.vision import vision_token_ids
+    from mt_grpo.rollout.episodes import pad_episodes
+    from mt_grpo_trainer import MTGRPOConfig, MTGRPOEnvTrainer
+    from prepare_models import make_tiny_vlm
+
+    path = make_tiny_vlm(str(tmp_path / "qwen3_vl"), "qwen3_vl")
+    model, tokenizer = loaded(path)
+    config = model.config
+    assert config.model_type == "qwen3_vl" and config.vision_config.patch_size == 16
+    assert config.vision_config.deepstack_visual_indexes == [0] and config.text_config.head_dim == 64
+    vision = Vision.of(tokenizer)
+    assert isinstance(vision, Vision) and vision.image_processor.patch_size == 16
+    big, small = Image.new("RGB", (200, 200)), Image.new("RGB", (20, 20))
+    messages = [{"role": "user", "content": [{"type": "image", "image": big}, {"type": "text", "text": "and"},
+                                             {"type": "image", "image": small}]}]
+    ids = vision.expand(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"],
+                        messages)
+    # resized to 64 x 64 px at most (16 patches of 16 px, 2 x 2 merged: 4 tokens), 32 x 32 at least (1 token)
+    assert (vision.features(big).tokens, vision.features(small).tokens) == (4, 1)
+    assert ids.count(vision.image_token_id) == 5
+    x = torch.tensor([ids])
+    inputs = model_inputs(x, [vision.features(big), vision.features(small)], vision.image_token_id)
+    positions, _ = model.model.get_rope_index(x, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    assert not torch.equal(positions[0, 0], torch.arange(len(ids)))  # 3-D rotary: not a plain arange
+
+    out = str(tmp_path / "out")
+    args = MTGRPOConfig(output_dir=out, max_steps=1, num_generations=2, per_device_train_batch_size=4,
+                        max_completion_length=120, bf16=False, report_to="none", save_strategy="no", tool_format="xml",
+                        max_user_turns=1, turn_samples="per_model_turn", max_tokens_per_turn=24, logging_steps=1)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], "seed": k} for k in range(4)])
+    # a random model's turn is cut at max_tokens_per_turn: the environment replies to it all the same
+    trainer = MTGRPOEnvTrainer(path, args=args, train_dataset=dataset,
+                               environment_factory=type("CutLens", (Lens,), {"replies_to_cut_turns": True}),
+                               reward_funcs=lambda completions, **kw: [float(len(str(c))) for c in completions])
+    env = trainer.env
+    backend = TransformersBackend(tokenizer=tokenizer, params=SamplingParams(temperature=1.0),
+                                  eos_token_ids=env.eos_token_ids, stop_strings=env.protocol.stop_strings)
+    backend.sync_weights(model, Accelerator(cpu=True))
+    # a row with a picture of its own (TRL's `images` column) before the reset's: prompts of unequal length
+    question = [{"role": "user", "content": ""}]
+    rows = [{"prompt": question, "seed": 1, "images": [noise(60, 0)]}, {"prompt": question, "seed": 2}]
+    torch.manual_seed(0)
+    episodes = env.rollout([row["prompt"] for row in rows], backend, rows=rows)
+    drop = vision_token_ids(config)
+    for ep, k in zip(episodes, (2, 1)):  # placeholders: never model tokens
+        assert all(m == 0 for t, m in zip(ep.completion_ids, ep.model_mask) if t in vision.placeholder_ids)
+        assert ep.prompt_ids.count(vision.start_token_id) == k
+    assert len(episodes[0].prompt_ids) != len(episodes[1].prompt_ids)
+    assert all(len(episode_samples(ep)) == 2 for ep in episodes), [ep.messages for ep in episodes]  # respond's image
+    batch = pad_episodes(episodes, tokenizer.pad_token_id, mask_truncated=False)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    T, starts = batch["completion_ids"].shape[1], batch["sample_starts"]
+    for padding_free in (False, True):
+        packing = PackedForward(type("Args", (), {"padding_free": padding_free, "max_tokens_per_microbatch": None})(),
+                                None, {"train": {}, "eval": {}})
+        with torch.no_grad(), packing.row_samples(starts, images=batch["images"]):
+            logps, _, _ = packing.logps_and_entropies(None, model, ids, attention, T)
+        for row, ep in enumerate(episodes):
+            images = conversation_images(ep.prompt_messages + ep.messages)
+            col = 0
+            for k, sample in enumerate(episode_samples(ep)):
+                seq = sample.prompt_ids + sample.completion_ids
+                own = vision.images_of(seq, images)
+                assert len(own) == seq.count(vision.start_token_id) == len(images) - (1 - k)
+                expected = alone_logps(model, vision, seq, own, len(sample.prompt_ids))
+                col = col if k == 0 else col + len(sample.prompt_ids)
+                got = logps[row, col : col + len(sample.completion_ids)]
+                keep = torch.tensor(sample.model_mask, dtype=torch.bool)
+                torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
+                # the sampler drew from the model alone with these images, less the vision tokens (vision_token_ids)
+                lead, x = len(sample.prompt_ids), torch.tensor([seq])
+                with torch.no_grad():
+                    logits = model(input_ids=x, **model_inputs(x, own, vision.image_token_id)).logits[0].float()
+                logits[:, drop] = -float("inf")
+                drawn = logits.log_softmax(-1)[lead - 1 : -1].gather(1, x[0, lead:, None]).squeeze(1)
+                torch.testing.assert_close(batch["sampler_logps"][row, col : col + len(sample.completion_ids)][keep],
+                                           drawn[keep], atol=1e-5, rtol=0)
+                # other pictures of the same sizes: other log-probs, by ten times the tolerance above at least
+                other = [vision.features(Image.frombytes("RGB", f.source().size, random.Random(j).randbytes(
+                    f.source().width * f.source().height * 3))) for j, f in enumerate(own)]
+                assert (alone_logps(model, vision, seq, other, lead) - expected).abs().max() > 1e-4
+                col += len(sample.completion_ids)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["rollout/samples_per_episode"] == 2 and logged["rollout/images_per_episode"] == 2
+    assert math.isfinite(logged["loss"]) and logged["grad_norm"] > 0, logged

@@ -351,12 +351,13 @@ def sample_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
                                autocast=None):
     """(B, T) log-probs (and entropies) of the completion tokens, each sample forwarded alone: its tokens unpadded,
     the images its tokens refer to (the first k of its row's `images`), the model's own positions (no position_ids:
-    Qwen2-VL computes its 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may be wrapped."""
+    the Qwen-VL models compute their 3-D rotary ones). Through TRL's fused LM head, as the padded path. `model` may
+    be wrapped."""
     if not _UNPACKED_LOGGED:
         _UNPACKED_LOGGED.append(True)
         logger.info("A batch holds images: each sample is forwarded alone with its images and the positions the model "
-                    "computes (Qwen2-VL's 3-D rotary ones), without padding_free's shared-prefix packing, whose trie "
-                    "gives each token one position and one row.")
+                    "computes (the Qwen-VL models' 3-D rotary ones), without padding_free's shared-prefix packing, "
+                    "whose trie gives each token one position and one row.")
     config = unwrapped(model).config
     B, T = input_ids.shape[0], logits_to_keep
     logps = torch.zeros(B, T, device=input_ids.device)

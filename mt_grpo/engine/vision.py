@@ -1,5 +1,7 @@
-"""Images in the conversation: a vision-language policy (Qwen2-VL, Qwen2.5-VL) sees images that a dataset's prompt, a
-tool, or an environment's reply or reset brings, and is trained on exactly the tokens and images it saw.
+"""Images in the conversation: a vision-language policy (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) sees images that a dataset's
+prompt, a tool, or an environment's reply or reset brings, and is trained on exactly the tokens and images it saw.
+The three families share the vision tokens, the image processor (Qwen2-VL's: Qwen3-VL's with 16 px patches, not 14)
+and the model's keywords; nothing here reads the patch size: an image's tokens are its processor's grid / merge^2.
 
 The representation (the contract the in-process backend, the vLLM server path and the adapters share):
 
@@ -27,7 +29,8 @@ The representation (the contract the in-process backend, the vLLM server path an
   - The forward: the batch's `images` (pad_episodes: a RowImages, each row's ImageFeatures) reach the trainer's
     forwards through PackedForward.row_samples; a batch with images is forwarded one sample at a time
     (packing.sample_logps_and_entropies): its ids unpadded, its own images, and the positions the model computes itself
-    (Qwen2-VL's 3-D rotary `get_rope_index` from the ids, `mm_token_type_ids` and the grids), so its log-probs are
+    (the 3-D rotary `get_rope_index` from the ids, `mm_token_type_ids` and the grids; Qwen3-VL interleaves its
+    sections, and its deepstack adds vision features at the image tokens of its first layers), so its log-probs are
     those of the sample alone. padding_free's trie gives each token one position and one row, so packing is off for
     such batches (logged once).
 
@@ -46,7 +49,7 @@ from mt_grpo.base.protocol import is_image_block
 
 logger = logging.getLogger("mt_grpo")
 
-VISION_START, IMAGE_PAD = "<|vision_start|>", "<|image_pad|>"  # Qwen2-VL's and Qwen2.5-VL's
+VISION_START, IMAGE_PAD = "<|vision_start|>", "<|image_pad|>"  # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
 
 
 def is_image(value) -> bool:
@@ -269,8 +272,8 @@ class TextOnly(Images):
 
     def refuse(self, what: str):
         raise ValueError(f"{what}, but {self.model} is a text-only model (no image token or no preprocessor_config.json "
-                         "beside its tokenizer): train a vision-language model (Qwen2-VL, Qwen2.5-VL), or have the "
-                         "tool, environment or dataset give text.")
+                         "beside its tokenizer): train a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), or "
+                         "have the tool, environment or dataset give text.")
 
     def generation_images(self, episodes) -> dict:
         return {}
@@ -397,9 +400,9 @@ def vision_token_ids(config) -> list[int]:
 
 
 def model_inputs(input_ids: torch.Tensor, images: list[ImageFeatures], image_token_id: int) -> dict:
-    """The keywords a Qwen2-VL-style model takes beside `input_ids` (R, L) whose rows hold `images` in order:
-    `pixel_values` (patches of every image, concatenated), `image_grid_thw` (one row per image), `mm_token_type_ids`
-    (1 at image placeholders), from which the model computes its 3-D rotary positions."""
+    """The keywords a Qwen2-VL-style model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) takes beside `input_ids` (R, L) whose
+    rows hold `images` in order: `pixel_values` (patches of every image, concatenated), `image_grid_thw` (one row per
+    image), `mm_token_type_ids` (1 at image placeholders), from which the model computes its 3-D rotary positions."""
     if not images:
         return {}
     device = input_ids.device
