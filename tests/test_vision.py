@@ -88,11 +88,40 @@ def alone_logps(model, vision, ids: list[int], images: list, lead: int) -> torch
     return logits.log_softmax(-1)[lead - 1 : -1].gather(1, x[0, lead:, None]).squeeze(1)
 
 
+def each_sample_forwarded(model, vision, episodes, batch):
+    """The trainer's forward of a padded batch (pad_episodes), padding_free off then on, against each sample forwarded
+    alone with its images: yields (padding_free, row, k, sample, its ids, its images, the columns of its completion in
+    the batch, its per-token log-probs in the trainer's forward, alone), having checked that the two are equal on
+    the sample's model tokens."""
+    from mt_grpo.engine.packing import PackedForward
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    starts = batch["sample_starts"] if batch["sample_starts"].any() else None
+    for padding_free in (False, True):
+        args = type("Args", (), {"padding_free": padding_free, "max_tokens_per_microbatch": None})()
+        packing = PackedForward(args, None, {"train": {}, "eval": {}})
+        with torch.no_grad(), packing.row_samples(starts, images=batch["images"]):
+            logps, _, _ = packing.logps_and_entropies(None, model, ids, attention, batch["completion_ids"].shape[1])
+        for row, ep in enumerate(episodes):
+            images, col = conversation_images(ep.prompt_messages + ep.messages), 0
+            for k, sample in enumerate(episode_samples(ep)):
+                seq = sample.prompt_ids + sample.completion_ids
+                own = vision.images_of(seq, images)
+                expected = alone_logps(model, vision, seq, own, len(sample.prompt_ids))
+                col = col if k == 0 else col + len(sample.prompt_ids)
+                cols = slice(col, col + len(sample.completion_ids))
+                keep = torch.tensor(sample.model_mask, dtype=torch.bool)
+                torch.testing.assert_close(logps[row, cols][keep], expected[keep], atol=1e-5, rtol=1e-5)
+                yield padding_free, row, k, sample, seq, own, cols, logps[row, cols], expected
+                col += len(sample.completion_ids)
+
+
 def test_the_tiny_vlms_render_each_image_as_its_placeholder_tokens(tmp_path):
     from prepare_models import make_tiny_vlm
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    for family in FAMILIES:
+    for family in [*FAMILIES, "qwen3_vl"]:
         path = make_tiny_vlm(str(tmp_path / family), family)
         model, tokenizer = AutoModelForImageTextToText.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         assert model.config.text_config.head_dim == 64 and model.config.model_type == family
@@ -103,7 +132,8 @@ def test_the_tiny_vlms_render_each_image_as_its_placeholder_tokens(tmp_path):
                                                  {"type": "image", "image": small}]}]
         ids = vision.expand(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"],
                             messages)
-        # resized to 56 x 56 px at most (16 patches of 14 px, 2 x 2 merged: 4 tokens), 28 x 28 at least (1 token)
+        # resized to 4 x 4 patches at most (2 x 2 merged: 4 tokens), 2 x 2 at least (1 token): patches of 14 px, of 16
+        # px for Qwen3-VL
         assert (vision.features(big).tokens, vision.features(small).tokens) == (4, 1)
         assert ids.count(vision.image_token_id) == 5
         x = torch.tensor([ids])
@@ -117,7 +147,6 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
     """The in-process sampler's log-probs are the trainer's (it generated with the same images and positions: importance
     weights 1), and the trainer's per-token log-probs of every sample equal that sample forwarded alone with its images,
     padding_free on or off; image placeholders are environment tokens."""
-    from mt_grpo.engine.packing import PackedForward
     from mt_grpo.rollout.episodes import pad_episodes
 
     model, tokenizer, env, episodes = rolled_out(vlm_agent_dir, "per_model_turn")  # a row split into samples
@@ -127,34 +156,16 @@ def test_generation_sees_each_conversations_images_and_every_sample_scores_alone
         assert all(m == 0 for t, m in zip(ep.completion_ids, ep.model_mask) if t in vision.placeholder_ids)
         assert ep.prompt_ids.count(vision.start_token_id) == 1
     batch = pad_episodes(episodes, tokenizer.pad_token_id, mask_truncated=False)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    T, mask = batch["completion_ids"].shape[1], batch["completion_mask"] * batch["tool_mask"]
-    starts = batch["sample_starts"] if batch["sample_starts"].any() else None
-    for padding_free in (False, True):
-        args = type("Args", (), {"padding_free": padding_free, "max_tokens_per_microbatch": None})()
-        packing = PackedForward(args, None, {"train": {}, "eval": {}})
-        with torch.no_grad(), packing.row_samples(starts, images=batch["images"]):
-            logps, _, _ = packing.logps_and_entropies(None, model, ids, attention, T)
+    mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    for padding_free, row, k, sample, seq, own, cols, logps, expected in each_sample_forwarded(model, vision, episodes,
+                                                                                              batch):
+        assert len(own) == seq.count(vision.start_token_id) >= 1
         # the sampler's distribution lacks the vision tokens (vision_token_ids), a mass below 1e-3 here
-        ratio = torch.exp(logps - batch["sampler_logps"])[mask.bool()]
+        ratio = torch.exp(logps - batch["sampler_logps"][row, cols])[mask[row, cols]]
         torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2e-3, rtol=0)
-        for row, ep in enumerate(episodes):
-            images = conversation_images(ep.prompt_messages + ep.messages)
-            col = 0
-            for k, sample in enumerate(episode_samples(ep)):
-                seq = sample.prompt_ids + sample.completion_ids
-                own = vision.images_of(seq, images)
-                assert len(own) == seq.count(vision.start_token_id) >= 1
-                expected = alone_logps(model, vision, seq, own, len(sample.prompt_ids))
-                col = col if k == 0 else col + len(sample.prompt_ids)
-                got = logps[row, col : col + len(sample.completion_ids)]
-                keep = torch.tensor(sample.model_mask, dtype=torch.bool)
-                torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
-                # other images: other log-probs, by ten times the tolerance above at least
-                other = [vision.features(noise(56, k)) for k in range(len(own))]
-                assert (alone_logps(model, vision, seq, other, len(sample.prompt_ids)) - expected).abs().max() > 1e-4
-                col += len(sample.completion_ids)
+        # other images: other log-probs, by ten times the tolerance above at least
+        other = [vision.features(noise(56, j)) for j in range(len(own))]
+        assert (alone_logps(model, vision, seq, other, len(sample.prompt_ids)) - expected).abs().max() > 1e-4
     assert any(len(episode_samples(ep)) > 1 for ep in episodes)  # a later sample re-renders the history's images
 
 
@@ -507,7 +518,6 @@ def test_a_tiny_qwen3_vl_sees_its_images_and_every_sample_scores_alone(tmp_path)
 
     from accelerate import Accelerator
 
-    from mt_grpo.engine.packing import PackedForward
     from mt_grpo.engine.sampling import SamplingParams, TransformersBackend
     from mt_grpo.engine.vision import vision_token_ids
     from mt_grpo.rollout.episodes import pad_episodes
@@ -520,19 +530,7 @@ def test_a_tiny_qwen3_vl_sees_its_images_and_every_sample_scores_alone(tmp_path)
     assert config.model_type == "qwen3_vl" and config.vision_config.patch_size == 16
     assert config.vision_config.deepstack_visual_indexes == [0] and config.text_config.head_dim == 64
     vision = Vision.of(tokenizer)
-    assert isinstance(vision, Vision) and vision.image_processor.patch_size == 16
-    big, small = Image.new("RGB", (200, 200)), Image.new("RGB", (20, 20))
-    messages = [{"role": "user", "content": [{"type": "image", "image": big}, {"type": "text", "text": "and"},
-                                             {"type": "image", "image": small}]}]
-    ids = vision.expand(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"],
-                        messages)
-    # resized to 64 x 64 px at most (16 patches of 16 px, 2 x 2 merged: 4 tokens), 32 x 32 at least (1 token)
-    assert (vision.features(big).tokens, vision.features(small).tokens) == (4, 1)
-    assert ids.count(vision.image_token_id) == 5
-    x = torch.tensor([ids])
-    inputs = model_inputs(x, [vision.features(big), vision.features(small)], vision.image_token_id)
-    positions, _ = model.model.get_rope_index(x, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
-    assert not torch.equal(positions[0, 0], torch.arange(len(ids)))  # 3-D rotary: not a plain arange
+    assert isinstance(vision, Vision) and vision.image_processor.patch_size == 16  # its placeholders: the test above
 
     out = str(tmp_path / "out")
     args = MTGRPOConfig(output_dir=out, max_steps=1, num_generations=2, per_device_train_batch_size=4,
@@ -559,39 +557,21 @@ def test_a_tiny_qwen3_vl_sees_its_images_and_every_sample_scores_alone(tmp_path)
     assert len(episodes[0].prompt_ids) != len(episodes[1].prompt_ids)
     assert all(len(episode_samples(ep)) == 2 for ep in episodes), [ep.messages for ep in episodes]  # respond's image
     batch = pad_episodes(episodes, tokenizer.pad_token_id, mask_truncated=False)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    T, starts = batch["completion_ids"].shape[1], batch["sample_starts"]
-    for padding_free in (False, True):
-        packing = PackedForward(type("Args", (), {"padding_free": padding_free, "max_tokens_per_microbatch": None})(),
-                                None, {"train": {}, "eval": {}})
-        with torch.no_grad(), packing.row_samples(starts, images=batch["images"]):
-            logps, _, _ = packing.logps_and_entropies(None, model, ids, attention, T)
-        for row, ep in enumerate(episodes):
-            images = conversation_images(ep.prompt_messages + ep.messages)
-            col = 0
-            for k, sample in enumerate(episode_samples(ep)):
-                seq = sample.prompt_ids + sample.completion_ids
-                own = vision.images_of(seq, images)
-                assert len(own) == seq.count(vision.start_token_id) == len(images) - (1 - k)
-                expected = alone_logps(model, vision, seq, own, len(sample.prompt_ids))
-                col = col if k == 0 else col + len(sample.prompt_ids)
-                got = logps[row, col : col + len(sample.completion_ids)]
-                keep = torch.tensor(sample.model_mask, dtype=torch.bool)
-                torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
-                # the sampler drew from the model alone with these images, less the vision tokens (vision_token_ids)
-                lead, x = len(sample.prompt_ids), torch.tensor([seq])
-                with torch.no_grad():
-                    logits = model(input_ids=x, **model_inputs(x, own, vision.image_token_id)).logits[0].float()
-                logits[:, drop] = -float("inf")
-                drawn = logits.log_softmax(-1)[lead - 1 : -1].gather(1, x[0, lead:, None]).squeeze(1)
-                torch.testing.assert_close(batch["sampler_logps"][row, col : col + len(sample.completion_ids)][keep],
-                                           drawn[keep], atol=1e-5, rtol=0)
-                # other pictures of the same sizes: other log-probs, by ten times the tolerance above at least
-                other = [vision.features(Image.frombytes("RGB", f.source().size, random.Random(j).randbytes(
-                    f.source().width * f.source().height * 3))) for j, f in enumerate(own)]
-                assert (alone_logps(model, vision, seq, other, lead) - expected).abs().max() > 1e-4
-                col += len(sample.completion_ids)
+    for padding_free, row, k, sample, seq, own, cols, logps, expected in each_sample_forwarded(model, vision, episodes,
+                                                                                              batch):
+        assert len(own) == seq.count(vision.start_token_id) == len(conversation_images(
+            episodes[row].prompt_messages + episodes[row].messages)) - (1 - k)
+        # the sampler drew from the model alone with these images, less the vision tokens (vision_token_ids)
+        lead, x, keep = len(sample.prompt_ids), torch.tensor([seq]), torch.tensor(sample.model_mask, dtype=torch.bool)
+        with torch.no_grad():
+            logits = model(input_ids=x, **model_inputs(x, own, vision.image_token_id)).logits[0].float()
+        logits[:, drop] = -float("inf")
+        drawn = logits.log_softmax(-1)[lead - 1 : -1].gather(1, x[0, lead:, None]).squeeze(1)
+        torch.testing.assert_close(batch["sampler_logps"][row, cols][keep], drawn[keep], atol=1e-5, rtol=0)
+        # other pictures of the same sizes: other log-probs, by ten times the tolerance above at least
+        other = [vision.features(Image.frombytes("RGB", f.source().size, random.Random(j).randbytes(
+            f.source().width * f.source().height * 3))) for j, f in enumerate(own)]
+        assert (alone_logps(model, vision, seq, other, lead) - expected).abs().max() > 1e-4
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["rollout/samples_per_episode"] == 2 and logged["rollout/images_per_episode"] == 2
