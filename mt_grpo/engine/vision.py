@@ -147,6 +147,15 @@ class ImageFeatures:
 _FEATURES: dict[int, ImageFeatures] = {}  # id(image) -> its features, from its first render (Vision.features)
 
 
+def kept_while_alive(cache: dict, image, compute: Callable):
+    """cache[id(image)], computed on the first ask and dropped when the image is (its id may then be reused)."""
+    key = id(image)
+    if key not in cache:
+        cache[key] = compute()
+        weakref.finalize(image, cache.pop, key, None)
+    return cache[key]
+
+
 def image_features(image) -> ImageFeatures:
     """The features a Vision computed when it rendered `image` (every image of an episode was rendered)."""
     if id(image) not in _FEATURES:
@@ -230,11 +239,8 @@ _DIGESTS: dict[int, tuple] = {}  # id(image) -> image_digest, kept while the ima
 def image_digest(image) -> tuple:
     """What tells two images apart: their mode, size and pixels (two PIL objects of one picture are the same). Hashed
     once per image (a large screenshot takes milliseconds, and each episode's key is asked for more than once)."""
-    key = id(image)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
-        weakref.finalize(image, _DIGESTS.pop, key, None)
-    return _DIGESTS[key]
+    return kept_while_alive(_DIGESTS, image, lambda: (image.mode, image.size,
+                                                      hashlib.blake2b(image.tobytes(), digest_size=16).digest()))
 
 
 class Images:
@@ -319,14 +325,13 @@ class Vision(Images):
 
     def features(self, image) -> ImageFeatures:
         """The image's features, processed on its first render and kept while it lives (image_features reads them)."""
-        key = id(image)
-        if key not in _FEATURES:
+        def compute() -> ImageFeatures:
             out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt")
             grid = out["image_grid_thw"][0]
-            _FEATURES[key] = ImageFeatures(out["pixel_values"], grid, int(grid.prod()) // self.merge,
-                                           self.image_token_id, weakref.ref(image))
-            weakref.finalize(image, _FEATURES.pop, key, None)
-        return _FEATURES[key]
+            return ImageFeatures(out["pixel_values"], grid, int(grid.prod()) // self.merge, self.image_token_id,
+                                 weakref.ref(image))
+
+        return kept_while_alive(_FEATURES, image, compute)
 
     def expand(self, render: Callable[[], list[int]], messages: list[dict]) -> list[int]:
         """`render()` (the ids of `messages`) with the k-th image placeholder widened to the k-th image's tokens.
